@@ -1,0 +1,41 @@
+"""calm_runtime: calibrated confidences for language models, torch-free at import time.
+
+The core needs numpy, safetensors and tokenizers; the ONNX Runtime backend comes from the
+``cpu`` or ``gpu`` extra. torch is an optional backend, imported lazily.
+"""
+
+__version__ = "0.1.0"
+
+from .artifact import CalibrationAdapter, ModelIdentity, tokenizer_sha256  # noqa: E402
+from .calibration import apply_calibration, fused_head  # noqa: E402
+from .errors import (  # noqa: E402
+    ArtifactError,
+    BackendUnavailableError,
+    CalmError,
+    ConfigError,
+    DataError,
+    ExportValidationError,
+    FitError,
+    IncompatibleModelError,
+    ModelSourceError,
+    SchemaVersionError,
+)
+
+__all__ = [
+    "__version__",
+    "CalibrationAdapter",
+    "ModelIdentity",
+    "tokenizer_sha256",
+    "apply_calibration",
+    "fused_head",
+    "CalmError",
+    "ArtifactError",
+    "SchemaVersionError",
+    "IncompatibleModelError",
+    "ConfigError",
+    "DataError",
+    "ModelSourceError",
+    "FitError",
+    "ExportValidationError",
+    "BackendUnavailableError",
+]
