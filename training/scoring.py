@@ -1,0 +1,343 @@
+"""Scoring multiple-choice and open-QA records with a causal LM (torch, batched).
+
+Multiple choice (METHODS.md §2):
+
+* **cloze** — the log-probability of each option's text ``" {option}"`` as the
+  continuation of ``"Question: ...\\nAnswer:"``; kept as the summed log-probability plus
+  the token and character counts, so every scoring variant (:data:`CLOZE_VARIANTS`) is
+  derived without recomputation;
+* **letter** — the next-token logits of the option letters after a prompt listing the
+  options (ids looked up in the model's own tokenizer, with or without its chat template).
+
+Open QA: greedy answers, correctness by normalised alias match, and P(True) from named
+templates. Sequences are left-padded with explicit position ids and only the needed
+positions are projected through the LM head (``logits_to_keep``), so batching and padding
+do not change a score (tested against an unbatched computation).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import string
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from calm_runtime.data import MultipleChoiceRecord
+from calm_runtime.errors import ConfigError, DataError
+from calm_runtime.prompts import (
+    PTrueTemplate,
+    cloze_context,
+    cloze_continuation,
+    letter_prompt,
+    letter_tokens,
+)
+
+__all__ = [
+    "MODES",
+    "CLOZE_VARIANTS",
+    "OptionScores",
+    "score_multiple_choice",
+    "score_p_true",
+    "generate_answers",
+    "normalize_answer",
+    "is_correct",
+    "uses_chat_template",
+]
+
+logger = logging.getLogger(__name__)
+
+MODES = ("cloze", "letter")
+#: ``sum``: summed log-probability of the option text; ``mean``: per-token mean;
+#: ``char``: sum divided by the option's character count (lm-eval's ``acc_norm``).
+CLOZE_VARIANTS = ("sum", "mean", "char")
+
+
+@dataclass
+class OptionScores:
+    """Per-option scores of N questions (padded to the largest option count with NaN).
+
+    For ``mode == "letter"``, ``values`` are next-token logits of the option letters; for
+    ``"cloze"`` they are summed log-probabilities, with ``n_tokens``/``n_chars`` to derive
+    the other variants. ``labels`` is -1 where a record has no answer.
+    """
+
+    mode: str
+    values: np.ndarray  # [N, K_max] float64, NaN where a question has fewer options
+    n_tokens: np.ndarray  # [N, K_max] int64 (ones in letter mode)
+    n_chars: np.ndarray  # [N, K_max] int64
+    labels: np.ndarray  # [N] int64
+
+    @property
+    def n_options(self) -> np.ndarray:
+        return (~np.isnan(self.values)).sum(axis=1)
+
+    def scores(self, variant: str = "sum") -> np.ndarray:
+        """Option scores ``[N, K_max]`` for softmax, ``-inf`` where an option is absent."""
+        if self.mode == "letter":
+            out = self.values.copy()
+        elif variant == "sum":
+            out = self.values.copy()
+        elif variant == "mean":
+            out = self.values / np.maximum(self.n_tokens, 1)
+        elif variant == "char":
+            out = self.values / np.maximum(self.n_chars, 1)
+        else:
+            raise ConfigError(f"unknown cloze variant {variant!r}; choose one of "
+                              f"{', '.join(CLOZE_VARIANTS)}")
+        out[np.isnan(self.values)] = -np.inf
+        return out
+
+    def to_arrays(self) -> dict[str, np.ndarray]:
+        return {"values": self.values, "n_tokens": self.n_tokens, "n_chars": self.n_chars,
+                "labels": self.labels}
+
+    @classmethod
+    def from_arrays(cls, mode: str, arrays: dict[str, np.ndarray]) -> OptionScores:
+        return cls(mode=mode, values=arrays["values"], n_tokens=arrays["n_tokens"],
+                   n_chars=arrays["n_chars"], labels=arrays["labels"])
+
+
+def uses_chat_template(tokenizer, chat: bool | None) -> bool:
+    """``chat=None`` means: use the chat template when the tokenizer has one."""
+    has = bool(getattr(tokenizer, "chat_template", None))
+    if chat and not has:
+        raise ConfigError("the tokenizer has no chat template; pass chat=False (--no-chat)")
+    return has if chat is None else bool(chat)
+
+
+def _render_chat(tokenizer, text: str) -> str:
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                         add_generation_prompt=True, tokenize=False)
+
+
+def _encode(tokenizer, text: str, *, special: bool) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=special)["input_ids"])
+
+
+def single_token_id(tokenizer, text: str) -> int:
+    """The id of ``text`` as one token, or a clear error naming the tokenizer's split."""
+    ids = _encode(tokenizer, text, special=False)
+    if len(ids) != 1:
+        raise ConfigError(f"option token {text!r} is {len(ids)} tokens in this tokenizer "
+                          f"({ids}); letter mode needs single-token letters, use cloze mode")
+    return ids[0]
+
+
+def _pad_id(tokenizer) -> int:
+    for value in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if value is not None:
+            return int(value)
+    return 0
+
+
+def _batched_logits(model, sequences: Sequence[Sequence[int]], keep: int, pad_id: int):
+    """Float32 logits of the last ``keep`` positions of left-padded ``sequences`` [B, keep, V]."""
+    import torch
+
+    length = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), length), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        ids[row, length - len(seq):] = torch.as_tensor(seq, dtype=torch.long)
+        mask[row, length - len(seq):] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.inference_mode():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                    logits_to_keep=keep, use_cache=False)
+    return out.logits.float()
+
+
+def _batches(order: Sequence[int], batch_size: int):
+    for start in range(0, len(order), batch_size):
+        yield order[start:start + batch_size]
+
+
+def score_multiple_choice(model, tokenizer, records: Sequence[MultipleChoiceRecord], *,
+                          mode: str = "cloze", batch_size: int = 16, chat: bool | None = None,
+                          calibration=None, progress: bool = True) -> OptionScores:
+    """Option scores for ``records`` in ``mode`` (see the module docstring).
+
+    ``calibration`` (a :class:`~calm_runtime.artifact.CalibrationAdapter`) is applied to the
+    full-vocabulary logits before anything is read from them, as an engine would.
+    """
+    from tqdm.auto import tqdm
+
+    if mode not in MODES:
+        raise ConfigError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+    if batch_size < 1:
+        raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
+    if not records:
+        raise DataError("no records to score; check the data file or split")
+    k_max = max(len(r.choices) for r in records)
+    n = len(records)
+    values = np.full((n, k_max), np.nan)
+    n_tokens = np.ones((n, k_max), dtype=np.int64)
+    n_chars = np.ones((n, k_max), dtype=np.int64)
+    labels = np.array([-1 if r.answer is None else r.answer for r in records], dtype=np.int64)
+    pad = _pad_id(tokenizer)
+    was_training = model.training
+    model.eval()
+    try:
+        if mode == "cloze":
+            _score_cloze(model, tokenizer, records, values, n_tokens, n_chars, batch_size, pad,
+                         calibration, tqdm, progress)
+        else:
+            _score_letters(model, tokenizer, records, values, batch_size, pad,
+                           uses_chat_template(tokenizer, chat), calibration, tqdm, progress)
+    finally:
+        model.train(was_training)
+    return OptionScores(mode=mode, values=values, n_tokens=n_tokens, n_chars=n_chars,
+                        labels=labels)
+
+
+def _score_cloze(model, tokenizer, records, values, n_tokens, n_chars, batch_size, pad,
+                 calibration, tqdm, progress):
+    items = []  # (row, option, context ids, continuation ids)
+    for row, record in enumerate(records):
+        context = _encode(tokenizer, cloze_context(record.question), special=True)
+        for k, option in enumerate(record.choices):
+            cont = _encode(tokenizer, cloze_continuation(option), special=False)
+            if not cont:
+                raise DataError(f"question {row} option {k} ({option!r}) tokenises to nothing; "
+                                "fix or drop the option text")
+            items.append((row, k, context, cont))
+            n_tokens[row, k] = len(cont)
+            n_chars[row, k] = max(len(option.strip()), 1)
+    order = sorted(range(len(items)), key=lambda i: -len(items[i][2]) - len(items[i][3]))
+    bar = tqdm(total=len(items), desc="cloze scoring", unit="option", disable=not progress)
+    for chunk in _batches(order, batch_size):
+        batch = [items[i] for i in chunk]
+        keep = max(len(cont) for *_, cont in batch) + 1
+        logits = _batched_logits(model, [ctx + cont for *_, ctx, cont in batch], keep, pad)
+        if calibration is not None:
+            logits = calibration.calibrate(logits)
+        logp = logits.log_softmax(dim=-1)
+        for b, (row, k, _ctx, cont) in enumerate(batch):
+            c = len(cont)
+            steps = logp[b, keep - c - 1:keep - 1]  # positions predicting the continuation
+            token_logp = steps.gather(-1, _long(cont)[:, None]).squeeze(-1)
+            values[row, k] = float(token_logp.double().sum())
+        bar.update(len(batch))
+    bar.close()
+
+
+def _score_letters(model, tokenizer, records, values, batch_size, pad, chat, calibration, tqdm,
+                   progress):
+    prompts = []
+    for record in records:
+        text = letter_prompt(record.question, record.choices)
+        if chat:
+            prompts.append(_encode(tokenizer, _render_chat(tokenizer, text), special=False))
+        else:
+            prompts.append(_encode(tokenizer, text, special=True))
+    token_ids = {}
+    for record in records:
+        k = len(record.choices)
+        if k not in token_ids:
+            token_ids[k] = [single_token_id(tokenizer, t) for t in letter_tokens(k, chat=chat)]
+    order = sorted(range(len(records)), key=lambda i: -len(prompts[i]))
+    bar = tqdm(total=len(records), desc="letter scoring", unit="question",
+               disable=not progress)
+    for chunk in _batches(order, batch_size):
+        logits = _batched_logits(model, [prompts[i] for i in chunk], 1, pad)
+        if calibration is not None:
+            logits = calibration.calibrate(logits)
+        for b, row in enumerate(chunk):
+            ids = token_ids[len(records[row].choices)]
+            # raw logits (not log-softmax): vector scaling acts on logits, and only then
+            # maps exactly onto tau/shift of the option tokens (METHODS.md §1)
+            values[row, :len(ids)] = logits[b, 0, ids].double().numpy()
+        bar.update(len(chunk))
+    bar.close()
+
+
+def _long(ids):
+    import torch
+
+    return torch.as_tensor(ids, dtype=torch.long)
+
+
+def score_p_true(model, tokenizer, questions: Sequence[str], answers: Sequence[str],
+                 template: PTrueTemplate, *, chat: bool | None = None, batch_size: int = 16,
+                 calibration=None, progress: bool = True) -> np.ndarray:
+    """Two-way logits ``[N, 2]`` (the true and false tokens' logits) for each pair.
+
+    P(True) is ``softmax`` over the two columns (METHODS.md §2).
+    """
+    from tqdm.auto import tqdm
+
+    if len(questions) != len(answers):
+        raise ConfigError(f"{len(questions)} questions but {len(answers)} answers; pass one "
+                          "answer per question")
+    use_chat = uses_chat_template(tokenizer, chat)
+    true_text = template.true_token.lstrip() if use_chat else template.true_token
+    false_text = template.false_token.lstrip() if use_chat else template.false_token
+    ids = [single_token_id(tokenizer, true_text), single_token_id(tokenizer, false_text)]
+    prompts = []
+    for q, a in zip(questions, answers):
+        text = template.render(q, a)
+        prompts.append(_encode(tokenizer, _render_chat(tokenizer, text), special=False)
+                       if use_chat else _encode(tokenizer, text, special=True))
+    out = np.zeros((len(prompts), 2))
+    pad = _pad_id(tokenizer)
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+    for chunk in tqdm(list(_batches(order, batch_size)), desc="P(True)", disable=not progress):
+        logits = _batched_logits(model, [prompts[i] for i in chunk], 1, pad)
+        if calibration is not None:
+            logits = calibration.calibrate(logits)
+        out[chunk] = logits[:, 0, ids].double().numpy()
+    return out
+
+
+def generate_answers(model, tokenizer, questions: Sequence[str], *, max_new_tokens: int = 24,
+                     batch_size: int = 8, progress: bool = True) -> list[str]:
+    """Greedy answers to ``"Question: ...\\nAnswer:"`` prompts, cut at the first newline."""
+    import torch
+    from tqdm.auto import tqdm
+
+    pad = _pad_id(tokenizer)
+    answers: list[str] = [""] * len(questions)
+    prompts = [_encode(tokenizer, cloze_context(q), special=True) for q in questions]
+    for chunk in tqdm(list(_batches(list(range(len(prompts))), batch_size)),
+                      desc="generating", disable=not progress):
+        length = max(len(prompts[i]) for i in chunk)
+        ids = torch.full((len(chunk), length), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for b, i in enumerate(chunk):
+            ids[b, length - len(prompts[i]):] = _long(prompts[i])
+            mask[b, length - len(prompts[i]):] = 1
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                                 max_new_tokens=max_new_tokens, pad_token_id=pad)
+        for b, i in enumerate(chunk):
+            text = tokenizer.decode(out[b, length:], skip_special_tokens=True)
+            answers[i] = text.strip().split("\n")[0].strip()
+    return answers
+
+
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+
+
+def normalize_answer(text: str) -> str:
+    """SQuAD/TriviaQA normalisation: lower case, drop punctuation and articles, squeeze spaces."""
+    text = text.lower()
+    text = "".join(ch for ch in text if ch not in set(string.punctuation))
+    text = _ARTICLES.sub(" ", text)
+    return " ".join(text.split())
+
+
+def is_correct(prediction: str, aliases: Sequence[str]) -> bool:
+    """True when the normalised prediction equals a normalised alias, or contains one as a
+    whole-word phrase (short generated answers often add a few words around the entity)."""
+    pred = normalize_answer(prediction)
+    if not pred:
+        return False
+    padded = f" {pred} "
+    for alias in aliases:
+        norm = normalize_answer(alias)
+        if norm and (norm == pred or f" {norm} " in padded):
+            return True
+    return False
