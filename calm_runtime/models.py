@@ -224,7 +224,7 @@ def _import_torch_transformers():
         import transformers
     except ImportError as exc:
         raise ModelSourceError(f"{exc.name} is not installed; converting or loading weights "
-                               "needs the train or export extra: pip install 'calm[train]'") from None
+                               "needs the train extra: pip install 'calm[train]'") from None
     return torch, transformers
 
 

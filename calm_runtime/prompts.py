@@ -107,7 +107,8 @@ def option_letters(k: int) -> list[str]:
 
 def letter_prompt(question: str, options: Sequence[str]) -> str:
     lines = [f"Question: {question}"]
-    lines += [f"{letter}. {text}" for letter, text in zip(option_letters(len(options)), options)]
+    letters = option_letters(len(options))
+    lines += [f"{letter}. {text}" for letter, text in zip(letters, options, strict=True)]
     lines.append("Answer:")
     return "\n".join(lines)
 

@@ -277,7 +277,7 @@ def score_p_true(model, tokenizer, questions: Sequence[str], answers: Sequence[s
     false_text = template.false_token.lstrip() if use_chat else template.false_token
     ids = [single_token_id(tokenizer, true_text), single_token_id(tokenizer, false_text)]
     prompts = []
-    for q, a in zip(questions, answers):
+    for q, a in zip(questions, answers, strict=True):
         text = template.render(q, a)
         prompts.append(_encode(tokenizer, _render_chat(tokenizer, text), special=False)
                        if use_chat else _encode(tokenizer, text, special=True))
