@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,13 @@ Migration = Callable[[dict], dict]
 
 def write_json(path: Path, payload: Mapping[str, Any]) -> None:
     """Write ``payload`` as stable, human-readable JSON (NaN/Inf refused)."""
-    text = json.dumps(payload, indent=2, sort_keys=True, allow_nan=False, default=_json_default)
+    try:
+        text = json.dumps(payload, indent=2, sort_keys=True, allow_nan=False,
+                          default=_json_default)
+    except (ValueError, TypeError) as exc:
+        raise ArtifactError(f"cannot write {Path(path).name}: {exc}; manifests hold finite "
+                            "numbers, strings, lists and objects only (store NaN/Inf as "
+                            "null)") from None
     Path(path).write_text(text + "\n", encoding="utf-8")
 
 
@@ -84,7 +91,7 @@ def _refuse_constant(name: str) -> float:
 
 def finite_number(value: Any, name: str, *, positive: bool = False) -> float:
     """Check a manifest or tensor scalar: a real, finite number (and > 0 when asked)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy scalars too
         raise ArtifactError(f"{name} must be a number, got {value!r}; fix or re-create the "
                             "artifact")
     value = float(value)

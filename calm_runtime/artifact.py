@@ -129,6 +129,9 @@ class CalibrationAdapter:
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
         """Check shapes, finiteness and positivity; raise :class:`ArtifactError`."""
+        # re-coerce: the fields are mutable, and the file must hold what the manifest says
+        self.tau = np.asarray(self.tau, dtype=np.float32)
+        self.shift = np.asarray(self.shift, dtype=np.float32)
         vocab = self.base_model.vocab_size
         if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
             raise ArtifactError(f"base_model.vocab_size must be a positive integer, got "
@@ -294,7 +297,8 @@ def _load_tensors(path: Path) -> dict[str, np.ndarray]:
         raise ArtifactError(f"{path} is missing; the artifact is incomplete, re-create it")
     try:
         return load_file(str(path))
-    except (SafetensorError, ValueError, OSError) as exc:
+    except (SafetensorError, ValueError, OSError, TypeError, AttributeError) as exc:
+        # TypeError/AttributeError: a dtype numpy cannot hold (BF16, F8_*) in the header
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ArtifactError(f"{path} is not a readable safetensors file ({reason}); it is "
                             "truncated or corrupted, re-create the artifact") from None

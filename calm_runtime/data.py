@@ -79,6 +79,7 @@ __all__ = [
     "read_jsonl",
     "write_jsonl",
     "dataset_hash",
+    "split_indices",
     "split_records",
     "list_datasets",
     "install_dataset",
@@ -295,9 +296,9 @@ def dataset_hash(records: Iterable[Record]) -> str:
     return sha256_bytes(_HASH_PREFIX + "\n".join(lines).encode("utf-8"))
 
 
-def split_records(records: Sequence[Record], calibration_fraction: float = CALIBRATION_FRACTION,
-                  seed: int = SPLIT_SEED) -> tuple[list[Record], list[Record]]:
-    """Split into ``(calibration, test)``: a seeded permutation, each part in input order.
+def split_indices(n: int, calibration_fraction: float = CALIBRATION_FRACTION,
+                  seed: int = SPLIT_SEED) -> tuple[np.ndarray, np.ndarray]:
+    """Indices ``(calibration, test)`` of a seeded split of ``n`` records, each sorted.
 
     ``round(calibration_fraction * n)`` records (at least 1 and at most ``n - 1``) go to
     calibration, chosen by ``numpy.random.default_rng(seed).permutation(n)``; the split
@@ -306,15 +307,19 @@ def split_records(records: Sequence[Record], calibration_fraction: float = CALIB
     if isinstance(calibration_fraction, bool) or not 0 < calibration_fraction < 1:
         raise ConfigError(f"calibration_fraction must be strictly between 0 and 1, got "
                           f"{calibration_fraction!r}; 0.3 is the default")
-    records = list(records)
-    n = len(records)
     if n < 2:
         raise DataError(f"cannot split {n} record(s) into calibration and test parts; give at "
                         "least 2 records")
     n_calibration = min(max(math.floor(calibration_fraction * n + 0.5), 1), n - 1)
     order = np.random.default_rng(seed).permutation(n)
-    calibration = np.sort(order[:n_calibration])
-    test = np.sort(order[n_calibration:])
+    return np.sort(order[:n_calibration]), np.sort(order[n_calibration:])
+
+
+def split_records(records: Sequence[Record], calibration_fraction: float = CALIBRATION_FRACTION,
+                  seed: int = SPLIT_SEED) -> tuple[list[Record], list[Record]]:
+    """Split into ``(calibration, test)`` with :func:`split_indices`, each part in input order."""
+    records = list(records)
+    calibration, test = split_indices(len(records), calibration_fraction, seed)
     return [records[i] for i in calibration], [records[i] for i in test]
 
 

@@ -36,6 +36,7 @@ __all__ = [
     "list_models",
     "model_identity",
     "load_model_and_tokenizer",
+    "model_fingerprint",
 ]
 
 logger = logging.getLogger(__name__)
@@ -254,13 +255,64 @@ def model_identity(folder: str | os.PathLike, name: str | None = None) -> ModelI
     return ModelIdentity(name=name, vocab_size=vocab, tokenizer_sha256=tokenizer_sha256(folder))
 
 
-def load_model_and_tokenizer(spec: str | os.PathLike, *, dtype: str = "float32"):
-    """Resolve ``spec`` and load ``(model, tokenizer, identity)`` with transformers (eval mode)."""
+def load_model_and_tokenizer(spec: str | os.PathLike, *, dtype: str = "float32",
+                             lora_path: str | os.PathLike | None = None):
+    """Resolve ``spec`` and load ``(model, tokenizer, identity)`` with transformers (eval mode).
+
+    ``lora_path`` (a peft LoRA folder, e.g. an adapter's ``lora/``) is merged into the
+    weights with ``merge_and_unload`` so the model runs at base-model speed.
+    """
     torch, transformers = _import_torch_transformers()
     folder = resolve_model(spec)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(folder), dtype=getattr(torch, dtype))
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(folder), dtype=getattr(torch, dtype))
+    except (OSError, ValueError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ModelSourceError(f"cannot load the model in {folder} ({reason}); pass a complete "
+                               "Hugging Face causal-LM folder") from None
+    if lora_path is not None:
+        try:
+            from peft import PeftModel
+        except ImportError:
+            raise ModelSourceError("peft is not installed; a LoRA adapter needs the train "
+                                   "extra: pip install 'calm[train]'") from None
+        model = PeftModel.from_pretrained(model, str(lora_path)).merge_and_unload()
     model.eval()
     name = str(spec) if str(spec) in PACKAGED_MODELS else None
     return model, tokenizer, model_identity(folder, name=name)
+
+
+def model_fingerprint(folder: str | os.PathLike) -> str:
+    """sha256 over a model folder's config and weight files (cached by size and mtime)."""
+    import hashlib
+
+    folder = Path(folder)
+    digest = hashlib.sha256()
+    names = ["config.json", "tokenizer.json"] + sorted(
+        p.name for p in folder.glob("*.safetensors"))
+    for name in names:
+        path = folder / name
+        if path.is_file():
+            digest.update(name.encode() + b"\0" + _cached_file_hash(path).encode() + b"\n")
+    return digest.hexdigest()
+
+
+def _cached_file_hash(path: Path) -> str:
+    import hashlib
+
+    stat = path.stat()
+    key = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:32]
+    record = cache_dir("fingerprints") / f"{key}.json"
+    stamp = [stat.st_size, stat.st_mtime_ns]
+    if record.is_file():
+        try:
+            saved = json.loads(record.read_text())
+            if saved.get("stamp") == stamp:
+                return saved["sha256"]
+        except (ValueError, KeyError):
+            pass
+    value = sha256_file(path)
+    record.write_text(json.dumps({"path": str(path), "stamp": stamp, "sha256": value}))
+    return value

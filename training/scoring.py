@@ -156,7 +156,7 @@ def _batches(order: Sequence[int], batch_size: int):
 
 
 def score_multiple_choice(model, tokenizer, records: Sequence[MultipleChoiceRecord], *,
-                          mode: str = "cloze", batch_size: int = 16, chat: bool | None = None,
+                          mode: str = "cloze", batch_size: int = 8, chat: bool | None = None,
                           calibration=None, progress: bool = True) -> OptionScores:
     """Option scores for ``records`` in ``mode`` (see the module docstring).
 
@@ -195,33 +195,85 @@ def score_multiple_choice(model, tokenizer, records: Sequence[MultipleChoiceReco
 
 def _score_cloze(model, tokenizer, records, values, n_tokens, n_chars, batch_size, pad,
                  calibration, tqdm, progress):
-    items = []  # (row, option, context ids, continuation ids)
+    """Score every option, running each question's context once and sharing its KV cache.
+
+    A batch of left-padded contexts is run with the cache on; the cache rows are then
+    repeated once per option, and the right-padded continuations run on top of them
+    with position ids that continue each context. Padding never reaches a real token.
+    """
+    import torch
+
+    contexts, continuations = [], []
     for row, record in enumerate(records):
-        context = _encode(tokenizer, cloze_context(record.question), special=True)
+        contexts.append(_encode(tokenizer, cloze_context(record.question), special=True))
+        options = []
         for k, option in enumerate(record.choices):
             cont = _encode(tokenizer, cloze_continuation(option), special=False)
             if not cont:
                 raise DataError(f"question {row} option {k} ({option!r}) tokenises to nothing; "
                                 "fix or drop the option text")
-            items.append((row, k, context, cont))
+            options.append(cont)
             n_tokens[row, k] = len(cont)
             n_chars[row, k] = max(len(option.strip()), 1)
-    order = sorted(range(len(items)), key=lambda i: -len(items[i][2]) - len(items[i][3]))
-    bar = tqdm(total=len(items), desc="cloze scoring", unit="option", disable=not progress)
+        continuations.append(options)
+    order = sorted(range(len(records)), key=lambda i: -len(contexts[i]))
+    bar = tqdm(total=len(records), desc="cloze scoring", unit="question", disable=not progress)
     for chunk in _batches(order, batch_size):
-        batch = [items[i] for i in chunk]
-        keep = max(len(cont) for *_, cont in batch) + 1
-        logits = _batched_logits(model, [ctx + cont for *_, ctx, cont in batch], keep, pad)
+        first, cache, ctx_mask = _run_contexts(model, [contexts[i] for i in chunk], pad)
+        owners = [b for b, i in enumerate(chunk) for _ in continuations[i]]
+        conts = [c for i in chunk for c in continuations[i]]
+        cache.batch_select_indices(torch.as_tensor(owners, dtype=torch.long))
+        width = max(len(c) for c in conts)
+        ids = torch.full((len(conts), width), pad, dtype=torch.long)
+        cont_mask = torch.zeros_like(ids)
+        for m, cont in enumerate(conts):
+            ids[m, :len(cont)] = _long(cont)
+            cont_mask[m, :len(cont)] = 1
+        owner_idx = torch.as_tensor(owners, dtype=torch.long)
+        mask = torch.cat([ctx_mask[owner_idx], cont_mask], dim=1)
+        start = ctx_mask[owner_idx].sum(-1, keepdim=True)
+        positions = start + torch.arange(width)[None, :]
+        with torch.inference_mode():
+            out = model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                        use_cache=False, **{_cache_kwarg(model): cache})
+        step_logits = torch.cat([first[owner_idx][:, None, :], out.logits[:, :-1].float()], 1)
         if calibration is not None:
-            logits = calibration.calibrate(logits)
-        logp = logits.log_softmax(dim=-1)
-        for b, (row, k, _ctx, cont) in enumerate(batch):
-            c = len(cont)
-            steps = logp[b, keep - c - 1:keep - 1]  # positions predicting the continuation
-            token_logp = steps.gather(-1, _long(cont)[:, None]).squeeze(-1)
-            values[row, k] = float(token_logp.double().sum())
-        bar.update(len(batch))
+            step_logits = calibration.calibrate(step_logits)
+        logp = step_logits.log_softmax(dim=-1).gather(-1, ids[:, :, None]).squeeze(-1)
+        logp = (logp.double() * cont_mask).sum(-1).numpy()
+        m = 0
+        for i in chunk:
+            for k in range(len(continuations[i])):
+                values[i, k] = logp[m]
+                m += 1
+        bar.update(len(chunk))
     bar.close()
+
+
+def _cache_kwarg(model) -> str:
+    """transformers 5.24 renamed ``past_key_values`` to ``cache``; accept both."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else \
+        "past_key_values"
+
+
+def _run_contexts(model, sequences, pad):
+    """Run left-padded contexts with the KV cache on: last-position logits, cache, mask."""
+    import torch
+
+    length = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), length), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, seq in enumerate(sequences):
+        ids[row, length - len(seq):] = _long(seq)
+        mask[row, length - len(seq):] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.inference_mode():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                    logits_to_keep=1)
+    cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+    return out.logits[:, -1].float(), cache, mask
 
 
 def _score_letters(model, tokenizer, records, values, batch_size, pad, chat, calibration, tqdm,

