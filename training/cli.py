@@ -68,10 +68,15 @@ def _add_common(p, default_variant: str) -> None:
                    "or .gguf file")
     p.add_argument("--reference", help="pre-trained reference model (label-free methods)")
     p.add_argument("--data", required=True, help="data set name or .jsonl file")
-    p.add_argument("--mode", default="cloze", choices=["cloze", "letter"])
+    p.add_argument("--mode", default="cloze", choices=["cloze", "letter", "p_true"],
+                   help="cloze/letter: multiple choice; p_true: open QA judged by P(True)")
+    p.add_argument("--template", default="kadavath", dest="p_true_template",
+                   help="P(True) template name (p_true mode): kadavath or yes-no")
     p.add_argument("--variant", default=default_variant, choices=["sum", "mean", "char"],
                    help="cloze option score: summed, per-token mean or per-character "
                         f"log-probability (default {default_variant})")
+    p.add_argument("--reference-variant", choices=["sum", "mean", "char"],
+                   help="the reference model's cloze score (default: --variant)")
     p.add_argument("--split", type=float, default=0.3, metavar="FRACTION",
                    help="share of the data used for fitting; the rest is the test split")
     p.add_argument("--seed", type=int, default=0, help="seed of the split")
@@ -88,10 +93,11 @@ def _config(args):
     from calm_training.fit import FitConfig
 
     return FitConfig(model=args.model, reference=args.reference, data=args.data,
-                     mode=args.mode, variant=args.variant, calibration_fraction=args.split,
+                     mode=args.mode, variant=args.variant,
+                     reference_variant=args.reference_variant, calibration_fraction=args.split,
                      seed=args.seed, n_bins=args.bins, chat=args.chat,
                      adapter=getattr(args, "adapter", None), batch_size=args.batch_size,
-                     limit=args.limit)
+                     limit=args.limit, p_true_template=args.p_true_template)
 
 
 def _progress(args) -> bool:
@@ -133,14 +139,14 @@ def _fit_line(fit: dict) -> str:
 def _eval(args) -> int:
     from calm_runtime.errors import ConfigError
     from calm_training.evaluate import evaluate_adapter, write_report
-    from calm_training.fit import compare_methods, format_table
+    from calm_training.fit import LABEL_FREE, compare_methods, format_table
 
     config = _config(args)
     if args.compare:
-        methods = ("vanilla", "ts", "ts-vector") if not args.reference else None
-        report = compare_methods(config, methods or
-                                 ("vanilla", "naive", "daca", "daca-vector", "ts", "ts-vector"),
-                                 progress=_progress(args))
+        methods = ("vanilla", "naive", "daca", "daca-vector", "ts", "ts-vector")
+        if not args.reference:
+            methods = tuple(m for m in methods if m not in LABEL_FREE)
+        report = compare_methods(config, methods, progress=_progress(args))
         stem = f"compare-{Path(args.data).stem}-{args.mode}"
     elif args.eval_adapter:
         report = evaluate_adapter(config, args.eval_adapter, progress=_progress(args))

@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 METHODS = ("vanilla", "naive", "daca", "daca-vector", "ts", "ts-vector")
 LABEL_FREE = ("naive", "daca", "daca-vector")
 DEFAULT_VARIANT = "mean"  # chosen by measurement, see the README's calibration table
+ALL_MODES = (*MODES, "p_true")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,8 +53,12 @@ class FitConfig:
         model: the post-trained model to calibrate (a spec for ``resolve_model``).
         reference: the pre-trained reference model for DACA / naive alignment.
         data: a data spec (``arc-easy``, ``sciq``, a ``.jsonl`` path, ...).
-        mode: ``cloze`` or ``letter`` (METHODS.md §2).
+        mode: ``cloze`` or ``letter`` for multiple choice, ``p_true`` for open QA
+            (METHODS.md §2).
         variant: cloze scoring variant (``sum``, ``mean``, ``char``); ignored in letter mode.
+        reference_variant: the reference model's cloze variant (default: ``variant``). DACA
+            aligns the model with the reference's probabilities, so it can only be as good
+            as the reference's own calibration, which depends on how options are scored.
         calibration_fraction: share of the records used for fitting; the rest is the test split.
         seed: seed of the calibration/test split.
         n_bins: bins of ECE/MCE/AECE and the reliability diagram.
@@ -63,6 +68,7 @@ class FitConfig:
         batch_size: questions per forward pass while scoring.
         bootstrap: resamples of the ECE's 95% bootstrap interval (0 turns it off).
         limit: use only the first ``limit`` records of the data (quick runs).
+        p_true_template: the P(True) template (``p_true`` mode, open-QA data).
     """
 
     model: str
@@ -70,6 +76,7 @@ class FitConfig:
     reference: str | None = None
     mode: str = "cloze"
     variant: str = DEFAULT_VARIANT
+    reference_variant: str | None = None
     calibration_fraction: float = 0.3
     seed: int = 0
     n_bins: int = 10
@@ -78,13 +85,16 @@ class FitConfig:
     batch_size: int = 8
     bootstrap: int = 1000
     limit: int | None = None
+    p_true_template: str = "kadavath"
 
     def __post_init__(self) -> None:
         problems = []
-        if self.mode not in MODES:
-            problems.append(f"mode {self.mode!r} is not one of {', '.join(MODES)}")
-        if self.variant not in CLOZE_VARIANTS:
-            problems.append(f"variant {self.variant!r} is not one of {', '.join(CLOZE_VARIANTS)}")
+        if self.mode not in ALL_MODES:
+            problems.append(f"mode {self.mode!r} is not one of {', '.join(ALL_MODES)}")
+        for name in ("variant", "reference_variant"):
+            value = getattr(self, name)
+            if value is not None and value not in CLOZE_VARIANTS:
+                problems.append(f"{name} {value!r} is not one of {', '.join(CLOZE_VARIANTS)}")
         if not 0 < self.calibration_fraction < 1:
             problems.append(f"calibration_fraction {self.calibration_fraction} is not in (0, 1)")
         if self.n_bins < 1:
@@ -150,12 +160,13 @@ def _prepare(config: FitConfig, *, need_reference: bool, progress: bool) -> _Pre
                     "out of fitting and evaluation", dropped, len(records), k)
     return _Prepared(records=records, cal=cal[keep[cal]], test=test[keep[test]], k=k,
                      polm=_variant(polm_scores, config)[:, :k],
-                     plm=None if plm_scores is None else _variant(plm_scores, config)[:, :k],
+                     plm=None if plm_scores is None else _variant(
+                         plm_scores, config, config.reference_variant)[:, :k],
                      labels=polm_scores.labels)
 
 
-def _variant(scores: OptionScores, config: FitConfig) -> np.ndarray:
-    return scores.scores(config.variant if config.mode == "cloze" else "sum")
+def _variant(scores: OptionScores, config: FitConfig, variant: str | None = None) -> np.ndarray:
+    return scores.scores((variant or config.variant) if config.mode == "cloze" else "sum")
 
 
 def _labeled(prep: _Prepared, idx: np.ndarray, what: str) -> np.ndarray:
@@ -203,6 +214,11 @@ def compare_methods(config: FitConfig, methods: Sequence[str] = METHODS, *,
     calibration, and one row per method with accuracy, ECE (+ 95% bootstrap interval),
     MCE, AECE, Brier, NLL and the fitted parameters.
     """
+    if config.mode == "p_true":
+        from .p_true import P_TRUE_METHODS, compare_p_true
+
+        return compare_p_true(config, [m for m in methods if m in P_TRUE_METHODS],
+                              progress=progress)
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
         raise ConfigError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
@@ -249,14 +265,12 @@ def fit_adapter(config: FitConfig, method: str, out: str | Path, *, overwrite: b
                           f"{', '.join(m for m in METHODS if m != 'vanilla')}")
     if Path(out).exists() and not overwrite:
         raise ConfigError(f"{out} already exists; choose another --out or pass --overwrite")
+    if config.mode == "p_true":
+        return _fit_p_true_adapter(config, method, out, overwrite=overwrite)
     prep = _prepare(config, need_reference=method in LABEL_FREE, progress=progress)
     fit = _fit(method, prep)
+    base, identity = _base_adapter(config)
     folder = resolve_model(config.model)
-    identity = model_identity(folder, name=config.model if not Path(config.model).exists()
-                              else None)
-    base = (CalibrationAdapter.from_pretrained(config.adapter) if config.adapter
-            else CalibrationAdapter.identity(identity))
-    base.base_model.check_compatible(identity)
     adapter = dataclasses.replace(base, kind=_kind(base, method), created_at=None)
     if isinstance(fit, daca.VectorFit):
         _write_vector(adapter, fit, config, folder)
@@ -289,6 +303,43 @@ def fit_adapter(config: FitConfig, method: str, out: str | Path, *, overwrite: b
     adapter.validate()
     adapter.save_pretrained(out, overwrite=overwrite)
     return adapter, {"fit": fit.to_dict(), "calibration_split": cal_metrics}
+
+
+def _base_adapter(config: FitConfig):
+    folder = resolve_model(config.model)
+    identity = model_identity(folder, name=config.model if not Path(config.model).exists()
+                              else None)
+    base = (CalibrationAdapter.from_pretrained(config.adapter) if config.adapter
+            else CalibrationAdapter.identity(identity))
+    base.base_model.check_compatible(identity)
+    return base, identity
+
+
+def _fit_p_true_adapter(config: FitConfig, method: str, out, *, overwrite: bool):
+    from calm_runtime.prompts import p_true_template
+
+    from .p_true import fit_p_true
+
+    if config.adapter:
+        raise ConfigError("P(True) fits on top of another adapter are not supported yet; fit "
+                          "without --adapter")
+    fit, n_cal, data_hash = fit_p_true(config, method)
+    _check_finite_temperature(fit)
+    base, identity = _base_adapter(config)
+    adapter = dataclasses.replace(base, kind=_kind(base, method) + "_p_true", created_at=None)
+    adapter.temperature = base.temperature * fit.temperature
+    adapter.p_true_template = p_true_template(config.p_true_template).to_dict()
+    adapter.method = {"name": method, "mode": "p_true", "fit": fit.to_dict(),
+                      "settings": config.to_dict()}
+    adapter.provenance = {
+        "model": identity.to_dict(),
+        "reference": (model_identity(resolve_model(config.reference)).to_dict()
+                      if method in LABEL_FREE else None),
+        "data": config.data, "data_hash": data_hash,
+        "split": {"part": "calibration", "fraction": config.calibration_fraction,
+                  "seed": config.seed, "n": n_cal}}
+    adapter.save_pretrained(out, overwrite=overwrite)
+    return adapter, {"fit": fit.to_dict(), "calibration_split": {}}
 
 
 def _kind(base: CalibrationAdapter, method: str) -> str:
@@ -325,14 +376,18 @@ def _write_vector(adapter: CalibrationAdapter, fit, config: FitConfig, folder: P
 def format_table(report: dict) -> str:
     """The comparison as a Markdown table (metrics on the test split)."""
     cfg = report["config"]
+    ref_variant = cfg.get("reference_variant")
     head = (f"{cfg['model']} on {cfg['data']} ({cfg['mode']}"
             + (f", {cfg['variant']} scores" if cfg["mode"] == "cloze" else "")
+            + (f", reference {ref_variant} scores" if ref_variant else "")
             + f"), test n={report['n_test']}, fit n={report['n_calibration']}, "
             f"{cfg['n_bins']} bins")
     if "agreement_rate" in report:
         ref = report["reference_on_test"]
         head += (f"; reference {cfg['reference']}: agreement {report['agreement_rate']:.2f}, "
                  f"own ECE {ref['ece']:.3f}")
+    if "answer_accuracy" in report:
+        head += f"; answer accuracy {report['answer_accuracy']:.3f}"
     lines = [head, "",
              "| method | T | acc | ECE [95% CI] | MCE | AECE | Brier | NLL |",
              "|---|---|---|---|---|---|---|---|"]

@@ -1,0 +1,88 @@
+"""``calm-export``: build a calibrated ONNX (or TensorRT) engine from a model and an adapter."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from calm_runtime.errors import CalmError
+
+__all__ = ["main", "build_parser"]
+
+EPILOG = """example:
+  calm-export --model smollm2-135m-instruct --adapter runs/daca-adapter --out engines/smol
+
+The engine is validated before it is written (logits and greedy KV-cache tokens against
+the unfused model with the calibration applied in torch); a failed validation writes
+nothing and leaves an existing engine in place."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="calm-export", description="Fuse a calibration adapter into a model and export a "
+        "validated inference engine (ONNX with KV cache, or TensorRT).", epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True,
+                        help="model folder, .gguf file or packaged model name")
+    parser.add_argument("--adapter", default=None,
+                        help="calibration adapter directory (default: identity calibration)")
+    parser.add_argument("--out", required=True, help="engine directory to create")
+    parser.add_argument("--format", choices=("onnx", "tensorrt"), default="onnx")
+    parser.add_argument("--dtype", choices=("fp32", "fp16"), default="fp32",
+                        help="engine precision (fp16: TensorRT only for now)")
+    parser.add_argument("--quantize", choices=("int8",), default=None,
+                        help="weight quantisation (not implemented yet)")
+    parser.add_argument("--opset", type=int, default=18, help="ONNX opset (default 18)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing engine once the new one has passed validation")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar or stage log")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        from calm_export.config import ExportConfig
+
+        config = ExportConfig(format=args.format, dtype=args.dtype, quantize=args.quantize,
+                              opset=args.opset, overwrite=args.overwrite,
+                              progress=not args.quiet)
+        if config.format == "tensorrt":  # fail at once, before loading anything heavy
+            from calm_export.tensorrt import require_tensorrt
+
+            require_tensorrt()
+        from calm_export.pipeline import export_engine
+
+        result = export_engine(args.model, args.out, adapter=args.adapter, config=config)
+    except CalmError as exc:
+        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    print(summary(result))
+    return 0
+
+
+def summary(result) -> str:
+    """A one-screen summary: files and sizes, parity numbers, time per stage."""
+    manifest = result.manifest
+    report = manifest.validation
+    lines = [f"engine: {result.path} ({manifest.kind}, {manifest.model['dtype']}, "
+             f"opset {manifest.model['opset']}, exporter {manifest.export['exporter_used']})"]
+    for name, size in result.file_sizes.items():
+        lines.append(f"  {name:<28} {size / 1e6:10.2f} MB")
+    lines.append(f"  {'total':<28} {result.total_bytes / 1e6:10.2f} MB")
+    lines.append(f"parity: max |logit diff| {report['max_abs_diff']:.3g} (batch 2: "
+                 f"{report['batch2_max_abs_diff']:.3g}; fused torch: "
+                 f"{report['fused_torch_max_abs_diff']:.3g}), tolerance "
+                 f"{report['tolerance']:.3g}; greedy {report['greedy_steps']} steps match "
+                 f"({report['greedy_ties']} ties)")
+    calibration = manifest.calibration
+    lines.append(f"calibration: T={calibration['temperature']:.4g}, tau in "
+                 f"[{calibration['tau_min']:.3g}, {calibration['tau_max']:.3g}], shift in "
+                 f"[{calibration['shift_min']:.3g}, {calibration['shift_max']:.3g}]")
+    stages = ", ".join(f"{k} {v:.1f}s" for k, v in result.seconds.items() if k != "total")
+    lines.append(f"time: {result.seconds.get('total', 0.0):.1f} s ({stages})")
+    return "\n".join(lines)

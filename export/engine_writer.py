@@ -1,0 +1,193 @@
+"""The engine directory's non-graph files: tokenizer, genai_config.json and the manifest."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import shutil
+import string
+from pathlib import Path
+
+from calm_runtime import __version__
+from calm_runtime._fs import sha256_bytes, sha256_file
+from calm_runtime._manifest import write_json
+from calm_runtime.artifact import MANIFEST_NAME, TENSORS_NAME, CalibrationAdapter, ModelIdentity
+from calm_runtime.engine import EngineManifest, engine_io_names
+from calm_runtime.prompts import p_true_template
+
+from .onnx import DecoderShape
+
+__all__ = [
+    "TOKENIZER_FILES",
+    "GENAI_CONFIG",
+    "copy_tokenizer",
+    "special_tokens",
+    "option_tokens",
+    "write_genai_config",
+    "weights_sha256",
+    "build_manifest",
+]
+
+#: Tokenizer files copied verbatim (so tokenizer.json keeps the sha256 the adapter names).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                   "tokenizer.model", "vocab.json", "merges.txt")
+CHAT_TEMPLATE = "chat_template.jinja"
+GENAI_CONFIG = "genai_config.json"
+#: option letters whose token ids the manifest records (A-J, the most a MCQA item uses)
+OPTION_LETTERS = string.ascii_uppercase[:10]
+
+
+def copy_tokenizer(model_dir: Path, tokenizer, staging: Path) -> tuple[dict[str, str], str | None]:
+    """Copy the tokenizer files; returns ``({name: sha256}, chat template file or None)``."""
+    files = {}
+    for name in TOKENIZER_FILES:
+        source = Path(model_dir) / name
+        if source.is_file():
+            shutil.copyfile(source, staging / name)
+            files[name] = sha256_file(staging / name)
+    template = getattr(tokenizer, "chat_template", None)
+    if CHAT_TEMPLATE not in files and isinstance(template, str) and template:
+        (staging / CHAT_TEMPLATE).write_text(template, encoding="utf-8")
+        files[CHAT_TEMPLATE] = sha256_file(staging / CHAT_TEMPLATE)
+    return files, (CHAT_TEMPLATE if CHAT_TEMPLATE in files else None)
+
+
+def _ids(tokenizer, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def option_tokens(tokenizer, vocab_size: int) -> dict:
+    """``{"plain": {" A": id, ...}, "chat": {"A": id, ...}}`` for letters that are one token."""
+    result: dict[str, dict[str, int]] = {"plain": {}, "chat": {}}
+    for style, prefix in (("plain", " "), ("chat", "")):
+        for letter in OPTION_LETTERS:
+            ids = _ids(tokenizer, prefix + letter)
+            if len(ids) == 1 and 0 <= ids[0] < vocab_size:
+                result[style][prefix + letter] = int(ids[0])
+    return result
+
+
+def special_tokens(model_dir: Path, config, tokenizer, vocab_size: int) -> dict:
+    """bos / eos / pad ids and whether the tokenizer adds BOS by itself."""
+    def valid(value):
+        return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab_size
+
+    eos: list[int] = []
+    generation = Path(model_dir) / "generation_config.json"
+    sources = [json.loads(generation.read_text()).get("eos_token_id")
+               if generation.is_file() else None,
+               getattr(config, "eos_token_id", None), tokenizer.eos_token_id]
+    for value in sources:
+        for item in value if isinstance(value, list) else [value]:
+            if valid(item) and item not in eos:
+                eos.append(int(item))
+    bos = next((v for v in (getattr(config, "bos_token_id", None), tokenizer.bos_token_id)
+                if valid(v)), None)
+    pad = next((v for v in (tokenizer.pad_token_id, getattr(config, "pad_token_id", None))
+                if valid(v)), eos[0] if eos else None)
+    encoded = list(tokenizer("a", add_special_tokens=True)["input_ids"])
+    add_bos = bool(bos is not None and encoded and encoded[0] == bos)
+    return {"bos_token_id": bos, "eos_token_ids": eos, "pad_token_id": pad, "add_bos": add_bos}
+
+
+def write_genai_config(staging: Path, shape: DecoderShape, tokens: dict) -> dict:
+    """``genai_config.json`` for onnxruntime-genai (decoder-only, separate past/present)."""
+    inputs, outputs = engine_io_names(shape.num_layers)
+    config = {
+        "model": {
+            "bos_token_id": tokens["bos_token_id"],
+            "context_length": shape.max_position_embeddings,
+            "decoder": {
+                "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
+                "filename": "model.onnx",
+                "head_size": shape.head_dim,
+                "hidden_size": shape.hidden_size,
+                "inputs": {"input_ids": inputs[0], "attention_mask": inputs[1],
+                           "position_ids": inputs[2],
+                           "past_key_names": "past_key_values.%d.key",
+                           "past_value_names": "past_key_values.%d.value"},
+                "outputs": {"logits": outputs[0], "present_key_names": "present.%d.key",
+                            "present_value_names": "present.%d.value"},
+                "num_attention_heads": shape.num_attention_heads,
+                "num_hidden_layers": shape.num_layers,
+                "num_key_value_heads": shape.num_kv_heads,
+            },
+            "eos_token_id": tokens["eos_token_ids"],
+            "pad_token_id": tokens["pad_token_id"],
+            # genai's generic decoder-only runner; the graph carries the architecture itself
+            "type": "llama",
+            "vocab_size": shape.vocab_size,
+        },
+        "search": {
+            "diversity_penalty": 0.0, "do_sample": False, "early_stopping": True,
+            "length_penalty": 1.0, "max_length": shape.max_position_embeddings,
+            "min_length": 0, "no_repeat_ngram_size": 0, "num_beams": 1,
+            "num_return_sequences": 1, "past_present_share_buffer": False,
+            "repetition_penalty": 1.0, "temperature": 1.0, "top_k": 1, "top_p": 1.0,
+        },
+    }
+    write_json(staging / GENAI_CONFIG, config)
+    return {"file": GENAI_CONFIG, "sha256": sha256_file(staging / GENAI_CONFIG)}
+
+
+def weights_sha256(model_dir: Path) -> str | None:
+    """The source weights' identity: the safetensors file's sha256 (or a digest of shards')."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        return None
+    if len(files) == 1:
+        return sha256_file(files[0])
+    lines = "".join(f"{f.name} {sha256_file(f)}\n" for f in files)
+    return sha256_bytes(lines.encode())
+
+
+def adapter_source(adapter: CalibrationAdapter | None, adapter_dir: Path | None) -> dict | None:
+    """The adapter's identity for the manifest (hashes only when it came from a folder)."""
+    if adapter is None:
+        return None
+    if adapter_dir is None:
+        return {"kind": adapter.kind, "path_name": None, "tensors_sha256": None,
+                "manifest_sha256": None}
+    return {"kind": adapter.kind, "path_name": Path(adapter_dir).resolve().name,
+            "tensors_sha256": sha256_file(Path(adapter_dir) / TENSORS_NAME),
+            "manifest_sha256": sha256_file(Path(adapter_dir) / MANIFEST_NAME)}
+
+
+def build_manifest(*, kind: str, staging: Path, identity: ModelIdentity, weights_sha: str | None,
+                   adapter: CalibrationAdapter, adapter_info: dict | None, shape: DecoderShape,
+                   model_file: str, model_files: list[str], opset: int, tokens: dict,
+                   tokenizer_files: dict[str, str], chat_template: str | None,
+                   options: dict, template, dtype: str, export: dict,
+                   validation: dict) -> EngineManifest:
+    """Assemble (and check) the manifest of the engine being built in ``staging``."""
+    summary = adapter.summary()
+    inputs, outputs = engine_io_names(shape.num_layers)
+    return EngineManifest(
+        kind=kind,
+        created_by=f"calm-export {__version__}",
+        created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        source={"model": {"name": identity.name, "vocab_size": identity.vocab_size,
+                          "tokenizer_sha256": identity.tokenizer_sha256,
+                          "weights_sha256": weights_sha},
+                "adapter": adapter_info},
+        calibration={"fused": True, "temperature": summary["temperature"],
+                     "answer_temperature": summary["answer_temperature"],
+                     "tau_min": summary["tau_min"], "tau_max": summary["tau_max"],
+                     "shift_min": summary["shift_min"], "shift_max": summary["shift_max"],
+                     "adapter_kind": adapter.kind},
+        model={"file": model_file,
+               "files": {name: sha256_file(staging / name) for name in model_files},
+               "num_layers": shape.num_layers, "num_attention_heads": shape.num_attention_heads,
+               "num_kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim,
+               "hidden_size": shape.hidden_size, "vocab_size": shape.vocab_size,
+               "max_position_embeddings": shape.max_position_embeddings, "dtype": dtype,
+               "opset": opset, **tokens},
+        io={"inputs": inputs, "outputs": outputs},
+        tokenizer={"files": tokenizer_files, "chat_template": chat_template},
+        option_tokens=options,
+        p_true_template=p_true_template(template).to_dict(),
+        export=export,
+        validation=validation,
+        root=staging,
+    )

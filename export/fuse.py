@@ -1,0 +1,161 @@
+"""Merge the LoRA, untie the embedding, and fuse the calibration into the LM head.
+
+The math is :func:`calm_runtime.calibration.fused_head` (METHODS.md §1), called through
+:meth:`CalibrationAdapter.fused_head`; nothing here re-derives it.
+
+Head layout (``ExportConfig.head_layout``), measured on SmolLM2-135M (tied, vocab 49,152,
+fp32, ONNX Runtime 1.32 CPU; see the report of the calm-export issue):
+
+* ``"untied"`` (default): the head gets its own copy ``W' = W / (tau T)`` and bias
+  ``b' = (b / tau + l) / T``; the embedding keeps ``W``. The file grows by one ``[V, d]``
+  matrix (543 -> 656 MB), but the runtime does not: a tied graph reads the shared matrix
+  through a ``Transpose`` that ONNX Runtime constant-folds into a second copy at load time
+  anyway, so the session's resident memory is lower for the untied file (816 vs ~1040 MB),
+  and the head is a plain MatMul + Add that every runtime and quantiser handles.
+* ``"tied-scale"``: the tie is kept and the head's MatMul is followed by an elementwise
+  ``* scale + shift`` with ``scale = 1 / (tau T)`` and ``shift = b'`` (the fused head of
+  a ``[V, 1]`` column of ones). Smaller file, more memory at run time.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from calm_runtime.artifact import CalibrationAdapter
+from calm_runtime.errors import ArtifactError
+
+__all__ = [
+    "ScaledHead",
+    "apply_lora",
+    "fuse_into_lm_head",
+    "head_is_tied",
+    "merge_lora",
+    "untie_lm_head",
+]
+
+logger = logging.getLogger(__name__)
+
+
+class ScaledHead(nn.Module):
+    """A (possibly tied) linear head followed by an elementwise scale and shift."""
+
+    def __init__(self, linear: nn.Linear, scale: torch.Tensor, shift: torch.Tensor) -> None:
+        super().__init__()
+        self.linear = linear
+        self.register_buffer("scale", scale.detach().clone())
+        self.register_buffer("shift", shift.detach().clone())
+
+    @property
+    def weight(self) -> torch.Tensor:  # lets transformers treat it like a Linear head
+        return self.linear.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.linear(hidden) * self.scale + self.shift
+
+
+def head_is_tied(model) -> bool:
+    """True when the LM head shares its weight storage with the input embedding."""
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is None or embedding is None:
+        return False
+    head_weight = head.weight
+    return head_weight is embedding.weight or (
+        head_weight.data_ptr() == embedding.weight.data_ptr())
+
+
+def _set_untied_config(model) -> None:
+    for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+        if getattr(config, "tie_word_embeddings", False):
+            config.tie_word_embeddings = False
+
+
+def untie_lm_head(model) -> bool:
+    """Give the LM head its own copy of a tied weight; the embedding keeps the original.
+
+    Returns whether the model was tied. Done before the LoRA is applied, so a LoRA that
+    targets the head cannot leak into the embedding when it is merged.
+    """
+    tied = head_is_tied(model)
+    if tied:
+        head = model.get_output_embeddings()
+        with torch.no_grad():
+            head.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=False)
+        logger.info("untied the LM head from the input embedding (%d x %d copied)",
+                    *head.weight.shape)
+    _set_untied_config(model)
+    return tied
+
+
+def apply_lora(model, lora_path: str | Path):
+    """Wrap ``model`` with the peft LoRA in ``lora_path`` (not merged: the reference)."""
+    try:
+        from peft import PeftModel
+    except ImportError:
+        from calm_runtime.errors import BackendUnavailableError
+
+        raise BackendUnavailableError("peft is not installed; the adapter has a LoRA, install "
+                                      "the export extra: pip install 'calm[export]'") from None
+    try:
+        wrapped = PeftModel.from_pretrained(model, str(lora_path), is_trainable=False)
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ArtifactError(f"cannot apply the LoRA in {lora_path} to this model ({reason}); "
+                            "use an adapter trained on this base model") from None
+    wrapped.eval()
+    return wrapped
+
+
+def merge_lora(peft_model):
+    """Merge the LoRA weights into the base model and drop the peft wrappers."""
+    with torch.no_grad():
+        merged = peft_model.merge_and_unload()
+    merged.eval()
+    return merged
+
+
+def fuse_into_lm_head(model, adapter: CalibrationAdapter, *, layout: str = "untied") -> None:
+    """Replace the LM head in place so that it outputs calibrated logits.
+
+    ``layout="untied"`` needs an untied head (call :func:`untie_lm_head` first); it becomes
+    ``nn.Linear(d, V, bias=True)`` with ``(W', b') = adapter.fused_head(W, b)``.
+    ``layout="tied-scale"`` keeps the head's weight (shared or not) and appends
+    :class:`ScaledHead`'s elementwise ops. Note that ``save_pretrained`` would drop the
+    added bias: export from the in-memory model.
+    """
+    head = model.get_output_embeddings()
+    if not isinstance(head, nn.Linear):
+        raise ArtifactError(f"the model's LM head is a {type(head).__name__}, not a Linear "
+                            "layer; calm-export can only fuse into a linear head")
+    weight = head.weight.detach()
+    bias = None if head.bias is None else head.bias.detach()
+    if weight.shape[0] != adapter.base_model.vocab_size:
+        from calm_runtime.errors import IncompatibleModelError
+
+        raise IncompatibleModelError(
+            f"the adapter is for a vocabulary of {adapter.base_model.vocab_size} tokens but the "
+            f"model's head has {weight.shape[0]} rows; use an adapter made for this model")
+    with torch.no_grad():
+        if layout == "untied":
+            if head_is_tied(model):
+                raise ArtifactError("the LM head is still tied to the embedding; call "
+                                    "untie_lm_head first (fusing would rescale the embedding)")
+            new_weight, new_bias = adapter.fused_head(weight, bias)
+            fused = nn.Linear(weight.shape[1], weight.shape[0], bias=True,
+                              dtype=weight.dtype, device=weight.device)
+            fused.weight = nn.Parameter(new_weight.contiguous(), requires_grad=False)
+            fused.bias = nn.Parameter(new_bias.contiguous(), requires_grad=False)
+            model.set_output_embeddings(fused)
+        elif layout == "tied-scale":
+            ones = torch.ones(weight.shape[0], 1, dtype=weight.dtype, device=weight.device)
+            scale, shift = adapter.fused_head(ones, bias)
+            plain = nn.Linear(weight.shape[1], weight.shape[0], bias=False,
+                              dtype=weight.dtype, device=weight.device)
+            plain.weight = head.weight  # keep the tie: same Parameter as the embedding
+            model.set_output_embeddings(ScaledHead(plain, scale[:, 0], shift))
+        else:
+            raise ArtifactError(f"unknown head layout {layout!r}")
+    logger.info("fused the calibration into the LM head (%s layout)", layout)

@@ -1,0 +1,204 @@
+"""ONNX export of a decoder with an explicit KV cache (optimum's I/O names).
+
+:class:`KVCacheDecoder` turns flat tensors into a transformers ``DynamicCache`` and back,
+so the graph has plain inputs ``input_ids``, ``attention_mask``, ``position_ids``,
+``past_key_values.{i}.key/value`` and outputs ``logits``, ``present.{i}.key/value``
+(the names :func:`calm_runtime.engine.engine_io_names` defines). The dynamo exporter
+(``torch.export``) is the default; the TorchScript tracer is the fallback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from calm_runtime.engine import engine_io_names
+from calm_runtime.errors import CalmError
+
+__all__ = ["DecoderShape", "KVCacheDecoder", "OnnxExportError", "decoder_shape", "export_onnx"]
+
+logger = logging.getLogger(__name__)
+
+ONNX_FILE = "model.onnx"
+EXTERNAL_DATA_FILE = "model.onnx.data"
+
+
+class OnnxExportError(CalmError):
+    """Neither ONNX exporter could convert the model (the message names both failures)."""
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    """The sizes the graph's I/O depend on."""
+
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    max_position_embeddings: int
+
+
+def decoder_shape(config) -> DecoderShape:
+    """Read the KV-cache geometry from a transformers config (text part for multimodal)."""
+    text = config.get_text_config(decoder=True)
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return DecoderShape(
+        num_layers=text.num_hidden_layers, num_attention_heads=heads,
+        num_kv_heads=getattr(text, "num_key_value_heads", None) or heads, head_dim=head_dim,
+        hidden_size=text.hidden_size, vocab_size=text.vocab_size,
+        max_position_embeddings=getattr(text, "max_position_embeddings", None) or 2048)
+
+
+class KVCacheDecoder(nn.Module):
+    """``(input_ids, attention_mask, position_ids, past) -> (logits, *present)``.
+
+    ``past`` is a tuple ``(key_0, value_0, key_1, value_1, ...)`` of
+    ``[batch, num_kv_heads, past_len, head_dim]`` tensors (``past_len`` may be 0);
+    ``attention_mask`` covers past and current tokens. The logits are float32.
+    """
+
+    def __init__(self, model: nn.Module, num_layers: int) -> None:
+        super().__init__()
+        self.model = model
+        self.num_layers = num_layers
+
+    def forward(self, input_ids, attention_mask, position_ids, past):
+        from transformers import DynamicCache
+
+        cache = DynamicCache(ddp_cache_data=[(past[2 * i], past[2 * i + 1])
+                                             for i in range(self.num_layers)])
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask,
+                         position_ids=position_ids, cache=cache, use_cache=True)
+        present = []
+        for layer in out.cache.layers:
+            present += [layer.keys, layer.values]
+        return (out.logits.float(), *present)
+
+
+def example_inputs(shape: DecoderShape, *, batch: int = 2, seq: int = 3, past: int = 4,
+                   dtype=torch.float32):
+    """Inputs for tracing. Sizes are >= 2 and distinct so no dynamic axis gets specialised."""
+    input_ids = torch.ones(batch, seq, dtype=torch.long)
+    attention_mask = torch.ones(batch, past + seq, dtype=torch.long)
+    position_ids = torch.arange(past, past + seq, dtype=torch.long).expand(batch, seq).clone()
+    cache = tuple(torch.zeros(batch, shape.num_kv_heads, past, shape.head_dim, dtype=dtype)
+                  for _ in range(2 * shape.num_layers))
+    return input_ids, attention_mask, position_ids, cache
+
+
+def export_onnx(model: nn.Module, shape: DecoderShape, directory: Path, *, opset: int = 18,
+                exporter: str = "auto", external_data: bool = False) -> dict:
+    """Export ``model`` to ``directory/model.onnx``; returns the export facts for the manifest.
+
+    ``exporter`` is ``"dynamo"``, ``"torchscript"`` or ``"auto"`` (dynamo, then TorchScript).
+    """
+    wrapper = KVCacheDecoder(model, shape.num_layers).eval()
+    path = Path(directory) / ONNX_FILE
+    order = {"auto": ("dynamo", "torchscript"), "dynamo": ("dynamo",),
+             "torchscript": ("torchscript",)}[exporter]
+    failures = []
+    for name in order:
+        try:
+            with torch.no_grad(), _quiet():
+                if name == "dynamo":
+                    _export_dynamo(wrapper, shape, path, opset, external_data)
+                else:
+                    _export_torchscript(wrapper, shape, path, opset, external_data)
+        except Exception as exc:  # noqa: BLE001 - exporter internals raise anything
+            reason = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+            failures.append(f"{name}: {type(exc).__name__}: {reason}")
+            logger.warning("the %s ONNX exporter failed (%s)%s", name, failures[-1],
+                           "; trying the next one" if name != order[-1] else "")
+            for leftover in Path(directory).glob(f"{ONNX_FILE}*"):
+                leftover.unlink()
+            continue
+        logger.info("exported %s with the %s exporter", path.name, name)
+        return {"exporter": name, "opset": _graph_opset(path), "external_data": external_data}
+    raise OnnxExportError("could not export the model to ONNX (" + " | ".join(failures) + "); "
+                          "check that transformers supports torch.export for this architecture")
+
+
+def _dynamic_shapes(shape: DecoderShape):
+    from torch.export import Dim
+
+    batch = Dim("batch_size")
+    seq = Dim("sequence_length")
+    past = Dim("past_sequence_length")
+    total = Dim("total_sequence_length")
+    cache = tuple({0: batch, 2: past} for _ in range(2 * shape.num_layers))
+    return ({0: batch, 1: seq}, {0: batch, 1: total}, {0: batch, 1: seq}, cache)
+
+
+def _export_dynamo(wrapper, shape, path: Path, opset: int, external_data: bool) -> None:
+    inputs, outputs = engine_io_names(shape.num_layers)
+    program = torch.onnx.export(
+        wrapper, example_inputs(shape), dynamo=True, opset_version=opset,
+        dynamic_shapes=_dynamic_shapes(shape), input_names=inputs, output_names=outputs,
+        optimize=True, verbose=False, report=False)
+    program.save(str(path), external_data=external_data)
+    names = sorted(p.name for p in path.parent.iterdir() if p.name.startswith(ONNX_FILE))
+    if names not in ([ONNX_FILE], [ONNX_FILE, EXTERNAL_DATA_FILE]):
+        _rewrite_external(path, external_data)  # another exporter version named files otherwise
+
+
+def _export_torchscript(wrapper, shape, path: Path, opset: int, external_data: bool) -> None:
+    inputs, outputs = engine_io_names(shape.num_layers)
+    axes = {"input_ids": {0: "batch_size", 1: "sequence_length"},
+            "attention_mask": {0: "batch_size", 1: "total_sequence_length"},
+            "position_ids": {0: "batch_size", 1: "sequence_length"},
+            "logits": {0: "batch_size", 1: "sequence_length"}}
+    axes.update({name: {0: "batch_size", 2: "past_sequence_length"} for name in inputs[3:]})
+    axes.update({name: {0: "batch_size", 2: "total_sequence_length"} for name in outputs[1:]})
+    torch.onnx.export(wrapper, example_inputs(shape), str(path), dynamo=False,
+                      opset_version=opset, input_names=inputs, output_names=outputs,
+                      dynamic_axes=axes, do_constant_folding=True)
+    _rewrite_external(path, external_data)
+
+
+def _rewrite_external(path: Path, external_data: bool) -> None:
+    """Store weights in one ``model.onnx.data`` file (or inline), whatever the exporter did."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=True)
+    extra = [p for p in path.parent.iterdir()
+             if p.is_file() and p != path and p.name.startswith(ONNX_FILE)]
+    for stale in extra:
+        stale.unlink()
+    if external_data:
+        onnx.save_model(model, str(path), save_as_external_data=True,
+                        all_tensors_to_one_file=True, location=EXTERNAL_DATA_FILE,
+                        size_threshold=1024)
+    else:
+        onnx.save_model(model, str(path))
+
+
+def _graph_opset(path: Path) -> int:
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    for entry in model.opset_import:
+        if entry.domain in ("", "ai.onnx"):
+            return int(entry.version)
+    raise OnnxExportError(f"{path} declares no default-domain opset; the export is broken")
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Silence the exporters' stdout chatter and warnings (library code only logs)."""
+    sink = io.StringIO()
+    with warnings.catch_warnings(), contextlib.redirect_stdout(sink):
+        warnings.simplefilter("ignore")
+        yield
+    text = sink.getvalue().strip()
+    if text:
+        logger.debug("exporter output:\n%s", text)

@@ -1,0 +1,278 @@
+"""``export_engine``: resolve -> reference -> merge + fuse -> export -> validate -> write.
+
+Nothing reaches the output directory before validation passes: the engine is built in a
+temporary sibling folder (``calm_runtime._fs.atomic_directory``) and renamed into place
+last; with ``overwrite`` the old engine is replaced only then, so a failed export leaves
+it intact.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from calm_runtime._fs import atomic_directory
+from calm_runtime.artifact import CalibrationAdapter
+from calm_runtime.engine import EngineManifest
+from calm_runtime.errors import ArtifactError, ConfigError
+from calm_runtime.models import load_model_and_tokenizer, resolve_model
+
+from . import engine_writer, fuse, validate
+from .config import ExportConfig
+from .onnx import ONNX_FILE, KVCacheDecoder, decoder_shape, export_onnx
+
+__all__ = ["ExportResult", "export_engine"]
+
+logger = logging.getLogger(__name__)
+
+STAGES = ("resolve", "load", "reference", "fuse", "export", "validate", "tensorrt", "write")
+
+
+@dataclass
+class ExportResult:
+    """What ``export_engine`` produced: where, the manifest, file sizes and stage timings."""
+
+    path: Path
+    manifest: EngineManifest
+    file_sizes: dict[str, int]
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.file_sizes.values())
+
+
+class _Stages:
+    """Logs each stage and moves one tqdm bar (stderr) along."""
+
+    def __init__(self, names, progress: bool) -> None:
+        from tqdm.auto import tqdm
+
+        self.names = list(names)
+        self.bar = tqdm(total=len(self.names), desc="calm-export", unit="stage",
+                        disable=not progress, leave=False)
+        self.seconds: dict[str, float] = {}
+        self._name, self._start = None, 0.0
+
+    def start(self, name: str) -> None:
+        self.finish()
+        self._name, self._start = name, time.perf_counter()
+        self.bar.set_postfix_str(name)
+        logger.info("stage %d/%d: %s", self.names.index(name) + 1, len(self.names), name)
+
+    def finish(self) -> None:
+        if self._name is not None:
+            self.seconds[self._name] = round(time.perf_counter() - self._start, 3)
+            self.bar.update(1)
+            self._name = None
+
+    def close(self) -> None:
+        self.finish()
+        self.bar.close()
+
+
+def export_engine(model: str | os.PathLike, out: str | os.PathLike, *,
+                  adapter: str | os.PathLike | CalibrationAdapter | None = None,
+                  config: ExportConfig | None = None) -> ExportResult:
+    """Build a validated, calibrated inference engine for ``model`` in the directory ``out``.
+
+    ``model`` is any spec :func:`calm_runtime.models.resolve_model` accepts; ``adapter`` is
+    an adapter directory, a :class:`CalibrationAdapter`, or ``None`` (identity calibration).
+    Raises a :class:`~calm_runtime.errors.CalmError` subclass on bad input or a failed
+    validation; then nothing is written and an existing engine at ``out`` is untouched.
+    """
+    config = config or ExportConfig()
+    out = Path(out)
+    stages = _Stages([s for s in STAGES if s != "tensorrt" or config.format == "tensorrt"],
+                     config.progress)
+    try:
+        return _export(model, out, adapter, config, stages)
+    finally:
+        stages.close()
+
+
+def _export(model_spec, out: Path, adapter_arg, config: ExportConfig,
+            stages: _Stages) -> ExportResult:
+    started = time.perf_counter()
+    stages.start("resolve")
+    if out.exists() and not config.overwrite:
+        raise ArtifactError(f"{out} already exists; choose another --out or pass --overwrite "
+                            "to replace it (the old engine stays until the new one is valid)")
+    if out.exists() and not (out / "calm_engine.json").is_file() and any(out.iterdir()):
+        raise ArtifactError(f"{out} exists and is not a calm engine; refusing to replace it "
+                            "even with --overwrite, choose another --out")
+    trt_facts = None
+    if config.format == "tensorrt":
+        from .tensorrt import require_tensorrt
+
+        trt_facts = require_tensorrt()
+    folder = resolve_model(model_spec)
+    adapter, adapter_dir = _load_adapter(adapter_arg)
+
+    stages.start("load")
+    model, tokenizer, identity = load_model_and_tokenizer(model_spec)
+    if adapter is None:
+        adapter = CalibrationAdapter.identity(identity)
+    else:
+        adapter.base_model.check_compatible(identity)
+    shape = decoder_shape(model.config)
+    template = _template(config, adapter)
+    logger.info("model %s: %d layers, vocab %d; adapter %s (T=%.4g, tau in [%.3g, %.3g])",
+                identity.name, shape.num_layers, shape.vocab_size, adapter.kind,
+                adapter.temperature, float(adapter.tau.min()), float(adapter.tau.max()))
+
+    stages.start("reference")
+    was_tied = fuse.head_is_tied(model)
+    if config.head_layout == "untied":
+        fuse.untie_lm_head(model)
+    reference_model = model
+    if adapter.lora_path is not None:
+        reference_model = fuse.apply_lora(model, adapter.lora_path)
+    tokens = engine_writer.special_tokens(folder, model.config, tokenizer, shape.vocab_size)
+    pad_id = tokens["pad_token_id"] if tokens["pad_token_id"] is not None else 0
+    cases = validate.build_cases(tokenizer, validate.default_prompts(template), pad_id)
+    references = validate.run_cases(validate.torch_reference_runner(reference_model, adapter),
+                                     cases, config.greedy_steps)
+    scale = validate.reference_scale(references)
+    tolerance = config.tolerance(scale)
+
+    stages.start("fuse")
+    if adapter.lora_path is not None:
+        model = fuse.merge_lora(reference_model)
+    del reference_model
+    fuse.fuse_into_lm_head(model, adapter, layout=config.head_layout)
+    decoder = KVCacheDecoder(model, shape.num_layers).eval()
+    fused = validate.run_cases(validate.torch_decoder_runner(decoder, shape), cases,
+                               config.greedy_steps, references)
+    fused_single, fused_double = validate.compare_all(cases, references, fused, tolerance)
+    validate.check("the fused torch model", fused_single.merge(fused_double), tolerance)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    external = config.external_data if config.external_data is not None else (
+        weight_bytes > config.EXTERNAL_DATA_BYTES)
+
+    with atomic_directory(out, overwrite=config.overwrite) as staging:
+        stages.start("export")
+        facts = export_onnx(model, shape, staging, opset=config.opset,
+                            exporter=config.exporter, external_data=external)
+        del model, decoder, fused
+        gc.collect()
+
+        stages.start("validate")
+        runner, runtime = validate.onnx_runner(staging / ONNX_FILE, shape)
+        got = validate.run_cases(runner, cases, config.greedy_steps, references)
+        del runner
+        single, double = validate.compare_all(cases, references, got, tolerance)
+        validate.check("the exported ONNX engine", single.merge(double), tolerance)
+        report = {
+            "passed": True, "max_abs_diff": single.max_abs_diff, "tolerance": tolerance,
+            "atol": config.ATOL_FP32 if config.atol is None else config.atol,
+            "rtol": config.RTOL_FP32 if config.atol is None else 0.0,
+            "reference_scale": scale, "greedy_steps": config.greedy_steps,
+            "greedy_match": True, "greedy_ties": single.greedy_ties + double.greedy_ties,
+            "batch2_max_abs_diff": double.max_abs_diff,
+            "fused_torch_max_abs_diff": max(fused_single.max_abs_diff,
+                                            fused_double.max_abs_diff),
+            "cases": [c.name for c in cases], "runtime": runtime,
+            "reference": "unfused model (+LoRA) with calm_runtime.calibration applied in torch",
+        }
+        model_files = sorted(p.name for p in staging.iterdir() if p.name.startswith(ONNX_FILE))
+        model_file, kind, dtype = ONNX_FILE, "onnx", "float32"
+        trt_settings = None
+        if config.format == "tensorrt":
+            stages.start("tensorrt")
+            trt_settings, trt_report = _build_tensorrt(staging, shape, config, cases,
+                                                       references, scale, trt_facts)
+            report["tensorrt"] = trt_report
+            model_files.append(trt_settings["plan"])
+            model_file, kind = trt_settings["plan"], "tensorrt"
+            dtype = "float16" if config.dtype == "fp16" else "float32"
+
+        stages.start("write")
+        tokenizer_files, chat_template = engine_writer.copy_tokenizer(folder, tokenizer, staging)
+        genai = engine_writer.write_genai_config(staging, shape, tokens)
+        export_settings = {**config.to_dict(), **_versions(),
+                           "exporter_used": facts["exporter"], "external_data": external,
+                           "source_head_tied": was_tied, "genai_config": genai,
+                           "tensorrt": trt_settings}
+        manifest = engine_writer.build_manifest(
+            kind=kind, staging=staging, identity=identity,
+            weights_sha=engine_writer.weights_sha256(folder), adapter=adapter,
+            adapter_info=engine_writer.adapter_source(
+                adapter if adapter_arg is not None else None, adapter_dir),
+            shape=shape, model_file=model_file, model_files=model_files, opset=facts["opset"],
+            tokens=tokens, tokenizer_files=tokenizer_files, chat_template=chat_template,
+            options=engine_writer.option_tokens(tokenizer, shape.vocab_size), template=template,
+            dtype=dtype, export=export_settings, validation=report)
+        manifest.write(staging)
+        EngineManifest.load(staging, verify_hashes=True)  # read back what was written
+        sizes = {p.name: p.stat().st_size for p in sorted(staging.iterdir()) if p.is_file()}
+    stages.finish()
+    stages.seconds["total"] = round(time.perf_counter() - started, 3)
+    final = EngineManifest.load(out, verify_hashes=False)
+    logger.info("engine written to %s (%.1f MB, max |logit diff| %.3g, %.1f s)", out,
+                sum(sizes.values()) / 1e6, report["max_abs_diff"], stages.seconds["total"])
+    return ExportResult(path=out, manifest=final, file_sizes=sizes, seconds=stages.seconds)
+
+
+def _load_adapter(adapter_arg) -> tuple[CalibrationAdapter | None, Path | None]:
+    if adapter_arg is None:
+        return None, None
+    if isinstance(adapter_arg, CalibrationAdapter):
+        adapter_arg.validate()
+        return adapter_arg, None
+    path = Path(adapter_arg)
+    return CalibrationAdapter.from_pretrained(path), path
+
+
+def _template(config: ExportConfig, adapter: CalibrationAdapter):
+    recorded = adapter.p_true_template
+    if config.p_true_template is None:
+        return recorded if recorded is not None else "kadavath"
+    if recorded is not None:
+        from calm_runtime.prompts import p_true_template
+
+        if p_true_template(recorded).to_dict() != p_true_template(config.p_true_template).to_dict():
+            logger.warning("the adapter was fitted with another P(True) template; the engine "
+                           "records the one passed to calm-export")
+    return config.p_true_template
+
+
+def _build_tensorrt(staging: Path, shape, config: ExportConfig, cases, references, scale,
+                    facts: dict):
+    from .tensorrt import PLAN_FILE, build_plan, tensorrt_runner
+
+    fp16 = config.dtype == "fp16"
+    if config.max_sequence_length > shape.max_position_embeddings:
+        raise ConfigError(f"max_sequence_length {config.max_sequence_length} exceeds the model's "
+                          f"{shape.max_position_embeddings} positions; lower it")
+    settings = build_plan(staging / ONNX_FILE, staging / PLAN_FILE, shape, fp16=fp16,
+                          max_batch=config.max_batch_size, max_total=config.max_sequence_length)
+    settings.update(facts)
+    tolerance = config.tolerance(scale, "fp16" if fp16 else "fp32")
+    got = validate.run_cases(tensorrt_runner(staging / PLAN_FILE, shape), cases,
+                             config.greedy_steps, references)
+    single, double = validate.compare_all(cases, references, got, tolerance)
+    validate.check("the TensorRT engine", single.merge(double), tolerance)
+    return settings, {"max_abs_diff": single.max_abs_diff, "tolerance": tolerance,
+                      "batch2_max_abs_diff": double.max_abs_diff, "greedy_match": True,
+                      "greedy_ties": single.greedy_ties + double.greedy_ties}
+
+
+def _versions() -> dict:
+    import onnx
+    import torch
+    import transformers
+
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__,
+                "onnx": onnx.__version__}
+    try:
+        import peft
+
+        versions["peft"] = peft.__version__
+    except ImportError:
+        pass
+    return {"versions": versions}

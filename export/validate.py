@@ -1,0 +1,262 @@
+"""Parity checks: unfused reference -> fused torch -> exported engine.
+
+The reference is the unfused model (base + LoRA, not merged) with the calibration applied
+to its logits in torch by :meth:`CalibrationAdapter.calibrate` (the formula module). It
+generates greedily with its KV cache; every candidate then replays the reference's tokens
+(teacher forcing, so all steps stay comparable) and must give the same logits within the
+tolerance and the same greedy choice at every step. A differing choice is accepted only
+when the reference's own margin between the two tokens is within the tolerance (a tie
+that float rounding may break either way); such ties are counted in the report.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from calm_runtime.errors import ExportValidationError
+from calm_runtime.prompts import cloze_context, letter_prompt, p_true_template
+
+__all__ = [
+    "Case",
+    "Rollout",
+    "Comparison",
+    "default_prompts",
+    "build_cases",
+    "rollout",
+    "compare",
+    "torch_reference_runner",
+    "torch_decoder_runner",
+    "onnx_runner",
+]
+
+logger = logging.getLogger(__name__)
+
+#: (input_ids, attention_mask, position_ids, state) -> (logits [B, S, V] float32, state)
+Runner = Callable[[np.ndarray, np.ndarray, np.ndarray, object], tuple[np.ndarray, object]]
+
+
+def default_prompts(template: str | dict = "kadavath") -> list[str]:
+    """Three short prompts in the formats the runtime scores (P(True), letters, cloze)."""
+    return [
+        p_true_template(template).render("What is the capital of France?", "Paris"),
+        letter_prompt("Which planet is known as the red planet?",
+                      ["Venus", "Mars", "Jupiter", "Saturn"]),
+        cloze_context("Who wrote Hamlet?"),
+    ]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One validation batch: left-padded prompt ids and their attention mask."""
+
+    name: str
+    input_ids: np.ndarray  # [B, S] int64
+    attention_mask: np.ndarray  # [B, S] int64, zeros on the left padding
+
+
+def build_cases(tokenizer, prompts: Sequence[str], pad_id: int) -> list[Case]:
+    """Each prompt alone (batch 1), and the last two together (batch 2, left padding)."""
+    encoded = [list(tokenizer(text, add_special_tokens=True)["input_ids"]) for text in prompts]
+    cases = [_case(f"batch1[{i}]", [ids], pad_id) for i, ids in enumerate(encoded)]
+    pair = sorted(encoded[-2:], key=len, reverse=True)
+    if len(pair[0]) == len(pair[1]):
+        pair[1] = pair[1][1:]  # make sure the batch-2 case really has left padding
+    cases.append(_case("batch2", pair, pad_id))
+    return cases
+
+
+def _case(name: str, sequences: list[list[int]], pad_id: int) -> Case:
+    length = max(len(s) for s in sequences)
+    ids = np.full((len(sequences), length), pad_id, dtype=np.int64)
+    mask = np.zeros((len(sequences), length), dtype=np.int64)
+    for row, seq in enumerate(sequences):
+        ids[row, length - len(seq):] = seq
+        mask[row, length - len(seq):] = 1
+    return Case(name, ids, mask)
+
+
+@dataclass
+class Rollout:
+    """Logits of one case: every prompt position, then the ``N`` greedy choices."""
+
+    prefill: np.ndarray  # [B, S, V]
+    next_logits: np.ndarray  # [B, N, V]; next_logits[:, n] chose tokens[:, n]
+    tokens: np.ndarray  # [B, N] int64
+
+
+def rollout(run: Runner, case: Case, steps: int, forced: np.ndarray | None = None) -> Rollout:
+    """Prefill, then ``steps - 1`` single-token KV-cache steps (greedy, or ``forced``)."""
+    mask = case.attention_mask
+    positions = np.clip(np.cumsum(mask, axis=-1) - 1, 0, None).astype(np.int64)
+    logits, state = run(case.input_ids, mask, positions, None)
+    prefill = logits
+    nexts, tokens = [logits[:, -1]], [logits[:, -1].argmax(-1)]
+    for step in range(1, steps):
+        fed = (forced[:, step - 1] if forced is not None else tokens[-1]).astype(np.int64)
+        mask = np.concatenate([mask, np.ones_like(mask[:, :1])], axis=1)
+        positions = positions[:, -1:] + 1
+        logits, state = run(fed[:, None], mask, positions, state)
+        nexts.append(logits[:, -1])
+        tokens.append(logits[:, -1].argmax(-1))
+    return Rollout(prefill, np.stack(nexts, 1), np.stack(tokens, 1).astype(np.int64))
+
+
+@dataclass
+class Comparison:
+    """How far a candidate's rollout is from the reference's, over one or more cases."""
+
+    max_abs_diff: float = 0.0
+    where: str = ""
+    greedy_total: int = 0
+    greedy_mismatches: int = 0
+    greedy_ties: int = 0
+    first_mismatch: str = ""
+
+    def merge(self, other: Comparison) -> Comparison:
+        worse = other.max_abs_diff > self.max_abs_diff or (
+            other.max_abs_diff != other.max_abs_diff)  # NaN counts as worse
+        return Comparison(
+            max_abs_diff=other.max_abs_diff if worse else self.max_abs_diff,
+            where=other.where if worse else self.where,
+            greedy_total=self.greedy_total + other.greedy_total,
+            greedy_mismatches=self.greedy_mismatches + other.greedy_mismatches,
+            greedy_ties=self.greedy_ties + other.greedy_ties,
+            first_mismatch=self.first_mismatch or other.first_mismatch)
+
+
+def compare(name: str, case: Case, ref: Rollout, got: Rollout, tolerance: float) -> Comparison:
+    """Max |logit difference| over real (unpadded) positions and the greedy agreement."""
+    real = case.attention_mask.astype(bool)
+    prefill = np.abs(got.prefill - ref.prefill)[real]
+    steps = np.abs(got.next_logits - ref.next_logits)
+    worst_prefill = float(np.nan_to_num(prefill.max(), nan=np.inf))
+    worst_steps = float(np.nan_to_num(steps.max(), nan=np.inf))
+    if worst_prefill >= worst_steps:
+        result = Comparison(worst_prefill, f"{name} prompt")
+    else:
+        flat = int(np.nan_to_num(steps.max(-1), nan=np.inf).argmax())
+        row, step = np.unravel_index(flat, steps.shape[:2])
+        result = Comparison(worst_steps, f"{name} row {row} step {step}")
+    result.greedy_total = ref.tokens.size
+    for row, step in zip(*np.nonzero(got.tokens != ref.tokens), strict=True):
+        expected, chosen = ref.tokens[row, step], got.tokens[row, step]
+        margin = float(ref.next_logits[row, step, expected] - ref.next_logits[row, step, chosen])
+        if margin <= tolerance:
+            result.greedy_ties += 1
+            continue
+        result.greedy_mismatches += 1
+        if not result.first_mismatch:
+            result.first_mismatch = (f"{name} row {row} step {step}: token {chosen} instead of "
+                                     f"{expected} (reference margin {margin:.3g})")
+    return result
+
+
+def check(what: str, comparison: Comparison, tolerance: float) -> None:
+    """Raise :class:`ExportValidationError` (one line, with the numbers) unless within bounds."""
+    diff_ok = comparison.max_abs_diff <= tolerance
+    if diff_ok and comparison.greedy_mismatches == 0:
+        return
+    matched = comparison.greedy_total - comparison.greedy_mismatches
+    detail = (f"max |logit diff| {comparison.max_abs_diff:.3g} at {comparison.where}, "
+              f"tolerance {tolerance:.3g}; greedy tokens {matched}/{comparison.greedy_total} "
+              "match")
+    if comparison.first_mismatch:
+        detail += f" (first differs at {comparison.first_mismatch})"
+    raise ExportValidationError(f"{what} does not match the reference: {detail}; no engine was "
+                                "written")
+
+
+# ---------------------------------------------------------------------- runners
+def torch_reference_runner(model, adapter) -> Runner:
+    """The unfused model with its KV cache; calibration applied by the formula module."""
+    import torch
+    from transformers import DynamicCache
+
+    def run(input_ids, attention_mask, position_ids, state):
+        cache = DynamicCache() if state is None else state
+        with torch.inference_mode():
+            out = model(input_ids=torch.from_numpy(input_ids),
+                        attention_mask=torch.from_numpy(attention_mask),
+                        position_ids=torch.from_numpy(position_ids), cache=cache, use_cache=True)
+            logits = adapter.calibrate(out.logits.float())
+        return logits.numpy(), out.cache
+
+    return run
+
+
+def torch_decoder_runner(decoder, shape) -> Runner:
+    """The fused model through the same wrapper that is exported (flat past tensors)."""
+    import torch
+
+    def run(input_ids, attention_mask, position_ids, state):
+        if state is None:
+            state = tuple(torch.zeros(input_ids.shape[0], shape.num_kv_heads, 0, shape.head_dim)
+                          for _ in range(2 * shape.num_layers))
+        with torch.inference_mode():
+            logits, *present = decoder(torch.from_numpy(input_ids),
+                                       torch.from_numpy(attention_mask),
+                                       torch.from_numpy(position_ids), state)
+        return logits.numpy(), tuple(present)
+
+    return run
+
+
+def onnx_runner(path: Path, shape) -> tuple[Runner, str]:
+    """An ONNX Runtime session on ``path`` (CPU, full graph optimisation, as served)."""
+    import onnxruntime as ort
+
+    from calm_runtime.engine import engine_io_names
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    inputs, outputs = engine_io_names(shape.num_layers)
+
+    def run(input_ids, attention_mask, position_ids, state):
+        if state is None:
+            empty = np.zeros((input_ids.shape[0], shape.num_kv_heads, 0, shape.head_dim),
+                             np.float32)
+            state = [empty] * (2 * shape.num_layers)
+        feed = {"input_ids": input_ids, "attention_mask": attention_mask,
+                "position_ids": position_ids}
+        feed.update(zip(inputs[3:], state, strict=True))
+        logits, *present = session.run(outputs, feed)
+        return logits, present
+
+    return run, f"onnxruntime {ort.__version__} CPUExecutionProvider"
+
+
+def run_cases(run: Runner, cases: Sequence[Case], steps: int,
+              references: Sequence[Rollout] | None = None, progress=None) -> list[Rollout]:
+    """Roll every case out (greedy, or replaying the references' tokens)."""
+    results = []
+    for index, case in enumerate(cases):
+        forced = None if references is None else references[index].tokens
+        results.append(rollout(run, case, steps, forced))
+        if progress is not None:
+            progress.update(1)
+    return results
+
+
+def compare_all(cases: Sequence[Case], references: Sequence[Rollout], got: Sequence[Rollout],
+                tolerance: float) -> tuple[Comparison, Comparison]:
+    """(batch-1 cases, batch-2 cases) comparisons."""
+    single, double = Comparison(), Comparison()
+    for case, ref, cand in zip(cases, references, got, strict=True):
+        result = compare(case.name, case, ref, cand, tolerance)
+        if case.input_ids.shape[0] == 1:
+            single = single.merge(result)
+        else:
+            double = double.merge(result)
+    return single, double
+
+
+def reference_scale(references: Sequence[Rollout]) -> float:
+    """The largest |calibrated logit| the reference produced (sets the relative tolerance)."""
+    return max(max(float(np.abs(r.prefill).max()), float(np.abs(r.next_logits).max()))
+               for r in references)

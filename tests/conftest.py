@@ -1,0 +1,123 @@
+"""Shared test fixtures: tiny random Llama models with a real tokenizer, LoRA adapters.
+
+Everything is built offline from a fixed seed in a temporary directory. Keep fixtures in
+clearly named functions; the ``tiny_llama_*`` helpers need torch and transformers and
+import them lazily, so test modules that do not use them stay torch-free.
+"""
+
+from __future__ import annotations
+
+import os
+import string
+import sys
+
+import numpy as np
+import pytest
+
+# pytest's default "prepend" import mode puts this folder (tests/) on sys.path to import this
+# file. There, tests/calm_runtime/ and tests/calm_export/ (folders of tests, no __init__.py)
+# would shadow the installed packages as namespace packages whenever the current directory
+# is not the repository root. Take it off again; test modules do not import each other.
+_HERE = os.path.realpath(os.path.dirname(__file__))
+sys.path[:] = [p for p in sys.path if not p or os.path.realpath(p) != _HERE]
+
+TINY_VOCAB = 300
+TINY_SPECIALS = ("<|endoftext|>", "<s>", "</s>", "<pad>")  # ids 0..3: unk, bos, eos, pad
+
+
+def tiny_tokenizer():
+    """A byte-level BPE tokenizer (every string encodes) with " A".." J" as single tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(TINY_SPECIALS)}
+    for char in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[char] = len(vocab)
+    merges = [("Ġ", letter) for letter in string.ascii_uppercase[:10]]
+    merges += [("Ġ", "Y"), ("e", "s"), ("ĠY", "es"), ("Ġ", "N"), ("ĠN", "o")]
+    for left, right in merges:
+        vocab.setdefault(left + right, len(vocab))
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<|endoftext|>"))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>", unk_token="<|endoftext|>")
+
+
+def tiny_llama_config(*, tied: bool, vocab_size: int = TINY_VOCAB):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                       max_position_embeddings=256, tie_word_embeddings=tied,
+                       initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=3)
+
+
+def tiny_llama_dir(tmp_path_factory, tied: bool, *, seed: int = 0, vocab_size: int = TINY_VOCAB,
+                   name: str | None = None):
+    """Save a 2-layer random Llama (tied or untied head) with the tiny tokenizer; return dir."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(tiny_llama_config(tied=tied, vocab_size=vocab_size)).eval()
+    folder = tmp_path_factory.mktemp(name or f"tiny-llama-{'tied' if tied else 'untied'}")
+    model.save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def tiny_lora_dir(tmp_path_factory, model_dir, *, seed: int = 1):
+    """A peft LoRA (r=4 on q_proj, v_proj) with random, nonzero B so the merge matters."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir))
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                        init_lora_weights=False)
+    peft_model = get_peft_model(base, config)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.2)
+    folder = tmp_path_factory.mktemp("tiny-lora")
+    peft_model.save_pretrained(folder)
+    return folder
+
+
+def random_calibration_adapter(model_dir, *, lora_dir=None, seed: int = 2,
+                               temperature: float = 1.3):
+    """A CalibrationAdapter with random positive tau, random shift and temperature."""
+    from calm_runtime.artifact import CalibrationAdapter
+    from calm_runtime.models import model_identity
+
+    identity = model_identity(model_dir)
+    rng = np.random.default_rng(seed)
+    tau = np.exp(rng.normal(0.0, 0.3, identity.vocab_size)).astype(np.float32)
+    shift = rng.normal(0.0, 0.5, identity.vocab_size).astype(np.float32)
+    return CalibrationAdapter(base_model=identity, tau=tau, shift=shift, temperature=temperature,
+                              answer_temperature=0.9, lora_path=lora_dir, kind="test")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_tied(tmp_path_factory):
+    return tiny_llama_dir(tmp_path_factory, tied=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_untied(tmp_path_factory):
+    return tiny_llama_dir(tmp_path_factory, tied=False, seed=3)
+
+
+@pytest.fixture(scope="session")
+def tiny_lora_tied(tmp_path_factory, tiny_llama_tied):
+    return tiny_lora_dir(tmp_path_factory, tiny_llama_tied)
+
+
+@pytest.fixture(scope="session")
+def tiny_lora_untied(tmp_path_factory, tiny_llama_untied):
+    return tiny_lora_dir(tmp_path_factory, tiny_llama_untied, seed=4)

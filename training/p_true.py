@@ -1,0 +1,158 @@
+"""Open QA: greedy answers, correctness by alias match, P(True), and its calibration.
+
+METHODS.md §2–§3: the post-trained model answers each question greedily; each model
+(PoLM and, for DACA, the PLM) judges that answer with a named P(True) template; the
+two-way ``[true, false]`` logits are calibrated like option logits (DACA on the two-way
+distributions, or temperature scaling against answer correctness). The fitted
+temperature is token-level, so it fuses into the engine's LM head.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from calm_runtime import metrics
+from calm_runtime._fs import sha256_bytes
+from calm_runtime._paths import cache_dir
+from calm_runtime.data import OpenQARecord, dataset_hash, load_dataset, split_indices
+from calm_runtime.errors import ConfigError, DataError
+from calm_runtime.models import load_model_and_tokenizer, model_fingerprint, resolve_model
+from calm_runtime.prompts import p_true_template
+
+from . import daca
+from .scoring import generate_answers, is_correct, score_p_true
+
+__all__ = ["P_TRUE_METHODS", "compare_p_true", "fit_p_true", "open_qa_judgements"]
+
+logger = logging.getLogger(__name__)
+
+P_TRUE_METHODS = ("vanilla", "naive", "daca", "ts")
+ANSWER_VERSION = 1  # bump when generation or judging changes (invalidates the cache)
+
+
+def _records(config) -> list[OpenQARecord]:
+    records = load_dataset(config.data)
+    if records and not isinstance(records[0], OpenQARecord):
+        raise DataError(f"{config.data} holds multiple-choice records; P(True) mode needs open-QA "
+                        "data (question, answers)")
+    return records[: config.limit] if config.limit else records
+
+
+def _cache_path(kind: str, material: dict) -> Path:
+    key = sha256_bytes(json.dumps(material, sort_keys=True).encode())[:40]
+    return cache_dir("scores") / f"{kind}-{key}.json"
+
+
+def _load_or(path: Path, compute):
+    if path.is_file():
+        try:
+            return json.loads(path.read_text())
+        except ValueError:
+            logger.warning("ignoring unreadable cache entry %s", path)
+    value = compute()
+    handle, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(handle, "w") as out:
+        json.dump(value, out)
+    os.replace(tmp, path)
+    return value
+
+
+def open_qa_judgements(config, *, progress: bool = True) -> dict:
+    """PoLM answers, their correctness, and each model's two-way P(True) logits (cached)."""
+    records = _records(config)
+    template = p_true_template(config.p_true_template)
+    polm_folder = resolve_model(config.model)
+    base = {"version": ANSWER_VERSION, "data": dataset_hash(records),
+            "polm": model_fingerprint(polm_folder)}
+    loaded = {}
+
+    def model(spec):
+        if spec not in loaded:
+            loaded[spec] = load_model_and_tokenizer(spec)[:2]
+        return loaded[spec]
+
+    answers = _load_or(_cache_path("answers", base), lambda: generate_answers(
+        *model(config.model), [r.question for r in records], progress=progress))
+    correct = [is_correct(a, r.answers) for a, r in zip(answers, records, strict=True)]
+    out = {"records": records, "answers": answers, "correct": np.array(correct, dtype=float)}
+    judges = {"polm": config.model}
+    if config.reference:
+        judges["plm"] = config.reference
+    for role, spec in judges.items():
+        material = {**base, "judge": model_fingerprint(resolve_model(spec)),
+                    "template": template.to_dict(), "chat": config.chat}
+        logits = _load_or(_cache_path("ptrue", material), lambda spec=spec: score_p_true(
+            *model(spec), [r.question for r in records], answers, template, chat=config.chat,
+            batch_size=config.batch_size, progress=progress).tolist())
+        out[role] = np.asarray(logits, dtype=float)
+    return out
+
+
+def _p(two_way: np.ndarray, temperature: float = 1.0) -> np.ndarray:
+    """P(True) from ``[true, false]`` logits at temperature ``T``."""
+    z = two_way / temperature
+    return 1.0 / (1.0 + np.exp(np.clip(z[:, 1] - z[:, 0], -700, 700)))
+
+
+def _fit(method: str, judged: dict, cal: np.ndarray):
+    g = judged["polm"][cal]
+    if method == "vanilla":
+        return None
+    if method in ("naive", "daca"):
+        if "plm" not in judged:
+            raise ConfigError("label-free P(True) calibration needs --reference")
+        return daca.fit_daca_p_true(_p(judged["plm"][cal]), _p(g), mask=method == "daca")
+    if method == "ts":
+        return daca.fit_temperature_scaling(g, (1 - judged["correct"][cal]).astype(int))
+    raise ConfigError(f"unknown P(True) method {method!r}; choose one of "
+                      f"{', '.join(P_TRUE_METHODS)}")
+
+
+def compare_p_true(config, methods=P_TRUE_METHODS, *, progress: bool = True) -> dict:
+    """Fit P(True) calibrations on the calibration split; binary metrics on the test split.
+
+    The label of an item is whether the PoLM's answer is correct; the confidence is
+    P(True) (METHODS.md §5).
+    """
+    judged = open_qa_judgements(config, progress=progress)
+    n = len(judged["records"])
+    cal, test = split_indices(n, config.calibration_fraction, config.seed)
+    rows, panels = {}, {}
+    for method in methods:
+        fit = _fit(method, judged, cal)
+        p = _p(judged["polm"][test], 1.0 if fit is None else fit.temperature)
+        y = judged["correct"][test]
+        row = metrics.binary_report(p, y, config.n_bins)
+        if config.bootstrap:
+            row["ece_ci95"] = list(metrics.bootstrap_interval(
+                lambda c, t: metrics.ece(c, t, config.n_bins), p, y,
+                n_resamples=config.bootstrap))
+        row["fit"] = None if fit is None else fit.to_dict()
+        rows[method], panels[method] = row, (p, y)
+    report = {"config": config.to_dict(), "data_hash": dataset_hash(judged["records"]),
+              "n_records": n, "n_calibration": int(cal.size), "n_test": int(test.size),
+              "answer_accuracy": float(judged["correct"].mean()), "methods": rows,
+              "_panels": panels}
+    if "plm" in judged:
+        p_plm = _p(judged["plm"][test])
+        report["reference_on_test"] = metrics.binary_report(p_plm, judged["correct"][test],
+                                                            config.n_bins)
+        report["agreement_rate"] = float(((_p(judged["plm"][cal]) > 0.5)
+                                          == (_p(judged["polm"][cal]) > 0.5)).mean())
+    return report
+
+
+def fit_p_true(config, method: str):
+    """Fit ``method`` on the calibration split; returns ``(fit, n_calibration, data_hash)``."""
+    judged = open_qa_judgements(config)
+    cal, _ = split_indices(len(judged["records"]), config.calibration_fraction, config.seed)
+    fit = _fit(method, judged, cal)
+    if fit is None:
+        raise ConfigError("vanilla is the uncalibrated baseline; choose daca, naive or ts")
+    return fit, int(cal.size), dataset_hash(judged["records"])
