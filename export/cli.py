@@ -43,8 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if not args.quiet:  # stage log for calm only; the exporters' own INFO chatter stays off
+        for name in ("calm_export", "calm_runtime"):
+            logging.getLogger(name).setLevel(logging.INFO)
     try:
         from calm_export.config import ExportConfig
 

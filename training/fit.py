@@ -25,7 +25,7 @@ from calm_runtime import metrics
 from calm_runtime.artifact import CalibrationAdapter
 from calm_runtime.calibration import apply_calibration
 from calm_runtime.data import MultipleChoiceRecord, dataset_hash, load_dataset, split_indices
-from calm_runtime.errors import ConfigError, DataError
+from calm_runtime.errors import ConfigError, DataError, FitError
 from calm_runtime.models import model_identity, resolve_model
 from calm_runtime.prompts import letter_tokens
 
@@ -349,8 +349,9 @@ def _kind(base: CalibrationAdapter, method: str) -> str:
 
 def _check_finite_temperature(fit) -> None:
     if isinstance(fit, daca.TemperatureFit) and not np.isfinite(fit.temperature):
-        raise ConfigError(f"the {fit.method} fit put the optimum at an infinite temperature "
-                          "(the models disagree too much to calibrate); nothing was written")
+        raise FitError(f"the {fit.method} fit put the optimum at an infinite temperature on "
+                       f"{fit.n_used} items (uniform probabilities fit best: the scores carry no "
+                       "signal there); use more or other data; nothing was written")
 
 
 def _write_vector(adapter: CalibrationAdapter, fit, config: FitConfig, folder: Path) -> None:

@@ -1,0 +1,242 @@
+"""The engine's tokenizer: ``tokenizers`` only (no transformers), plus the chat template.
+
+Encoding follows the engine manifest, not the tokenizer's post-processor: a context gets
+the BOS token exactly when ``model.add_bos`` says transformers' tokenizer adds one (what
+training saw); continuations and chat-rendered prompts get no special tokens. The chat
+template is rendered with jinja2 the way transformers renders it (sandboxed environment,
+``trim_blocks``/``lstrip_blocks``, ``raise_exception``, ``tojson``, ``strftime_now``,
+the special tokens as variables). Every object here is read-only after construction, so
+one instance is shared by all threads; per-sequence decoding state lives in
+:class:`IncrementalDecoder`.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from .errors import ArtifactError, ConfigError
+
+__all__ = ["EngineTokenizer", "IncrementalDecoder"]
+
+logger = logging.getLogger(__name__)
+
+_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
+                 "mask_token")
+#: tokens kept before the new ones when decoding incrementally (enough for any merge context)
+_DECODE_CONTEXT = 6
+
+
+class EngineTokenizer:
+    """Encode, decode and render chat prompts for one engine directory (thread-safe)."""
+
+    def __init__(self, manifest) -> None:
+        from tokenizers import Tokenizer
+
+        path = manifest.path("tokenizer.json")
+        try:
+            tokenizer = Tokenizer.from_file(str(path))
+        except Exception as exc:  # noqa: BLE001 - the Rust parser raises plain Exceptions
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise ArtifactError(f"{path} cannot be read by the tokenizers library ({reason}); "
+                                "copy the engine again or re-export it") from None
+        # a tokenizer.json may carry padding/truncation settings; calm pads and checks lengths
+        # itself, and the shared object must never be reconfigured later
+        tokenizer.no_padding()
+        tokenizer.no_truncation()
+        self._tokenizer = tokenizer
+        model = manifest.model
+        self.bos_token_id: int | None = model["bos_token_id"]
+        self.eos_token_ids: tuple[int, ...] = tuple(model["eos_token_ids"])
+        self.pad_token_id: int = (model["pad_token_id"] if model["pad_token_id"] is not None
+                                  else (self.eos_token_ids[0] if self.eos_token_ids else 0))
+        self.add_bos: bool = bool(model["add_bos"] and self.bos_token_id is not None)
+        config = _read_json(manifest, "tokenizer_config.json")
+        self._special = self._special_tokens(config, manifest)
+        self.chat_template: str | None = self._find_chat_template(manifest, config)
+        self._compiled = None
+        if self.chat_template is not None:
+            self._compiled = _compile_template(self.chat_template)
+
+    # ------------------------------------------------------------------ encoding
+    def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
+        """Token ids of ``text`` without the post-processor; BOS first when ``add_bos``.
+
+        ``add_bos=None`` follows the manifest (a context, as training encoded it);
+        ``False`` is for continuations and chat-rendered prompts.
+        """
+        ids = self._tokenizer.encode(text, add_special_tokens=False).ids
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_token_id is not None:
+            return [self.bos_token_id, *ids]
+        return list(ids)
+
+    def encode_batch(self, texts: Sequence[str], *, add_bos: bool | None = None) -> list[list[int]]:
+        return [self.encode(t, add_bos=add_bos) for t in texts]
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def single_token_id(self, text: str, what: str) -> int:
+        """The id of ``text`` as exactly one token, or a ConfigError naming the split."""
+        ids = self._tokenizer.encode(text, add_special_tokens=False).ids
+        if len(ids) != 1:
+            raise ConfigError(f"{what} {text!r} is {len(ids)} tokens in this tokenizer ({ids}), "
+                              "not one; use a template whose answer tokens are single tokens")
+        return int(ids[0])
+
+    def token_text(self, token_id: int) -> str:
+        """A token's text as it reads in a sentence (special tokens by name)."""
+        return self._tokenizer.decode([int(token_id)], skip_special_tokens=False)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    # ------------------------------------------------------------------ chat
+    @property
+    def has_chat_template(self) -> bool:
+        return self._compiled is not None
+
+    def use_chat(self, chat: bool | None) -> bool:
+        """``chat=None``: use the template when there is one (training's default)."""
+        if chat and not self.has_chat_template:
+            raise ConfigError("this engine's tokenizer has no chat template; pass chat=False "
+                              "(--no-chat) or export a model with a chat template")
+        return self.has_chat_template if chat is None else bool(chat)
+
+    def render_chat(self, messages: str | Sequence[Mapping[str, Any]], *,
+                    add_generation_prompt: bool = True) -> str:
+        """The prompt text transformers' ``apply_chat_template(..., tokenize=False)`` gives."""
+        if self._compiled is None:
+            raise ConfigError("this engine's tokenizer has no chat template; pass chat=False")
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        plain = [dict(m) for m in messages]
+        for message in plain:
+            if "role" not in message or "content" not in message:
+                raise ConfigError(f"chat message {message!r} lacks 'role' or 'content'; pass "
+                                  "messages as {'role': 'user', 'content': '...'}")
+        import jinja2
+
+        try:
+            return self._compiled.render(messages=plain, add_generation_prompt=add_generation_prompt,
+                                         tools=None, documents=None, **self._special)
+        except jinja2.TemplateError as exc:
+            raise ConfigError(f"the chat template refused the messages ({exc}); check the roles "
+                              "and their order") from None
+
+    # ------------------------------------------------------------------ loading helpers
+    def _special_tokens(self, config: dict, manifest) -> dict[str, str]:
+        special: dict[str, str] = {}
+        extra = _read_json(manifest, "special_tokens_map.json")
+        for source in (extra, config):  # tokenizer_config.json wins, as in transformers
+            for key in _SPECIAL_KEYS:
+                value = source.get(key)
+                if isinstance(value, Mapping):
+                    value = value.get("content")
+                if isinstance(value, str):
+                    special[key] = value
+        for key, token_id in (("bos_token", self.bos_token_id),
+                              ("eos_token", self.eos_token_ids[0] if self.eos_token_ids else None)):
+            if key not in special and token_id is not None:
+                text = self._tokenizer.id_to_token(token_id)
+                if text is not None:
+                    special[key] = text
+        return special
+
+    @staticmethod
+    def _find_chat_template(manifest, config: dict) -> str | None:
+        name = manifest.tokenizer.get("chat_template")
+        if name:
+            return manifest.path(name).read_text(encoding="utf-8")
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: transformers uses "default"
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
+            template = named.get("default")
+        return template if isinstance(template, str) and template else None
+
+
+class IncrementalDecoder:
+    """Text of each new token of one sequence, stable under multi-byte characters.
+
+    The text of token ``n`` is ``decode(window + n) - decode(window)``, with a short window
+    of earlier tokens (the prompt's tail to begin with) so word-initial spaces come out as
+    in the full decode; a token that ends inside a UTF-8 character yields ``""`` and its
+    bytes come out with the token that completes the character (or with :meth:`flush`).
+    """
+
+    def __init__(self, tokenizer: EngineTokenizer, prompt_ids: Sequence[int]) -> None:
+        self._tok = tokenizer
+        self._ids = list(prompt_ids[-_DECODE_CONTEXT:])
+        self._prefix = 0
+        self._read = len(self._ids)
+
+    def step(self, token_id: int) -> str:
+        self._ids.append(int(token_id))
+        prefix_text = self._tok.decode(self._ids[self._prefix:self._read])
+        full_text = self._tok.decode(self._ids[self._prefix:])
+        if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
+            new = full_text[len(prefix_text):]
+            self._prefix = max(0, len(self._ids) - _DECODE_CONTEXT)
+            self._read = len(self._ids)
+            # keep the window short so every step decodes a handful of tokens only
+            if self._prefix > 4 * _DECODE_CONTEXT:
+                drop = self._prefix
+                self._ids = self._ids[drop:]
+                self._prefix -= drop
+                self._read -= drop
+            return new
+        return ""
+
+    def flush(self) -> str:
+        """Text still held back (an unfinished UTF-8 character) at the end of a sequence."""
+        if self._read >= len(self._ids):
+            return ""
+        prefix_text = self._tok.decode(self._ids[self._prefix:self._read])
+        full_text = self._tok.decode(self._ids[self._prefix:])
+        self._read = len(self._ids)
+        return full_text[len(prefix_text):]
+
+
+def _read_json(manifest, name: str) -> dict:
+    if name not in manifest.tokenizer["files"]:
+        return {}
+    path: Path = manifest.path(name)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ArtifactError(f"{path} is not valid JSON ({exc}); copy the engine again or "
+                            "re-export it") from None
+    return data if isinstance(data, dict) else {}
+
+
+def _compile_template(source: str):
+    """A sandboxed jinja2 template with the helpers transformers gives chat templates."""
+    import jinja2
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    def strftime_now(fmt):
+        return _dt.datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ArtifactError(f"the engine's chat template does not compile ({exc}); fix "
+                            "chat_template.jinja and re-export") from None

@@ -1,0 +1,40 @@
+"""Backends: small runner classes behind one interface, chosen by an explicit argument.
+
+Each backend runs the engine's decoder step (``input_ids``, ``attention_mask`` over past +
+current tokens, ``position_ids``, KV cache) and returns float32 **calibrated** logits as a
+numpy array; none of them computes confidences (that is :mod:`calm_runtime.sampling`).
+
+* :class:`OnnxRuntimeBackend` (``"onnxruntime"``): ``model.onnx`` with the CPU, CUDA or
+  TensorRT execution provider (IO binding keeps the KV cache on the GPU);
+* :class:`TorchBackend` (``"torch"``): the merged transformers model with the calibration
+  applied by :mod:`calm_runtime.calibration` (the reference; also for GPUs without
+  onnxruntime-gpu);
+* :class:`TensorRTBackend` (``"tensorrt"``): the ``model.plan`` of a ``kind: tensorrt`` engine.
+
+onnxruntime, torch and tensorrt are imported only when their backend is created.
+"""
+
+from __future__ import annotations
+
+from ..errors import ConfigError
+from ._base import Backend
+from ._onnxruntime import OnnxRuntimeBackend
+from ._tensorrt import TensorRTBackend
+from ._torch import TorchBackend
+
+__all__ = ["Backend", "OnnxRuntimeBackend", "TorchBackend", "TensorRTBackend", "BACKENDS",
+           "create_backend"]
+
+BACKENDS: dict[str, type[Backend]] = {
+    "onnxruntime": OnnxRuntimeBackend,
+    "torch": TorchBackend,
+    "tensorrt": TensorRTBackend,
+}
+
+
+def create_backend(name: str, manifest, **options) -> Backend:
+    """The backend ``name`` (a key of :data:`BACKENDS`) on a loaded engine manifest."""
+    cls = BACKENDS.get(name) if isinstance(name, str) else None
+    if cls is None:
+        raise ConfigError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    return cls(manifest, **options)

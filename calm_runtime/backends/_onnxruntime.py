@@ -1,0 +1,207 @@
+"""ONNX Runtime backend: ``model.onnx`` on the CPU, CUDA or TensorRT execution provider.
+
+CPU: plain ``session.run`` with numpy arrays (the KV cache stays in numpy). GPU providers:
+IO binding, so the KV cache stays on the device between steps as ``OrtValue``s and only
+the logits come back to the host. ``InferenceSession.run`` is thread-safe; every call
+builds its own feeds and binding.
+
+onnxruntime-gpu silently falls back to the CPU when it cannot load CUDA; calm checks
+``session.get_providers()`` after creating the session and raises instead.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..engine import engine_io_names
+from ..errors import ArtifactError, BackendUnavailableError, ConfigError
+from ._base import Backend
+
+__all__ = ["OnnxRuntimeBackend", "PROVIDER_ALIASES"]
+
+logger = logging.getLogger(__name__)
+
+PROVIDER_ALIASES = {
+    "cpu": "CPUExecutionProvider",
+    "cuda": "CUDAExecutionProvider",
+    "tensorrt": "TensorrtExecutionProvider",
+    "trt": "TensorrtExecutionProvider",
+}
+_GPU_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider")
+_ORT_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+
+
+def _import_onnxruntime():
+    try:
+        import onnxruntime
+    except ImportError:
+        raise BackendUnavailableError("onnxruntime is not installed; install calm with the cpu "
+                                      "extra (pip install 'calm[cpu]') or the gpu extra "
+                                      "(pip install 'calm[gpu]')") from None
+    return onnxruntime
+
+
+def normalize_providers(providers: str | Sequence | None) -> tuple[list[str], list[dict]]:
+    """Provider names and options from ``"cuda"``, ``["CUDAExecutionProvider", ...]`` or
+    ``[("CUDAExecutionProvider", {"device_id": 0}), ...]``; default: the CPU only."""
+    if providers is None:
+        providers = ["CPUExecutionProvider"]
+    elif isinstance(providers, str):
+        providers = [providers]
+    names, options = [], []
+    for entry in providers:
+        opts: Mapping = {}
+        if isinstance(entry, (tuple, list)) and len(entry) == 2:
+            entry, opts = entry
+        if not isinstance(entry, str) or not isinstance(opts, Mapping):
+            raise ConfigError(f"provider {entry!r} is not a name or a (name, options) pair; pass "
+                              "e.g. providers=['CUDAExecutionProvider', 'CPUExecutionProvider']")
+        names.append(PROVIDER_ALIASES.get(entry.lower(), entry))
+        options.append({str(k): str(v) for k, v in opts.items()})
+    if not names:
+        raise ConfigError("providers is empty; pass at least 'CPUExecutionProvider'")
+    return names, options
+
+
+class OnnxRuntimeBackend(Backend):
+    """``model.onnx`` in an ONNX Runtime session.
+
+    Args:
+        manifest: the loaded :class:`~calm_runtime.engine.EngineManifest`.
+        providers: execution providers in priority order (names, short names ``"cpu"``,
+            ``"cuda"``, ``"tensorrt"``, or ``(name, options)`` pairs). Every requested GPU
+            provider must end up active, else :class:`BackendUnavailableError`.
+        threads: intra-op threads (``None``: ONNX Runtime's default, one per core).
+        session_options: extra ``SessionOptions`` attributes, e.g. ``{"enable_cpu_mem_arena": False}``.
+    """
+
+    name = "onnxruntime"
+
+    def __init__(self, manifest, *, providers: str | Sequence | None = None,
+                 threads: int | None = None, session_options: Mapping[str, Any] | None = None):
+        ort = _import_onnxruntime()
+        names, options = normalize_providers(providers)
+        available = ort.get_available_providers()
+        missing = [p for p in names if p not in available]
+        if missing:
+            raise BackendUnavailableError(
+                f"execution provider(s) {missing} are not in this onnxruntime build (available: "
+                f"{available}); install onnxruntime-gpu (pip install 'calm[gpu]') for CUDA or "
+                "pass providers=['CPUExecutionProvider']")
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if threads is not None:
+            if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+                raise ConfigError(f"threads must be a positive integer or None, got {threads!r}")
+            so.intra_op_num_threads = threads
+            so.inter_op_num_threads = 1
+        for key, value in (session_options or {}).items():
+            if not hasattr(so, key):
+                raise ConfigError(f"onnxruntime SessionOptions has no attribute {key!r}")
+            setattr(so, key, value)
+        path = manifest.path("model.onnx")
+        try:
+            session = ort.InferenceSession(str(path), so, providers=names,
+                                           provider_options=options)
+        except Exception as exc:  # noqa: BLE001 - ORT raises its own untyped errors
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+            if any(p in _GPU_PROVIDERS for p in names):
+                raise BackendUnavailableError(
+                    f"onnxruntime cannot create a session with {names} ({reason}); check the "
+                    "CUDA/cuDNN/TensorRT libraries or use the CPU provider") from None
+            raise ArtifactError(f"onnxruntime cannot load {path} ({reason}); the file is "
+                                "corrupted or truncated, copy the engine again or re-export "
+                                "it") from None
+        active = session.get_providers()
+        inactive = [p for p in names if p in _GPU_PROVIDERS and p not in active]
+        if inactive:
+            raise BackendUnavailableError(
+                f"{inactive[0]} was requested but onnxruntime runs on {active} (it falls back "
+                "silently when the CUDA/cuDNN/TensorRT libraries are missing); install the "
+                "libraries onnxruntime-gpu needs, or pass providers=['CPUExecutionProvider']")
+        self._check_io(session, manifest, path)
+        self._session = session
+        self._inputs, self._outputs = engine_io_names(manifest.num_layers)
+        self._past_names = self._inputs[3:]
+        past_type = next(i.type for i in session.get_inputs() if i.name == self._past_names[0])
+        self._kv_dtype = _ORT_DTYPES.get(past_type, np.float32)
+        self._kv_shape = (manifest.model["num_kv_heads"], manifest.model["head_dim"])
+        self.providers = active
+        gpu = next((p for p in active if p in _GPU_PROVIDERS), None)
+        self._device_id = 0
+        if gpu is not None:
+            opts = options[names.index(gpu)] if gpu in names else {}
+            self._device_id = int(opts.get("device_id", 0))
+        self._io_binding = gpu is not None
+        self.device = f"cuda:{self._device_id}" if gpu else "cpu"
+        self.description = f"onnxruntime {ort.__version__} {active[0]}"
+        self._ort = ort
+
+    @staticmethod
+    def _check_io(session, manifest, path) -> None:
+        inputs, outputs = engine_io_names(manifest.num_layers)
+        got_in = [i.name for i in session.get_inputs()]
+        got_out = [o.name for o in session.get_outputs()]
+        if sorted(got_in) != sorted(inputs) or sorted(got_out) != sorted(outputs):
+            raise ArtifactError(f"{path} has inputs {got_in[:4]}... / outputs {got_out[:3]}... "
+                                "that differ from the manifest's; re-export the engine")
+
+    # ------------------------------------------------------------------ running
+    def _empty(self, batch: int) -> list[np.ndarray]:
+        empty = np.zeros((batch, self._kv_shape[0], 0, self._kv_shape[1]), self._kv_dtype)
+        return [empty] * len(self._past_names)
+
+    def run(self, input_ids, attention_mask, position_ids, state=None, *, last_only=False):
+        if state is None:
+            state = self._empty(input_ids.shape[0])
+        if self._io_binding:
+            return self._run_bound(input_ids, attention_mask, position_ids, state, last_only)
+        feed = {"input_ids": input_ids, "attention_mask": attention_mask,
+                "position_ids": position_ids}
+        feed.update(zip(self._past_names, state, strict=True))
+        logits, *present = self._session.run(self._outputs, feed)
+        if last_only:
+            logits = logits[:, -1:]
+        return logits, present
+
+    def _run_bound(self, input_ids, attention_mask, position_ids, state, last_only):
+        binding = self._session.io_binding()
+        binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids))
+        binding.bind_cpu_input("attention_mask", np.ascontiguousarray(attention_mask))
+        binding.bind_cpu_input("position_ids", np.ascontiguousarray(position_ids))
+        for name, value in zip(self._past_names, state, strict=True):
+            if isinstance(value, np.ndarray):
+                binding.bind_cpu_input(name, value)
+            else:
+                binding.bind_ortvalue_input(name, value)
+        binding.bind_output("logits", "cpu")
+        for name in self._outputs[1:]:
+            binding.bind_output(name, "cuda", self._device_id)
+        self._session.run_with_iobinding(binding)
+        logits, *present = binding.get_outputs()
+        logits = logits.numpy()
+        if last_only:
+            logits = logits[:, -1:]
+        return logits, present
+
+    def select(self, state, rows):
+        rows = np.asarray(rows, dtype=np.int64)
+        if state is None:
+            return None
+        out = []
+        for value in state:
+            if isinstance(value, np.ndarray):
+                out.append(np.ascontiguousarray(value[rows]))
+            else:  # an OrtValue on the GPU: a host round trip (only when rows finish)
+                host = np.ascontiguousarray(value.numpy()[rows])
+                out.append(self._ort.OrtValue.ortvalue_from_numpy(host, "cuda",
+                                                                  self._device_id))
+        return out
+
+    def close(self) -> None:
+        self._session = None

@@ -1,0 +1,157 @@
+"""The fit / compare / eval pipeline end to end on tiny random models and a JSONL file."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from calm_runtime.artifact import CalibrationAdapter, ModelIdentity  # noqa: E402
+from calm_runtime.errors import (  # noqa: E402
+    ConfigError,
+    DataError,
+    IncompatibleModelError,
+    ModelSourceError,
+)
+from calm_training import cache as score_cache  # noqa: E402
+from calm_training.evaluate import evaluate_adapter, write_report  # noqa: E402
+from calm_training.fit import FitConfig, compare_methods, fit_adapter, format_table  # noqa: E402
+
+WORDS = "red blue green cat dog sun moon water fire earth stone tree river cloud".split()
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("CALM_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture
+def mc_file(tmp_path):
+    rng = np.random.default_rng(0)
+    path = tmp_path / "mc.jsonl"
+    lines = []
+    for i in range(40):
+        words = rng.choice(WORDS, size=4, replace=False)
+        lines.append(json.dumps({"question": f"which is {words[0]} number {i}?",
+                                 "choices": [str(w) for w in words],
+                                 "answer": int(rng.integers(0, 4))}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _config(model, data, **kw):
+    return FitConfig(model=str(model), data=str(data), bootstrap=20, **kw)
+
+
+def test_daca_cloze_adapter_and_comparison(tiny_llama_tied, tiny_llama_untied, mc_file,
+                                           tmp_path):
+    config = _config(tiny_llama_tied, mc_file, reference=str(tiny_llama_untied), mode="cloze")
+    adapter, report = fit_adapter(config, "daca", tmp_path / "daca", progress=False)
+    loaded = CalibrationAdapter.from_pretrained(tmp_path / "daca")
+    assert loaded.kind == "daca"
+    assert loaded.answer_temperature == pytest.approx(report["fit"]["temperature"])
+    assert loaded.temperature == 1.0 and (loaded.tau == 1).all() and (loaded.shift == 0).all()
+    assert loaded.provenance["split"] == {"part": "calibration", "fraction": 0.3, "seed": 0,
+                                          "n": 12}
+    assert loaded.provenance["reference"]["vocab_size"] == 300
+    comparison = compare_methods(config, progress=False)
+    assert comparison["methods"]["daca"]["fit"]["temperature"] == pytest.approx(
+        loaded.answer_temperature)
+    assert comparison["n_test"] == 28
+    assert "| daca |" in format_table(comparison)
+    written = write_report(comparison, tmp_path / "reports", "cmp")
+    assert json.loads(written["json"].read_text())["n_test"] == 28
+    assert written["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_scores_are_cached(tiny_llama_tied, mc_file, monkeypatch):
+    config = _config(tiny_llama_tied, mc_file, mode="letter", chat=False)
+    first = compare_methods(config, ("vanilla", "ts"), progress=False)
+
+    def boom(*_a, **_k):
+        raise AssertionError("scores must come from the cache")
+
+    monkeypatch.setattr(score_cache, "score_multiple_choice", boom)
+    second = compare_methods(config, ("vanilla", "ts"), progress=False)
+    assert first["methods"]["ts"]["ece"] == second["methods"]["ts"]["ece"]
+
+
+def _relabel_by_model(config, path, tmp_path):
+    """A copy of the data whose answers follow the model's own letter choice 80% of the time,
+    so that fitted vector-scaling weights are positive (as on a real model)."""
+    from calm_runtime.data import load_dataset
+
+    scores = score_cache.cached_option_scores(config.model, load_dataset(str(path)),
+                                              mode="letter", chat=False, progress=False)
+    rng = np.random.default_rng(1)
+    out = tmp_path / "relabeled.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    for row, values in zip(rows, scores.values, strict=True):
+        row["answer"] = int(np.argmax(values)) if rng.random() < 0.8 else int(rng.integers(4))
+    out.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return out
+
+
+def test_letter_vector_scaling_is_exact_in_the_artifact(tiny_llama_tied, mc_file, tmp_path):
+    """Vector scaling written onto tau/shift and applied to full-vocabulary logits gives the
+    same option probabilities as the fit applied to the option logits (METHODS.md §1)."""
+    config = _config(tiny_llama_tied, mc_file, mode="letter", chat=False)
+    config = _config(tiny_llama_tied, _relabel_by_model(config, mc_file, tmp_path),
+                     mode="letter", chat=False)
+    fit_adapter(config, "ts-vector", tmp_path / "vs", progress=False)
+    adapter = CalibrationAdapter.from_pretrained(tmp_path / "vs")
+    assert (adapter.tau != 1).sum() == 4 and (adapter.shift != 0).sum() >= 3
+    report = evaluate_adapter(config, tmp_path / "vs", progress=False)
+    comparison = compare_methods(config, ("ts-vector",), progress=False)
+    assert report["methods"]["ts_vector"]["nll"] == pytest.approx(
+        comparison["methods"]["ts-vector"]["nll"], abs=1e-5)
+    assert report["methods"]["vanilla"]["nll"] != pytest.approx(
+        report["methods"]["ts_vector"]["nll"], abs=1e-5)
+
+
+def test_letter_temperature_composes_with_a_base_adapter(tiny_llama_tied, mc_file, tmp_path):
+    config = _config(tiny_llama_tied, mc_file, mode="letter", chat=False)
+    mc_file = _relabel_by_model(config, mc_file, tmp_path)
+    config = _config(tiny_llama_tied, mc_file, mode="letter", chat=False)
+    _, first = fit_adapter(config, "ts", tmp_path / "ts", progress=False)
+    on_top = _config(tiny_llama_tied, mc_file, mode="letter", chat=False,
+                     adapter=str(tmp_path / "ts"))
+    adapter, second = fit_adapter(on_top, "ts", tmp_path / "ts2", progress=False)
+    assert adapter.kind == "ts+ts"
+    # the second fit runs on already calibrated logits: nothing left to correct
+    assert second["fit"]["temperature"] == pytest.approx(1.0, abs=1e-3)
+    assert adapter.temperature == pytest.approx(first["fit"]["temperature"], rel=1e-3)
+
+
+def test_bad_input(tiny_llama_tied, mc_file, tmp_path):
+    config = _config(tiny_llama_tied, mc_file, mode="cloze")
+    (tmp_path / "exists").mkdir()
+    (tmp_path / "exists" / "keep.txt").write_text("keep")
+    with pytest.raises(ConfigError, match="already exists"):
+        fit_adapter(config, "ts", tmp_path / "exists", progress=False)
+    assert [p.name for p in (tmp_path / "exists").iterdir()] == ["keep.txt"]
+    with pytest.raises(ConfigError, match="reference"):
+        fit_adapter(config, "daca", tmp_path / "x", progress=False)
+    assert not (tmp_path / "x").exists()
+    other = CalibrationAdapter.identity(ModelIdentity("other", 1000))
+    other.save_pretrained(tmp_path / "other")
+    with pytest.raises(IncompatibleModelError, match="vocabulary of 1000"):
+        fit_adapter(_config(tiny_llama_tied, mc_file, adapter=str(tmp_path / "other")), "ts",
+                    tmp_path / "y", progress=False)
+    assert not (tmp_path / "y").exists()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(mc_file.read_text().splitlines()[0] + "\n{\"question\": \"q\", "
+                   "\"choices\": [\"a\", \"b\"], \"answer\": 5}\n")
+    with pytest.raises(DataError, match=r"bad.jsonl:2:"):
+        compare_methods(_config(tiny_llama_tied, bad), ("vanilla",), progress=False)
+    no_tokenizer = tmp_path / "no-tok"
+    no_tokenizer.mkdir()
+    (no_tokenizer / "config.json").write_text((tiny_llama_tied / "config.json").read_text())
+    with pytest.raises(ModelSourceError, match="no tokenizer"):
+        compare_methods(_config(no_tokenizer, mc_file), ("vanilla",), progress=False)
+    with pytest.raises(ConfigError, match="variant"):
+        FitConfig(model="m", data="d", variant="median")
