@@ -7,6 +7,7 @@ The core needs numpy, safetensors and tokenizers; the ONNX Runtime backend comes
 __version__ = "0.1.0"
 
 from .artifact import CalibrationAdapter, ModelIdentity, tokenizer_sha256  # noqa: E402
+from .backends import OnnxRuntimeBackend, TensorRTBackend, TorchBackend  # noqa: E402
 from .calibration import apply_calibration, fused_head  # noqa: E402
 from .errors import (  # noqa: E402
     ArtifactError,
@@ -20,6 +21,9 @@ from .errors import (  # noqa: E402
     ModelSourceError,
     SchemaVersionError,
 )
+from .lm import CalibratedLM  # noqa: E402
+from .results import Alternative, Choice, Generation, Timing, Token  # noqa: E402
+from .sampling import SamplingParams  # noqa: E402
 
 __all__ = [
     "__version__",
@@ -38,4 +42,14 @@ __all__ = [
     "FitError",
     "ExportValidationError",
     "BackendUnavailableError",
+    "CalibratedLM",
+    "Generation",
+    "Token",
+    "Alternative",
+    "Timing",
+    "Choice",
+    "SamplingParams",
+    "OnnxRuntimeBackend",
+    "TorchBackend",
+    "TensorRTBackend",
 ]

@@ -46,6 +46,7 @@ class DecodeSettings:
     stop: tuple[str, ...]
     top_alternatives: int
     eos_ids: frozenset[int]
+    row_offset: int = 0  # index of the first row in the whole call (selects its generator)
 
 
 class GenerationRun:
@@ -62,7 +63,9 @@ class GenerationRun:
     def __iter__(self) -> Iterator[tuple[int, Token]]:
         s = self._settings
         n = len(self._prompts)
-        generators = None if s.sampling.greedy else row_generators(s.sampling.seed, n)
+        generators = None
+        if not s.sampling.greedy:
+            generators = row_generators(s.sampling.seed, s.row_offset + n)[s.row_offset:]
         decoders = [IncrementalDecoder(self._tok, p) for p in self._prompts]
         texts = [""] * n
         cut = [None] * n  # where a stop string begins in texts[row]

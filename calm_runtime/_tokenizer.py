@@ -29,6 +29,8 @@ _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token"
                  "mask_token")
 #: tokens kept before the new ones when decoding incrementally (enough for any merge context)
 _DECODE_CONTEXT = 6
+#: a UTF-8 character has at most 4 bytes: text held back longer than this is invalid bytes
+_MAX_HELD = 4
 
 
 class EngineTokenizer:
@@ -123,7 +125,8 @@ class EngineTokenizer:
         import jinja2
 
         try:
-            return self._compiled.render(messages=plain, add_generation_prompt=add_generation_prompt,
+            return self._compiled.render(messages=plain,
+                                         add_generation_prompt=add_generation_prompt,
                                          tools=None, documents=None, **self._special)
         except jinja2.TemplateError as exc:
             raise ConfigError(f"the chat template refused the messages ({exc}); check the roles "
@@ -166,7 +169,9 @@ class IncrementalDecoder:
     The text of token ``n`` is ``decode(window + n) - decode(window)``, with a short window
     of earlier tokens (the prompt's tail to begin with) so word-initial spaces come out as
     in the full decode; a token that ends inside a UTF-8 character yields ``""`` and its
-    bytes come out with the token that completes the character (or with :meth:`flush`).
+    bytes come out with the token that completes the character (or with :meth:`flush`),
+    unless 4 tokens pass without completing one (invalid bytes: then they come out as
+    replacement characters).
     """
 
     def __init__(self, tokenizer: EngineTokenizer, prompt_ids: Sequence[int]) -> None:
@@ -179,7 +184,9 @@ class IncrementalDecoder:
         self._ids.append(int(token_id))
         prefix_text = self._tok.decode(self._ids[self._prefix:self._read])
         full_text = self._tok.decode(self._ids[self._prefix:])
-        if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
+        held = len(self._ids) - self._read  # tokens whose text is not out yet
+        if len(full_text) > len(prefix_text) and (not full_text.endswith("\ufffd")
+                                                   or held >= _MAX_HELD):
             new = full_text[len(prefix_text):]
             self._prefix = max(0, len(self._ids) - _DECODE_CONTEXT)
             self._read = len(self._ids)

@@ -121,3 +121,53 @@ def tiny_lora_tied(tmp_path_factory, tiny_llama_tied):
 @pytest.fixture(scope="session")
 def tiny_lora_untied(tmp_path_factory, tiny_llama_untied):
     return tiny_lora_dir(tmp_path_factory, tiny_llama_untied, seed=4)
+
+
+# ---------------------------------------------------------------------- runtime fixtures
+# Appended for the calm_runtime tests (tests/calm_runtime/test_runtime_*.py): one calibrated
+# engine exported once per session from a tiny Llama with a chat template, a LoRA and a
+# random calibration adapter; the tests compare the runtime against a torch reference.
+
+RUNTIME_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ bos_token }}{{ message['role'] }}\n"
+    "{{ message['content'] }}{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}{{ bos_token }}assistant\n{% endif %}")
+
+
+def runtime_engine_parts(tmp_path_factory):
+    """``(model_dir, adapter_dir, engine_dir)``: a tiny chat model, its adapter, its engine."""
+    from calm_export.config import ExportConfig
+    from calm_export.pipeline import export_engine
+
+    model_dir = tiny_llama_dir(tmp_path_factory, tied=True, seed=11, name="runtime-llama")
+    (model_dir / "chat_template.jinja").write_text(RUNTIME_CHAT_TEMPLATE, encoding="utf-8")
+    lora_dir = tiny_lora_dir(tmp_path_factory, model_dir, seed=12)
+    adapter = random_calibration_adapter(model_dir, lora_dir=lora_dir, seed=13,
+                                         temperature=1.2)
+    adapter_dir = tmp_path_factory.mktemp("runtime-adapter") / "adapter"
+    adapter.save_pretrained(adapter_dir)
+    engine_dir = tmp_path_factory.mktemp("runtime-engine") / "engine"
+    export_engine(model_dir, engine_dir, adapter=adapter_dir,
+                  config=ExportConfig(greedy_steps=4, progress=False))
+    return model_dir, adapter_dir, engine_dir
+
+
+@pytest.fixture(scope="session")
+def runtime_engine(tmp_path_factory):
+    """See :func:`runtime_engine_parts` (exported once per test session)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("onnxruntime")
+    return runtime_engine_parts(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def runtime_reference_model(runtime_engine):
+    """``(model, adapter)``: the engine's source model with its LoRA merged (torch, eval) and
+    the CalibrationAdapter whose ``calibrate`` gives the reference's calibrated logits."""
+    from calm_runtime.artifact import CalibrationAdapter
+    from calm_runtime.models import load_model_and_tokenizer
+
+    model_dir, adapter_dir, _ = runtime_engine
+    adapter = CalibrationAdapter.from_pretrained(adapter_dir)
+    model, _, _ = load_model_and_tokenizer(model_dir, lora_path=adapter.lora_path)
+    return model, adapter

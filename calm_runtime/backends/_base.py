@@ -39,7 +39,7 @@ class Backend(ABC):
     def select(self, state: Any, rows: np.ndarray) -> Any:
         """A new state holding the given batch rows of ``state`` (repeats allowed)."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Release the session or model (the backend is unusable afterwards)."""
 
     def __repr__(self) -> str:

@@ -76,7 +76,8 @@ class OnnxRuntimeBackend(Backend):
             ``"cuda"``, ``"tensorrt"``, or ``(name, options)`` pairs). Every requested GPU
             provider must end up active, else :class:`BackendUnavailableError`.
         threads: intra-op threads (``None``: ONNX Runtime's default, one per core).
-        session_options: extra ``SessionOptions`` attributes, e.g. ``{"enable_cpu_mem_arena": False}``.
+        session_options: extra ``SessionOptions`` attributes, e.g.
+            ``{"enable_cpu_mem_arena": False}``.
     """
 
     name = "onnxruntime"

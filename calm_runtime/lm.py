@@ -1,0 +1,375 @@
+"""``CalibratedLM``: load an engine, generate with calibrated confidences, score answers.
+
+    lm = CalibratedLM.load("engine/", backend="onnxruntime")
+    out = lm.generate("Question: ...", max_new_tokens=32)
+    out.text, out.tokens[0].confidence, out.sequence_confidence
+    lm.choose("2 + 2 =", ["3", "4", "5"])          # cloze mode, option probabilities
+    lm.p_true(question, answer)
+
+The engine's graph already outputs calibrated logits (the head is fused), so every
+probability here is calibrated; only cloze mode's ``answer_temperature`` acts on option
+scores (METHODS.md §2). Prompts and token ids are those of training
+(:mod:`calm_runtime.prompts`, the manifest's ``option_tokens`` and ``add_bos``).
+
+Thread safety: a ``CalibratedLM`` is immutable after :meth:`load`; every call keeps its
+state (KV cache, decoders, random generators) local, and the backends' ``run`` is
+thread-safe, so one instance serves many threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import replace
+
+import numpy as np
+
+from . import _scoring
+from ._generation import DecodeSettings, GenerationRun
+from ._tokenizer import EngineTokenizer
+from .backends import Backend, create_backend
+from .calibration import apply_calibration
+from .engine import EngineManifest
+from .errors import ConfigError
+from .prompts import (
+    PTrueTemplate,
+    cloze_context,
+    cloze_continuation,
+    letter_prompt,
+    letter_tokens,
+    option_letters,
+    p_true_template,
+)
+from .results import Choice, Generation, Token
+from .sampling import SamplingParams
+
+__all__ = ["CalibratedLM", "MODES", "CLOZE_VARIANTS", "recorded_cloze_variant"]
+
+logger = logging.getLogger(__name__)
+
+MODES = ("cloze", "letter")
+#: ``sum``: summed log-probability of the option text; ``mean``: per-token mean; ``char``:
+#: divided by the option's character count (the same variants as calm_training.scoring)
+CLOZE_VARIANTS = ("sum", "mean", "char")
+DEFAULT_VARIANT = "sum"
+
+
+def recorded_cloze_variant(manifest: EngineManifest) -> str | None:
+    """The cloze variant the engine's calibration was fitted with, if the manifest says.
+
+    Read from ``export.cloze_variant``, or ``export.adapter_method.variant`` (the
+    adapter's ``method`` section copied by calm-export); ``None`` when not recorded.
+    """
+    export = manifest.export or {}
+    value = export.get("cloze_variant")
+    if value is None and isinstance(export.get("adapter_method"), Mapping):
+        value = export["adapter_method"].get("variant")
+    return value if value in CLOZE_VARIANTS else None
+
+
+class CalibratedLM:
+    """A calibrated engine ready to generate and score; build it with :meth:`load`."""
+
+    def __init__(self, manifest: EngineManifest, backend: Backend,
+                 tokenizer: EngineTokenizer) -> None:
+        self.manifest = manifest
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.max_context: int = manifest.model["max_position_embeddings"]
+        self.default_variant: str = recorded_cloze_variant(manifest) or DEFAULT_VARIANT
+
+    @classmethod
+    def load(cls, engine_dir: str | os.PathLike, backend: str = "onnxruntime", *,
+             providers=None, threads: int | None = None, verify_hashes: bool = True,
+             **backend_options) -> CalibratedLM:
+        """Load and check an engine directory and start ``backend`` on it.
+
+        ``providers`` and ``threads`` go to the ONNX Runtime backend (``threads`` also to
+        torch); other keyword arguments go to the backend class (e.g. ``model=``,
+        ``adapter=``, ``device=`` for :class:`~calm_runtime.backends.TorchBackend`).
+        ``verify_hashes=False`` skips hashing the files (faster start; files are still
+        checked to exist).
+        """
+        manifest = EngineManifest.load(engine_dir, verify_hashes=verify_hashes)
+        tokenizer = EngineTokenizer(manifest)
+        options = dict(backend_options)
+        if backend == "onnxruntime":
+            options.update(providers=providers, threads=threads)
+        elif providers is not None:
+            raise ConfigError(f"providers only applies to backend='onnxruntime', not {backend!r}")
+        elif threads is not None and backend == "torch":
+            options["threads"] = threads
+        runner = create_backend(backend, manifest, **options)
+        logger.info("loaded %s on %s", manifest.root, runner.description)
+        return cls(manifest, runner, tokenizer)
+
+    @property
+    def answer_temperature(self) -> float:
+        """Cloze mode's answer-level temperature (1.0 when the engine records none)."""
+        value = self.manifest.answer_temperature
+        return 1.0 if value is None else float(value)
+
+    def close(self) -> None:
+        self.backend.close()
+
+    def __repr__(self) -> str:
+        return f"CalibratedLM({self.manifest.root}, {self.backend.description})"
+
+    # ------------------------------------------------------------------ prompts
+    def encode_prompt(self, prompt: str, *, chat: bool | None = False) -> list[int]:
+        """Token ids of a prompt: the chat template (``chat``) or BOS per the manifest."""
+        if not isinstance(prompt, str):
+            raise ConfigError(f"a prompt must be a string, got {type(prompt).__name__}")
+        if not prompt:
+            raise ConfigError("the prompt is empty; pass some text to generate from or score")
+        if self.tokenizer.use_chat(chat):
+            ids = self.tokenizer.encode(self.tokenizer.render_chat(prompt), add_bos=False)
+        else:
+            ids = self.tokenizer.encode(prompt)
+        if not ids:
+            raise ConfigError(f"the prompt {prompt[:40]!r} encodes to no tokens; pass some text")
+        if len(ids) > self.max_context:
+            raise ConfigError(f"the prompt is {len(ids)} tokens but the model's context is "
+                              f"{self.max_context}; shorten the prompt")
+        return ids
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompt: str | Sequence[str], max_new_tokens: int = 32, *,
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 seed: int | None = None, stop: str | Sequence[str] = (),
+                 top_alternatives: int = 0, chat: bool | None = False,
+                 batch_size: int = 8) -> Generation | list[Generation]:
+        """Generate from one prompt (returns a :class:`Generation`) or a list (a list).
+
+        Greedy when ``temperature == 0`` (the default), else sampled with ``top_k``,
+        ``top_p`` and ``seed`` (see :mod:`calm_runtime.sampling`); the reported
+        confidences are calibrated probabilities whatever the sampling settings. Stops at
+        an end-of-sequence token, a ``stop`` string (cut from the text) or
+        ``max_new_tokens`` (or the model's context). ``top_alternatives=k`` adds the k
+        most probable tokens of every step. ``chat=True`` wraps the prompt as a user
+        message in the engine's chat template (``None``: when there is one).
+        """
+        single = isinstance(prompt, str)
+        prompts = [prompt] if single else list(prompt)
+        if not prompts:
+            raise ConfigError("no prompts given; pass a string or a non-empty list of strings")
+        encoded = [self.encode_prompt(p, chat=chat) for p in prompts]
+        settings = self._settings(encoded, max_new_tokens, temperature, top_k, top_p, seed,
+                                  stop, top_alternatives)
+        size = _positive(batch_size, "batch_size")
+        size = min(size, self.backend.max_batch or size)
+        results: list[Generation] = []
+        for start in range(0, len(encoded), size):
+            part = slice(start, start + size)
+            run = GenerationRun(self.backend, self.tokenizer, encoded[part],
+                                _rows(settings, part, start))
+            for _ in run:
+                pass
+            results.extend(run.results)
+        return results[0] if single else results
+
+    def stream(self, prompt: str, max_new_tokens: int = 32, **options) -> Iterator[Token]:
+        """Yield the tokens of ``generate(prompt, ...)`` as they are chosen (same tokens)."""
+        if not isinstance(prompt, str):
+            raise ConfigError("stream takes one prompt string; use generate for a batch")
+        chat = options.pop("chat", False)
+        encoded = [self.encode_prompt(prompt, chat=chat)]
+        settings = self._settings(encoded, max_new_tokens, **_sampling_options(options))
+        run = GenerationRun(self.backend, self.tokenizer, encoded, settings)
+        for _, token in run:
+            yield token
+
+    def _settings(self, encoded, max_new_tokens, temperature=0.0, top_k=0, top_p=1.0,
+                  seed=None, stop=(), top_alternatives=0) -> DecodeSettings:
+        max_new = _positive(max_new_tokens, "max_new_tokens")
+        top_n = top_alternatives
+        if isinstance(top_n, bool) or not isinstance(top_n, (int, np.integer)) or top_n < 0:
+            raise ConfigError(f"top_alternatives must be an integer >= 0, got {top_n!r}")
+        stops = (stop,) if isinstance(stop, str) else tuple(stop)
+        if any(not isinstance(s, str) or not s for s in stops):
+            raise ConfigError(f"stop strings must be non-empty strings, got {stops!r}")
+        limits = []
+        for ids in encoded:
+            room = self.max_context - len(ids)
+            if room < 1:
+                raise ConfigError(f"the prompt is {len(ids)} tokens and fills the model's context "
+                                  f"of {self.max_context}; shorten it to leave room to generate")
+            limits.append(min(max_new, room))
+        return DecodeSettings(max_new_tokens=tuple(limits),
+                              sampling=SamplingParams(temperature=temperature, top_k=top_k,
+                                                      top_p=top_p, seed=seed),
+                              stop=stops, top_alternatives=int(top_n),
+                              eos_ids=frozenset(self.tokenizer.eos_token_ids))
+
+    # ------------------------------------------------------------------ multiple choice
+    def choose(self, question: str, options: Sequence[str], mode: str = "cloze", *,
+               variant: str | None = None, chat: bool | None = None) -> Choice:
+        """Option probabilities of one multiple-choice question (see :meth:`choose_batch`)."""
+        return self.choose_batch([question], [options], mode, variant=variant, chat=chat)[0]
+
+    def choose_batch(self, questions: Sequence[str], options: Sequence[Sequence[str]],
+                     mode: str = "cloze", *, variant: str | None = None,
+                     chat: bool | None = None, batch_size: int = 8) -> list[Choice]:
+        """Calibrated option probabilities, prediction and confidence per question.
+
+        ``mode="letter"``: the options are listed as ``A. ...`` lines and scored by the
+        option letters' calibrated logits (softmax over the K letters); the chat template
+        is applied when the tokenizer has one unless ``chat=False`` (as in training).
+        ``mode="cloze"``: each option's text is scored as the continuation of
+        ``"Question: ...\\nAnswer:"`` by ``variant`` (default: the one the engine records,
+        else ``"sum"``), and the probabilities are ``softmax(scores / answer_temperature)``.
+        """
+        if mode not in MODES:
+            raise ConfigError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+        if len(questions) != len(options):
+            raise ConfigError(f"{len(questions)} questions but {len(options)} option lists; "
+                              "pass one list of options per question")
+        if not questions:
+            raise ConfigError("no questions given; pass at least one")
+        for q, opts in zip(questions, options, strict=True):
+            _check_question(q, opts)
+        size = _positive(batch_size, "batch_size")
+        if mode == "letter":
+            return self._choose_letters(questions, options, chat, size)
+        variant = variant or self.default_variant
+        if variant not in CLOZE_VARIANTS:
+            raise ConfigError(f"unknown cloze variant {variant!r}; choose one of "
+                              f"{', '.join(CLOZE_VARIANTS)}")
+        recorded = recorded_cloze_variant(self.manifest)
+        if recorded is not None and variant != recorded:
+            logger.warning("scoring with variant %r but the engine's answer_temperature was "
+                           "fitted with %r", variant, recorded)
+        contexts = [self.tokenizer.encode(cloze_context(q)) for q in questions]
+        conts = []
+        for q, opts in zip(questions, options, strict=True):
+            encoded = [self.tokenizer.encode(cloze_continuation(o), add_bos=False) for o in opts]
+            if any(not c for c in encoded):
+                raise ConfigError(f"an option of {q[:40]!r} encodes to no tokens; fix the option")
+            conts.append(encoded)
+        for ids, cont in zip(contexts, conts, strict=True):
+            self._check_length(len(ids) + max(len(c) for c in cont) - 1)
+        sums = _scoring.cloze_logprobs(self.backend, contexts, conts,
+                                       self.tokenizer.pad_token_id, size)
+        choices = []
+        for total, cont, opts in zip(sums, conts, options, strict=True):
+            if variant == "mean":
+                scores = total / np.array([len(c) for c in cont])
+            elif variant == "char":
+                scores = total / np.array([max(len(o.strip()), 1) for o in opts])
+            else:
+                scores = total
+            choices.append(_choice(scores, "cloze", variant, self.answer_temperature))
+        return choices
+
+    def _choose_letters(self, questions, options, chat, size) -> list[Choice]:
+        use_chat = self.tokenizer.use_chat(chat)
+        table = self.manifest.option_tokens["chat" if use_chat else "plain"]
+        prompts, ids = [], []
+        for q, opts in zip(questions, options, strict=True):
+            prompts.append(self._prompt_ids(letter_prompt(q, opts), use_chat))
+            texts = letter_tokens(len(opts), chat=use_chat)
+            missing = [t for t in texts if t not in table]
+            if missing:
+                raise ConfigError(f"option token {missing[0]!r} is not a single token in this "
+                                  f"engine's tokenizer (it records {sorted(table)}); use "
+                                  "mode='cloze' or fewer options")
+            ids.append([table[t] for t in texts])
+        logits = _scoring.next_token_logits(self.backend, prompts, self.tokenizer.pad_token_id,
+                                            size)
+        return [_choice(logits[n, token_ids].astype(np.float64), "letter", None, 1.0)
+                for n, token_ids in enumerate(ids)]
+
+    # ------------------------------------------------------------------ P(True)
+    def p_true(self, question: str, answer: str, *,
+               template: str | Mapping | PTrueTemplate | None = None,
+               chat: bool | None = None) -> float:
+        """P(True) that ``answer`` answers ``question`` (see :meth:`p_true_batch`)."""
+        return float(self.p_true_batch([question], [answer], template=template, chat=chat)[0])
+
+    def p_true_batch(self, questions: Sequence[str], answers: Sequence[str], *,
+                     template: str | Mapping | PTrueTemplate | None = None,
+                     chat: bool | None = None, batch_size: int = 16) -> np.ndarray:
+        """``p(true) / (p(true) + p(false))`` under the calibrated next-token distribution.
+
+        The template is the engine's recorded one unless ``template`` names a built-in
+        (:func:`calm_runtime.prompts.p_true_template`) or gives a mapping. With the chat
+        template (applied when the tokenizer has one unless ``chat=False``, as in
+        training) the answer tokens lose their leading space.
+        """
+        if len(questions) != len(answers):
+            raise ConfigError(f"{len(questions)} questions but {len(answers)} answers; pass one "
+                              "answer per question")
+        if not questions:
+            raise ConfigError("no questions given; pass at least one")
+        chosen = self.manifest.p_true() if template is None else p_true_template(template)
+        use_chat = self.tokenizer.use_chat(chat)
+        true_text, false_text = chosen.true_token, chosen.false_token
+        if use_chat:
+            true_text, false_text = true_text.lstrip(), false_text.lstrip()
+        pair = [self.tokenizer.single_token_id(true_text, "the P(True) true token"),
+                self.tokenizer.single_token_id(false_text, "the P(True) false token")]
+        prompts = []
+        for q, a in zip(questions, answers, strict=True):
+            if not isinstance(q, str) or not q.strip() or not isinstance(a, str):
+                raise ConfigError(f"P(True) needs a non-empty question and an answer string, got "
+                                  f"{q!r} / {a!r}")
+            prompts.append(self._prompt_ids(chosen.render(q, a), use_chat))
+        logits = _scoring.next_token_logits(self.backend, prompts, self.tokenizer.pad_token_id,
+                                            _positive(batch_size, "batch_size"))
+        two = logits[:, pair].astype(np.float64)
+        return 1.0 / (1.0 + np.exp(two[:, 1] - two[:, 0]))
+
+    # ------------------------------------------------------------------ helpers
+    def _prompt_ids(self, text: str, use_chat: bool) -> list[int]:
+        if use_chat:
+            ids = self.tokenizer.encode(self.tokenizer.render_chat(text), add_bos=False)
+        else:
+            ids = self.tokenizer.encode(text)
+        self._check_length(len(ids))
+        return ids
+
+    def _check_length(self, n: int) -> None:
+        if n > self.max_context:
+            raise ConfigError(f"the prompt is {n} tokens but the model's context is "
+                              f"{self.max_context}; shorten the question or options")
+
+
+def _choice(scores: np.ndarray, mode: str, variant: str | None, temperature: float) -> Choice:
+    z = apply_calibration(np.asarray(scores, dtype=np.float64), temperature=temperature)
+    e = np.exp(z - z.max())
+    probs = e / e.sum()
+    best = int(np.argmax(probs))
+    return Choice(probabilities=probs, prediction=best, confidence=float(probs[best]),
+                  scores=np.asarray(scores, dtype=np.float64), mode=mode, variant=variant,
+                  answer_temperature=temperature)
+
+
+def _check_question(question, options) -> None:
+    if not isinstance(question, str) or not question.strip():
+        raise ConfigError(f"a question must be a non-empty string, got {question!r}")
+    if isinstance(options, str) or not isinstance(options, Sequence):
+        raise ConfigError(f"options must be a list of strings, got {type(options).__name__}")
+    option_letters(len(options))  # 2..26 options, else a one-line ConfigError
+    for option in options:
+        if not isinstance(option, str) or not option.strip():
+            raise ConfigError(f"every option must be a non-empty string, got {option!r}")
+
+
+def _positive(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def _rows(settings: DecodeSettings, part: slice, start: int) -> DecodeSettings:
+    """The settings of one slice of the batch: row ``start + i`` keeps its limit and generator."""
+    return replace(settings, max_new_tokens=settings.max_new_tokens[part], row_offset=start)
+
+
+def _sampling_options(options: dict) -> dict:
+    allowed = {"temperature", "top_k", "top_p", "seed", "stop", "top_alternatives"}
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        raise ConfigError(f"unknown generation option(s) {unknown}; use {sorted(allowed)}")
+    return options

@@ -1,0 +1,169 @@
+"""Bad input and failed validation: one-line typed errors, nothing half-written."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("onnxruntime")
+
+from conftest import random_calibration_adapter  # noqa: E402
+
+from calm_export import ExportConfig, export_engine, fuse, pipeline, validate  # noqa: E402
+from calm_runtime._fs import sha256_file  # noqa: E402
+from calm_runtime.artifact import CalibrationAdapter, ModelIdentity  # noqa: E402
+from calm_runtime.engine import EngineManifest  # noqa: E402
+from calm_runtime.errors import (  # noqa: E402
+    ArtifactError,
+    BackendUnavailableError,
+    ConfigError,
+    ExportValidationError,
+    IncompatibleModelError,
+    ModelSourceError,
+)
+from calm_runtime.models import model_identity  # noqa: E402
+
+FAST = {"progress": False, "exporter": "torchscript", "greedy_steps": 4}
+
+
+def _one_line(info) -> str:
+    message = str(info.value)
+    assert message and "\n" not in message
+    return message
+
+
+def _nothing_written(parent, name="engine"):
+    assert not (parent / name).exists()
+    assert not [p for p in parent.iterdir() if p.name.startswith(f".{name}.")]
+
+
+def _no_load(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the cheap checks")
+    monkeypatch.setattr(pipeline, "load_model_and_tokenizer", refuse)
+
+
+def test_adapter_for_another_vocabulary_is_refused(tmp_path, tiny_llama_untied):
+    identity = model_identity(tiny_llama_untied)
+    adapter = CalibrationAdapter(base_model=ModelIdentity("other", 200, identity.tokenizer_sha256),
+                                 tau=np.ones(200), shift=np.zeros(200))
+    with pytest.raises(IncompatibleModelError) as info:
+        export_engine(tiny_llama_untied, tmp_path / "engine", adapter=adapter,
+                      config=ExportConfig(**FAST))
+    assert "200 tokens" in _one_line(info) and "300" in str(info.value)
+    _nothing_written(tmp_path)
+
+
+def test_adapter_for_another_tokenizer_is_refused(tmp_path, tiny_llama_untied):
+    identity = model_identity(tiny_llama_untied)
+    adapter = CalibrationAdapter.identity(ModelIdentity(identity.name, 300, "f" * 64))
+    with pytest.raises(IncompatibleModelError, match="tokenizer sha256") as info:
+        export_engine(tiny_llama_untied, tmp_path / "engine", adapter=adapter,
+                      config=ExportConfig(**FAST))
+    _one_line(info)
+    _nothing_written(tmp_path)
+
+
+def test_existing_output_is_refused_at_once(tmp_path, tiny_llama_untied, monkeypatch):
+    out = tmp_path / "engine"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    _no_load(monkeypatch)
+    with pytest.raises(ArtifactError, match="--overwrite") as info:
+        export_engine(tiny_llama_untied, out, config=ExportConfig(**FAST))
+    _one_line(info)
+    with pytest.raises(ArtifactError, match="not a calm engine"):
+        export_engine(tiny_llama_untied, out, config=ExportConfig(**FAST, overwrite=True))
+    assert (out / "keep.txt").read_text() == "mine"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorrt") is not None
+                    and torch.cuda.is_available(), reason="TensorRT and a GPU are present")
+def test_missing_tensorrt_fails_at_once_naming_the_extra(tmp_path, tiny_llama_untied,
+                                                         monkeypatch):
+    _no_load(monkeypatch)
+    with pytest.raises(BackendUnavailableError) as info:
+        export_engine(tiny_llama_untied, tmp_path / "engine",
+                      config=ExportConfig(progress=False, format="tensorrt"))
+    assert "pip install 'calm[tensorrt]'" in _one_line(info)
+    _nothing_written(tmp_path)
+
+
+def test_unknown_model_is_a_model_source_error(tmp_path):
+    with pytest.raises(ModelSourceError):
+        export_engine(tmp_path / "no-such-model", tmp_path / "engine",
+                      config=ExportConfig(progress=False))
+
+
+def test_config_collects_every_problem_in_one_message():
+    with pytest.raises(ConfigError) as info:
+        ExportConfig(quantize="int8", opset=3, greedy_steps=0, head_layout="sideways")
+    message = _one_line(info)
+    for part in ("quantize", "opset", "greedy_steps", "head_layout"):
+        assert part in message
+
+
+def test_negative_tolerance_fails_validation_and_keeps_the_old_engine(
+        tmp_path, tiny_llama_untied, monkeypatch):
+    out = tmp_path / "engine"
+    export_engine(tiny_llama_untied, out, config=ExportConfig(**FAST))
+    before = {p.name: sha256_file(p) for p in out.iterdir()}
+    monkeypatch.setattr(ExportConfig, "ATOL_FP32", -1.0)
+    monkeypatch.setattr(ExportConfig, "RTOL_FP32", 0.0)
+    with pytest.raises(ExportValidationError) as info:
+        export_engine(tiny_llama_untied, out, config=ExportConfig(**FAST, overwrite=True))
+    message = _one_line(info)
+    assert "tolerance -1" in message and "no engine was written" in message
+    assert {p.name: sha256_file(p) for p in out.iterdir()} == before
+    EngineManifest.load(out)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".engine.")]
+
+
+def test_corrupted_fused_head_is_caught(tmp_path, tiny_llama_tied, monkeypatch):
+    real = fuse.fuse_into_lm_head
+
+    def corrupted(model, adapter, *, layout="untied"):
+        real(model, adapter, layout=layout)
+        with torch.no_grad():
+            model.get_output_embeddings().weight[17] *= 1.5
+    monkeypatch.setattr(fuse, "fuse_into_lm_head", corrupted)
+    adapter = random_calibration_adapter(tiny_llama_tied)
+    with pytest.raises(ExportValidationError, match="fused torch model") as info:
+        export_engine(tiny_llama_tied, tmp_path / "engine", adapter=adapter,
+                      config=ExportConfig(**FAST))
+    assert "max |logit diff|" in _one_line(info)
+    _nothing_written(tmp_path)
+
+
+def test_engine_differing_from_the_reference_writes_nothing(tmp_path, tiny_llama_untied,
+                                                             monkeypatch):
+    real = validate.onnx_runner
+
+    def shifted(path, shape):
+        run, name = real(path, shape)
+
+        def run_shifted(*args):
+            logits, state = run(*args)
+            return logits + np.float32(0.5), state
+        return run_shifted, name
+    monkeypatch.setattr(validate, "onnx_runner", shifted)
+    with pytest.raises(ExportValidationError, match="exported ONNX engine") as info:
+        export_engine(tiny_llama_untied, tmp_path / "engine", config=ExportConfig(**FAST))
+    assert "0.5" in _one_line(info)
+    _nothing_written(tmp_path)
+
+
+def test_broken_lora_folder_is_an_artifact_error(tmp_path, tiny_llama_untied):
+    broken = tmp_path / "lora"
+    broken.mkdir()
+    (broken / "adapter_config.json").write_text("{}")
+    adapter = random_calibration_adapter(tiny_llama_untied, lora_dir=broken)
+    with pytest.raises(ArtifactError, match="LoRA") as info:
+        export_engine(tiny_llama_untied, tmp_path / "engine", adapter=adapter,
+                      config=ExportConfig(**FAST))
+    _one_line(info)
+    _nothing_written(tmp_path)

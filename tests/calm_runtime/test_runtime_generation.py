@@ -1,0 +1,211 @@
+"""Generation on the ONNX Runtime backend against an independent torch reference.
+
+The reference runs the engine's source model (LoRA merged) on the whole sequence at every
+step — no KV cache, no padding — applies the calibration with the formula module
+(``CalibrationAdapter.calibrate``), computes probabilities and entropy in float64 with
+``softmax`` directly, and samples by the documented rule with a full sort of the
+vocabulary (see ``calm_runtime.sampling``). Tolerances: see ``TOLERANCE``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from calm_runtime import CalibratedLM  # noqa: E402
+from calm_runtime._generation import DecodeSettings, GenerationRun  # noqa: E402
+from calm_runtime.sampling import SamplingParams  # noqa: E402
+
+#: |runtime - reference| allowed. The engine matches the reference's calibrated logits to
+#: ~1e-5 here (validated by calm-export to 1e-4 + 1e-4 * scale); probabilities move by at
+#: most about that, log-probabilities and entropies by about twice the logit error.
+TOLERANCE = {"confidence": 2e-4, "logprob": 2e-3, "entropy": 2e-3}
+
+PROMPTS = ["Question: What is the capital of France?\nAnswer:",
+           "Hi",
+           "Question: Which planet is known as the red planet, and why is it red?\nAnswer:"]
+
+
+@pytest.fixture(scope="module")
+def lm(runtime_engine):
+    return CalibratedLM.load(runtime_engine[2], backend="onnxruntime", threads=1)
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(runtime_engine):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(runtime_engine[0]))
+
+
+def reference_step(model, adapter, ids):
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+    z = adapter.calibrate(logits).double().numpy()
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    return z, p
+
+
+def reference_pick(z, temperature, top_k, top_p, u):
+    """The documented sampling rule, written with a full stable sort."""
+    weights = np.exp((z - z.max()) / temperature)
+    order = np.lexsort((np.arange(z.size), -weights))
+    if top_k:
+        order = order[:top_k]
+    if top_p < 1.0:
+        mass = weights[order]
+        before = np.cumsum(mass) - mass
+        order = order[:max(1, int(np.count_nonzero(before < top_p * mass.sum())))]
+    candidates = np.sort(order)
+    cumulative = np.cumsum(weights[candidates])
+    return int(candidates[min(np.searchsorted(cumulative, u * cumulative[-1], side="right"),
+                              candidates.size - 1)])
+
+
+def reference_generate(model, adapter, prompt_ids, max_new, *, eos=(), temperature=0.0,
+                       top_k=0, top_p=1.0, seed=None, row=0, rows=1):
+    generator = None
+    if temperature:
+        child = np.random.SeedSequence(seed).spawn(rows)[row]
+        generator = np.random.Generator(np.random.PCG64(child))
+    ids, out = list(prompt_ids), []
+    for _ in range(max_new):
+        z, p = reference_step(model, adapter, ids)
+        token = (int(np.argmax(z)) if not temperature else
+                 reference_pick(z, temperature, top_k, top_p, generator.random()))
+        entropy = float(-(p[p > 0] * np.log(p[p > 0])).sum())
+        out.append((token, float(p[token]), float(np.log(p[token])), entropy))
+        ids.append(token)
+        if token in eos:
+            break
+    return out
+
+
+def assert_matches(generation, reference, what):
+    got = [t.id for t in generation.tokens]
+    want = [r[0] for r in reference]
+    assert got == want, f"{what}: tokens {got} != reference {want}"
+    for name, index in (("confidence", 1), ("logprob", 2), ("entropy", 3)):
+        values = np.array([getattr(t, name) for t in generation.tokens])
+        expected = np.array([r[index] for r in reference])
+        diff = float(np.max(np.abs(values - expected)))
+        assert diff <= TOLERANCE[name], f"{what}: max |{name} diff| {diff:.3g}"
+
+
+def test_greedy_batch_of_one_matches_the_reference(lm, runtime_reference_model, hf_tokenizer):
+    model, adapter = runtime_reference_model
+    out = lm.generate(PROMPTS[0], max_new_tokens=12)
+    prompt_ids = hf_tokenizer(PROMPTS[0])["input_ids"]
+    assert out.prompt_tokens == len(prompt_ids)
+    assert_matches(out, reference_generate(model, adapter, prompt_ids, 12), "greedy")
+    assert out.finish_reason == "length" and len(out.tokens) == 12
+    joint = float(np.prod([t.confidence for t in out.tokens]))
+    assert out.joint_confidence == pytest.approx(joint, rel=1e-9)
+    assert out.sequence_confidence == pytest.approx(joint ** (1 / 12), rel=1e-9)
+    assert out.timing.prefill_s > 0 and out.timing.decode_steps == 11
+
+
+def test_greedy_batch_of_three_matches_each_prompt_alone(lm, runtime_reference_model,
+                                                          hf_tokenizer):
+    model, adapter = runtime_reference_model
+    outs = lm.generate(PROMPTS, max_new_tokens=10)
+    assert len({len(hf_tokenizer(p)["input_ids"]) for p in PROMPTS}) == 3  # really padded
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        ids = hf_tokenizer(prompt)["input_ids"]
+        assert_matches(out, reference_generate(model, adapter, ids, 10), f"batch row {prompt!r}")
+
+
+@pytest.mark.parametrize("settings", [
+    {"temperature": 1.0, "seed": 3},
+    {"temperature": 0.8, "top_k": 20, "top_p": 0.9, "seed": 7},
+    {"temperature": 1.3, "top_p": 0.5, "seed": 11},
+])
+def test_seeded_sampling_matches_the_reference(lm, runtime_reference_model, hf_tokenizer,
+                                               settings):
+    model, adapter = runtime_reference_model
+    outs = lm.generate(PROMPTS, max_new_tokens=8, **settings)
+    for row, (prompt, out) in enumerate(zip(PROMPTS, outs, strict=True)):
+        ids = hf_tokenizer(prompt)["input_ids"]
+        want = reference_generate(model, adapter, ids, 8, row=row, rows=3, **settings)
+        assert_matches(out, want, f"sampling {settings} row {row}")
+    # a prompt alone samples what it sampled as row 0 of the batch
+    alone = lm.generate(PROMPTS[0], max_new_tokens=8, **settings)
+    assert alone.token_ids == outs[0].token_ids
+
+
+def test_streaming_equals_generate(lm):
+    for options in ({}, {"temperature": 0.9, "top_k": 30, "seed": 5}):
+        out = lm.generate(PROMPTS[2], max_new_tokens=9, top_alternatives=3, **options)
+        streamed = list(lm.stream(PROMPTS[2], max_new_tokens=9, top_alternatives=3, **options))
+        assert tuple(streamed) == out.tokens
+        assert "".join(t.text for t in streamed) == out.text
+
+
+def test_stop_string_cuts_the_text(lm):
+    full = lm.generate(PROMPTS[0], max_new_tokens=16)
+    text = full.text
+    k = next(i for i in range(1, len(text) - 1) if text.find(text[i:i + 2]) == i)
+    stop = text[k:k + 2]
+    out = lm.generate(PROMPTS[0], max_new_tokens=16, stop=["never-there", stop])
+    assert out.finish_reason == "stop"
+    assert out.text == text[:k]
+    assert out.token_ids == full.token_ids[:len(out.tokens)]
+    assert "".join(t.text for t in out.tokens).startswith(text[:k] + stop)
+
+
+def test_eos_and_length_finish(lm):
+    full = lm.generate(PROMPTS[1], max_new_tokens=6)
+    eos = full.token_ids[2]
+    first = full.token_ids.index(eos)
+    settings = DecodeSettings(max_new_tokens=(6,), sampling=SamplingParams(), stop=(),
+                              top_alternatives=0, eos_ids=frozenset({eos}))
+    run = GenerationRun(lm.backend, lm.tokenizer, [lm.encode_prompt(PROMPTS[1])], settings)
+    streamed = [token for _, token in run]
+    (result,) = run.results
+    assert result.finish_reason == "eos" and result.token_ids == full.token_ids[:first + 1]
+    assert [t.id for t in streamed] == result.token_ids
+    one = lm.generate(PROMPTS[1], max_new_tokens=1)
+    assert one.finish_reason == "length" and one.token_ids == full.token_ids[:1]
+
+
+def test_top_alternatives_are_the_most_probable_tokens(lm, runtime_reference_model,
+                                                       hf_tokenizer):
+    model, adapter = runtime_reference_model
+    out = lm.generate(PROMPTS[0], max_new_tokens=3, top_alternatives=5)
+    ids = hf_tokenizer(PROMPTS[0])["input_ids"]
+    _, p = reference_step(model, adapter, ids)
+    first = out.tokens[0]
+    assert [a.id for a in first.top] == list(np.argsort(-p, kind="stable")[:5])
+    assert first.top[0].id == first.id and first.top[0].confidence == first.confidence
+    np.testing.assert_allclose([a.confidence for a in first.top], np.sort(p)[::-1][:5],
+                               atol=TOLERANCE["confidence"])
+    assert lm.generate(PROMPTS[0], max_new_tokens=2).tokens[0].top is None
+
+
+def test_chat_template_renders_like_transformers(lm, hf_tokenizer):
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "What is 2 + 2?"}]
+    for add in (True, False):
+        want = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=add,
+                                                tokenize=False)
+        assert lm.tokenizer.render_chat(messages, add_generation_prompt=add) == want
+    rendered = hf_tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}],
+                                                add_generation_prompt=True, tokenize=False)
+    assert lm.encode_prompt("Hi", chat=True) == hf_tokenizer(
+        rendered, add_special_tokens=False)["input_ids"]
+    assert lm.generate("Hi", max_new_tokens=3, chat=True).prompt_tokens == len(
+        hf_tokenizer(rendered, add_special_tokens=False)["input_ids"])
+
+
+def test_incremental_token_text_rebuilds_multibyte_text(lm):
+    from calm_runtime._tokenizer import IncrementalDecoder
+
+    text = " naïve café — 東京 😀 done"
+    ids = lm.tokenizer.encode(text, add_bos=False)
+    decoder = IncrementalDecoder(lm.tokenizer, lm.tokenizer.encode("Say:"))
+    pieces = [decoder.step(i) for i in ids] + [decoder.flush()]
+    assert "".join(pieces) == text
+    assert "" in pieces  # some tokens end inside a character; their text comes later
