@@ -1,9 +1,9 @@
 """The ``calm`` command: one entry point, subcommands registered by each installed part.
 
-Runtime subcommands (``models``, ``data``) live here; fitting, evaluation and the
-quickstart come from ``calm_training.cli`` when the train extra is installed. Every
-subcommand is a library call plus a thin handler; a :class:`CalmError` becomes one line
-``ErrorName: message`` on stderr and exit code 1, never a traceback.
+Runtime subcommands (``models``, ``data``, ``generate``, ``score``) live here; fitting,
+evaluation and the quickstart come from ``calm_training.cli`` when the train extra is
+installed. Every subcommand is a library call plus a thin handler; a :class:`CalmError`
+becomes one line ``ErrorName: message`` on stderr and exit code 1, never a traceback.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ EPILOG = """examples:
   calm fit daca --model smollm2-135m-instruct --reference gemma-3-270m --data arc-easy \\
       --mode cloze --out adapters/daca-smollm2
   calm eval --model smollm2-135m-instruct --adapter adapters/daca-smollm2 --data arc-easy
+  calm generate engine/ "Question: What is the capital of France?\nAnswer:"
+  calm score engine/ --data arc-easy --mode cloze
 """
 
 
@@ -38,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_models(sub)
     _add_data(sub)
+    _add_generate(sub)
+    _add_score(sub)
     try:
         from calm_training.cli import register as register_training
     except ImportError:  # the train extra is not installed
@@ -134,6 +138,147 @@ def _data_check(args) -> int:
     kinds = sorted({type(r).__name__ for r in records})
     print(f"{args.spec}: {len(records)} valid records ({', '.join(kinds)}), "
           f"sha256 {dataset_hash(records)[:16]}")
+    return 0
+
+
+def _add_engine_options(p) -> None:
+    p.add_argument("engine", help="engine directory written by calm-export")
+    p.add_argument("--backend", default="onnxruntime", choices=["onnxruntime", "torch",
+                                                                "tensorrt"])
+    p.add_argument("--providers", help="ONNX Runtime execution providers, comma-separated "
+                   "(e.g. cuda,cpu); default cpu")
+    p.add_argument("--threads", type=int, help="intra-op threads (default: all cores)")
+
+
+def _load_engine(args):
+    from .lm import CalibratedLM
+
+    providers = args.providers.split(",") if args.providers else None
+    return CalibratedLM.load(args.engine, backend=args.backend, providers=providers,
+                             threads=args.threads)
+
+
+def _add_chat_options(p, what: str) -> None:
+    chat = p.add_mutually_exclusive_group()
+    chat.add_argument("--chat", dest="chat", action="store_true", default=None,
+                      help=f"apply the chat template {what}")
+    chat.add_argument("--no-chat", dest="chat", action="store_false")
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate text with calibrated per-token confidences",
+                       description="Generate from a prompt with an exported engine; every "
+                       "token is shown with its calibrated probability.",
+                       epilog="examples:\n  calm generate engine/ \"Question: What is the "
+                       "capital of France?\\nAnswer:\" --max-new-tokens 16\n"
+                       "  calm generate engine/ \"Tell me a joke\" --chat --temperature 0.7 "
+                       "--seed 1 --json",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_engine_options(p)
+    p.add_argument("prompt", help="the prompt text")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--top", type=int, default=0, metavar="K",
+                   help="show the K most probable tokens of each step")
+    _add_chat_options(p, "(wrap the prompt as a user message)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(handler=_generate)
+
+
+def _generate(args) -> int:
+    import json
+
+    lm = _load_engine(args)
+    out = lm.generate(args.prompt.replace("\\n", "\n"), max_new_tokens=args.max_new_tokens,
+                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                      seed=args.seed, stop=args.stop, top_alternatives=args.top,
+                      chat=bool(args.chat))
+    if args.json:
+        print(json.dumps(out.to_dict(), indent=2, ensure_ascii=False))
+    else:
+        print(render_generation(out, lm.tokenizer.token_text))
+    return 0
+
+
+def render_generation(out, token_text=str, width: int = 100) -> str:
+    """The text, then each token with its calibrated probability, then the sequence's."""
+    lines, line = [], ""
+    for token in out.tokens:
+        shown = token.text
+        if not shown:  # a special token (by name), or part of a multi-byte character
+            shown = token_text(token.id).replace("\ufffd", "")
+        piece = f"{_visible(shown)}[{token.confidence:.0%}]"
+        if token.top:
+            piece += "{" + ", ".join(f"{_visible(a.text)}:{a.confidence:.0%}"
+                                     for a in token.top) + "}"
+        if line and len(line) + len(piece) > width:
+            lines.append(line)
+            line = ""
+        line += piece
+    lines.append(line)
+    t = out.timing
+    summary = (f"sequence confidence {out.sequence_confidence:.3f} (geometric mean), joint "
+               f"{out.joint_confidence:.3g}; {len(out.tokens)} tokens, finish {out.finish_reason}; "
+               f"prefill {t.prefill_s * 1e3:.1f} ms, {t.per_token_s * 1e3:.1f} ms/token")
+    return "\n".join([out.text, "", "tokens [calibrated probability]:", *lines, summary])
+
+
+def _visible(text: str) -> str:
+    """Newlines, tabs and other control characters escaped; everything else as it is."""
+    return "".join(ch if ch.isprintable() or ch == " " else ch.encode("unicode_escape")
+                   .decode("ascii") for ch in text)
+
+
+def _add_score(sub) -> None:
+    p = sub.add_parser("score", help="calibration metrics of an engine on a data set",
+                       description="Multiple choice (letter or cloze mode) or open QA (P(True) "
+                       "and sequence confidence of greedy answers) with an exported engine; "
+                       "prints the metrics and writes a JSON report.",
+                       epilog="examples:\n  calm score engine/ --data arc-easy --mode cloze\n"
+                       "  calm score engine/ --data my-questions.jsonl --split all --out r.json",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_engine_options(p)
+    p.add_argument("--data", required=True, help="data set name or .jsonl file")
+    p.add_argument("--split", default="test", choices=["all", "calibration", "test"],
+                   help="part of the data (the split calm fit/eval use); default test")
+    p.add_argument("--mode", default="cloze", choices=["cloze", "letter"])
+    p.add_argument("--variant", choices=["sum", "mean", "char"],
+                   help="cloze option score (default: the engine's recorded one, else sum)")
+    _add_chat_options(p, "(letter mode and P(True); default: when the tokenizer has one)")
+    p.add_argument("--bins", type=int, default=10, help="bins of ECE/MCE/AECE")
+    p.add_argument("--limit", type=int, help="use only the first N records")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=24, help="open QA answer length")
+    p.add_argument("--out", help="JSON report path (default calm-out/reports/score-*.json)")
+    p.set_defaults(handler=_score)
+
+
+def _score(args) -> int:
+    from pathlib import Path
+
+    from .data import DATA_PARTS, load_dataset
+    from .score import format_report, score_records, write_report
+
+    spec = args.data
+    if spec.rpartition(":")[2] not in DATA_PARTS:
+        spec = f"{spec}:{args.split}"
+    records = load_dataset(spec)
+    if args.limit is not None:
+        records = records[:max(args.limit, 0)]
+    lm = _load_engine(args)
+    report = score_records(lm, records, mode=args.mode, variant=args.variant, chat=args.chat,
+                           n_bins=args.bins, batch_size=args.batch_size,
+                           max_new_tokens=args.max_new_tokens)
+    report.update(engine=str(args.engine), data=args.data, split=spec.rpartition(":")[2],
+                  backend=lm.backend.description)
+    print(format_report(report))
+    name = f"score-{Path(args.engine).name}-{Path(args.data).stem}-{report['kind']}.json"
+    path = write_report(report, args.out or Path("calm-out/reports") / name)
+    print(f"\nwrote {path}")
     return 0
 
 

@@ -57,9 +57,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             from calm_export.tensorrt import require_tensorrt
 
             require_tensorrt()
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
         from calm_export.pipeline import export_engine
 
-        result = export_engine(args.model, args.out, adapter=args.adapter, config=config)
+        with logging_redirect_tqdm():  # log lines above the progress bar, not through it
+            result = export_engine(args.model, args.out, adapter=args.adapter, config=config)
     except CalmError as exc:
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

@@ -155,6 +155,7 @@ def _export(model_spec, out: Path, adapter_arg, config: ExportConfig,
         weight_bytes > config.EXTERNAL_DATA_BYTES)
 
     with atomic_directory(out, overwrite=config.overwrite) as staging:
+        _default_permissions(staging)
         stages.start("export")
         facts = export_onnx(model, shape, staging, opset=config.opset,
                             exporter=config.exporter, external_data=external)
@@ -216,6 +217,13 @@ def _export(model_spec, out: Path, adapter_arg, config: ExportConfig,
     logger.info("engine written to %s (%.1f MB, max |logit diff| %.3g, %.1f s)", out,
                 sum(sizes.values()) / 1e6, report["max_abs_diff"], stages.seconds["total"])
     return ExportResult(path=out, manifest=final, file_sizes=sizes, seconds=stages.seconds)
+
+
+def _default_permissions(directory: Path) -> None:
+    """mkdtemp makes the staging folder private (0700); an engine is served by other users."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(directory, 0o777 & ~umask)
 
 
 def _load_adapter(adapter_arg) -> tuple[CalibrationAdapter | None, Path | None]:

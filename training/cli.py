@@ -1,4 +1,4 @@
-"""Training subcommands of ``calm``: ``fit``, ``eval`` and ``quickstart``.
+"""Training subcommands of ``calm``: ``fit``, ``eval``, ``quickstart`` and ``train``.
 
 Importing this module is cheap (no torch); each handler imports what it needs.
 """
@@ -61,6 +61,7 @@ def register(sub) -> None:
                        help="use only the first N questions (quicker, noisier)")
     quick.add_argument("--data", default="arc-easy")
     quick.set_defaults(handler=_quickstart)
+    _register_train(sub)
 
 
 def _add_common(p, default_variant: str) -> None:
@@ -187,4 +188,95 @@ def _quickstart(args) -> int:
     print(format_table(report))
     written = write_report(report, out / "reports", f"quickstart-{Path(args.data).stem}")
     print("\n" + "\n".join(f"wrote {p}" for p in written.values()))
+    return 0
+
+
+TRAIN_EPILOG = """data parts (disjoint from the test part that `calm eval` scores):
+  NAME:train      first half of NAME's 30% calibration part, labeled (cross-entropy)
+  NAME:unlabeled  the other half, labels dropped (entropy of the calibrated model)
+  NAME may be a named set or a .jsonl file; other specs go to load_dataset unchanged.
+
+examples:
+  calm train --model smollm2-135m-instruct --train arc-easy:train \\
+      --calibration sciq:unlabeled --out adapters/calm-smollm2
+  calm train ... --method lora --out adapters/lora-smollm2     # the plain LoRA reference
+  torchrun --nproc_per_node 2 -m calm_runtime.cli train ...      # data parallel
+  calm fit daca --model smollm2-135m-instruct --reference gemma-3-270m --data arc-easy \\
+      --adapter adapters/calm-smollm2 --out adapters/calm-daca   # compose with DACA
+"""
+
+
+def _register_train(sub) -> None:
+    from calm_training.trainer import METHODS, OPTIMIZERS, CalmConfig
+
+    d = CalmConfig.__dataclass_fields__
+    t = sub.add_parser("train", help="CALM: train LoRA + per-token calibration (bilevel)",
+                       description="Fine-tune a LoRA adapter with cross-entropy while the "
+                       "per-vocabulary temperatures and shifts maximise the entropy on an "
+                       "unlabeled calibration set (BOME, METHODS.md section 4).",
+                       epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    t.add_argument("--model", required=True, help="packaged name, folder or .gguf file")
+    t.add_argument("--train", action="append", required=True, metavar="SPEC",
+                   help="labeled training data (repeatable), e.g. arc-easy:train")
+    t.add_argument("--calibration", action="append", required=True, metavar="SPEC",
+                   help="unlabeled calibration data (repeatable), e.g. sciq:unlabeled")
+    t.add_argument("--out", required=True, help="adapter directory to write")
+    t.add_argument("--method", default="bilevel", choices=METHODS,
+                   help="bilevel (CALM); ablations: regularization, iterate, scalar; "
+                        "lora = plain LoRA fine-tuning without calibration")
+    t.add_argument("--mode", default="cloze", choices=["cloze", "letter"],
+                   help="multiple choice: CE on the option text (cloze) or its letter")
+    chat = t.add_mutually_exclusive_group()
+    chat.add_argument("--chat", dest="chat", action="store_true", default=None,
+                      help="letter mode: apply the chat template")
+    chat.add_argument("--no-chat", dest="chat", action="store_false")
+    for flag, kind, text in (
+            ("steps", int, "outer steps"), ("batch-size", int, "global training batch"),
+            ("calibration-batch-size", int, "global calibration batch (default: batch size)"),
+            ("grad-accumulation", int, "micro-batches per rank and step"),
+            ("inner-steps", int, "T_inner: gradient steps on the LoRA copy"),
+            ("inner-lr", float, "step size of the inner steps"),
+            ("outer-lr", float, "outer learning rate (LoRA)"),
+            ("alpha-lr", float, "outer learning rate of tau/shift (default: --outer-lr)"),
+            ("momentum", float, "SGD momentum"), ("eta", float, "eta of phi"),
+            ("beta", float, "weight of f in the regularization ablation"),
+            ("lora-rank", int, "LoRA rank"), ("lora-alpha", float, "LoRA alpha"),
+            ("max-length", int, "longest sequence in tokens"), ("seed", int, "seed"),
+            ("limit", int, "use only the first N records of each data spec"),
+            ("checkpoint-every", int, "checkpoint every N steps (0: never)")):
+        name = flag.replace("-", "_")
+        t.add_argument(f"--{flag}", type=kind, default=d[name].default,
+                       help=f"{text} (default {d[name].default})")
+    t.add_argument("--optimizer", default=d["optimizer"].default, choices=OPTIMIZERS)
+    t.add_argument("--phi", default=d["phi"].default, choices=["grad", "value"],
+                   help="phi = eta*|grad q|^2 (grad) or eta*q (value)")
+    t.add_argument("--lora-targets", default=",".join(d["lora_targets"].default),
+                   help="comma-separated module names to adapt")
+    t.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
+    t.add_argument("--checkpoint-dir", help="default: OUT.checkpoints")
+    t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    t.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    t.set_defaults(handler=_train)
+
+
+def _train(args) -> int:
+    from calm_training.trainer import CalmConfig, train_calm
+
+    names = [f for f in CalmConfig.__dataclass_fields__ if hasattr(args, f)]
+    values = {f: getattr(args, f) for f in names}
+    values["lora_targets"] = tuple(x.strip() for x in args.lora_targets.split(",") if x.strip())
+    values["train"], values["calibration"] = tuple(args.train), tuple(args.calibration)
+    config = CalmConfig(**values)
+    result = train_calm(config, args.out, resume=args.resume, overwrite=args.overwrite,
+                        checkpoint_dir=args.checkpoint_dir, progress=_progress(args))
+    if result.out is not None and result.history:
+        first, last = result.history[0], result.history[-1]
+        print(f"wrote {result.out} (kind {result.adapter.kind}) after {last['step']} steps "
+              f"in {result.seconds:.0f} s")
+        for key in ("f", "g", "q", "lam"):
+            if last.get(key) is not None:
+                print(f"  {key:<4} {first[key]:.4g} -> {last[key]:.4g}")
+        summary = result.adapter.summary()
+        print(f"  tau [{summary['tau_min']:.4g}, {summary['tau_max']:.4g}]  "
+              f"shift [{summary['shift_min']:.4g}, {summary['shift_max']:.4g}]")
     return 0

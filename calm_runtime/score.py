@@ -1,0 +1,134 @@
+"""Score a data set with an engine: calibration metrics of its confidences (``calm score``).
+
+* Multiple-choice records: :meth:`CalibratedLM.choose_batch` (letter or cloze mode) gives
+  option probabilities; :func:`calm_runtime.metrics.calibration_report` on the labels.
+* Open-QA records: the engine answers each question greedily (``"Question: ...\\nAnswer:"``,
+  cut at the first newline); an answer is correct when it matches an alias after SQuAD
+  normalisation; P(True) of the answer and the answer's sequence confidence are each
+  reported with :func:`calm_runtime.metrics.binary_report`.
+
+Records without a label are refused (metrics need labels).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import string
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from . import metrics
+from .data import MultipleChoiceRecord, Record
+from .errors import DataError
+from .prompts import cloze_context
+
+__all__ = ["score_records", "format_report", "write_report", "normalize_answer", "is_correct"]
+
+
+def score_records(lm, records: Sequence[Record], *, mode: str = "cloze",
+                  variant: str | None = None, chat: bool | None = None, n_bins: int = 10,
+                  batch_size: int = 8, max_new_tokens: int = 24) -> dict:
+    """Metrics of ``lm``'s calibrated confidences on ``records`` (see the module docstring)."""
+    if not records:
+        raise DataError("no records to score; check the data file or split")
+    if isinstance(records[0], MultipleChoiceRecord):
+        return _score_choices(lm, records, mode, variant, chat, n_bins, batch_size)
+    return _score_open_qa(lm, records, chat, n_bins, batch_size, max_new_tokens)
+
+
+def _score_choices(lm, records, mode, variant, chat, n_bins, batch_size) -> dict:
+    unlabeled = sum(r.answer is None for r in records)
+    if unlabeled:
+        raise DataError(f"{unlabeled} of {len(records)} records have no answer; scoring needs "
+                        "labels (add 'answer' to every record)")
+    choices = lm.choose_batch([r.question for r in records], [r.choices for r in records],
+                              mode, variant=variant, chat=chat, batch_size=batch_size)
+    labels = np.array([r.answer for r in records])
+    k = int(np.bincount([len(r.choices) for r in records]).argmax())
+    same = [i for i, r in enumerate(records) if len(r.choices) == k]
+    probs = np.stack([choices[i].probabilities for i in same])
+    report = metrics.calibration_report(probs, labels[same], n_bins)
+    return {"kind": "multiple_choice", "mode": mode, "variant": choices[0].variant,
+            "answer_temperature": choices[0].answer_temperature, "n_options": k,
+            "n_skipped": len(records) - len(same), "metrics": report,
+            "predictions": [{"prediction": c.prediction, "confidence": c.confidence,
+                             "label": int(y)} for c, y in zip(choices, labels, strict=True)]}
+
+
+def _score_open_qa(lm, records, chat, n_bins, batch_size, max_new_tokens) -> dict:
+    questions = [r.question for r in records]
+    generations = lm.generate([cloze_context(q) for q in questions],
+                              max_new_tokens=max_new_tokens, stop="\n", batch_size=batch_size)
+    answers = [g.text.strip().split("\n")[0].strip() for g in generations]
+    correct = np.array([is_correct(a, r.answers) for a, r in zip(answers, records, strict=True)],
+                       dtype=np.int64)
+    p_true = lm.p_true_batch(questions, answers, chat=chat, batch_size=batch_size)
+    sequence = np.array([g.sequence_confidence for g in generations])
+    return {"kind": "open_qa", "template": lm.manifest.p_true().name,
+            "answer_accuracy": float(correct.mean()),
+            "metrics": {"p_true": metrics.binary_report(p_true, correct, n_bins),
+                        "sequence_confidence": metrics.binary_report(sequence, correct, n_bins)},
+            "predictions": [{"answer": a, "correct": bool(c), "p_true": float(p),
+                             "sequence_confidence": float(s)}
+                            for a, c, p, s in zip(answers, correct, p_true, sequence,
+                                                  strict=True)]}
+
+
+def format_report(report: dict) -> str:
+    """A one-screen Markdown summary (the same columns as ``calm eval``)."""
+    head = f"{report['engine']} on {report['data']} ({report['split']} split"
+    rows = []
+    if report["kind"] == "multiple_choice":
+        head += f", {report['mode']}"
+        if report["mode"] == "cloze":
+            head += f", {report['variant']} scores, T_ans={report['answer_temperature']:.3f}"
+        rows.append(("calibrated engine", report["metrics"]))
+    else:
+        head += f", P(True) template {report['template']}"
+        head += f"; answer accuracy {report['answer_accuracy']:.3f}"
+        rows += [("P(True)", report["metrics"]["p_true"]),
+                 ("sequence confidence", report["metrics"]["sequence_confidence"])]
+    first = rows[0][1]
+    head += f"), n={first['n']}, {first['n_bins']} bins; backend {report['backend']}"
+    lines = [head, "", "| confidence | acc | ECE | MCE | AECE | Brier | NLL |",
+             "|---|---|---|---|---|---|---|"]
+    for name, row in rows:
+        lines.append(f"| {name} | {row['accuracy']:.3f} | {row['ece']:.3f} | {row['mce']:.3f} "
+                     f"| {row['aece']:.3f} | {row['brier']:.3f} | {row['nll']:.3f} |")
+    return "\n".join(lines)
+
+
+def write_report(report: dict, path: str | os.PathLike) -> Path:
+    """Write the report as JSON (atomically: a temporary sibling, then a rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(report, indent=2, sort_keys=True, allow_nan=False) + "\n",
+                   encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCTUATION = set(string.punctuation)
+
+
+def normalize_answer(text: str) -> str:
+    """SQuAD/TriviaQA normalisation: lower case, drop punctuation and articles, squeeze spaces
+    (the rule of ``calm_training.scoring.normalize_answer``)."""
+    text = "".join(ch for ch in text.lower() if ch not in _PUNCTUATION)
+    return " ".join(_ARTICLES.sub(" ", text).split())
+
+
+def is_correct(prediction: str, aliases: Sequence[str]) -> bool:
+    """The normalised prediction equals an alias or contains one as a whole-word phrase."""
+    pred = normalize_answer(prediction)
+    if not pred:
+        return False
+    padded = f" {pred} "
+    return any((norm := normalize_answer(a)) and (norm == pred or f" {norm} " in padded)
+               for a in aliases)

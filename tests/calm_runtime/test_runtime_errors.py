@@ -1,0 +1,114 @@
+"""Bad input is a one-line typed CalmError, and the engine keeps working afterwards."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+pytest.importorskip("onnxruntime")
+
+from calm_runtime import CalibratedLM  # noqa: E402
+from calm_runtime.errors import ArtifactError, CalmError, ConfigError  # noqa: E402
+
+PROMPT = "Question: What is the capital of France?\nAnswer:"
+
+
+@pytest.fixture(scope="module")
+def lm(runtime_engine):
+    return CalibratedLM.load(runtime_engine[2], threads=1)
+
+
+def _one_line(info, kind=CalmError) -> str:
+    assert isinstance(info.value, kind), type(info.value)
+    message = str(info.value)
+    assert message and "\n" not in message, message
+    return message
+
+
+@pytest.mark.parametrize(("call", "kind", "match"), [
+    (lambda lm: lm.generate(""), ConfigError, "prompt is empty"),
+    (lambda lm: lm.generate([]), ConfigError, "no prompts"),
+    (lambda lm: lm.generate(["ok", ""]), ConfigError, "prompt is empty"),
+    (lambda lm: lm.generate("word " * 400), ConfigError, "context is 256"),
+    (lambda lm: lm.generate("a" * 255), ConfigError, "fills the model's context"),
+    (lambda lm: lm.generate(PROMPT, max_new_tokens=0), ConfigError, "max_new_tokens"),
+    (lambda lm: lm.generate(PROMPT, temperature=-1), ConfigError, "temperature"),
+    (lambda lm: lm.generate(PROMPT, temperature=1, top_p=0), ConfigError, "top_p"),
+    (lambda lm: lm.generate(PROMPT, stop=[""]), ConfigError, "stop strings"),
+    (lambda lm: lm.generate(PROMPT, top_alternatives=-1), ConfigError, "top_alternatives"),
+    (lambda lm: list(lm.stream([PROMPT])), ConfigError, "one prompt string"),
+    (lambda lm: lm.choose("Pick one", ["only"]), ConfigError, "2 to 26 options"),
+    (lambda lm: lm.choose("Pick one", []), ConfigError, "2 to 26 options"),
+    (lambda lm: lm.choose("Pick one", "ab"), ConfigError, "list of strings"),
+    (lambda lm: lm.choose("Pick one", ["a", " "]), ConfigError, "non-empty string"),
+    (lambda lm: lm.choose("", ["a", "b"]), ConfigError, "non-empty string"),
+    (lambda lm: lm.choose("q", ["a", "b"], mode="essay"), ConfigError, "unknown mode"),
+    (lambda lm: lm.choose("q", ["a", "b"], variant="max"), ConfigError, "unknown cloze variant"),
+    (lambda lm: lm.choose("q", list("ABCDEFGHIJK"), mode="letter", chat=False), ConfigError,
+     "' K' is not a single token"),
+    (lambda lm: lm.choose("word " * 400, ["a", "b"]), ConfigError, "context is 256"),
+    (lambda lm: lm.choose_batch(["q"], [["a", "b"], ["c", "d"]]), ConfigError, "option lists"),
+    (lambda lm: lm.p_true_batch(["q"], []), ConfigError, "one answer per question"),
+    (lambda lm: lm.p_true("q", "a", template="no-such-template"), ConfigError,
+     "unknown P(True) template"),
+])
+def test_bad_input_is_one_typed_line_and_the_engine_keeps_working(lm, call, kind, match):
+    before = lm.generate(PROMPT, max_new_tokens=4)
+    with pytest.raises(kind) as info:
+        call(lm)
+    assert match in _one_line(info, kind)
+    after = lm.generate(PROMPT, max_new_tokens=4)
+    assert after.token_ids == before.token_ids and after.text == before.text
+
+
+@pytest.fixture
+def engine_copy(runtime_engine, tmp_path):
+    target = tmp_path / "engine"
+    shutil.copytree(runtime_engine[2], target)
+    return target
+
+
+def test_missing_file(engine_copy):
+    (engine_copy / "tokenizer.json").unlink()
+    with pytest.raises(ArtifactError) as info:
+        CalibratedLM.load(engine_copy)
+    assert "tokenizer.json is missing" in _one_line(info)
+
+
+def test_wrong_hash(engine_copy):
+    path = engine_copy / "genai_config.json"
+    path.write_text(path.read_text().replace('"top_k": 1', '"top_k": 2'))
+    with pytest.raises(ArtifactError) as info:
+        CalibratedLM.load(engine_copy)
+    assert "genai_config.json does not match its sha256" in _one_line(info)
+
+
+def test_truncated_model(engine_copy):
+    path = engine_copy / "model.onnx"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(ArtifactError) as info:
+        CalibratedLM.load(engine_copy)
+    assert "model.onnx does not match its sha256" in _one_line(info)
+    # without hashing, onnxruntime's own load failure is still one typed line
+    with pytest.raises(ArtifactError) as info:
+        CalibratedLM.load(engine_copy, verify_hashes=False)
+    assert "onnxruntime cannot load" in _one_line(info)
+
+
+def test_not_an_engine(tmp_path):
+    with pytest.raises(ArtifactError) as info:
+        CalibratedLM.load(tmp_path / "nowhere")
+    assert "does not exist" in _one_line(info)
+    with pytest.raises(ArtifactError) as info:
+        CalibratedLM.load(tmp_path)
+    assert "calm_engine.json is missing" in _one_line(info)
+
+
+def test_bad_backend_arguments(runtime_engine):
+    with pytest.raises(ConfigError) as info:
+        CalibratedLM.load(runtime_engine[2], threads=0)
+    assert "threads" in _one_line(info)
+    with pytest.raises(ConfigError) as info:
+        CalibratedLM.load(runtime_engine[2], providers=[])
+    assert "providers is empty" in _one_line(info)

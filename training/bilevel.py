@@ -1,0 +1,268 @@
+"""First-order bilevel optimisation (BOME, Liu et al. 2022) on generic parameter lists.
+
+METHODS.md §4. The lower level ``g(θ, α)`` is minimised over ``θ``; the upper level
+``f(θ, α)`` over the joint variable ``u = (θ, α)`` subject to ``θ`` staying a minimiser of
+``g``. One outer step (:func:`bome_step`):
+
+1. ``θ~ ← θ``; ``inner_steps`` times ``θ~ ← θ~ − inner_lr · ∇_θ g(θ~, α)`` (α fixed, no graph
+   kept through the steps). The first inner gradient is taken at ``θ~ = θ``, so that
+   evaluation also gives ``g(θ, α)``, ``∇_θ g(θ, α)`` and ``∇_α g(θ, α)``.
+2. ``q = g(θ, α) − g(θ~, α)``; ``∇q = [∇_θ g(θ, α) ; ∇_α g(θ, α) − ∇_α g(θ~, α)]``.
+3. ``λ = max((φ − ⟨∇f, ∇q⟩) / (‖∇q‖² + ε), 0)`` with ``φ = η‖∇q‖²`` (``phi="grad"``) or
+   ``φ = η q`` (``phi="value"``); ``d = ∇f + λ∇q``.
+4. ``d`` is written into the parameters' ``.grad`` and the outer optimiser steps.
+
+The ablations of the paper use the same machinery: :func:`regularization_step`
+(``d = ∇g + β∇f``, no constraint), :func:`iterate_step` (a θ step on ``g``, then an α step
+on ``f``, no coupling) and :func:`descent_step` (plain minimisation of one objective, e.g.
+LoRA fine-tuning without α).
+
+Objectives are callables ``objective(theta, alpha, grad_theta, grad_alpha)`` returning
+``(value, grads_theta, grads_alpha)``; the step passes leaf tensors whose ``requires_grad``
+matches the two flags and the objective returns the gradients asked for (``None`` for the
+others). That lets a large model accumulate gradients over micro-batches inside the
+objective; :func:`objective_from_loss` wraps a plain scalar loss function. ``reduce`` (a
+function of one flat vector) averages every value and gradient over data-parallel ranks
+before anything is computed from it, so ``λ`` and ``d`` are global quantities.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+from calm_runtime.errors import ConfigError
+
+__all__ = [
+    "PHI_MODES",
+    "Objective",
+    "BomeOptions",
+    "StepStats",
+    "objective_from_loss",
+    "bome_step",
+    "regularization_step",
+    "iterate_step",
+    "descent_step",
+]
+
+PHI_MODES = ("grad", "value")
+
+Tensors = Sequence[torch.Tensor]
+Grads = list[torch.Tensor] | None
+#: ``objective(theta, alpha, grad_theta, grad_alpha) -> (value, grads_theta, grads_alpha)``
+Objective = Callable[[Tensors, Tensors, bool, bool], tuple[torch.Tensor, Grads, Grads]]
+Reduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True, kw_only=True)
+class BomeOptions:
+    """Settings of one BOME outer step.
+
+    Attributes:
+        inner_steps: ``T_inner``, gradient steps on the copy ``θ~`` (>= 1).
+        inner_lr: ``η_in``, the step size of those inner steps (plain gradient descent).
+        eta: ``η`` in ``φ``; larger values push harder toward the lower-level optimum.
+        phi: ``"grad"`` for ``φ = η‖∇q‖²`` (the default of the BOME paper), ``"value"`` for
+            ``φ = η q``.
+        epsilon: added to ``‖∇q‖²`` in the denominator of ``λ``.
+    """
+
+    inner_steps: int = 3
+    inner_lr: float = 1e-2
+    eta: float = 0.5
+    phi: str = "grad"
+    epsilon: float = 1e-12
+
+    def __post_init__(self) -> None:
+        problems = []
+        if isinstance(self.inner_steps, bool) or not isinstance(self.inner_steps, int) \
+                or self.inner_steps < 1:
+            problems.append(f"inner_steps must be an integer >= 1, got {self.inner_steps!r}")
+        if not (isinstance(self.inner_lr, (int, float)) and self.inner_lr > 0
+                and math.isfinite(self.inner_lr)):
+            problems.append(f"inner_lr must be a positive number, got {self.inner_lr!r}")
+        if not (isinstance(self.eta, (int, float)) and self.eta >= 0 and math.isfinite(self.eta)):
+            problems.append(f"eta must be a finite number >= 0, got {self.eta!r}")
+        if self.phi not in PHI_MODES:
+            problems.append(f"phi must be one of {', '.join(PHI_MODES)}, got {self.phi!r}")
+        if not (isinstance(self.epsilon, (int, float)) and self.epsilon > 0):
+            problems.append(f"epsilon must be positive, got {self.epsilon!r}")
+        if problems:
+            raise ConfigError("; ".join(problems) + "; fix the BOME options")
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one outer step measured (global values under data parallelism).
+
+    ``f`` and ``g`` are taken at the current ``(θ, α)`` before the update; ``g_inner`` is
+    ``g(θ~, α)``; ``q``, ``lam``, ``grad_q_norm`` are ``None`` for steps without the
+    bilevel coupling; ``grad_f_norm`` is ``‖∇f‖`` over the variables ``f`` moved.
+    """
+
+    f: float | None
+    g: float
+    q: float | None = None
+    g_inner: float | None = None
+    lam: float | None = None
+    grad_q_norm: float | None = None
+    grad_f_norm: float | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def objective_from_loss(loss_fn: Callable[[Tensors, Tensors], torch.Tensor]) -> Objective:
+    """An :data:`Objective` from ``loss_fn(theta, alpha) -> scalar tensor`` (autograd)."""
+
+    def objective(theta: Tensors, alpha: Tensors, grad_theta: bool, grad_alpha: bool):
+        loss = loss_fn(theta, alpha)
+        wrt = [*(theta if grad_theta else ()), *(alpha if grad_alpha else ())]
+        grads = list(torch.autograd.grad(loss, wrt, allow_unused=True)) if wrt else []
+        grads = [torch.zeros_like(w) if gr is None else gr
+                 for w, gr in zip(wrt, grads, strict=True)]
+        n = len(theta) if grad_theta else 0
+        return (loss.detach(), grads[:n] if grad_theta else None,
+                grads[n:] if grad_alpha else None)
+
+    return objective
+
+
+# ---------------------------------------------------------------------------- helpers
+def _flat(tensors: Sequence[torch.Tensor], like: Sequence[torch.Tensor]) -> torch.Tensor:
+    if not like:
+        return torch.zeros(0)
+    return torch.cat([t.reshape(-1).to(like[0].dtype) for t in tensors])
+
+
+def _split(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    out, start = [], 0
+    for t in like:
+        out.append(flat[start:start + t.numel()].view_as(t))
+        start += t.numel()
+    return out
+
+
+def _evaluate(objective: Objective, theta: Tensors, alpha: Tensors, grad_theta: bool,
+              grad_alpha: bool, reduce: Reduce | None):
+    """``(value, flat ∇_θ or None, flat ∇_α or None)``, averaged over ranks by ``reduce``."""
+    th = [t.detach().requires_grad_(grad_theta) for t in theta]
+    al = [a.detach().requires_grad_(grad_alpha) for a in alpha]
+    value, g_th, g_al = objective(th, al, grad_theta, grad_alpha)
+    ref = th[0] if th else al[0]
+    parts = [value.detach().reshape(1).to(device=ref.device, dtype=ref.dtype)]
+    if grad_theta:
+        parts.append(_flat(g_th, th))
+    if grad_alpha and al:
+        parts.append(_flat(g_al, al))
+    packed = torch.cat([p.to(ref.device) for p in parts])
+    if reduce is not None:
+        packed = reduce(packed)
+    n_th = sum(t.numel() for t in th) if grad_theta else 0
+    value_out = float(packed[0])
+    flat_th = packed[1:1 + n_th] if grad_theta else None
+    flat_al = packed[1 + n_th:] if grad_alpha else None
+    if flat_al is not None and not al:
+        flat_al = packed.new_zeros(0)
+    return value_out, flat_th, flat_al
+
+
+def _apply(params: Sequence[torch.Tensor], direction: torch.Tensor | None,
+           optimizer: torch.optim.Optimizer) -> None:
+    """Write ``direction`` into ``params``' grads (None: leave them out) and step."""
+    if direction is None or not params:
+        return
+    for p, d in zip(params, _split(direction, params), strict=True):
+        p.grad = d.detach().clone().to(p.dtype)
+    optimizer.step()
+    for p in params:
+        p.grad = None
+
+
+def _norm(x: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(x.double())) if x.numel() else 0.0
+
+
+# ---------------------------------------------------------------------------- steps
+def bome_step(theta: Sequence[torch.Tensor], alpha: Sequence[torch.Tensor], lower: Objective,
+              upper: Objective, optimizer: torch.optim.Optimizer, options: BomeOptions, *,
+              reduce: Reduce | None = None) -> StepStats:
+    """One BOME outer step over ``u = (θ, α)`` (module docstring); updates both in place.
+
+    ``theta`` and ``alpha`` are the leaf tensors the ``optimizer`` owns; ``θ~`` is a copy of
+    ``theta`` only. Cost: ``inner_steps`` gradient evaluations of ``g`` (the first at
+    ``θ``), one evaluation of ``g`` at ``θ~`` with gradients for ``α`` only, and one
+    gradient evaluation of ``f``.
+    """
+    theta_now = [t.detach() for t in theta]
+    alpha_now = [a.detach() for a in alpha]
+    g0, g_theta0, g_alpha0 = _evaluate(lower, theta_now, alpha_now, True, True, reduce)
+    tilde = [t.clone() for t in theta_now]
+    step = g_theta0
+    for k in range(options.inner_steps):
+        if k:
+            _, step, _ = _evaluate(lower, tilde, alpha_now, True, False, reduce)
+        with torch.no_grad():
+            tilde = [t - options.inner_lr * s
+                     for t, s in zip(tilde, _split(step, tilde), strict=True)]
+    g_inner, _, g_alpha_inner = _evaluate(lower, tilde, alpha_now, False, True, reduce)
+    f, f_theta, f_alpha = _evaluate(upper, theta_now, alpha_now, True, True, reduce)
+    q = g0 - g_inner
+    grad_q = torch.cat([g_theta0, g_alpha0 - g_alpha_inner]).double()
+    grad_f = torch.cat([f_theta, f_alpha]).double()
+    q_sq = float(grad_q @ grad_q)
+    phi = options.eta * (q_sq if options.phi == "grad" else q)
+    lam = max((phi - float(grad_f @ grad_q)) / (q_sq + options.epsilon), 0.0)
+    direction = (grad_f + lam * grad_q).to(g_theta0.dtype)
+    _apply([*theta, *alpha], direction, optimizer)
+    return StepStats(f=f, g=g0, q=q, g_inner=g_inner, lam=lam, grad_q_norm=math.sqrt(q_sq),
+                     grad_f_norm=_norm(grad_f))
+
+
+def regularization_step(theta: Sequence[torch.Tensor], alpha: Sequence[torch.Tensor],
+                        lower: Objective, upper: Objective, optimizer: torch.optim.Optimizer,
+                        beta: float, *, reduce: Reduce | None = None) -> StepStats:
+    """Minimise ``g + β f`` jointly over ``(θ, α)`` (no bilevel constraint)."""
+    theta_now = [t.detach() for t in theta]
+    alpha_now = [a.detach() for a in alpha]
+    g, g_theta, g_alpha = _evaluate(lower, theta_now, alpha_now, True, True, reduce)
+    f, f_theta, f_alpha = _evaluate(upper, theta_now, alpha_now, True, True, reduce)
+    grad_f = torch.cat([f_theta, f_alpha])
+    direction = torch.cat([g_theta, g_alpha]) + beta * grad_f
+    _apply([*theta, *alpha], direction, optimizer)
+    return StepStats(f=f, g=g, grad_f_norm=_norm(grad_f))
+
+
+def iterate_step(theta: Sequence[torch.Tensor], alpha: Sequence[torch.Tensor], lower: Objective,
+                 upper: Objective, optimizer: torch.optim.Optimizer, *,
+                 reduce: Reduce | None = None) -> StepStats:
+    """Alternate without coupling: a θ step along ``∇_θ g``, then an α step along ``∇_α f``.
+
+    ``f`` is evaluated after the θ step (at the new θ); the reported ``f`` and ``g`` are the
+    values each step started from.
+    """
+    alpha_now = [a.detach() for a in alpha]
+    g, g_theta, _ = _evaluate(lower, [t.detach() for t in theta], alpha_now, True, False,
+                              reduce)
+    _apply(list(theta), g_theta, optimizer)
+    f, _, f_alpha = _evaluate(upper, [t.detach() for t in theta], alpha_now, False, True, reduce)
+    _apply(list(alpha), f_alpha, optimizer)
+    return StepStats(f=f, g=g, grad_f_norm=_norm(f_alpha))
+
+
+def descent_step(theta: Sequence[torch.Tensor], alpha: Sequence[torch.Tensor], lower: Objective,
+                 upper: Objective | None, optimizer: torch.optim.Optimizer, *,
+                 reduce: Reduce | None = None) -> StepStats:
+    """Plain minimisation of ``g`` over ``θ`` (α fixed); ``f`` is evaluated for the log only
+    when ``upper`` is given (one forward pass, no gradient)."""
+    alpha_now = [a.detach() for a in alpha]
+    g, g_theta, _ = _evaluate(lower, [t.detach() for t in theta], alpha_now, True, False,
+                              reduce)
+    f = None
+    if upper is not None:
+        f, _, _ = _evaluate(upper, [t.detach() for t in theta], alpha_now, False, False, reduce)
+    _apply(list(theta), g_theta, optimizer)
+    return StepStats(f=f, g=g)

@@ -1,0 +1,296 @@
+"""Data for CALM training: the ``:train`` / ``:unlabeled`` parts, encoding, batches, shards.
+
+Which records train CALM
+------------------------
+``calm eval`` and :func:`calm_training.fit.compare_methods` evaluate on the ``test`` part
+of a named set (70%, :func:`calm_runtime.data.split_records` with fraction 0.3, seed 0).
+CALM must never see those records, so its two data sets are carved out of the other 30%,
+the ``calibration`` part, which post-hoc methods (TS, DACA) fit on as well:
+
+* ``NAME:train`` — the first half of ``NAME:calibration`` (``split_records(part, 0.5,
+  seed=1)``, first part), labeled: the lower level's cross-entropy data ``S_T``;
+* ``NAME:unlabeled`` — the other half, answers removed: the upper level's entropy data
+  ``S_V``.
+
+The three parts are disjoint, so training on ``arc-easy:train`` with ``arc-easy:unlabeled``
+as calibration set and evaluating on ``arc-easy`` (its test part) never overlap. ``NAME``
+may be a named set or a ``.jsonl`` path; any other spec (``NAME``, ``NAME:test``, a path) is
+passed to :func:`calm_runtime.data.load_dataset` unchanged, with a warning when it overlaps
+the evaluation part.
+
+Positions and targets
+---------------------
+Each record becomes an :class:`Example`: token sequences, the positions whose next-token
+distribution counts, and the target token there (``-1``: entropy only).
+
+* multiple choice, cloze mode — sequence ``"Question: ...\\nAnswer:" + " {option}"``
+  (context with special tokens, continuation without, as in :mod:`calm_training.scoring`);
+  training: CE on the correct option's text tokens; calibration (no labels): entropy at
+  every position that predicts an option token, for every option (one sequence each);
+* multiple choice, letter mode — the letter prompt (chat template when configured);
+  training: CE on the answer letter; calibration: entropy at the answer position;
+* open QA — ``"Question: ...\\nAnswer:" + " {answers[0]}"``; training: CE on the answer
+  tokens; calibration: entropy at the first answer position (the end of the prompt).
+
+Every example weighs the same: its positions share a weight of ``1 / (n_positions * n)``
+for ``n`` examples per rank and step, so the losses are means over examples and the mean
+over ranks is the mean over the global batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from calm_runtime._olmo_eval import SOURCES
+from calm_runtime.data import (
+    DATA_PARTS,
+    MultipleChoiceRecord,
+    OpenQARecord,
+    Record,
+    dataset_hash,
+    load_dataset,
+    split_records,
+)
+from calm_runtime.errors import ConfigError, DataError
+from calm_runtime.prompts import cloze_context, cloze_continuation, letter_prompt, letter_tokens
+
+from .scoring import _encode, _render_chat, single_token_id
+
+__all__ = [
+    "TRAIN_PART",
+    "UNLABELED_PART",
+    "TRAIN_SPLIT_FRACTION",
+    "TRAIN_SPLIT_SEED",
+    "Example",
+    "TokenBatch",
+    "resolve_records",
+    "load_records",
+    "encode_training",
+    "encode_calibration",
+    "collate",
+    "batch_indices",
+]
+
+logger = logging.getLogger(__name__)
+
+TRAIN_PART = "train"
+UNLABELED_PART = "unlabeled"
+TRAIN_SPLIT_FRACTION = 0.5
+"""Share of ``NAME:calibration`` that forms ``NAME:train`` (the rest is ``NAME:unlabeled``)."""
+TRAIN_SPLIT_SEED = 1
+"""Seed of that split (distinct from the calibration/test split's seed 0)."""
+
+
+# ---------------------------------------------------------------------------- records
+def resolve_records(spec: str | os.PathLike) -> list[Record]:
+    """Records for one data spec, resolving the ``:train`` / ``:unlabeled`` aliases."""
+    text = os.fspath(spec)
+    head, sep, tail = text.rpartition(":")
+    if sep and tail in (TRAIN_PART, UNLABELED_PART):
+        pool = load_dataset(f"{head}:calibration")
+        if len(pool) < 2:
+            raise DataError(f"{head}:calibration has {len(pool)} record(s); {text} needs at "
+                            "least 2 to split into train and unlabeled parts")
+        train, unlabeled = split_records(pool, TRAIN_SPLIT_FRACTION, TRAIN_SPLIT_SEED)
+        if tail == TRAIN_PART:
+            return train
+        return [replace(r, answer=None) if isinstance(r, MultipleChoiceRecord) else r
+                for r in unlabeled]
+    base, part = (head, tail) if sep and tail in DATA_PARTS else (text, "all")
+    if base in SOURCES and part != "calibration":
+        logger.warning("%s includes the evaluation (test) part that `calm eval` uses; use "
+                       "%s:%s / %s:%s to keep evaluation disjoint from training", text, base,
+                       TRAIN_PART, base, UNLABELED_PART)
+    return load_dataset(text)
+
+
+def load_records(specs: Sequence[str], *, labeled: bool, limit: int | None = None
+                 ) -> tuple[list[Record], list[dict]]:
+    """Concatenate the records of ``specs`` (each cut to ``limit``); also per-spec provenance.
+
+    ``labeled`` requires an answer on every multiple-choice record (training data).
+    """
+    records: list[Record] = []
+    info = []
+    for spec in specs:
+        part = resolve_records(spec)[:limit] if limit else resolve_records(spec)
+        if labeled:
+            missing = sum(1 for r in part if isinstance(r, MultipleChoiceRecord)
+                          and r.answer is None)
+            if missing:
+                raise DataError(f"{spec}: {missing} of {len(part)} records have no answer; "
+                                "training data needs labels (use NAME:train)")
+        info.append({"spec": str(spec), "n": len(part), "sha256": dataset_hash(part)})
+        records.extend(part)
+    if not records:
+        raise DataError(f"no records in {list(specs)}; check the data specs")
+    return records, info
+
+
+# ---------------------------------------------------------------------------- encoding
+@dataclass(frozen=True)
+class Example:
+    """Token sequences and the positions (``(sequence, index)``) whose next-token
+    distribution enters the loss, with the target token there (``-1``: entropy only)."""
+
+    sequences: tuple[tuple[int, ...], ...]
+    positions: tuple[tuple[int, int], ...]
+    targets: tuple[int, ...]
+
+
+def _fit_length(context: list[int], continuation: list[int], max_length: int):
+    """Cut the context from the left (and, if need be, the continuation from the right)."""
+    if len(context) + len(continuation) <= max_length:
+        return context, continuation, False
+    continuation = continuation[:max_length - 1]
+    return context[len(context) - (max_length - len(continuation)):], continuation, True
+
+
+def _continuation_example(context, continuations, max_length, *, targets: bool) -> Example:
+    sequences, positions, target_ids = [], [], []
+    truncated = False
+    for s, cont in enumerate(continuations):
+        ctx, cont, cut = _fit_length(context, cont, max_length)
+        truncated |= cut
+        sequences.append(tuple(ctx + cont))
+        for t, token in enumerate(cont):
+            positions.append((s, len(ctx) - 1 + t))
+            target_ids.append(token if targets else -1)
+    if truncated:
+        logger.debug("an example was cut to max_length=%d tokens", max_length)
+    return Example(tuple(sequences), tuple(positions), tuple(target_ids))
+
+
+class _Encoder:
+    def __init__(self, tokenizer, *, mode: str, chat: bool, max_length: int) -> None:
+        if mode not in ("cloze", "letter"):
+            raise ConfigError(f"mode must be cloze or letter, got {mode!r}")
+        self.tokenizer, self.mode, self.chat, self.max_length = tokenizer, mode, chat, max_length
+        self._letters: dict[int, list[int]] = {}
+
+    def context(self, text: str) -> list[int]:
+        if self.chat:
+            return _encode(self.tokenizer, _render_chat(self.tokenizer, text), special=False)
+        return _encode(self.tokenizer, text, special=True)
+
+    def continuation(self, text: str) -> list[int]:
+        ids = _encode(self.tokenizer, cloze_continuation(text), special=False)
+        if not ids:
+            raise DataError(f"answer text {text!r} tokenises to nothing; fix or drop it")
+        return ids
+
+    def letter_ids(self, k: int) -> list[int]:
+        if k not in self._letters:
+            self._letters[k] = [single_token_id(self.tokenizer, t)
+                                for t in letter_tokens(k, chat=self.chat)]
+        return self._letters[k]
+
+    def letter_example(self, record: MultipleChoiceRecord, target: int | None) -> Example:
+        prompt = self.context(letter_prompt(record.question, record.choices))
+        prompt = prompt[-self.max_length:]
+        tgt = -1 if target is None else self.letter_ids(len(record.choices))[target]
+        return Example((tuple(prompt),), ((0, len(prompt) - 1),), (tgt,))
+
+    def encode(self, record: Record, *, labeled: bool) -> Example:
+        if isinstance(record, MultipleChoiceRecord):
+            if self.mode == "letter":
+                return self.letter_example(record, record.answer if labeled else None)
+            context = _encode(self.tokenizer, cloze_context(record.question), special=True)
+            options = ([record.choices[record.answer]] if labeled else list(record.choices))
+            return _continuation_example(context, [self.continuation(o) for o in options],
+                                         self.max_length, targets=labeled)
+        if isinstance(record, OpenQARecord):
+            context = _encode(self.tokenizer, cloze_context(record.question), special=True)
+            if labeled:
+                return _continuation_example(context, [self.continuation(record.answers[0])],
+                                             self.max_length, targets=True)
+            context = context[-self.max_length:]
+            return Example((tuple(context),), ((0, len(context) - 1),), (-1,))
+        raise DataError(f"cannot train on a {type(record).__name__}; use multiple-choice or "
+                        "open-QA records")
+
+
+def encode_training(records: Sequence[Record], tokenizer, *, mode: str, chat: bool,
+                    max_length: int) -> list[Example]:
+    """Labeled examples for the lower level (cross-entropy on the answer tokens)."""
+    encoder = _Encoder(tokenizer, mode=mode, chat=chat, max_length=max_length)
+    return [encoder.encode(r, labeled=True) for r in records]
+
+
+def encode_calibration(records: Sequence[Record], tokenizer, *, mode: str, chat: bool,
+                       max_length: int) -> list[Example]:
+    """Unlabeled examples for the upper level (entropy at the answer positions)."""
+    encoder = _Encoder(tokenizer, mode=mode, chat=chat, max_length=max_length)
+    return [encoder.encode(r, labeled=False) for r in records]
+
+
+# ---------------------------------------------------------------------------- batches
+@dataclass(frozen=True)
+class TokenBatch:
+    """Right-padded sequences and the flat positions ``row * length + index`` to read.
+
+    ``weights`` sum to ``n_examples / normaliser``; ``targets`` is ``-1`` where only the
+    entropy counts.
+    """
+
+    input_ids: object  # torch.LongTensor [S, L]
+    attention_mask: object  # torch.LongTensor [S, L]
+    flat_positions: object  # torch.LongTensor [P]
+    targets: object  # torch.LongTensor [P]
+    weights: object  # torch.FloatTensor [P]
+
+    def to(self, device) -> TokenBatch:
+        return TokenBatch(*(t.to(device) for t in (self.input_ids, self.attention_mask,
+                                                   self.flat_positions, self.targets,
+                                                   self.weights)))
+
+
+def collate(examples: Sequence[Example], normaliser: int, pad_id: int) -> TokenBatch:
+    """One batch of ``examples``; each example's positions weigh ``1 / (n_pos * normaliser)``."""
+    import torch
+
+    sequences = [s for e in examples for s in e.sequences]
+    length = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), length), dtype=torch.long)
+    flat, targets, weights = [], [], []
+    row = 0
+    for example in examples:
+        for s, seq in enumerate(example.sequences):
+            ids[row + s, :len(seq)] = torch.as_tensor(seq, dtype=torch.long)
+            mask[row + s, :len(seq)] = 1
+        weight = 1.0 / (len(example.positions) * normaliser)
+        for (s, index), target in zip(example.positions, example.targets, strict=True):
+            flat.append((row + s) * length + index)
+            targets.append(target)
+            weights.append(weight)
+        row += len(example.sequences)
+    return TokenBatch(ids, mask, torch.as_tensor(flat, dtype=torch.long),
+                      torch.as_tensor(targets, dtype=torch.long),
+                      torch.as_tensor(weights, dtype=torch.float32))
+
+
+def batch_indices(n: int, batch_size: int, step: int, seed: int, stream: int) -> np.ndarray:
+    """Indices of the global batch of ``step`` (0-based): a fixed function of its arguments.
+
+    The records are visited epoch by epoch, each epoch in the order
+    ``default_rng([seed, stream, epoch]).permutation(n)``; batch ``step`` takes the items
+    ``step * batch_size ... + batch_size - 1`` of that endless stream. A resumed run
+    therefore sees exactly the batches an uninterrupted one would.
+    """
+    if n < 1:
+        raise DataError("no examples to draw batches from")
+    start = step * batch_size
+    out = np.empty(batch_size, dtype=np.int64)
+    cache: dict[int, np.ndarray] = {}
+    for j in range(batch_size):
+        epoch, offset = divmod(start + j, n)
+        if epoch not in cache:
+            cache[epoch] = np.random.default_rng([seed, stream, epoch]).permutation(n)
+        out[j] = cache[epoch][offset]
+    return out

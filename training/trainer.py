@@ -1,0 +1,383 @@
+"""CALM training (METHODS.md §4): a LoRA adapter and per-vocabulary α = (log_tau, l).
+
+:func:`train_calm` loads the model, wraps it with a peft LoRA, and runs ``config.steps``
+outer steps of the chosen method (:data:`METHODS`) with the step functions of
+:mod:`calm_training.bilevel`, then writes a calibration adapter of kind ``calm`` (or the
+ablation's kind): ``tau = exp(log_tau)``, ``shift = l``, ``temperature = 1``, the peft LoRA
+folder, provenance and the training curve.
+
+* Only the logits that a loss reads are computed: the decoder's hidden states are gathered
+  at the answer positions and only those rows go through the LM head (full vocabulary, as
+  α's gradient needs). The calibrated logits are
+  ``apply_calibration(z, exp(log_tau), l)`` — the one formula of
+  :mod:`calm_runtime.calibration`.
+* ``θ~`` is a copy of the LoRA tensors only; the model is evaluated at any LoRA values with
+  :func:`torch.func.functional_call`, never by copying the base model.
+* Data parallel: under ``torchrun`` every rank loads the same records, takes its shard
+  (``rank::world``) of each global batch, and every objective value and gradient is
+  averaged over ranks (one all-reduce of one flat vector) before ``λ`` and ``d`` are
+  computed, so all ranks take the same step as one process on the global batch would.
+  (DDP's module wrapper is not used: BOME needs gradients at ``θ~`` and w.r.t. α, which it
+  cannot synchronise.) Backend: gloo on CPU, nccl on GPU.
+* Checkpoints (every ``checkpoint_every`` steps, rank 0): a folder ``step-NNNNNN`` with
+  ``tensors.safetensors`` (LoRA, α, optimizer state flattened, torch RNG state) and
+  ``state.json`` (step, settings, history), written atomically. ``resume=True`` continues
+  from the newest one bit for bit (the batches are a fixed function of seed and step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from calm_runtime.artifact import CalibrationAdapter
+from calm_runtime.errors import ConfigError
+
+from . import calm_data
+
+__all__ = ["METHODS", "OPTIMIZERS", "PHI_MODES", "CalmConfig", "TrainResult", "train_calm"]
+
+logger = logging.getLogger(__name__)
+
+#: bilevel: BOME (METHODS.md §4); regularization: min g + β f; iterate: alternate θ on g and
+#: α on f; scalar: BOME with α one learned temperature; lora: plain LoRA fine-tuning (no α)
+METHODS = ("bilevel", "regularization", "iterate", "scalar", "lora")
+OPTIMIZERS = ("adam", "sgd")
+PHI_MODES = ("grad", "value")  # the same as calm_training.bilevel.PHI_MODES (torch-free here)
+KINDS = {"bilevel": "calm", "regularization": "calm_regularization", "iterate": "calm_iterate",
+         "scalar": "calm_scalar", "lora": "lora"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class CalmConfig:
+    """Settings of one CALM training run.
+
+    Attributes:
+        model: the model to fine-tune (packaged name, folder or .gguf; ``resolve_model``).
+        train: labeled training data specs (``NAME:train``, see :mod:`calm_training.calm_data`).
+        calibration: unlabeled calibration data specs (``NAME:unlabeled``).
+        method: one of :data:`METHODS`.
+        mode: ``cloze`` (CE on the correct option's text) or ``letter`` (CE on its letter)
+            for multiple-choice records; open-QA records always use their answer text.
+        chat: letter mode only: apply the chat template (``None``: when the tokenizer has one).
+        steps: outer steps (optimizer updates).
+        batch_size: global training examples per step (all ranks and micro-batches).
+        calibration_batch_size: global calibration examples per step (default batch_size).
+        grad_accumulation: micro-batches per rank and step (bounds memory; same result).
+        inner_steps: ``T_inner``, gradient steps on the LoRA copy ``θ~`` per outer step.
+        inner_lr: step size of those inner steps (plain gradient descent).
+        outer_lr: learning rate of the outer optimiser for the LoRA weights.
+        alpha_lr: learning rate for α (default ``outer_lr``).
+        optimizer: ``adam`` or ``sgd`` (with ``momentum``) for the outer update.
+        momentum: SGD momentum.
+        phi: ``grad`` (``φ = η‖∇q‖²``) or ``value`` (``φ = η q``).
+        eta: ``η`` of ``φ``.
+        beta: weight of ``f`` in the ``regularization`` ablation (``g + β f``).
+        lora_rank, lora_alpha, lora_targets: the peft LoRA (dropout 0, B initialised to 0).
+        max_length: longest sequence in tokens (contexts are cut from the left).
+        seed: seeds the LoRA initialisation and the batch order.
+        limit: use only the first ``limit`` records of each data spec.
+        checkpoint_every: write a checkpoint every this many steps (0: never).
+        device: ``cpu``, ``cuda``, ``cuda:N`` (default: ``cuda:LOCAL_RANK`` when available).
+    """
+
+    model: str
+    train: tuple[str, ...]
+    calibration: tuple[str, ...]
+    method: str = "bilevel"
+    mode: str = "cloze"
+    chat: bool | None = None
+    steps: int = 200
+    batch_size: int = 8
+    calibration_batch_size: int | None = None
+    grad_accumulation: int = 1
+    inner_steps: int = 3
+    inner_lr: float = 0.05
+    outer_lr: float = 1e-3
+    alpha_lr: float | None = None
+    optimizer: str = "adam"
+    momentum: float = 0.9
+    phi: str = "grad"
+    eta: float = 0.5
+    beta: float = 1.0
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    max_length: int = 256
+    seed: int = 0
+    limit: int | None = None
+    checkpoint_every: int = 0
+    device: str | None = None
+
+    #: added to ‖∇q‖² in λ's denominator: keeps λ finite when θ is at the inner optimum
+    LAMBDA_EPSILON = 1e-12
+
+    def __post_init__(self) -> None:
+        for name in ("train", "calibration", "lora_targets"):
+            value = getattr(self, name)
+            object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value))
+        problems = []
+        if self.method not in METHODS:
+            problems.append(f"method {self.method!r} is not one of {', '.join(METHODS)}")
+        if self.mode not in ("cloze", "letter"):
+            problems.append(f"mode {self.mode!r} is not cloze or letter")
+        if self.optimizer not in OPTIMIZERS:
+            problems.append(f"optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
+        if self.phi not in PHI_MODES:
+            problems.append(f"phi {self.phi!r} is not one of {', '.join(PHI_MODES)}")
+        if not self.train or not self.calibration:
+            problems.append("give at least one train and one calibration data spec")
+        for name in ("steps", "batch_size", "grad_accumulation", "inner_steps", "lora_rank",
+                     "max_length"):
+            if not _is_int(getattr(self, name), 1):
+                problems.append(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        for name in ("calibration_batch_size", "limit"):
+            if getattr(self, name) is not None and not _is_int(getattr(self, name), 1):
+                problems.append(f"{name} must be an integer >= 1 or None, got "
+                                f"{getattr(self, name)!r}")
+        if not _is_int(self.checkpoint_every, 0) or not _is_int(self.seed, 0):
+            problems.append(f"checkpoint_every and seed must be integers >= 0, got "
+                            f"{self.checkpoint_every!r}, {self.seed!r}")
+        for name in ("inner_lr", "outer_lr", "lora_alpha"):
+            if not _positive(getattr(self, name)):
+                problems.append(f"{name} must be a positive number, got {getattr(self, name)!r}")
+        if self.alpha_lr is not None and not _positive(self.alpha_lr):
+            problems.append(f"alpha_lr must be a positive number or None, got {self.alpha_lr!r}")
+        for name in ("eta", "beta", "momentum"):
+            value = getattr(self, name)
+            if not (_positive(value) or value == 0):
+                problems.append(f"{name} must be a finite number >= 0, got {value!r}")
+        if self.momentum >= 1:
+            problems.append(f"momentum must be < 1, got {self.momentum!r}")
+        if problems:
+            raise ConfigError("; ".join(problems) + "; fix the training settings")
+
+    @property
+    def cal_batch_size(self) -> int:
+        return self.calibration_batch_size or self.batch_size
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
+
+
+def _is_int(value, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def _positive(value) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value) and value > 0)
+
+
+@dataclass
+class TrainResult:
+    """The adapter written (rank 0; built but not written on other ranks) and the curve."""
+
+    adapter: CalibrationAdapter
+    history: list[dict] = field(default_factory=list)
+    out: Path | None = None
+    seconds: float = 0.0
+
+
+# ---------------------------------------------------------------------------- training
+def train_calm(config: CalmConfig, out: str | os.PathLike | None, *, resume: bool = False,
+               overwrite: bool = False, checkpoint_dir: str | os.PathLike | None = None,
+               progress: bool = True) -> TrainResult:
+    """Train per ``config``; write the adapter to ``out`` (rank 0, atomically; None: don't).
+
+    ``checkpoint_dir`` defaults to ``<out>.checkpoints``; ``resume`` continues from its
+    newest checkpoint (the settings must match, except ``steps``, ``checkpoint_every``, ``device``).
+    """
+    if out is not None and Path(out).exists() and not overwrite:
+        raise ConfigError(f"{out} already exists; choose another --out or pass --overwrite")
+    if checkpoint_dir is None and out is not None:
+        checkpoint_dir = Path(out).with_name(Path(out).name + ".checkpoints")
+    from ._calm_model import Ranks, pick_device
+
+    device = pick_device(config)
+    dist = Ranks(device.type)
+    try:
+        return _Trainer(config, device, dist, checkpoint_dir).run(out, resume, overwrite,
+                                                                  progress)
+    finally:
+        dist.close()
+
+
+class _Trainer:
+    def __init__(self, config: CalmConfig, device, dist, checkpoint_dir) -> None:
+        import torch
+
+        from ._calm_model import CalmModel
+        from .bilevel import BomeOptions
+        from .scoring import _pad_id, uses_chat_template
+
+        per_step = dist.world * config.grad_accumulation
+        for name, size in (("batch_size", config.batch_size),
+                           ("calibration_batch_size", config.cal_batch_size)):
+            if size % per_step:
+                raise ConfigError(f"{name} {size} is not divisible by world size {dist.world} "
+                                  f"x grad_accumulation {config.grad_accumulation}; every rank "
+                                  "and micro-batch must get the same number of examples")
+        self.config, self.device, self.dist = config, device, dist
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.model = CalmModel(config, device)
+        chat = config.mode == "letter" and uses_chat_template(self.model.tokenizer, config.chat)
+        train, self.train_info = calm_data.load_records(config.train, labeled=True,
+                                                        limit=config.limit)
+        cal, self.cal_info = calm_data.load_records(config.calibration, labeled=False,
+                                                    limit=config.limit)
+        encode = {"tokenizer": self.model.tokenizer, "mode": config.mode, "chat": chat,
+                  "max_length": config.max_length}
+        self.train_examples = calm_data.encode_training(train, **encode)
+        self.cal_examples = calm_data.encode_calibration(cal, **encode)
+        self.pad = _pad_id(self.model.tokenizer)
+        groups = [{"params": self.model.theta, "lr": config.outer_lr}]
+        if self.model.alpha:
+            groups.append({"params": self.model.alpha, "lr": config.alpha_lr or config.outer_lr})
+        self.optimizer = (torch.optim.Adam(groups) if config.optimizer == "adam" else
+                          torch.optim.SGD(groups, momentum=config.momentum))
+        self.options = BomeOptions(inner_steps=config.inner_steps, inner_lr=config.inner_lr,
+                                   eta=config.eta, phi=config.phi,
+                                   epsilon=CalmConfig.LAMBDA_EPSILON)
+        self.history: list[dict] = []
+        self.step = 0
+
+    def _batches(self, examples, batch_size: int, stream: int):
+        idx = calm_data.batch_indices(len(examples), batch_size, self.step, self.config.seed,
+                                      stream)[self.dist.rank::self.dist.world]
+        return [calm_data.collate([examples[i] for i in chunk], len(idx), self.pad)
+                .to(self.device) for chunk in np.array_split(idx, self.config.grad_accumulation)]
+
+    def one_step(self) -> dict:
+        from .bilevel import bome_step, descent_step, iterate_step, regularization_step
+
+        cfg, m = self.config, self.model
+        lower = m.objective(self._batches(self.train_examples, cfg.batch_size, 0), "ce")
+        upper = m.objective(self._batches(self.cal_examples, cfg.cal_batch_size, 1),
+                            "neg_entropy")
+        reduce = self.dist.reduce
+        if cfg.method in ("bilevel", "scalar"):
+            stats = bome_step(m.theta, m.alpha, lower, upper, self.optimizer, self.options,
+                              reduce=reduce)
+        elif cfg.method == "regularization":
+            stats = regularization_step(m.theta, m.alpha, lower, upper, self.optimizer,
+                                        cfg.beta, reduce=reduce)
+        elif cfg.method == "iterate":
+            stats = iterate_step(m.theta, m.alpha, lower, upper, self.optimizer, reduce=reduce)
+        else:
+            stats = descent_step(m.theta, m.alpha, lower, upper, self.optimizer, reduce=reduce)
+        self.step += 1
+        tau, shift = m.tau_shift()
+        return {"step": self.step, **stats.to_dict(),
+                "tau_min": float(tau.min()), "tau_max": float(tau.max()),
+                "tau_mean": float(tau.mean()), "shift_min": float(shift.min()),
+                "shift_max": float(shift.max()), "shift_mean": float(shift.mean())}
+
+    def run(self, out, resume: bool, overwrite: bool, progress: bool) -> TrainResult:
+        from tqdm.auto import tqdm
+
+        cfg = self.config
+        if resume:
+            self._load_latest()
+        started = time.perf_counter()
+        bar = tqdm(total=cfg.steps, initial=self.step, desc=f"calm {cfg.method}", unit="step",
+                   disable=not progress or self.dist.rank != 0)
+        while self.step < cfg.steps:
+            row = self.one_step()
+            self.history.append(row)
+            for key in ("f", "g", "q", "lam", "tau_min", "tau_max", "shift_min", "shift_max"):
+                value = row[key]
+                if value is not None and not math.isfinite(value):
+                    raise ConfigError(f"step {row['step']}: {key} is {value}; training diverged, "
+                                      "lower the learning rates")
+            logger.info("step %d/%d %s", row["step"], cfg.steps, _log_line(row))
+            bar.set_postfix_str(_log_line(row, short=True), refresh=False)
+            bar.update(1)
+            if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+                self._save_checkpoint()
+        bar.close()
+        seconds = time.perf_counter() - started
+        adapter = self._adapter(seconds)
+        if out is not None and self.dist.rank == 0:
+            with tempfile.TemporaryDirectory(prefix="calm-lora-") as tmp:
+                self.model.peft.save_pretrained(tmp)
+                adapter.lora_path = Path(tmp)
+                adapter.save_pretrained(out, overwrite=overwrite)
+            logger.info("wrote %s (kind %s) after %d steps in %.0f s", out, adapter.kind,
+                        self.step, seconds)
+        self.dist.barrier()
+        return TrainResult(adapter=adapter, history=self.history,
+                           out=Path(out) if out is not None else None, seconds=seconds)
+
+    # ------------------------------------------------------------------ artifact
+    def _adapter(self, seconds: float) -> CalibrationAdapter:
+        import peft
+        import torch
+        import transformers
+
+        from calm_runtime.models import model_fingerprint
+
+        cfg = self.config
+        tau, shift = self.model.tau_shift()
+        keys = ("step", "f", "g", "q", "lam", "grad_q_norm", "tau_min", "tau_max",
+                "shift_min", "shift_max")
+        every = max(1, math.ceil(len(self.history) / 50))
+        curve = [{k: r[k] for k in keys} for r in self.history[::every]]
+        if self.history and curve[-1]["step"] != self.history[-1]["step"]:
+            curve.append({k: self.history[-1][k] for k in keys})
+        return CalibrationAdapter(
+            base_model=self.model.identity, tau=tau, shift=shift, temperature=1.0,
+            kind=KINDS[cfg.method],
+            method={"name": "calm", "variant": cfg.method, "mode": cfg.mode,
+                    "alpha": self.model.alpha_names, "settings": cfg.to_dict()},
+            metrics={"training": {"steps": self.step, "seconds": round(seconds, 3),
+                                  "first": self.history[0] if self.history else None,
+                                  "last": self.history[-1] if self.history else None,
+                                  "curve": curve}},
+            provenance={"model": self.model.identity.to_dict(), "model_spec": cfg.model,
+                        "model_fingerprint": model_fingerprint(self.model.folder),
+                        "train_data": self.train_info, "calibration_data": self.cal_info,
+                        "data_split": {"train_fraction": calm_data.TRAIN_SPLIT_FRACTION,
+                                       "train_seed": calm_data.TRAIN_SPLIT_SEED},
+                        "seed": cfg.seed, "world_size": self.dist.world,
+                        "versions": {"torch": torch.__version__, "peft": peft.__version__,
+                                     "transformers": transformers.__version__}})
+
+    # ------------------------------------------------------------------ checkpoints
+    def _save_checkpoint(self) -> None:
+        from ._checkpoint import save_checkpoint
+
+        if self.dist.rank == 0 and self.checkpoint_dir is not None:
+            save_checkpoint(self, self.checkpoint_dir / f"step-{self.step:06d}")
+        self.dist.barrier()
+
+    def _load_latest(self) -> None:
+        from ._checkpoint import latest_checkpoint, load_checkpoint
+
+        folder = latest_checkpoint(self.checkpoint_dir) if self.checkpoint_dir else None
+        if folder is None:
+            raise ConfigError(f"--resume: no checkpoint in {self.checkpoint_dir}; train without "
+                              "--resume or point --checkpoint-dir at the run's checkpoints")
+        load_checkpoint(self, folder)
+        logger.info("resumed from %s at step %d", folder, self.step)
+
+
+def _log_line(row: dict, short: bool = False) -> str:
+    def num(key, fmt=".4g"):
+        return "-" if row.get(key) is None else format(row[key], fmt)
+
+    if short:
+        return (f"f={num('f', '.3f')} g={num('g', '.3f')} q={num('q', '.2e')} "
+                f"lam={num('lam', '.2g')} tau=[{num('tau_min', '.3f')},{num('tau_max', '.3f')}]")
+    return (f"f={num('f')} g={num('g')} q={num('q')} lam={num('lam')} "
+            f"|grad q|={num('grad_q_norm')} tau=[{num('tau_min')}, {num('tau_max')}] "
+            f"l=[{num('shift_min')}, {num('shift_max')}]")
