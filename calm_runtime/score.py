@@ -118,8 +118,10 @@ _PUNCTUATION = set(string.punctuation)
 
 
 def normalize_answer(text: str) -> str:
-    """SQuAD/TriviaQA normalisation: lower case, drop punctuation and articles, squeeze spaces
-    (the rule of ``calm_training.scoring.normalize_answer``)."""
+    """SQuAD/TriviaQA normalisation: lower case, drop punctuation and articles, squeeze spaces.
+
+    The one definition of answer correctness, used by training (``calm fit``/``calm eval``
+    in P(True) mode) and by ``calm score`` alike."""
     text = "".join(ch for ch in text.lower() if ch not in _PUNCTUATION)
     return " ".join(_ARTICLES.sub(" ", text).split())
 

@@ -18,8 +18,6 @@ do not change a score (tested against an unbatched computation).
 from __future__ import annotations
 
 import logging
-import re
-import string
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,6 +32,7 @@ from calm_runtime.prompts import (
     letter_prompt,
     letter_tokens,
 )
+from calm_runtime.score import is_correct, normalize_answer
 
 __all__ = [
     "MODES",
@@ -368,28 +367,3 @@ def generate_answers(model, tokenizer, questions: Sequence[str], *, max_new_toke
             text = tokenizer.decode(out[b, length:], skip_special_tokens=True)
             answers[i] = text.strip().split("\n")[0].strip()
     return answers
-
-
-_ARTICLES = re.compile(r"\b(a|an|the)\b")
-
-
-def normalize_answer(text: str) -> str:
-    """SQuAD/TriviaQA normalisation: lower case, drop punctuation and articles, squeeze spaces."""
-    text = text.lower()
-    text = "".join(ch for ch in text if ch not in set(string.punctuation))
-    text = _ARTICLES.sub(" ", text)
-    return " ".join(text.split())
-
-
-def is_correct(prediction: str, aliases: Sequence[str]) -> bool:
-    """True when the normalised prediction equals a normalised alias, or contains one as a
-    whole-word phrase (short generated answers often add a few words around the entity)."""
-    pred = normalize_answer(prediction)
-    if not pred:
-        return False
-    padded = f" {pred} "
-    for alias in aliases:
-        norm = normalize_answer(alias)
-        if norm and (norm == pred or f" {norm} " in padded):
-            return True
-    return False
