@@ -2,6 +2,11 @@
 
 The core needs numpy, safetensors and tokenizers; the ONNX Runtime backend comes from the
 ``cpu`` or ``gpu`` extra. torch is an optional backend, imported lazily.
+
+    lm = CalibratedLM.load("engine/", backend="onnxruntime")
+    out = lm.generate("Question: ...", max_new_tokens=32)
+    out.text, out.tokens[0].confidence, out.sequence_confidence
+    lm.choose(question, options), lm.p_true(question, answer)
 """
 
 __version__ = "0.1.0"

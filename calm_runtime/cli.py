@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from . import __version__
-from .errors import CalmError
+from .errors import CalmError, ConfigError
 
 __all__ = ["main", "build_parser"]
 
@@ -148,14 +148,21 @@ def _add_engine_options(p) -> None:
     p.add_argument("--providers", help="ONNX Runtime execution providers, comma-separated "
                    "(e.g. cuda,cpu); default cpu")
     p.add_argument("--threads", type=int, help="intra-op threads (default: all cores)")
+    p.add_argument("--model", help="torch backend: the source model (folder or packaged name)")
+    p.add_argument("--adapter", help="torch backend: the adapter the engine was exported with")
 
 
 def _load_engine(args):
     from .lm import CalibratedLM
 
     providers = args.providers.split(",") if args.providers else None
+    extra = {}
+    if args.backend == "torch":
+        extra = {"model": args.model, "adapter": args.adapter}
+    elif args.model or args.adapter:
+        raise ConfigError("--model and --adapter are for --backend torch only")
     return CalibratedLM.load(args.engine, backend=args.backend, providers=providers,
-                             threads=args.threads)
+                             threads=args.threads, **extra)
 
 
 def _add_chat_options(p, what: str) -> None:
@@ -175,7 +182,7 @@ def _add_generate(sub) -> None:
                        "--seed 1 --json",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_engine_options(p)
-    p.add_argument("prompt", help="the prompt text")
+    p.add_argument("prompt", help="the prompt text (a literal \\n is read as a newline)")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0)

@@ -77,7 +77,12 @@ class CalibratedLM:
         self.backend = backend
         self.tokenizer = tokenizer
         self.max_context: int = manifest.model["max_position_embeddings"]
-        self.default_variant: str = recorded_cloze_variant(manifest) or DEFAULT_VARIANT
+        recorded = recorded_cloze_variant(manifest)
+        self.default_variant: str = recorded or DEFAULT_VARIANT
+        if recorded is None and manifest.answer_temperature is not None:
+            logger.warning("%s has an answer_temperature but does not record the cloze variant "
+                           "it was fitted on; cloze scores use %r unless variant= says "
+                           "otherwise", manifest.root, DEFAULT_VARIANT)
 
     @classmethod
     def load(cls, engine_dir: str | os.PathLike, backend: str = "onnxruntime", *,
@@ -170,15 +175,18 @@ class CalibratedLM:
         return results[0] if single else results
 
     def stream(self, prompt: str, max_new_tokens: int = 32, **options) -> Iterator[Token]:
-        """Yield the tokens of ``generate(prompt, ...)`` as they are chosen (same tokens)."""
+        """An iterator over the tokens of ``generate(prompt, ...)`` as they are chosen.
+
+        Takes the same options; the tokens equal ``generate``'s. Bad arguments raise here,
+        not at the first ``next()``.
+        """
         if not isinstance(prompt, str):
             raise ConfigError("stream takes one prompt string; use generate for a batch")
         chat = options.pop("chat", False)
         encoded = [self.encode_prompt(prompt, chat=chat)]
         settings = self._settings(encoded, max_new_tokens, **_sampling_options(options))
         run = GenerationRun(self.backend, self.tokenizer, encoded, settings)
-        for _, token in run:
-            yield token
+        return (token for _, token in run)  # arguments are checked above, before iterating
 
     def _settings(self, encoded, max_new_tokens, temperature=0.0, top_k=0, top_p=1.0,
                   seed=None, stop=(), top_alternatives=0) -> DecodeSettings:

@@ -173,3 +173,14 @@ def runtime_reference_model(runtime_engine):
     adapter = CalibrationAdapter.from_pretrained(adapter_dir)
     model, _, _ = load_model_and_tokenizer(model_dir, lora_path=adapter.lora_path)
     return model, adapter
+
+
+@pytest.fixture(scope="module")
+def torch_single_thread():
+    """Run torch on one thread: tiny models gain nothing from intra-op parallelism, and on a
+    shared 2-core machine the thread hand-offs cost more than the arithmetic."""
+    torch = pytest.importorskip("torch")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

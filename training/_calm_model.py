@@ -54,6 +54,7 @@ class CalmModel:
             raise ConfigError(f"cannot attach LoRA to {config.model} ({exc}); check "
                               "--lora-targets against the model's module names") from None
         self.peft.to(device).eval()
+        self.lm = lm
         self.head = AnswerHead(lm)
         named = [(n, p) for n, p in self.head.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in named]
@@ -87,12 +88,16 @@ class CalmModel:
         return z
 
     def tau_shift(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(tau, shift)`` float32 ``[V]`` as the artifact stores them; ``tau`` is the same
+        ``torch.exp(log_tau)`` the training computed, so the artifact reproduces it exactly."""
         vocab = self.identity.vocab_size
-        values = [a.detach().double().cpu().numpy() for a in self.alpha]
-        if len(values) == 2:
-            return np.exp(values[0]).astype(np.float32), values[1].astype(np.float32)
-        tau = np.full(vocab, np.exp(values[0][0]) if values else 1.0, dtype=np.float32)
-        return tau, np.zeros(vocab, np.float32)
+        with torch.no_grad():
+            if len(self.alpha) == 2:
+                return (torch.exp(self.alpha[0]).float().cpu().numpy(),
+                        self.alpha[1].float().cpu().numpy())
+            tau = (torch.exp(self.alpha[0]).float().cpu().expand(vocab) if self.alpha
+                   else torch.ones(vocab))
+            return tau.numpy().copy(), np.zeros(vocab, np.float32)
 
     def objective(self, batches, loss: str):
         """An :data:`~calm_training.bilevel.Objective` summed over micro-``batches`` (their

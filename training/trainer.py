@@ -100,7 +100,7 @@ class CalmConfig:
     calibration_batch_size: int | None = None
     grad_accumulation: int = 1
     inner_steps: int = 3
-    inner_lr: float = 0.05
+    inner_lr: float = 0.01
     outer_lr: float = 1e-3
     alpha_lr: float | None = None
     optimizer: str = "adam"
@@ -186,6 +186,8 @@ class TrainResult:
     history: list[dict] = field(default_factory=list)
     out: Path | None = None
     seconds: float = 0.0
+    #: the trained in-memory model (peft LoRA, θ, α) for further use in the same process
+    model: object = field(default=None, repr=False)
 
 
 # ---------------------------------------------------------------------------- training
@@ -291,6 +293,7 @@ class _Trainer:
         started = time.perf_counter()
         bar = tqdm(total=cfg.steps, initial=self.step, desc=f"calm {cfg.method}", unit="step",
                    disable=not progress or self.dist.rank != 0)
+        warned = False
         while self.step < cfg.steps:
             row = self.one_step()
             self.history.append(row)
@@ -300,6 +303,10 @@ class _Trainer:
                     raise ConfigError(f"step {row['step']}: {key} is {value}; training diverged, "
                                       "lower the learning rates")
             logger.info("step %d/%d %s", row["step"], cfg.steps, _log_line(row))
+            if row["q"] is not None and row["q"] < 0 and not warned:
+                warned = True
+                logger.warning("step %d: q = %.3g < 0, the inner steps increased g; lower "
+                               "inner_lr (now %g)", row["step"], row["q"], cfg.inner_lr)
             bar.set_postfix_str(_log_line(row, short=True), refresh=False)
             bar.update(1)
             if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
@@ -316,7 +323,8 @@ class _Trainer:
                         self.step, seconds)
         self.dist.barrier()
         return TrainResult(adapter=adapter, history=self.history,
-                           out=Path(out) if out is not None else None, seconds=seconds)
+                           out=Path(out) if out is not None else None, seconds=seconds,
+                           model=self.model)
 
     # ------------------------------------------------------------------ artifact
     def _adapter(self, seconds: float) -> CalibrationAdapter:

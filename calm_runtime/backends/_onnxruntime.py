@@ -1,9 +1,9 @@
 """ONNX Runtime backend: ``model.onnx`` on the CPU, CUDA or TensorRT execution provider.
 
-CPU: plain ``session.run`` with numpy arrays (the KV cache stays in numpy). GPU providers:
-IO binding, so the KV cache stays on the device between steps as ``OrtValue``s and only
-the logits come back to the host. ``InferenceSession.run`` is thread-safe; every call
-builds its own feeds and binding.
+Every step runs through IO binding: the KV cache stays where the provider put it (host
+memory for the CPU, the GPU for CUDA/TensorRT) as ``OrtValue``s that are bound as the next
+step's inputs, never converted to numpy; only the logits come back as a numpy array.
+Running a session is thread-safe; every call builds its own binding.
 
 onnxruntime-gpu silently falls back to the CPU when it cannot load CUDA; calm checks
 ``session.get_providers()`` after creating the session and raises instead.
@@ -81,6 +81,10 @@ class OnnxRuntimeBackend(Backend):
     """
 
     name = "onnxruntime"
+    #: largest logits array one forward pass may return when only the last position is
+    #: needed (longer prompts are prefilled in chunks): 256 MiB is ~1,300 positions of a
+    #: 50k vocabulary, ~250 of a 262k one
+    max_logits_bytes: int = 256 << 20
 
     def __init__(self, manifest, *, providers: str | Sequence | None = None,
                  threads: int | None = None, session_options: Mapping[str, Any] | None = None):
@@ -132,13 +136,14 @@ class OnnxRuntimeBackend(Backend):
         past_type = next(i.type for i in session.get_inputs() if i.name == self._past_names[0])
         self._kv_dtype = _ORT_DTYPES.get(past_type, np.float32)
         self._kv_shape = (manifest.model["num_kv_heads"], manifest.model["head_dim"])
+        self._vocab = manifest.vocab_size
         self.providers = active
         gpu = next((p for p in active if p in _GPU_PROVIDERS), None)
         self._device_id = 0
         if gpu is not None:
             opts = options[names.index(gpu)] if gpu in names else {}
             self._device_id = int(opts.get("device_id", 0))
-        self._io_binding = gpu is not None
+        self._kv_device = "cuda" if gpu is not None else "cpu"
         self.device = f"cuda:{self._device_id}" if gpu else "cpu"
         self.description = f"onnxruntime {ort.__version__} {active[0]}"
         self._ort = ort
@@ -160,17 +165,20 @@ class OnnxRuntimeBackend(Backend):
     def run(self, input_ids, attention_mask, position_ids, state=None, *, last_only=False):
         if state is None:
             state = self._empty(input_ids.shape[0])
-        if self._io_binding:
-            return self._run_bound(input_ids, attention_mask, position_ids, state, last_only)
-        feed = {"input_ids": input_ids, "attention_mask": attention_mask,
-                "position_ids": position_ids}
-        feed.update(zip(self._past_names, state, strict=True))
-        logits, *present = self._session.run(self._outputs, feed)
-        if last_only:
-            logits = logits[:, -1:]
-        return logits, present
+        batch, seq = input_ids.shape
+        step = max(1, self.max_logits_bytes // (4 * batch * self._vocab))
+        if not last_only or seq <= step:
+            return self._run(input_ids, attention_mask, position_ids, state, last_only)
+        # the graph returns logits for every position: a long prompt over a large vocabulary
+        # is run in chunks on top of the growing cache, keeping only the last logits
+        past = attention_mask.shape[1] - seq
+        for start in range(0, seq, step):
+            end = min(seq, start + step)
+            logits, state = self._run(input_ids[:, start:end], attention_mask[:, :past + end],
+                                      position_ids[:, start:end], state, True)
+        return logits, state
 
-    def _run_bound(self, input_ids, attention_mask, position_ids, state, last_only):
+    def _run(self, input_ids, attention_mask, position_ids, state, last_only):
         binding = self._session.io_binding()
         binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids))
         binding.bind_cpu_input("attention_mask", np.ascontiguousarray(attention_mask))
@@ -182,7 +190,7 @@ class OnnxRuntimeBackend(Backend):
                 binding.bind_ortvalue_input(name, value)
         binding.bind_output("logits", "cpu")
         for name in self._outputs[1:]:
-            binding.bind_output(name, "cuda", self._device_id)
+            binding.bind_output(name, self._kv_device, self._device_id)
         self._session.run_with_iobinding(binding)
         logits, *present = binding.get_outputs()
         logits = logits.numpy()
@@ -196,12 +204,10 @@ class OnnxRuntimeBackend(Backend):
             return None
         out = []
         for value in state:
-            if isinstance(value, np.ndarray):
-                out.append(np.ascontiguousarray(value[rows]))
-            else:  # an OrtValue on the GPU: a host round trip (only when rows finish)
-                host = np.ascontiguousarray(value.numpy()[rows])
-                out.append(self._ort.OrtValue.ortvalue_from_numpy(host, "cuda",
-                                                                  self._device_id))
+            host = value if isinstance(value, np.ndarray) else value.numpy()
+            # on the GPU a host round trip; it happens only when rows finish or fan out
+            out.append(self._ort.OrtValue.ortvalue_from_numpy(
+                np.ascontiguousarray(host[rows]), self._kv_device, self._device_id))
         return out
 
     def close(self) -> None:

@@ -8,6 +8,8 @@ import pytest
 
 from calm_export.cli import main
 
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
+
 
 def test_help_shows_an_example(capsys):
     with pytest.raises(SystemExit) as info:
@@ -54,9 +56,14 @@ def test_tensorrt_without_tensorrt_names_the_extra(tmp_path, capsys):
     assert not (tmp_path / "e").exists()
 
 
-def test_export_prints_a_summary(tmp_path, capsys, tiny_llama_untied):
+def test_export_prints_a_summary(tmp_path, capsys, tiny_llama_untied, monkeypatch):
     pytest.importorskip("torch")
     pytest.importorskip("onnxruntime")
+    from calm_export import pipeline
+
+    real = pipeline.export_onnx  # the CLI is under test here; TorchScript is 20x faster
+    monkeypatch.setattr(pipeline, "export_onnx",
+                        lambda *a, **k: real(*a, **{**k, "exporter": "torchscript"}))
     out = tmp_path / "engine"
     code = main(["--model", str(tiny_llama_untied), "--out", str(out), "--quiet"])
     captured = capsys.readouterr()

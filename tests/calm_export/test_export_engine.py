@@ -32,6 +32,8 @@ STEPS = 20
 ENGINE_ATOL = 1e-4
 PROMPTS = ["Question: Is the sky blue?\nAnswer:", "Hi", "The proposed answer is: (A) True"]
 
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
+
 
 @pytest.fixture(scope="module")
 def tied_lora_engine(tmp_path_factory, tiny_llama_tied, tiny_lora_tied):
@@ -91,10 +93,10 @@ def _reference(model_dir, adapter, ids, mask):
     tau, shift = torch.from_numpy(adapter.tau), torch.from_numpy(adapter.shift)
     mask_t = torch.from_numpy(mask)
     positions = (mask_t.cumsum(-1) - 1).clamp(min=0)
-    cache, step_ids, prefill, logits_per_step, tokens = DynamicCache(), torch.from_numpy(ids), \
-        None, [], []
+    cache, step_ids, prefill = DynamicCache(), torch.from_numpy(ids), None
+    logits_per_step, tokens = [], []
     with torch.no_grad():
-        for step in range(STEPS):
+        for _ in range(STEPS):
             out = model(input_ids=step_ids, attention_mask=mask_t, position_ids=positions,
                         cache=cache, use_cache=True)
             logits = apply_calibration(out.logits, tau, shift, adapter.temperature)
@@ -117,7 +119,7 @@ def _engine_replay(engine_dir, manifest, ids, mask, tokens):
     step_ids, prefill, per_step = ids, None, []
     for step in range(STEPS):
         feed = {"input_ids": step_ids, "attention_mask": mask, "position_ids": positions}
-        feed.update(zip(manifest.io["inputs"][3:], past))
+        feed.update(zip(manifest.io["inputs"][3:], past, strict=True))
         logits, *past = session.run(None, feed)
         prefill = logits if prefill is None else prefill
         per_step.append(logits[:, -1])

@@ -29,6 +29,8 @@ from calm_runtime.models import model_identity  # noqa: E402
 
 FAST = {"progress": False, "exporter": "torchscript", "greedy_steps": 4}
 
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
+
 
 def _one_line(info) -> str:
     message = str(info.value)
@@ -47,7 +49,8 @@ def _no_load(monkeypatch):
     monkeypatch.setattr(pipeline, "load_model_and_tokenizer", refuse)
 
 
-def test_adapter_for_another_vocabulary_is_refused(tmp_path, tiny_llama_untied):
+def test_adapter_for_another_vocabulary_is_refused(tmp_path, tiny_llama_untied, monkeypatch):
+    _no_load(monkeypatch)
     identity = model_identity(tiny_llama_untied)
     adapter = CalibrationAdapter(base_model=ModelIdentity("other", 200, identity.tokenizer_sha256),
                                  tau=np.ones(200), shift=np.zeros(200))
@@ -58,7 +61,8 @@ def test_adapter_for_another_vocabulary_is_refused(tmp_path, tiny_llama_untied):
     _nothing_written(tmp_path)
 
 
-def test_adapter_for_another_tokenizer_is_refused(tmp_path, tiny_llama_untied):
+def test_adapter_for_another_tokenizer_is_refused(tmp_path, tiny_llama_untied, monkeypatch):
+    _no_load(monkeypatch)
     identity = model_identity(tiny_llama_untied)
     adapter = CalibrationAdapter.identity(ModelIdentity(identity.name, 300, "f" * 64))
     with pytest.raises(IncompatibleModelError, match="tokenizer sha256") as info:

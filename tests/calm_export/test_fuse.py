@@ -22,6 +22,8 @@ from calm_runtime.errors import ArtifactError, IncompatibleModelError  # noqa: E
 #: any missing factor (a wrong T or tau moves logits by >= 1e-2).
 FUSE_ATOL = 1e-5
 
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
+
 
 def _ids():
     generator = torch.Generator().manual_seed(0)

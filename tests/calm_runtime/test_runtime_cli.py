@@ -99,3 +99,15 @@ def test_help_has_an_example(sub, capsys):
     with pytest.raises(SystemExit) as info:
         main([sub, "--help"])
     assert info.value.code == 0 and "example" in capsys.readouterr().out
+
+
+def test_generate_on_the_torch_backend(runtime_engine, lm, capsys):
+    pytest.importorskip("torch")
+    model_dir, adapter_dir, engine_dir = runtime_engine
+    assert main(["-q", "generate", str(engine_dir), PROMPT, "--max-new-tokens", "4", "--json",
+                 "--backend", "torch", "--model", str(model_dir), "--adapter",
+                 str(adapter_dir)]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [t["id"] for t in data["tokens"]] == lm.generate(PROMPT, max_new_tokens=4).token_ids
+    assert main(["generate", str(engine_dir), PROMPT, "--model", str(model_dir)]) == 1
+    assert "--backend torch only" in capsys.readouterr().err

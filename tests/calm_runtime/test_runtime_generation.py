@@ -210,3 +210,15 @@ def test_incremental_token_text_rebuilds_multibyte_text(lm):
     pieces = [decoder.step(i) for i in ids] + [decoder.flush()]
     assert "".join(pieces) == text
     assert "" in pieces  # some tokens end inside a character; their text comes later
+
+
+def test_long_prompts_are_prefilled_in_chunks(runtime_engine, lm):
+    chunked = CalibratedLM.load(runtime_engine[2], threads=1)
+    chunked.backend.max_logits_bytes = 4 * chunked.manifest.vocab_size * 3 * 7  # 7 positions
+    want = lm.generate(PROMPTS, max_new_tokens=5)
+    for got, ref in zip(chunked.generate(PROMPTS, max_new_tokens=5), want, strict=True):
+        assert got.token_ids == ref.token_ids
+        np.testing.assert_allclose([t.confidence for t in got.tokens],
+                                   [t.confidence for t in ref.tokens], atol=1e-5)
+    np.testing.assert_allclose(chunked.p_true_batch(PROMPTS, ["a", "b", "c"]),
+                               lm.p_true_batch(PROMPTS, ["a", "b", "c"]), atol=1e-5)

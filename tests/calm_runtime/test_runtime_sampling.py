@@ -29,9 +29,12 @@ def test_step_stats_equal_the_definitions():
     np.testing.assert_allclose(stats.probability(rows, tokens), p[rows, tokens], rtol=1e-5)
     np.testing.assert_allclose(stats.logprob(rows, tokens), np.log(p[rows, tokens]), atol=1e-5)
     np.testing.assert_allclose(stats.entropy, -(p * np.log(p)).sum(axis=1), atol=1e-5)
-    ids, probs = top_alternatives(stats, 1, 4)
-    np.testing.assert_array_equal(ids, np.argsort(-p[1], kind="stable")[:4])
-    np.testing.assert_allclose(probs, np.sort(p[1])[::-1][:4], rtol=1e-5)
+    for k in (1, 4, 500):
+        ids, probs = top_alternatives(stats, 1, k)
+        np.testing.assert_array_equal(ids, np.argsort(-p[1], kind="stable")[:k])
+        np.testing.assert_allclose(probs, np.sort(p[1])[::-1][:k], rtol=1e-5)
+    ties = step_stats(np.array([[2.0, 5.0, 2.0, 5.0, 1.0]], np.float32))
+    assert top_alternatives(ties, 0, 3)[0].tolist() == [1, 3, 0]
 
 
 def test_a_peaked_distribution_has_zero_entropy_and_full_confidence():
@@ -54,9 +57,14 @@ def _brute_force(weights, top_k, top_p):
 @pytest.mark.parametrize(("top_k", "top_p"), [(0, 0.3), (0, 0.9), (0, 0.999), (10, 1.0),
                                               (10, 0.5), (200, 0.95), (1, 0.9)])
 def test_candidates_equal_a_full_sort(top_k, top_p):
-    for seed in range(5):
-        weights = np.exp(_logits(seed, rows=1, vocab=1000, scale=2.0)[0]).astype(np.float32)
-        got = np.sort(_candidates(weights, top_k, top_p))
+    for seed in range(8):
+        vocab = 60_000 if seed >= 6 else 1000  # large flat bands take the histogram path
+        z = _logits(seed, rows=1, vocab=vocab, scale=(0.3, 2.0, 8.0)[seed % 3])[0]
+        if seed == 5:
+            z = np.round(z)  # many exact ties
+        scaled = z - z.max()
+        weights = np.exp(scaled)
+        got = np.sort(_candidates(scaled, weights, top_k, top_p))
         np.testing.assert_array_equal(got, _brute_force(weights, top_k, top_p))
 
 
@@ -86,3 +94,17 @@ def test_bad_sampling_settings_are_one_config_error(bad):
     with pytest.raises(ConfigError) as info:
         SamplingParams(**bad)
     assert "\n" not in str(info.value) and str(info.value).startswith("invalid sampling")
+
+
+def test_blockwise_inverse_cdf_equals_a_global_cumsum():
+    from calm_runtime.sampling import _inverse_cdf
+
+    rng = np.random.default_rng(1)
+    for n in (7, 4096, 10_000, 50_001):
+        weights = rng.exponential(size=n).astype(np.float32)
+        weights[rng.random(n) < 0.3] = 0.0
+        cumulative = np.cumsum(weights, dtype=np.float64)
+        for u in np.concatenate([rng.random(300), [0.0, 1.0 - 1e-12]]):
+            want = min(int(np.searchsorted(cumulative, u * cumulative[-1], side="right")), n - 1)
+            assert _inverse_cdf(weights, float(u)) == want
+            assert weights[want] > 0

@@ -1,0 +1,88 @@
+"""`calm train` under torchrun (2 CPU processes, gloo) equals one process on the same batch.
+
+The two ranks each take half of every global batch and average values and gradients with
+an all-reduce before λ and the step are computed; one process computes the same global
+batch in two micro-batches (gradient accumulation). Only float summation order differs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("peft")
+
+from calm_runtime.artifact import CalibrationAdapter  # noqa: E402
+from calm_training.trainer import CalmConfig, train_calm  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
+                                reason="torch.distributed is not available in this build")
+
+WORDS = "red blue green cat dog sun moon water fire earth stone tree river cloud".split()
+#: float32 sums in another order, amplified a little by Adam over 3 steps (measured ~1e-7)
+ATOL = 1e-5
+TIMEOUT_S = 120
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_processes_match_one(tiny_llama_tied, tmp_path):
+    from safetensors.torch import load_file
+
+    rng = np.random.default_rng(1)
+    data = tmp_path / "mc.jsonl"
+    data.write_text("".join(json.dumps(
+        {"question": f"which is {w[0]} number {i}?", "choices": [str(x) for x in w],
+         "answer": int(rng.integers(0, 4))}) + "\n"
+        for i, w in enumerate(rng.choice(WORDS, size=4, replace=False) for _ in range(30))))
+    settings = {"steps": 3, "batch_size": 4, "inner_steps": 2, "lora_rank": 2,
+                "inner_lr": 0.02, "outer_lr": 1e-2, "max_length": 48}
+    env = {**os.environ, "CALM_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+               "--nnodes", "1", "--master_addr", "127.0.0.1", "--master_port",
+               str(_free_port()), "-m", "calm_runtime.cli", "-q", "train",
+               "--model", str(tiny_llama_tied), "--train", f"{data}:train",
+               "--calibration", f"{data}:unlabeled", "--out", str(tmp_path / "ddp"),
+               "--lora-targets", "q_proj,v_proj", "--device", "cpu"]
+    for key, value in settings.items():
+        command += [f"--{key.replace('_', '-')}", str(value)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT_S,
+                          check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    os.environ["CALM_CACHE"] = env["CALM_CACHE"]
+    try:
+        config = CalmConfig(model=str(tiny_llama_tied), train=(f"{data}:train",),
+                            calibration=(f"{data}:unlabeled",), lora_targets=("q_proj", "v_proj"),
+                            grad_accumulation=2, device="cpu", **settings)
+        single = train_calm(config, tmp_path / "single", progress=False)
+    finally:
+        del os.environ["CALM_CACHE"]
+
+    ddp = CalibrationAdapter.from_pretrained(tmp_path / "ddp")
+    assert ddp.provenance["world_size"] == 2 and single.adapter.provenance["world_size"] == 1
+    for name in ("tau", "shift"):
+        a, b = getattr(ddp, name), getattr(single.adapter, name)
+        assert np.abs(a - b).max() <= ATOL, f"{name}: max diff {np.abs(a - b).max():.3g}"
+    assert np.ptp(ddp.shift) > 0  # the comparison is not between two untouched vectors
+    lora_ddp = load_file(str(ddp.lora_path / "adapter_model.safetensors"))
+    lora_one = load_file(str(single.out / "lora" / "adapter_model.safetensors"))
+    assert lora_ddp.keys() == lora_one.keys()
+    for key in lora_ddp:
+        diff = float((lora_ddp[key] - lora_one[key]).abs().max())
+        assert diff <= ATOL, f"{key}: max diff {diff:.3g}"
+    for key in ("f", "g", "q", "lam"):
+        a, b = ddp.metrics["training"]["last"][key], single.history[-1][key]
+        assert a == pytest.approx(b, rel=1e-4, abs=1e-6), key

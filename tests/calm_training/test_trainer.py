@@ -1,0 +1,242 @@
+"""CALM training on a tiny random Llama: q, tau, the artifact, resume, ablations, composition."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("peft")
+
+from calm_runtime.artifact import CalibrationAdapter  # noqa: E402
+from calm_runtime.cli import main  # noqa: E402
+from calm_runtime.data import load_dataset, split_indices  # noqa: E402
+from calm_runtime.errors import ConfigError, DataError  # noqa: E402
+from calm_training import calm_data  # noqa: E402
+from calm_training.trainer import CalmConfig, train_calm  # noqa: E402
+
+WORDS = "red blue green cat dog sun moon water fire earth stone tree river cloud".split()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def private_cache(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CALM_CACHE", str(tmp_path_factory.mktemp("calm-cache")))
+        yield
+
+
+@pytest.fixture(scope="module")
+def mc_file(tmp_path_factory):
+    rng = np.random.default_rng(0)
+    path = tmp_path_factory.mktemp("data") / "mc.jsonl"
+    lines = []
+    for i in range(40):
+        words = rng.choice(WORDS, size=4, replace=False)
+        lines.append(json.dumps({"question": f"which is {words[0]} number {i}?",
+                                 "choices": [str(w) for w in words],
+                                 "answer": int(rng.integers(0, 4))}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _config(model, data, **kw):
+    base = {"model": str(model), "train": (f"{data}:train",),
+            "calibration": (f"{data}:unlabeled",), "batch_size": 2, "inner_steps": 2,
+            "lora_rank": 4, "max_length": 64}
+    return CalmConfig(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_llama_tied, mc_file, tmp_path_factory):
+    """20 full-batch BOME steps (6 training, 6 calibration questions)."""
+    out = tmp_path_factory.mktemp("adapters") / "calm"
+    config = _config(tiny_llama_tied, mc_file, batch_size=6, steps=20, outer_lr=1e-2,
+                     inner_lr=0.02)
+    return train_calm(config, out, progress=False)
+
+
+def test_bilevel_drives_q_toward_zero_and_keeps_tau_positive(trained):
+    q = [row["q"] for row in trained.history]
+    # seed 0: q = 0.42 at step 1, 0.063-0.095 over the last five (full batch, T_inner = 2)
+    trajectory = f"q trajectory {np.round(q, 3).tolist()}"
+    assert min(q) > -1e-3, trajectory  # the inner steps do decrease g (inner_lr not too big)
+    assert np.mean(q[-5:]) < 0.3 * q[0], trajectory
+    assert trained.history[-1]["g"] < trained.history[0]["g"]
+    tau = trained.adapter.tau
+    assert np.isfinite(tau).all() and (tau > 0).all()
+    assert tau.min() < 1.0 - 1e-3 or tau.max() > 1.0 + 1e-3  # α moved
+    for row in trained.history:
+        assert row["lam"] >= 0 and row["grad_q_norm"] > 0 and row["tau_min"] > 0
+
+
+def test_artifact_round_trips_with_identical_logits(trained, tiny_llama_tied):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from calm_runtime.models import load_model_and_tokenizer
+
+    loaded = CalibrationAdapter.from_pretrained(trained.out)
+    assert loaded.kind == "calm" and loaded.temperature == 1.0
+    assert (loaded.lora_path / "adapter_config.json").is_file()
+    m = trained.model
+    assert np.array_equal(loaded.tau, torch.exp(m.alpha[0]).detach().numpy())
+    assert np.array_equal(loaded.shift, m.alpha[1].detach().numpy())
+    assert loaded.provenance["train_data"][0]["n"] == 6
+    assert loaded.provenance["seed"] == 0
+    assert loaded.method["settings"]["steps"] == 20
+    assert loaded.metrics["training"]["last"]["step"] == 20
+
+    ids = torch.tensor([[1, 50, 60, 70, 80, 90, 100, 110]])
+    with torch.no_grad():
+        z = m.lm(input_ids=ids).logits
+        expected = m.calibrate(z, m.alpha)
+        fresh = AutoModelForCausalLM.from_pretrained(str(tiny_llama_tied)).eval()
+        reloaded = PeftModel.from_pretrained(fresh, str(loaded.lora_path)).eval()
+        actual = loaded.calibrate(reloaded(input_ids=ids).logits)
+        merged, _, _ = load_model_and_tokenizer(tiny_llama_tied, lora_path=loaded.lora_path)
+        via_merge = loaded.calibrate(merged(input_ids=ids).logits)
+    assert torch.equal(actual, expected)
+    assert torch.allclose(via_merge, expected, atol=1e-4), float((via_merge - expected).abs().max())
+
+
+def test_answer_head_matches_the_full_forward(trained, tiny_llama_tied, mc_file):
+    """Logits computed only at the answer positions equal the full model's at those positions,
+    and the cross-entropy is the mean over each example's answer tokens."""
+    from transformers import AutoTokenizer
+
+    m = trained.model
+    tok = AutoTokenizer.from_pretrained(str(tiny_llama_tied))
+    records = calm_data.resolve_records(f"{mc_file}:train")[:3]
+    examples = calm_data.encode_training(records, tok, mode="cloze", chat=False, max_length=64)
+    batch = calm_data.collate(examples, len(examples), pad_id=3)
+    with torch.no_grad():
+        z = m.logits(m.theta, batch)
+        full = m.lm(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        gathered = full.reshape(-1, full.shape[-1])[batch.flat_positions]
+        value, _, _ = m.objective([batch], "ce")(m.theta, m.alpha, False, False)
+    assert torch.allclose(z, gathered, atol=1e-5)
+    logp = m.calibrate(gathered, m.alpha).log_softmax(-1)
+    nll = -logp[torch.arange(len(batch.targets)), batch.targets]
+    by_example, start = [], 0
+    for e in examples:
+        by_example.append(float(nll[start:start + len(e.positions)].mean()))
+        start += len(e.positions)
+    assert float(value) == pytest.approx(np.mean(by_example), rel=1e-5)
+    flat_ids = batch.input_ids.reshape(-1)
+    assert torch.equal(flat_ids[batch.flat_positions + 1], batch.targets)  # next tokens
+
+
+def test_resume_continues_bit_for_bit(tiny_llama_tied, mc_file, tmp_path):
+    config = _config(tiny_llama_tied, mc_file, steps=4, checkpoint_every=2)
+    straight = train_calm(config, None, progress=False)
+    first = train_calm(_config(tiny_llama_tied, mc_file, steps=2, checkpoint_every=2), None,
+                       checkpoint_dir=tmp_path / "ckpt", progress=False)
+    assert (tmp_path / "ckpt" / "step-000002" / "tensors.safetensors").is_file()
+    assert not list((tmp_path / "ckpt").glob("**/*.pt")) and not list(
+        (tmp_path / "ckpt").glob("**/*.bin"))
+    resumed = train_calm(config, None, resume=True, checkpoint_dir=tmp_path / "ckpt",
+                         progress=False)
+    assert first.history == resumed.history[:2]
+    assert resumed.history == straight.history
+    for a, b in zip(straight.model.theta + straight.model.alpha,
+                    resumed.model.theta + resumed.model.alpha, strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(ConfigError, match="inner_lr"):
+        train_calm(_config(tiny_llama_tied, mc_file, steps=4, inner_lr=0.1), None, resume=True,
+                   checkpoint_dir=tmp_path / "ckpt", progress=False)
+
+
+@pytest.mark.parametrize("method,mode", [("regularization", "cloze"), ("iterate", "cloze"),
+                                         ("scalar", "letter")])
+def test_ablations_write_their_adapters(method, mode, tiny_llama_tied, mc_file, tmp_path):
+    config = _config(tiny_llama_tied, mc_file, method=method, mode=mode, chat=False, steps=2,
+                     outer_lr=1e-2)
+    result = train_calm(config, tmp_path / method, progress=False)
+    loaded = CalibrationAdapter.from_pretrained(tmp_path / method)
+    assert loaded.kind == f"calm_{method}" and loaded.lora_path is not None
+    assert (loaded.tau > 0).all() and np.isfinite(loaded.tau).all()
+    if method == "scalar":
+        assert np.unique(loaded.tau).size == 1 and loaded.tau[0] != 1.0
+        assert (loaded.shift == 0).all()
+    else:
+        assert result.history[-1]["q"] is None and np.ptp(loaded.shift) > 0
+
+
+def test_cli_trains_plain_lora(tiny_llama_tied, mc_file, tmp_path, capsys):
+    out = tmp_path / "lora"
+    rc = main(["-q", "train", "--model", str(tiny_llama_tied), "--train", f"{mc_file}:train",
+               "--calibration", f"{mc_file}:unlabeled", "--out", str(out), "--method", "lora",
+               "--steps", "2", "--batch-size", "2", "--lora-rank", "2",
+               "--lora-targets", "q_proj,v_proj"])
+    assert rc == 0, capsys.readouterr().err
+    loaded = CalibrationAdapter.from_pretrained(out)
+    assert loaded.kind == "lora" and (loaded.tau == 1).all() and (loaded.shift == 0).all()
+    assert json.loads((loaded.lora_path / "adapter_config.json").read_text())["r"] == 2
+    assert "wrote" in capsys.readouterr().out
+    assert main(["train", "--model", str(tiny_llama_tied), "--train", f"{mc_file}:train",
+                 "--calibration", f"{mc_file}:unlabeled", "--out", str(out)]) == 1
+    assert "ConfigError" in capsys.readouterr().err  # exists, no --overwrite
+
+
+def test_calm_adapter_composes_with_a_post_hoc_fit(trained, tiny_llama_tied, tiny_llama_untied,
+                                                  mc_file, tmp_path):
+    from calm_training.fit import FitConfig, fit_adapter
+
+    config = FitConfig(model=str(tiny_llama_tied), reference=str(tiny_llama_untied),
+                       data=str(mc_file), adapter=str(trained.out), bootstrap=0)
+    adapter, report = fit_adapter(config, "daca", tmp_path / "calm-daca", progress=False)
+    loaded = CalibrationAdapter.from_pretrained(tmp_path / "calm-daca")
+    assert loaded.kind == "calm+daca" and loaded.answer_temperature > 0
+    assert np.array_equal(loaded.tau, trained.adapter.tau)
+    assert (loaded.lora_path / "adapter_config.json").is_file()
+
+
+def test_train_unlabeled_and_test_parts_are_disjoint(mc_file):
+    everything = load_dataset(str(mc_file))
+    train = calm_data.resolve_records(f"{mc_file}:train")
+    unlabeled = calm_data.resolve_records(f"{mc_file}:unlabeled")
+    _, test = split_indices(len(everything), 0.3, 0)
+    test_questions = {everything[i].question for i in test}
+    train_q, unlabeled_q = {r.question for r in train}, {r.question for r in unlabeled}
+    assert len(train) == 6 and len(unlabeled) == 6
+    assert not (train_q & unlabeled_q) and not (train_q & test_questions)
+    assert not (unlabeled_q & test_questions)
+    assert all(r.answer is not None for r in train) and all(r.answer is None for r in unlabeled)
+    with pytest.raises(DataError, match="no answer"):
+        calm_data.load_records([f"{mc_file}:unlabeled"], labeled=True)
+
+
+def test_encoding_positions_and_targets(tiny_llama_tied):
+    from transformers import AutoTokenizer
+
+    from calm_runtime.data import MultipleChoiceRecord, OpenQARecord
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_llama_tied))
+    mc = MultipleChoiceRecord(question="2 + 2 =", choices=("three", "four"), answer=1)
+    cloze = calm_data.encode_training([mc], tok, mode="cloze", chat=False, max_length=64)[0]
+    four = tok(" four", add_special_tokens=False)["input_ids"]
+    assert cloze.targets == tuple(four) and len(cloze.sequences) == 1
+    assert [cloze.sequences[0][p + 1] for _, p in cloze.positions] == four
+    unlabeled = calm_data.encode_calibration([mc], tok, mode="cloze", chat=False,
+                                             max_length=64)[0]
+    assert len(unlabeled.sequences) == 2 and set(unlabeled.targets) == {-1}
+    letter = calm_data.encode_training([mc], tok, mode="letter", chat=False, max_length=64)[0]
+    assert letter.targets == (tok(" B", add_special_tokens=False)["input_ids"][0],)
+    assert letter.positions == ((0, len(letter.sequences[0]) - 1),)
+    qa = OpenQARecord(question="Who wrote Hamlet?", answers=("Shakespeare",))
+    open_train = calm_data.encode_training([qa], tok, mode="cloze", chat=False, max_length=64)[0]
+    assert len(open_train.targets) == len(tok(" Shakespeare", add_special_tokens=False)[
+        "input_ids"])
+    open_cal = calm_data.encode_calibration([qa], tok, mode="cloze", chat=False, max_length=8)[0]
+    assert open_cal.targets == (-1,) and len(open_cal.sequences[0]) == 8  # cut from the left
+
+
+def test_config_collects_every_problem():
+    with pytest.raises(ConfigError) as info:
+        CalmConfig(model="m", train=(), calibration=("c",), method="bome", steps=0,
+                   inner_lr=-1.0, phi="norm", momentum=1.5)
+    message = str(info.value)
+    for word in ("method", "phi", "train", "steps", "inner_lr", "momentum"):
+        assert word in message
