@@ -65,6 +65,10 @@ def atomic_directory(target: str | os.PathLike, *, overwrite: bool = False) -> I
                             "overwrite=True (--overwrite) to replace it")
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    # mkdtemp makes the folder private (0700); the artifact gets the usual permissions
+    umask = os.umask(0)
+    os.umask(umask)
+    staging.chmod(0o777 & ~umask)
     try:
         yield staging
     except BaseException:

@@ -296,12 +296,18 @@ def _load_tensors(path: Path) -> dict[str, np.ndarray]:
     if not path.is_file():
         raise ArtifactError(f"{path} is missing; the artifact is incomplete, re-create it")
     try:
-        return load_file(str(path))
+        arrays = load_file(str(path))
     except (SafetensorError, ValueError, OSError, TypeError, AttributeError) as exc:
         # TypeError/AttributeError: a dtype numpy cannot hold (BF16, F8_*) in the header
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ArtifactError(f"{path} is not a readable safetensors file ({reason}); it is "
                             "truncated or corrupted, re-create the artifact") from None
+    for name, array in arrays.items():
+        # checked here, not left to numpy: with some libraries loaded numpy reads bf16 too
+        if array.dtype != np.float32:
+            raise ArtifactError(f"tensor {name!r} in {path} is {array.dtype}, not float32; "
+                                "re-create the artifact with float32 tensors")
+    return arrays
 
 
 def _mapping(value: Any, name: str, where: str) -> dict:

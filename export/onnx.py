@@ -196,9 +196,18 @@ def _graph_opset(path: Path) -> int:
 def _quiet():
     """Silence the exporters' stdout chatter and warnings (library code only logs)."""
     sink = io.StringIO()
-    with warnings.catch_warnings(), contextlib.redirect_stdout(sink):
-        warnings.simplefilter("ignore")
-        yield
+    noisy = [logging.getLogger(name) for name in ("torch.onnx", "torch.export", "onnxscript",
+                                                  "onnx_ir")]
+    levels = [lg.level for lg in noisy]
+    for lg in noisy:
+        lg.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(sink):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, level in zip(noisy, levels, strict=True):
+            lg.setLevel(level)
     text = sink.getvalue().strip()
     if text:
         logger.debug("exporter output:\n%s", text)

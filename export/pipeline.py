@@ -162,7 +162,6 @@ def _export(model_spec, out: Path, adapter_arg, config: ExportConfig,
         weight_bytes > config.EXTERNAL_DATA_BYTES)
 
     with atomic_directory(out, overwrite=config.overwrite) as staging:
-        _default_permissions(staging)
         stages.start("export")
         facts = export_onnx(model, shape, staging, opset=config.opset,
                             exporter=config.exporter, external_data=external)
@@ -207,7 +206,9 @@ def _export(model_spec, out: Path, adapter_arg, config: ExportConfig,
         export_settings = {**config.to_dict(), **_versions(),
                            "exporter_used": facts["exporter"], "external_data": external,
                            "source_head_tied": was_tied, "genai_config": genai,
-                           "tensorrt": trt_settings}
+                           "tensorrt": trt_settings,
+                           # the cloze score answer_temperature was fitted on (runtime reads it)
+                           "cloze_variant": (adapter.method or {}).get("variant")}
         manifest = engine_writer.build_manifest(
             kind=kind, staging=staging, identity=identity,
             weights_sha=engine_writer.weights_sha256(folder), adapter=adapter,
@@ -226,13 +227,6 @@ def _export(model_spec, out: Path, adapter_arg, config: ExportConfig,
     logger.info("engine written to %s (%.1f MB, max |logit diff| %.3g, %.1f s)", out,
                 sum(sizes.values()) / 1e6, report["max_abs_diff"], stages.seconds["total"])
     return ExportResult(path=out, manifest=final, file_sizes=sizes, seconds=stages.seconds)
-
-
-def _default_permissions(directory: Path) -> None:
-    """mkdtemp makes the staging folder private (0700); an engine is served by other users."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(directory, 0o777 & ~umask)
 
 
 def _load_adapter(adapter_arg) -> tuple[CalibrationAdapter | None, Path | None]:

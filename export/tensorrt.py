@@ -142,7 +142,7 @@ def tensorrt_runner(plan_path: Path, shape: DecoderShape):
             state = [torch.zeros(batch, shape.num_kv_heads, 0, shape.head_dim, device="cuda",
                                  dtype=dtypes[engine.get_tensor_dtype(inputs[3])])
                      for _ in range(2 * shape.num_layers)]
-        profile = 0 if input_ids.shape[1] > 1 else 1
+        profile = 0 if state[0].shape[2] == 0 else 1  # context: no past; generation: 1 token
         if current["profile"] != profile:
             context.set_optimization_profile_async(profile, stream.cuda_stream)
             current["profile"] = profile

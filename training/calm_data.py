@@ -26,7 +26,8 @@ distribution counts, and the target token there (``-1``: entropy only).
 * multiple choice, cloze mode — sequence ``"Question: ...\\nAnswer:" + " {option}"``
   (context with special tokens, continuation without, as in :mod:`calm_training.scoring`);
   training: CE on the correct option's text tokens; calibration (no labels): entropy at
-  every position that predicts an option token, for every option (one sequence each);
+  every position that predicts an option token, for every option (one sequence each), or
+  with ``positions="answer"`` only where the answer starts (K times cheaper);
 * multiple choice, letter mode — the letter prompt (chat template when configured);
   training: CE on the answer letter; calibration: entropy at the answer position;
 * open QA — ``"Question: ...\\nAnswer:" + " {answers[0]}"``; training: CE on the answer
@@ -62,6 +63,7 @@ from calm_runtime.prompts import cloze_context, cloze_continuation, letter_promp
 from .scoring import _encode, _render_chat, single_token_id
 
 __all__ = [
+    "CALIBRATION_POSITIONS",
     "TRAIN_PART",
     "UNLABELED_PART",
     "TRAIN_SPLIT_FRACTION",
@@ -78,6 +80,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+CALIBRATION_POSITIONS = ("options", "answer")
 TRAIN_PART = "train"
 UNLABELED_PART = "unlabeled"
 TRAIN_SPLIT_FRACTION = 0.5
@@ -166,11 +169,22 @@ def _continuation_example(context, continuations, max_length, *, targets: bool) 
     return Example(tuple(sequences), tuple(positions), tuple(target_ids))
 
 
+def _answer_position(context: list[int], max_length: int) -> Example:
+    """The next-token distribution at the end of ``context`` (where an answer starts)."""
+    context = context[-max_length:]
+    return Example((tuple(context),), ((0, len(context) - 1),), (-1,))
+
+
 class _Encoder:
-    def __init__(self, tokenizer, *, mode: str, chat: bool, max_length: int) -> None:
+    def __init__(self, tokenizer, *, mode: str, chat: bool, max_length: int,
+                 positions: str = "options") -> None:
         if mode not in ("cloze", "letter"):
             raise ConfigError(f"mode must be cloze or letter, got {mode!r}")
+        if positions not in CALIBRATION_POSITIONS:
+            raise ConfigError(f"calibration positions must be one of "
+                              f"{', '.join(CALIBRATION_POSITIONS)}, got {positions!r}")
         self.tokenizer, self.mode, self.chat, self.max_length = tokenizer, mode, chat, max_length
+        self.positions = positions
         self._letters: dict[int, list[int]] = {}
 
     def context(self, text: str) -> list[int]:
@@ -201,6 +215,8 @@ class _Encoder:
             if self.mode == "letter":
                 return self.letter_example(record, record.answer if labeled else None)
             context = _encode(self.tokenizer, cloze_context(record.question), special=True)
+            if not labeled and self.positions == "answer":
+                return _answer_position(context, self.max_length)
             options = ([record.choices[record.answer]] if labeled else list(record.choices))
             return _continuation_example(context, [self.continuation(o) for o in options],
                                          self.max_length, targets=labeled)
@@ -209,8 +225,7 @@ class _Encoder:
             if labeled:
                 return _continuation_example(context, [self.continuation(record.answers[0])],
                                              self.max_length, targets=True)
-            context = context[-self.max_length:]
-            return Example((tuple(context),), ((0, len(context) - 1),), (-1,))
+            return _answer_position(context, self.max_length)
         raise DataError(f"cannot train on a {type(record).__name__}; use multiple-choice or "
                         "open-QA records")
 
@@ -223,9 +238,15 @@ def encode_training(records: Sequence[Record], tokenizer, *, mode: str, chat: bo
 
 
 def encode_calibration(records: Sequence[Record], tokenizer, *, mode: str, chat: bool,
-                       max_length: int) -> list[Example]:
-    """Unlabeled examples for the upper level (entropy at the answer positions)."""
-    encoder = _Encoder(tokenizer, mode=mode, chat=chat, max_length=max_length)
+                       max_length: int, positions: str = "options") -> list[Example]:
+    """Unlabeled examples for the upper level (entropy at the answer positions).
+
+    ``positions`` (cloze multiple choice only): ``options`` — every position that predicts
+    an option token, all options (one sequence each); ``answer`` — only the position where
+    the answer starts (one sequence per question, about K times cheaper).
+    """
+    encoder = _Encoder(tokenizer, mode=mode, chat=chat, max_length=max_length,
+                       positions=positions)
     return [encoder.encode(r, labeled=False) for r in records]
 
 

@@ -248,6 +248,10 @@ def _register_train(sub) -> None:
         t.add_argument(f"--{flag}", type=kind, default=d[name].default,
                        help=f"{text} (default {d[name].default})")
     t.add_argument("--optimizer", default=d["optimizer"].default, choices=OPTIMIZERS)
+    t.add_argument("--calibration-positions", default=d["calibration_positions"].default,
+                   choices=["options", "answer"],
+                   help="cloze: entropy at every option-token position (options) or only "
+                        "where the answer starts (answer, K times cheaper)")
     t.add_argument("--phi", default=d["phi"].default, choices=["grad", "value"],
                    help="phi = eta*|grad q|^2 (grad) or eta*q (value)")
     t.add_argument("--lora-targets", default=",".join(d["lora_targets"].default),

@@ -9,12 +9,18 @@ from pathlib import Path
 
 import numpy as np
 
-from calm_runtime import metrics
 from calm_runtime.artifact import CalibrationAdapter
 from calm_runtime.plot import write_reliability_diagram
 
 from .cache import cached_option_scores
-from .fit import FitConfig, _load_records, _variant, option_probabilities, require_labels
+from .fit import (
+    FitConfig,
+    _load_records,
+    _variant,
+    metric_row,
+    option_probabilities,
+    require_labels,
+)
 from .scoring import OptionScores
 
 __all__ = ["evaluate_adapter", "write_report"]
@@ -47,7 +53,7 @@ def evaluate_adapter(config: FitConfig, adapter_dir: str | os.PathLike, *,
     for name, scores, temperature in (("vanilla", vanilla, 1.0),
                                       (adapter.kind, calibrated, answer_t or 1.0)):
         probs = option_probabilities(_variant(scores, base_config)[test, :k], temperature)
-        rows[name], panels[name] = _row(probs, _labels(scores, test), config)
+        rows[name], panels[name] = metric_row(probs, _labels(scores, test), config)
     return {"config": config.to_dict(), "adapter": str(adapter_dir),
             "adapter_kind": adapter.kind, "n_test": int(test.size), "n_options": k,
             "methods": rows, "_panels": panels}
@@ -55,16 +61,6 @@ def evaluate_adapter(config: FitConfig, adapter_dir: str | os.PathLike, *,
 
 def _labels(scores: OptionScores, test: np.ndarray) -> np.ndarray:
     return require_labels(scores.labels[test], "test")
-
-
-def _row(probs: np.ndarray, labels: np.ndarray, config: FitConfig):
-    row = metrics.calibration_report(probs, labels, config.n_bins)
-    conf, correct = probs.max(axis=1), (probs.argmax(axis=1) == labels).astype(float)
-    if config.bootstrap:
-        row["ece_ci95"] = list(metrics.bootstrap_interval(
-            lambda c, y: metrics.ece(c, y, config.n_bins), conf, correct,
-            n_resamples=config.bootstrap))
-    return row, (conf, correct)
 
 
 def write_report(report: dict, out_dir: str | os.PathLike, stem: str,

@@ -206,6 +206,17 @@ def _apply(fit, scores: np.ndarray) -> np.ndarray:
     return option_probabilities(scores, fit.temperature)
 
 
+def metric_row(probs: np.ndarray, labels: np.ndarray, config: FitConfig):
+    """One table row (metrics + ECE bootstrap interval) and its reliability-diagram panel."""
+    row = metrics.calibration_report(probs, labels, config.n_bins)
+    conf, correct = probs.max(axis=1), (probs.argmax(axis=1) == labels).astype(float)
+    if config.bootstrap:
+        row["ece_ci95"] = list(metrics.bootstrap_interval(
+            lambda c, y: metrics.ece(c, y, config.n_bins), conf, correct,
+            n_resamples=config.bootstrap))
+    return row, (conf, correct)
+
+
 def compare_methods(config: FitConfig, methods: Sequence[str] = METHODS, *,
                     progress: bool = True) -> dict:
     """Fit ``methods`` on the calibration split, evaluate all on the test split.
@@ -228,16 +239,9 @@ def compare_methods(config: FitConfig, methods: Sequence[str] = METHODS, *,
     rows, panels = {}, {}
     for method in methods:
         fit = _fit(method, prep)
-        probs = _apply(fit, prep.polm[prep.test])
-        row = metrics.calibration_report(probs, labels, config.n_bins)
-        conf, correct = probs.max(axis=1), (probs.argmax(axis=1) == labels).astype(float)
-        if config.bootstrap:
-            row["ece_ci95"] = list(metrics.bootstrap_interval(
-                lambda c, y: metrics.ece(c, y, config.n_bins), conf, correct,
-                n_resamples=config.bootstrap))
+        row, panels[method] = metric_row(_apply(fit, prep.polm[prep.test]), labels, config)
         row["fit"] = None if fit is None else fit.to_dict()
         rows[method] = row
-        panels[method] = (conf, correct)
     report = {
         "config": config.to_dict(),
         "data_hash": dataset_hash(prep.records),

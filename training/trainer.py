@@ -39,11 +39,12 @@ from pathlib import Path
 import numpy as np
 
 from calm_runtime.artifact import CalibrationAdapter
-from calm_runtime.errors import ConfigError
+from calm_runtime.errors import ConfigError, FitError
 
 from . import calm_data
 
-__all__ = ["METHODS", "OPTIMIZERS", "PHI_MODES", "CalmConfig", "TrainResult", "train_calm"]
+__all__ = ["METHODS", "OPTIMIZERS", "PHI_MODES", "CalmConfig", "TrainResult", "train_calm",
+           "latest_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +84,9 @@ class CalmConfig:
         beta: weight of ``f`` in the ``regularization`` ablation (``g + β f``).
         lora_rank, lora_alpha, lora_targets: the peft LoRA (dropout 0, B initialised to 0).
         max_length: longest sequence in tokens (contexts are cut from the left).
+        calibration_positions: cloze mode: where the entropy is taken on calibration
+            questions: ``options`` (every option-token position of every option, as the
+            cloze scores read them) or ``answer`` (where the answer starts; K times cheaper).
         seed: seeds the LoRA initialisation and the batch order.
         limit: use only the first ``limit`` records of each data spec.
         checkpoint_every: write a checkpoint every this many steps (0: never).
@@ -112,6 +116,7 @@ class CalmConfig:
     lora_alpha: float = 16.0
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
     max_length: int = 256
+    calibration_positions: str = "options"
     seed: int = 0
     limit: int | None = None
     checkpoint_every: int = 0
@@ -131,6 +136,9 @@ class CalmConfig:
             problems.append(f"mode {self.mode!r} is not cloze or letter")
         if self.optimizer not in OPTIMIZERS:
             problems.append(f"optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
+        if self.calibration_positions not in calm_data.CALIBRATION_POSITIONS:
+            problems.append(f"calibration_positions {self.calibration_positions!r} is not one "
+                            f"of {', '.join(calm_data.CALIBRATION_POSITIONS)}")
         if self.phi not in PHI_MODES:
             problems.append(f"phi {self.phi!r} is not one of {', '.join(PHI_MODES)}")
         if not self.train or not self.calibration:
@@ -191,6 +199,13 @@ class TrainResult:
 
 
 # ---------------------------------------------------------------------------- training
+def latest_checkpoint(folder: str | os.PathLike):
+    """The newest checkpoint folder in ``folder`` (``<out>.checkpoints``), or None."""
+    from ._checkpoint import latest_checkpoint as latest
+
+    return latest(folder)
+
+
 def train_calm(config: CalmConfig, out: str | os.PathLike | None, *, resume: bool = False,
                overwrite: bool = False, checkpoint_dir: str | os.PathLike | None = None,
                progress: bool = True) -> TrainResult:
@@ -240,7 +255,8 @@ class _Trainer:
         encode = {"tokenizer": self.model.tokenizer, "mode": config.mode, "chat": chat,
                   "max_length": config.max_length}
         self.train_examples = calm_data.encode_training(train, **encode)
-        self.cal_examples = calm_data.encode_calibration(cal, **encode)
+        self.cal_examples = calm_data.encode_calibration(
+            cal, **encode, positions=config.calibration_positions)
         self.pad = _pad_id(self.model.tokenizer)
         groups = [{"params": self.model.theta, "lr": config.outer_lr}]
         if self.model.alpha:
@@ -252,6 +268,9 @@ class _Trainer:
                                    epsilon=CalmConfig.LAMBDA_EPSILON)
         self.history: list[dict] = []
         self.step = 0
+        if config.checkpoint_every and self.checkpoint_dir is None:
+            logger.warning("checkpoint_every=%d but no checkpoint directory (no --out); no "
+                           "checkpoints will be written", config.checkpoint_every)
 
     def _batches(self, examples, batch_size: int, stream: int):
         idx = calm_data.batch_indices(len(examples), batch_size, self.step, self.config.seed,
@@ -300,10 +319,11 @@ class _Trainer:
             for key in ("f", "g", "q", "lam", "tau_min", "tau_max", "shift_min", "shift_max"):
                 value = row[key]
                 if value is not None and not math.isfinite(value):
-                    raise ConfigError(f"step {row['step']}: {key} is {value}; training diverged, "
-                                      "lower the learning rates")
-            logger.info("step %d/%d %s", row["step"], cfg.steps, _log_line(row))
-            if row["q"] is not None and row["q"] < 0 and not warned:
+                    raise FitError(f"step {row['step']}: {key} is {value}; training diverged, "
+                                   "lower the learning rates; nothing was written")
+            if self.dist.rank == 0:
+                logger.info("step %d/%d %s", row["step"], cfg.steps, _log_line(row))
+            if row["q"] is not None and row["q"] < 0 and not warned and self.dist.rank == 0:
                 warned = True
                 logger.warning("step %d: q = %.3g < 0, the inner steps increased g; lower "
                                "inner_lr (now %g)", row["step"], row["q"], cfg.inner_lr)

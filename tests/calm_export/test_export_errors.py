@@ -171,3 +171,20 @@ def test_broken_lora_folder_is_an_artifact_error(tmp_path, tiny_llama_untied):
                       config=ExportConfig(**FAST))
     _one_line(info)
     _nothing_written(tmp_path)
+
+
+def test_dynamo_failure_falls_back_to_torchscript(tmp_path, tiny_llama_untied, monkeypatch):
+    from calm_export import onnx as onnx_export
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("torch.export cannot trace this model")
+    monkeypatch.setattr(onnx_export, "_export_dynamo", broken)
+    result = export_engine(tiny_llama_untied, tmp_path / "engine",
+                           config=ExportConfig(progress=False, greedy_steps=4))
+    assert result.manifest.export["exporter_used"] == "torchscript"
+    monkeypatch.setattr(onnx_export, "_export_torchscript", broken)
+    with pytest.raises(onnx_export.OnnxExportError, match="dynamo: .*torchscript: ") as info:
+        export_engine(tiny_llama_untied, tmp_path / "engine2",
+                      config=ExportConfig(progress=False, greedy_steps=4))
+    _one_line(info)
+    _nothing_written(tmp_path, "engine2")
