@@ -7,12 +7,14 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from calm_runtime.errors import CalmError
+from calm_runtime.errors import CalmError, ConfigError
 
 __all__ = ["main", "build_parser"]
 
-EPILOG = """example:
+EPILOG = """examples:
   calm-export --model smollm2-135m-instruct --adapter runs/daca-adapter --out engines/smol
+  calm-export --model smollm2-135m-instruct --quantize int8 \\
+      --recalibrate arc-easy:calibration --out engines/smol-int8
 
 The engine is validated before it is written (logits and greedy KV-cache tokens against
 the unfused model with the calibration applied in torch); a failed validation writes
@@ -31,9 +33,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", required=True, help="engine directory to create")
     parser.add_argument("--format", choices=("onnx", "tensorrt"), default="onnx")
     parser.add_argument("--dtype", choices=("fp32", "fp16"), default="fp32",
-                        help="engine precision (fp16: TensorRT only for now)")
+                        help="engine precision (fp16: for GPU providers / TensorRT)")
     parser.add_argument("--quantize", choices=("int8",), default=None,
-                        help="weight quantisation (not implemented yet)")
+                        help="int8 weights (blockwise, every MatMul); the drift from fp32 is "
+                        "measured and recorded in the manifest")
+    parser.add_argument("--calibration-data", metavar="DATA", default=None,
+                        help="multiple-choice data (e.g. arc-easy:calibration) to report the "
+                        "engine's ECE on, before and after quantisation")
+    parser.add_argument("--recalibrate", metavar="DATA", default=None,
+                        help="refit the temperature on the final engine's own scores of DATA "
+                        "(implies --calibration-data DATA)")
+    parser.add_argument("--calibration-mode", choices=("cloze", "letter"), default=None,
+                        help="how DATA is scored (default: the adapter's fit mode, else cloze)")
     parser.add_argument("--opset", type=int, default=18, help="ONNX opset (default 18)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an existing engine once the new one has passed validation")
@@ -50,9 +61,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         from calm_export.config import ExportConfig
 
+        data = args.recalibrate or args.calibration_data
+        if args.recalibrate and args.calibration_data not in (None, args.recalibrate):
+            raise ConfigError("--calibration-data and --recalibrate name different data; pass "
+                              "one of them")
         config = ExportConfig(format=args.format, dtype=args.dtype, quantize=args.quantize,
                               opset=args.opset, overwrite=args.overwrite,
-                              progress=not args.quiet)
+                              progress=not args.quiet, calibration_data=data,
+                              recalibrate=args.recalibrate is not None,
+                              calibration_mode=args.calibration_mode)
         if config.format == "tensorrt":  # fail at once, before loading anything heavy
             from calm_export.tensorrt import require_tensorrt
 
@@ -88,6 +105,34 @@ def summary(result) -> str:
     lines.append(f"calibration: T={calibration['temperature']:.4g}, tau in "
                  f"[{calibration['tau_min']:.3g}, {calibration['tau_max']:.3g}], shift in "
                  f"[{calibration['shift_min']:.3g}, {calibration['shift_max']:.3g}]")
+    lines += _variant_lines(manifest)
     stages = ", ".join(f"{k} {v:.1f}s" for k, v in result.seconds.items() if k != "total")
     lines.append(f"time: {result.seconds.get('total', 0.0):.1f} s ({stages})")
     return "\n".join(lines)
+
+
+def _variant_lines(manifest) -> list[str]:
+    export, lines = manifest.export, []
+    for name in ("int8", "fp16"):
+        facts = export.get(name)
+        if not facts:
+            continue
+        drift = facts["drift"]
+        how = (f"{facts['scheme']}" + (f" {facts['block_size']}" if "block_size" in facts else "")
+               + f", {facts['quantized_nodes']}/{facts['linear_nodes']} MatMuls"
+               if name == "int8" else "float16 weights and KV cache")
+        lines.append(f"{name} ({how}): {facts['bytes'] / 1e6:.1f} MB (fp32 "
+                     f"{facts['fp32_bytes'] / 1e6:.1f} MB); vs fp32 over {drift['positions']} "
+                     f"positions: top-1 agreement {drift['greedy_agreement']:.1%}, mean TV "
+                     f"{drift['mean_total_variation']:.4f}, max |dp| "
+                     f"{drift['max_prob_change']:.3g}")
+    check = export.get("calibration_check")
+    if check:
+        steps = [f"{key} {check[key]['ece']:.4f}" for key in ("fp32", "int8", "fp16",
+                                                               "recalibrated") if key in check]
+        lines.append(f"ECE on {check['data']} ({check['mode']}"
+                     + (f", {check['variant']}" if check["variant"] else "")
+                     + f", n={check['n']}, {check['n_bins']} bins): " + " -> ".join(steps))
+        if "recalibration" in check:
+            lines.append(f"recalibrated: {check['recalibration']['note']}")
+    return lines

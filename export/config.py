@@ -13,6 +13,10 @@ __all__ = ["ExportConfig"]
 
 FORMATS = ("onnx", "tensorrt")
 DTYPES = ("fp32", "fp16")
+QUANTIZE = ("int8",)
+INT8_SCHEMES = ("blockwise", "dynamic")
+CALIBRATION_MODES = ("cloze", "letter")
+CLOZE_VARIANTS = ("sum", "mean", "char")
 EXPORTERS = ("auto", "dynamo", "torchscript")
 HEAD_LAYOUTS = ("untied", "tied-scale")
 
@@ -29,20 +33,64 @@ class ExportConfig:
     #: embedding, an unmerged LoRA) moves logits by 1e-2 or more.
     ATOL_FP32: ClassVar[float] = 1e-4
     RTOL_FP32: ClassVar[float] = 1e-4
-    #: Tolerance for TensorRT fp16 engines: fp16 keeps 11 significant bits (~5e-4 relative
-    #: per rounding) and accumulates over every layer, so logits move by ~1e-2 relative.
+    #: Tolerance for fp16 engines (TensorRT plans and fp16 ONNX graphs): fp16 keeps 11
+    #: significant bits (~5e-4 relative per rounding) and accumulates over every layer, so
+    #: logits move by ~1e-2 relative. fp16 ONNX graph of SmolLM2-135M on the CPU EP: 0.039
+    #: from the fp32 graph's logits (|logits| up to 41, so the tolerance is 0.87), same top
+    #: token at every position of 3 prompts.
     ATOL_FP16: ClassVar[float] = 5e-2
     RTOL_FP16: ClassVar[float] = 2e-2
     #: Above this many bytes of weights the graph keeps them in ``model.onnx.data``: a single
     #: protobuf file cannot exceed 2 GiB, and staying well below keeps loading simple.
     EXTERNAL_DATA_BYTES: ClassVar[int] = 1 << 30
+    #: Modules kept fp32 per int8 scheme when ``int8_exclude`` is None. Measured on
+    #: SmolLM2-135M-Instruct (onnxruntime 1.32, 496 positions; export/quantize.py has the
+    #: table): blockwise int8 keeps the top token at 97.6% of positions with every MatMul
+    #: quantised (the head too: keeping it fp32 gains nothing, 97.6%, and costs 81 MB and
+    #: 9 ms/token); dynamic int8 needs the head, down_proj and q/k/v in fp32 to reach 91%.
+    INT8_DEFAULT_EXCLUDE: ClassVar[dict[str, tuple[str, ...]]] = {
+        "blockwise": (),
+        "dynamic": ("lm_head", "mlp.down_proj", "self_attn.q_proj", "self_attn.k_proj",
+                    "self_attn.v_proj"),
+    }
 
     #: "onnx" (ONNX Runtime, onnxruntime-genai) or "tensorrt" (needs the tensorrt extra + GPU).
     format: str = "onnx"
-    #: Weight and activation precision of the engine ("fp16" only for TensorRT for now).
+    #: Weight and activation precision of the engine. "fp16" with ONNX: the validated fp32
+    #: graph is converted (weights, activations and KV cache in float16, logits float32) for
+    #: GPU providers; with TensorRT: an fp16 plan. See export/quantize.py.
     dtype: str = "fp32"
-    #: Weight quantisation (not implemented yet; only ``None`` is accepted).
+    #: Weight quantisation of the validated fp32 ONNX graph: ``None`` or "int8" (see
+    #: export/quantize.py for the schemes and the measurements behind the defaults).
     quantize: str | None = None
+    #: "blockwise": int8 weights in blocks of ``int8_block_size`` along the input dimension
+    #: (MatMulNBits, int8 compute); "dynamic": ``quantize_dynamic`` (per-channel int8 weights,
+    #: per-tensor uint8 activations).
+    int8_scheme: str = "blockwise"
+    #: Weights per quantisation block of the blockwise scheme (a power of two >= 16).
+    int8_block_size: int = 32
+    #: Modules whose MatMuls stay fp32: a module path ("lm_head", "model.layers.0.mlp.up_proj"),
+    #: a suffix of one ("mlp.down_proj") or a glob ("model.layers.2*"). ``None``: the
+    #: scheme's measured default (INT8_DEFAULT_EXCLUDE).
+    int8_exclude: tuple[str, ...] | None = None
+    #: The int8 engine must pick the fp32 engine's top token at this share of the drift
+    #: positions, else the export fails (exclude more modules, or export fp32); 0 disables.
+    int8_min_agreement: float = 0.9
+    #: Multiple-choice data (a spec for calm_runtime.data.load_dataset, e.g.
+    #: "arc-easy:calibration") to report ECE on, before and after quantisation.
+    calibration_data: str | None = None
+    #: Refit the final temperature on the final engine's own scores of ``calibration_data``
+    #: (letter mode: token-level T folded into the head; cloze: ``answer_temperature``).
+    recalibrate: bool = False
+    #: "cloze" or "letter" (METHODS.md §2); ``None``: the adapter's fit mode, else "cloze".
+    calibration_mode: str | None = None
+    #: Cloze score variant; ``None``: the adapter's recorded variant, else "mean" (the
+    #: training default).
+    calibration_variant: str | None = None
+    #: Use only the first ``calibration_limit`` records of ``calibration_data``.
+    calibration_limit: int | None = None
+    #: Bins of the reported ECE.
+    n_bins: int = 10
     #: ONNX opset of the exported graph.
     opset: int = 18
     #: "dynamo" (torch.export), "torchscript" (legacy tracer) or "auto" (dynamo, then the
@@ -75,11 +123,17 @@ class ExportConfig:
             problems.append(f"format must be one of {list(FORMATS)}, got {self.format!r}")
         if self.dtype not in DTYPES:
             problems.append(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
-        elif self.dtype == "fp16" and self.format != "tensorrt":
-            problems.append("dtype fp16 is only implemented for --format tensorrt so far; use "
-                            "--dtype fp32 for ONNX")
         if self.quantize is not None:
-            problems.append(f"quantize {self.quantize!r} is not implemented yet; leave it unset")
+            if self.quantize not in QUANTIZE:
+                problems.append(f"quantize must be one of {list(QUANTIZE)} or None, got "
+                                f"{self.quantize!r}")
+            elif self.format != "onnx":
+                problems.append("quantize int8 applies to --format onnx only (TensorRT builds "
+                                "its own precision); drop --quantize or use --format onnx")
+            elif self.dtype != "fp32":
+                problems.append("quantize int8 starts from the fp32 graph; use --dtype fp32 "
+                                "with --quantize int8")
+        problems += self._variant_problems()
         if isinstance(self.opset, bool) or not isinstance(self.opset, int) \
                 or not 14 <= self.opset <= 23:
             problems.append(f"opset must be an integer in [14, 23], got {self.opset!r}")
@@ -107,6 +161,57 @@ class ExportConfig:
                 problems.append(str(exc))
         if problems:
             raise ConfigError("invalid export settings: " + "; ".join(problems))
+
+    def _variant_problems(self) -> list[str]:
+        problems = []
+        if self.int8_scheme not in INT8_SCHEMES:
+            problems.append(f"int8_scheme must be one of {list(INT8_SCHEMES)}, got "
+                            f"{self.int8_scheme!r}")
+        size = self.int8_block_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 16 or size & (size - 1):
+            problems.append(f"int8_block_size must be a power of two >= 16, got {size!r}")
+        exclude = self.int8_exclude
+        if exclude is not None and (isinstance(exclude, str) or not all(
+                isinstance(p, str) and p for p in exclude)):
+            problems.append(f"int8_exclude must be a list of module names, got {exclude!r}")
+        agreement = self.int8_min_agreement
+        if isinstance(agreement, bool) or not isinstance(agreement, (int, float)) \
+                or not 0 <= agreement <= 1:
+            problems.append(f"int8_min_agreement must be in [0, 1], got {agreement!r}")
+        if self.recalibrate and not self.calibration_data:
+            problems.append("recalibrate needs calibration data; pass --recalibrate DATA")
+        if self.calibration_data is not None and (not isinstance(self.calibration_data, str)
+                                                  or not self.calibration_data):
+            problems.append(f"calibration_data must be a data spec string, got "
+                            f"{self.calibration_data!r}")
+        if self.calibration_data and self.format != "onnx":
+            problems.append("calibration data and --recalibrate apply to --format onnx only")
+        if self.calibration_mode not in (None, *CALIBRATION_MODES):
+            problems.append(f"calibration_mode must be one of {list(CALIBRATION_MODES)}, got "
+                            f"{self.calibration_mode!r}")
+        if self.calibration_variant not in (None, *CLOZE_VARIANTS):
+            problems.append(f"calibration_variant must be one of {list(CLOZE_VARIANTS)}, got "
+                            f"{self.calibration_variant!r}")
+        for name, low in (("calibration_limit", 2), ("n_bins", 1)):
+            value = getattr(self, name)
+            if value is None and name == "calibration_limit":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                problems.append(f"{name} must be an integer >= {low}, got {value!r}")
+        return problems
+
+    @property
+    def variant(self) -> str | None:
+        """The reduced-precision ONNX variant built from the fp32 graph: "int8", "fp16" or None."""
+        if self.format != "onnx":
+            return None
+        return self.quantize or ("fp16" if self.dtype == "fp16" else None)
+
+    def int8_excluded_modules(self) -> tuple[str, ...]:
+        """``int8_exclude``, or the scheme's measured default when it is ``None``."""
+        if self.int8_exclude is not None:
+            return tuple(self.int8_exclude)
+        return self.INT8_DEFAULT_EXCLUDE[self.int8_scheme]
 
     def tolerance(self, reference_scale: float, dtype: str = "fp32") -> float:
         """The allowed max |engine - reference| for logits whose largest magnitude is given."""

@@ -8,9 +8,11 @@ it intact.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +20,7 @@ from pathlib import Path
 from calm_runtime._fs import atomic_directory
 from calm_runtime.artifact import CalibrationAdapter
 from calm_runtime.engine import EngineManifest
-from calm_runtime.errors import ArtifactError, ConfigError
+from calm_runtime.errors import ArtifactError, ConfigError, ExportValidationError
 from calm_runtime.models import (
     PACKAGED_MODELS,
     load_model_and_tokenizer,
@@ -26,7 +28,7 @@ from calm_runtime.models import (
     resolve_model,
 )
 
-from . import engine_writer, fuse, validate
+from . import engine_writer, fuse, quantize, recalibrate, validate
 from .config import ExportConfig
 from .onnx import ONNX_FILE, KVCacheDecoder, decoder_shape, export_onnx
 
@@ -34,7 +36,8 @@ __all__ = ["ExportResult", "export_engine"]
 
 logger = logging.getLogger(__name__)
 
-STAGES = ("resolve", "load", "reference", "fuse", "export", "validate", "tensorrt", "write")
+STAGES = ("resolve", "load", "reference", "fuse", "export", "validate", "quantize", "tensorrt",
+          "calibrate", "write")
 
 
 @dataclass
@@ -92,8 +95,9 @@ def export_engine(model: str | os.PathLike, out: str | os.PathLike, *,
     """
     config = config or ExportConfig()
     out = Path(out)
-    stages = _Stages([s for s in STAGES if s != "tensorrt" or config.format == "tensorrt"],
-                     config.progress)
+    wanted = {"tensorrt": config.format == "tensorrt", "quantize": config.variant is not None,
+              "calibrate": config.calibration_data is not None}
+    stages = _Stages([s for s in STAGES if wanted.get(s, True)], config.progress)
     try:
         return _export(model, out, adapter, config, stages)
     finally:
@@ -123,6 +127,12 @@ def _export(model_spec, out: Path, adapter_arg, config: ExportConfig,
         adapter = CalibrationAdapter.identity(identity)
     else:  # vocabulary and tokenizer sha256, before anything heavy is loaded
         adapter.base_model.check_compatible(identity)
+    calibration = None  # read the data and settle the scoring mode before the heavy work
+    if config.calibration_data:
+        calibration = recalibrate.CalibrationRun(
+            recalibrate.load_calibration_data(config.calibration_data,
+                                              config.calibration_limit),
+            *recalibrate.scoring_settings(config, adapter))
 
     stages.start("load")
     model, tokenizer, identity = load_model_and_tokenizer(model_spec)
@@ -171,6 +181,9 @@ def _export(model_spec, out: Path, adapter_arg, config: ExportConfig,
         stages.start("validate")
         runner, runtime = validate.onnx_runner(staging / ONNX_FILE, shape)
         got = validate.run_cases(runner, cases, config.greedy_steps, references)
+        drift_cases = validate.build_cases(tokenizer, quantize.DRIFT_PROMPTS, pad_id) \
+            if config.variant else []
+        drift_base = validate.run_cases(runner, drift_cases, config.greedy_steps)
         del runner
         single, double = validate.compare_all(cases, references, got, tolerance)
         overall = single.merge(double)
@@ -188,8 +201,17 @@ def _export(model_spec, out: Path, adapter_arg, config: ExportConfig,
             "cases": [c.name for c in cases], "runtime": runtime,
             "reference": "unfused model (+LoRA) with calm_runtime.calibration applied in torch",
         }
-        model_files = sorted(p.name for p in staging.iterdir() if p.name.startswith(ONNX_FILE))
-        model_file, kind, dtype = ONNX_FILE, "onnx", "float32"
+        fp32_root, variant_facts, dtype = None, None, "float32"
+        if config.variant:
+            stages.start("quantize")
+            fp32_root, variant_facts, variant_report = _build_variant(
+                staging, shape, config, cases, references, got, drift_cases, drift_base,
+                scale, external)
+            report.update(variant_report)
+            dtype = "float16" if config.variant == "fp16" else "float32"
+        model_files = sorted(p.name for p in staging.iterdir()
+                             if p.is_file() and p.name.startswith(ONNX_FILE))
+        model_file, kind = ONNX_FILE, "onnx"
         trt_settings = None
         if config.format == "tensorrt":
             stages.start("tensorrt")
@@ -200,7 +222,6 @@ def _export(model_spec, out: Path, adapter_arg, config: ExportConfig,
             model_file, kind = trt_settings["plan"], "tensorrt"
             dtype = "float16" if config.dtype == "fp16" else "float32"
 
-        stages.start("write")
         tokenizer_files, chat_template = engine_writer.copy_tokenizer(folder, tokenizer, staging)
         genai = engine_writer.write_genai_config(staging, shape, tokens)
         export_settings = {**config.to_dict(), **_versions(),
@@ -209,15 +230,39 @@ def _export(model_spec, out: Path, adapter_arg, config: ExportConfig,
                            "tensorrt": trt_settings,
                            # the cloze score answer_temperature was fitted on (runtime reads it)
                            "cloze_variant": (adapter.method or {}).get("variant")}
-        manifest = engine_writer.build_manifest(
-            kind=kind, staging=staging, identity=identity,
-            weights_sha=engine_writer.weights_sha256(folder), adapter=adapter,
-            adapter_info=engine_writer.adapter_source(
-                adapter if adapter_arg is not None else None, adapter_dir),
-            shape=shape, model_file=model_file, model_files=model_files, opset=facts["opset"],
-            tokens=tokens, tokenizer_files=tokenizer_files, chat_template=chat_template,
-            options=engine_writer.option_tokens(tokenizer, shape.vocab_size), template=template,
-            dtype=dtype, export=export_settings, validation=report)
+        if config.variant:  # "int8" / "fp16": scheme, excluded nodes, sizes, drift
+            export_settings[config.variant] = variant_facts
+
+        def manifest_now(calibration: dict | None = None) -> EngineManifest:
+            built = engine_writer.build_manifest(
+                kind=kind, staging=staging, identity=identity,
+                weights_sha=engine_writer.weights_sha256(folder), adapter=adapter,
+                adapter_info=engine_writer.adapter_source(
+                    adapter if adapter_arg is not None else None, adapter_dir),
+                shape=shape, model_file=model_file, model_files=model_files,
+                opset=facts["opset"], tokens=tokens, tokenizer_files=tokenizer_files,
+                chat_template=chat_template,
+                options=engine_writer.option_tokens(tokenizer, shape.vocab_size),
+                template=template, dtype=dtype, export=export_settings, validation=report)
+            return dataclasses.replace(built, calibration={**built.calibration,
+                                                           **(calibration or {})})
+
+        updates = {}
+        if config.calibration_data:
+            stages.start("calibrate")
+            precision = "fp16" if config.variant == "fp16" else "fp32"
+            updates, export_settings["calibration_check"], cloze_variant = \
+                recalibrate.check_calibration(
+                    manifest_now(), config, calibration, fp32_root=fp32_root,
+                    variant_name=config.variant or "fp32", external=external,
+                    tolerance=lambda s: config.tolerance(s, precision))
+            if cloze_variant is not None:
+                export_settings["cloze_variant"] = cloze_variant
+        if fp32_root is not None:
+            shutil.rmtree(fp32_root)
+
+        stages.start("write")
+        manifest = manifest_now(updates)
         manifest.write(staging)
         EngineManifest.load(staging, verify_hashes=True)  # read back what was written
         sizes = {p.name: p.stat().st_size for p in sorted(staging.iterdir()) if p.is_file()}
@@ -227,6 +272,51 @@ def _export(model_spec, out: Path, adapter_arg, config: ExportConfig,
     logger.info("engine written to %s (%.1f MB, max |logit diff| %.3g, %.1f s)", out,
                 sum(sizes.values()) / 1e6, report["max_abs_diff"], stages.seconds["total"])
     return ExportResult(path=out, manifest=final, file_sizes=sizes, seconds=stages.seconds)
+
+
+def _build_variant(staging: Path, shape, config: ExportConfig, cases, references, got,
+                   drift_cases, drift_base, scale: float, external: bool):
+    """Build the int8 or fp16 graph from the validated fp32 one and measure its drift.
+
+    The fp32 graph moves to ``staging/.fp32`` (removed before the manifest is written).
+    fp16 is validated against the reference like fp32, with the fp16 tolerance; int8 must
+    keep the fp32 top token at ``int8_min_agreement`` of the drift positions.
+    """
+    fp32_root = quantize.stash_fp32(staging)
+    source, target = fp32_root / ONNX_FILE, staging / ONNX_FILE
+    if config.variant == "int8":
+        facts = quantize.quantize_int8(source, target, config, external=external)
+    else:
+        facts = quantize.convert_fp16(source, target, external=external)
+    runner, _ = validate.onnx_runner(target, shape)
+    mine = validate.run_cases(runner, cases, config.greedy_steps, references)
+    mine_drift = validate.run_cases(runner, drift_cases, config.greedy_steps, drift_base)
+    del runner
+    drift = quantize.measure_drift([*cases, *drift_cases], [*got, *drift_base],
+                                   [*mine, *mine_drift])
+    facts["drift"] = drift
+    logger.info("%s drift vs fp32 over %d positions: top-1 agreement %.3f, mean total "
+                "variation %.4f, max |dp| %.3g", config.variant, drift["positions"],
+                drift["greedy_agreement"], drift["mean_total_variation"],
+                drift["max_prob_change"])
+    if config.variant == "int8":
+        if drift["greedy_agreement"] < config.int8_min_agreement:
+            raise ExportValidationError(
+                f"the int8 engine keeps the fp32 top token at {drift['greedy_agreement']:.1%} "
+                f"of {drift['positions']} positions (minimum {config.int8_min_agreement:.0%}); "
+                "keep more modules in fp32 (int8_exclude), use int8_scheme='blockwise' with a "
+                "smaller block, or export fp32; no engine was written")
+        return fp32_root, facts, {"int8_min_agreement": config.int8_min_agreement}
+    tolerance = config.tolerance(scale, "fp16")
+    single, double = validate.compare_all(cases, references, mine, tolerance)
+    overall = single.merge(double)
+    validate.check("the fp16 ONNX engine", overall, tolerance)
+    return fp32_root, facts, {"fp16": {
+        "max_abs_diff": overall.max_abs_diff, "worst_at": overall.where, "tolerance": tolerance,
+        "batch2_max_abs_diff": double.max_abs_diff, "greedy_match": True,
+        "greedy_ties": single.greedy_ties + double.greedy_ties,
+        "runtime": "onnxruntime CPUExecutionProvider (ops without fp16 CPU kernels run in fp32 "
+                   "between casts; GPU providers were not part of this validation)"}}
 
 
 def _load_adapter(adapter_arg) -> tuple[CalibrationAdapter | None, Path | None]:

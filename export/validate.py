@@ -207,7 +207,8 @@ def torch_decoder_runner(decoder, shape) -> Runner:
 
 
 def onnx_runner(path: Path, shape) -> tuple[Runner, str]:
-    """An ONNX Runtime session on ``path`` (CPU, full graph optimisation, as served)."""
+    """An ONNX Runtime session on ``path`` (CPU, full graph optimisation, as served); the
+    KV cache takes the graph's dtype (float16 for fp16 graphs)."""
     import onnxruntime as ort
 
     from calm_runtime.engine import engine_io_names
@@ -216,11 +217,13 @@ def onnx_runner(path: Path, shape) -> tuple[Runner, str]:
     options.log_severity_level = 3
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     inputs, outputs = engine_io_names(shape.num_layers)
+    past_type = next(i.type for i in session.get_inputs() if i.name == inputs[3])
+    kv_dtype = np.float16 if past_type == "tensor(float16)" else np.float32
 
     def run(input_ids, attention_mask, position_ids, state):
         if state is None:
             empty = np.zeros((input_ids.shape[0], shape.num_kv_heads, 0, shape.head_dim),
-                             np.float32)
+                             kv_dtype)
             state = [empty] * (2 * shape.num_layers)
         feed = {"input_ids": input_ids, "attention_mask": attention_mask,
                 "position_ids": position_ids}

@@ -16,9 +16,9 @@ def test_help_shows_an_example(capsys):
         main(["--help"])
     assert info.value.code == 0
     text = capsys.readouterr().out
-    assert "example:" in text and "calm-export --model" in text
+    assert "examples:" in text and "calm-export --model" in text and "--recalibrate" in text
     for flag in ("--adapter", "--out", "--format", "--dtype", "--quantize", "--opset",
-                 "--overwrite"):
+                 "--overwrite", "--calibration-data", "--recalibrate", "--calibration-mode"):
         assert flag in text
 
 
@@ -38,11 +38,15 @@ def test_existing_output_is_one_line_and_exit_1(tmp_path, capsys):
     assert (out / "x").read_text() == "keep"
 
 
-def test_unimplemented_options_are_config_errors(tmp_path, capsys):
-    code = main(["--model", "m", "--out", str(tmp_path / "e"), "--quantize", "int8", "--quiet"])
+@pytest.mark.parametrize("flags, word", [
+    (["--quantize", "int8", "--dtype", "fp16"], "quantize"),
+    (["--recalibrate", "a.jsonl", "--calibration-data", "b.jsonl"], "different data"),
+])
+def test_inconsistent_options_are_config_errors(tmp_path, capsys, flags, word):
+    code = main(["--model", "m", "--out", str(tmp_path / "e"), *flags, "--quiet"])
     assert code == 1
     line = _error_line(capsys)
-    assert line.startswith("ConfigError: ") and "quantize" in line
+    assert line.startswith("ConfigError: ") and word in line
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tensorrt") is not None,
