@@ -230,7 +230,7 @@ def check_calibration(manifest, config, run: CalibrationRun, *, fp32_root: Path 
         updates = {"answer_temperature": fit.temperature}
         after_probs = option_probabilities(scores, fit.temperature)
         note = (f"answer_temperature refitted on the {variant_name} engine's {variant!r} cloze "
-                f"scores of {data.spec} (replaces {before})")
+                f"scores of {data.spec} (was {'none' if before is None else f'{before:.6g}'})")
         folded = []
     else:
         before = calibration["temperature"]

@@ -275,3 +275,14 @@ def test_measure_drift_on_known_distributions():
     assert drift["greedy_agreement"] == pytest.approx(2 / 3)
     same = quantize.measure_drift([case], [base], [base])
     assert same["greedy_agreement"] == 1.0 and same["max_prob_change"] == 0.0
+
+
+def test_cli_summary_shows_variant_drift_and_ece(int8_letter, fp16_cloze):
+    from calm_export.cli import summary
+
+    text = summary(int8_letter)
+    assert "int8 (blockwise 32, 15/15 MatMuls)" in text and "top-1 agreement" in text
+    assert "ECE on " in text and "fp32 " in text and "-> recalibrated " in text
+    assert "token-level temperature multiplied by" in text
+    text = summary(fp16_cloze)
+    assert "fp16 (float16 weights and KV cache)" in text and "answer_temperature" in text
