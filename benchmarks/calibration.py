@@ -16,10 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from _common import git_commit
 
 from calm_training.evaluate import write_report
 from calm_training.fit import FitConfig, compare_methods, format_table
@@ -28,12 +29,6 @@ HERE = Path(__file__).resolve().parent
 MC_METHODS = ("vanilla", "naive", "daca", "daca-vector", "ts", "ts-vector")
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "-C", str(HERE), "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main(argv=None) -> int:
@@ -54,7 +49,7 @@ def main(argv=None) -> int:
 
     command = "python benchmarks/calibration.py " + " ".join(argv if argv is not None
                                                              else sys.argv[1:])
-    provenance = {"command": command.strip(), "commit": _commit(),
+    provenance = {"command": command.strip(), "commit": git_commit(),
                   "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -40,12 +40,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+from _common import git_commit
 
 from calm_runtime import metrics
 from calm_runtime.artifact import CalibrationAdapter
@@ -66,12 +66,6 @@ K = 4  # options per question evaluated (the questions with another count are le
 logger = logging.getLogger("calm_real_run")
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "-C", str(HERE), "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def _config(args, method: str) -> CalmConfig:
@@ -231,7 +225,7 @@ def main(argv=None) -> int:
     runs = train_all(args)
     trained_s = time.perf_counter() - started
     report = evaluate(args, runs)
-    payload = {"provenance": {"command": command.strip(), "commit": _commit(),
+    payload = {"provenance": {"command": command.strip(), "commit": git_commit(),
                               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                               "train_wall_s": round(trained_s, 1),
                               "total_wall_s": round(time.perf_counter() - started, 1),

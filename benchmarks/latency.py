@@ -21,12 +21,12 @@ import argparse
 import json
 import logging
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+from _common import git_commit
 
 HERE = Path(__file__).resolve().parent
 PROMPT = "Once upon a time, in a small village by the sea,"
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
                            "rounds": args.rounds, "batch": 1, "engine": str(args.engine),
                            "command": "python benchmarks/latency.py " + " ".join(
                                argv if argv is not None else sys.argv[1:]),
-                           "commit": _commit()}
+                           "commit": git_commit()}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
     for name, row in results.items():
@@ -162,12 +162,6 @@ def _genai(engine: str, threads: int):
     return run
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "-C", str(HERE), "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 if __name__ == "__main__":

@@ -184,3 +184,21 @@ def torch_single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+MC_WORDS = "red blue green cat dog sun moon water fire earth stone tree river cloud".split()
+
+
+def write_mc_jsonl(path, n: int = 40, *, seed: int = 0):
+    """Write ``n`` random 4-option multiple-choice records (calm's JSONL format) to ``path``."""
+    import json
+
+    rng = np.random.default_rng(seed)
+    lines = []
+    for i in range(n):
+        words = rng.choice(MC_WORDS, size=4, replace=False)
+        lines.append(json.dumps({"question": f"which is {words[0]} number {i}?",
+                                 "choices": [str(w) for w in words],
+                                 "answer": int(rng.integers(0, 4))}))
+    path.write_text("\n".join(lines) + "\n")
+    return path

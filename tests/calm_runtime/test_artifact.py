@@ -567,7 +567,8 @@ BAD_ARTIFACTS: dict[str, tuple[Callable[[Path], None], type[CalmError], str]] = 
                                     ArtifactError, "answer_temperature must be positive"),
     "temperature_not_scalar": (_tensors(_set_tensor("temperature", [1.0, 2.0])),
                                ArtifactError, r"temperature must be a scalar, got shape \[2\]"),
-    "bf16_tensor": (_bf16_tensor, ArtifactError, "not a readable safetensors file|is bfloat16, not float32"),
+    "bf16_tensor": (_bf16_tensor, ArtifactError,
+                    "not a readable safetensors file|is bfloat16, not float32"),
     # file references
     "reference_dotdot": (_reference_dotdot, ArtifactError, r"escapes the artifact directory"),
     "reference_absolute": (_reference_absolute, ArtifactError, r"is an absolute path"),

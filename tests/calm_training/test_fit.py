@@ -10,6 +10,8 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from conftest import write_mc_jsonl  # noqa: E402
+
 from calm_runtime.artifact import CalibrationAdapter, ModelIdentity  # noqa: E402
 from calm_runtime.errors import (  # noqa: E402
     ConfigError,
@@ -21,8 +23,6 @@ from calm_training import cache as score_cache  # noqa: E402
 from calm_training.evaluate import evaluate_adapter, write_report  # noqa: E402
 from calm_training.fit import FitConfig, compare_methods, fit_adapter, format_table  # noqa: E402
 
-WORDS = "red blue green cat dog sun moon water fire earth stone tree river cloud".split()
-
 
 @pytest.fixture(autouse=True)
 def private_cache(tmp_path, monkeypatch):
@@ -31,16 +31,7 @@ def private_cache(tmp_path, monkeypatch):
 
 @pytest.fixture
 def mc_file(tmp_path):
-    rng = np.random.default_rng(0)
-    path = tmp_path / "mc.jsonl"
-    lines = []
-    for i in range(40):
-        words = rng.choice(WORDS, size=4, replace=False)
-        lines.append(json.dumps({"question": f"which is {words[0]} number {i}?",
-                                 "choices": [str(w) for w in words],
-                                 "answer": int(rng.integers(0, 4))}))
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return write_mc_jsonl(tmp_path / "mc.jsonl")
 
 
 def _config(model, data, **kw):

@@ -10,14 +10,14 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 
+from conftest import write_mc_jsonl  # noqa: E402
+
 from calm_runtime.artifact import CalibrationAdapter  # noqa: E402
 from calm_runtime.cli import main  # noqa: E402
 from calm_runtime.data import load_dataset, split_indices  # noqa: E402
 from calm_runtime.errors import ConfigError, DataError  # noqa: E402
 from calm_training import calm_data  # noqa: E402
 from calm_training.trainer import CalmConfig, train_calm  # noqa: E402
-
-WORDS = "red blue green cat dog sun moon water fire earth stone tree river cloud".split()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -29,16 +29,7 @@ def private_cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def mc_file(tmp_path_factory):
-    rng = np.random.default_rng(0)
-    path = tmp_path_factory.mktemp("data") / "mc.jsonl"
-    lines = []
-    for i in range(40):
-        words = rng.choice(WORDS, size=4, replace=False)
-        lines.append(json.dumps({"question": f"which is {words[0]} number {i}?",
-                                 "choices": [str(w) for w in words],
-                                 "answer": int(rng.integers(0, 4))}))
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return write_mc_jsonl(tmp_path_factory.mktemp("data") / "mc.jsonl")
 
 
 def _config(model, data, **kw):

@@ -1,0 +1,17 @@
+"""Helpers shared by the benchmark scripts (run as ``python benchmarks/NAME.py``)."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def git_commit() -> str:
+    """The short commit hash the benchmark ran on (named in every result file)."""
+    try:
+        return subprocess.run(["git", "-C", str(HERE), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
