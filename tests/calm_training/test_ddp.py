@@ -62,14 +62,12 @@ def test_two_processes_match_one(tiny_llama_tied, tmp_path):
                           check=False)
     assert done.returncode == 0, done.stderr[-3000:]
 
-    os.environ["CALM_CACHE"] = env["CALM_CACHE"]
-    try:
+    with pytest.MonkeyPatch.context() as patch:  # restores the caller's CALM_CACHE
+        patch.setenv("CALM_CACHE", env["CALM_CACHE"])
         config = CalmConfig(model=str(tiny_llama_tied), train=(f"{data}:train",),
                             calibration=(f"{data}:unlabeled",), lora_targets=("q_proj", "v_proj"),
                             grad_accumulation=2, device="cpu", **settings)
         single = train_calm(config, tmp_path / "single", progress=False)
-    finally:
-        del os.environ["CALM_CACHE"]
 
     ddp = CalibrationAdapter.from_pretrained(tmp_path / "ddp")
     assert ddp.provenance["world_size"] == 2 and single.adapter.provenance["world_size"] == 1
