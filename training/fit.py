@@ -273,6 +273,7 @@ def fit_adapter(config: FitConfig, method: str, out: str | Path, *, overwrite: b
         return _fit_p_true_adapter(config, method, out, overwrite=overwrite)
     prep = _prepare(config, need_reference=method in LABEL_FREE, progress=progress)
     fit = _fit(method, prep)
+    _check_finite_temperature(fit)
     base, identity = _base_adapter(config)
     folder = resolve_model(config.model)
     adapter = dataclasses.replace(base, kind=_kind(base, method), created_at=None)
@@ -282,7 +283,6 @@ def fit_adapter(config: FitConfig, method: str, out: str | Path, *, overwrite: b
         adapter.answer_temperature = fit.temperature
     else:
         adapter.temperature = base.temperature * fit.temperature
-    _check_finite_temperature(fit)
     cal_metrics = {}
     if (prep.labels[prep.cal] >= 0).all():
         labels = prep.labels[prep.cal]
