@@ -33,11 +33,14 @@ from .calibration import apply_calibration
 from .engine import EngineManifest
 from .errors import ConfigError
 from .prompts import (
+    CLOZE_VARIANTS,
     PTrueTemplate,
     cloze_context,
     cloze_continuation,
+    cloze_option_scores,
     letter_prompt,
     letter_tokens,
+    option_char_count,
     option_letters,
     p_true_template,
 )
@@ -49,9 +52,6 @@ __all__ = ["CalibratedLM", "MODES", "CLOZE_VARIANTS", "recorded_cloze_variant"]
 logger = logging.getLogger(__name__)
 
 MODES = ("cloze", "letter")
-#: ``sum``: summed log-probability of the option text; ``mean``: per-token mean; ``char``:
-#: divided by the option's character count (the same variants as calm_training.scoring)
-CLOZE_VARIANTS = ("sum", "mean", "char")
 DEFAULT_VARIANT = "sum"
 
 
@@ -261,12 +261,8 @@ class CalibratedLM:
                                        self.tokenizer.pad_token_id, size)
         choices = []
         for total, cont, opts in zip(sums, conts, options, strict=True):
-            if variant == "mean":
-                scores = total / np.array([len(c) for c in cont])
-            elif variant == "char":
-                scores = total / np.array([max(len(o.strip()), 1) for o in opts])
-            else:
-                scores = total
+            scores = cloze_option_scores(total, [len(c) for c in cont],
+                                         [option_char_count(o) for o in opts], variant)
             choices.append(_choice(scores, "cloze", variant, self.answer_temperature))
         return choices
 

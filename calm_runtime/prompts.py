@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+import numpy as np
+
 from .errors import ConfigError
 
 __all__ = [
@@ -27,6 +29,9 @@ __all__ = [
     "cloze_continuation",
     "letter_prompt",
     "option_letters",
+    "CLOZE_VARIANTS",
+    "cloze_option_scores",
+    "option_char_count",
 ]
 
 _TEMPLATE_FILE = Path(__file__).with_name("templates") / "p_true.json"
@@ -97,6 +102,33 @@ def cloze_context(question: str) -> str:
 
 def cloze_continuation(option: str) -> str:
     return f" {option}"
+
+
+#: How a cloze option is scored from the log-probability of its text: ``sum`` (summed),
+#: ``mean`` (per token) or ``char`` (per character of the option, lm-eval's ``acc_norm``).
+CLOZE_VARIANTS = ("sum", "mean", "char")
+
+
+def option_char_count(option: str) -> int:
+    """The character count the ``char`` variant divides by (at least 1)."""
+    return max(len(option.strip()), 1)
+
+
+def cloze_option_scores(logprob_sums, n_tokens, n_chars, variant: str = "sum") -> np.ndarray:
+    """Option scores of a :data:`CLOZE_VARIANTS` variant from summed log-probabilities.
+
+    Training fits ``answer_temperature`` on these scores and the runtime applies it to the
+    same ones, so both call this function.
+    """
+    sums = np.asarray(logprob_sums, dtype=np.float64)
+    if variant == "sum":
+        return sums.copy()
+    if variant == "mean":
+        return sums / np.maximum(np.asarray(n_tokens), 1)
+    if variant == "char":
+        return sums / np.maximum(np.asarray(n_chars), 1)
+    raise ConfigError(f"unknown cloze variant {variant!r}; choose one of "
+                      f"{', '.join(CLOZE_VARIANTS)}")
 
 
 def option_letters(k: int) -> list[str]:

@@ -26,11 +26,14 @@ import numpy as np
 from calm_runtime.data import MultipleChoiceRecord
 from calm_runtime.errors import ConfigError, DataError
 from calm_runtime.prompts import (
+    CLOZE_VARIANTS,
     PTrueTemplate,
     cloze_context,
     cloze_continuation,
+    cloze_option_scores,
     letter_prompt,
     letter_tokens,
+    option_char_count,
 )
 from calm_runtime.score import is_correct, normalize_answer
 
@@ -49,9 +52,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 MODES = ("cloze", "letter")
-#: ``sum``: summed log-probability of the option text; ``mean``: per-token mean;
-#: ``char``: sum divided by the option's character count (lm-eval's ``acc_norm``).
-CLOZE_VARIANTS = ("sum", "mean", "char")
 
 
 @dataclass
@@ -77,15 +77,8 @@ class OptionScores:
         """Option scores ``[N, K_max]`` for softmax, ``-inf`` where an option is absent."""
         if self.mode == "letter":
             out = self.values.copy()
-        elif variant == "sum":
-            out = self.values.copy()
-        elif variant == "mean":
-            out = self.values / np.maximum(self.n_tokens, 1)
-        elif variant == "char":
-            out = self.values / np.maximum(self.n_chars, 1)
         else:
-            raise ConfigError(f"unknown cloze variant {variant!r}; choose one of "
-                              f"{', '.join(CLOZE_VARIANTS)}")
+            out = cloze_option_scores(self.values, self.n_tokens, self.n_chars, variant)
         out[np.isnan(self.values)] = -np.inf
         return out
 
@@ -213,7 +206,7 @@ def _score_cloze(model, tokenizer, records, values, n_tokens, n_chars, batch_siz
                                 "fix or drop the option text")
             options.append(cont)
             n_tokens[row, k] = len(cont)
-            n_chars[row, k] = max(len(option.strip()), 1)
+            n_chars[row, k] = option_char_count(option)
         continuations.append(options)
     order = sorted(range(len(records)), key=lambda i: -len(contexts[i]))
     bar = tqdm(total=len(records), desc="cloze scoring", unit="question", disable=not progress)
