@@ -169,12 +169,17 @@ def _rewrite_external(path: Path, external_data: bool) -> None:
     """Store weights in one ``model.onnx.data`` file (or inline), whatever the exporter did."""
     import onnx
 
-    model = onnx.load(str(path), load_external_data=True)
-    extra = [p for p in path.parent.iterdir()
-             if p.is_file() and p != path and p.name.startswith(ONNX_FILE)]
-    for stale in extra:
+    save_onnx(onnx.load(str(path), load_external_data=True), path, external_data)
+
+
+def save_onnx(model, path: Path, external: bool) -> None:
+    """Save an in-memory ONNX ``model`` as ``model.onnx`` (+ ``model.onnx.data`` with
+    ``external``), removing any other ``model.onnx*`` file the folder held before."""
+    import onnx
+
+    for stale in Path(path).parent.glob(f"{ONNX_FILE}*"):
         stale.unlink()
-    if external_data:
+    if external:
         onnx.save_model(model, str(path), save_as_external_data=True,
                         all_tensors_to_one_file=True, location=EXTERNAL_DATA_FILE,
                         size_threshold=1024)

@@ -52,7 +52,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .onnx import EXTERNAL_DATA_FILE, ONNX_FILE
+from .onnx import ONNX_FILE, save_onnx
 
 __all__ = [
     "DRIFT_PROMPTS",
@@ -61,7 +61,6 @@ __all__ = [
     "quantize_int8",
     "convert_fp16",
     "measure_drift",
-    "save_model",
     "stash_fp32",
 ]
 
@@ -126,20 +125,6 @@ def stash_fp32(staging: Path) -> Path:
     return work
 
 
-def save_model(model, path: Path, external: bool) -> None:
-    """Save ``model`` as ``model.onnx`` (+ ``model.onnx.data`` with ``external``)."""
-    import onnx
-
-    for stale in Path(path).parent.glob(f"{ONNX_FILE}*"):
-        stale.unlink()
-    if external:
-        onnx.save_model(model, str(path), save_as_external_data=True,
-                        all_tensors_to_one_file=True, location=EXTERNAL_DATA_FILE,
-                        size_threshold=1024)
-    else:
-        onnx.save_model(model, str(path))
-
-
 @contextlib.contextmanager
 def _quiet_root():
     """onnxruntime.quantization logs advice through the root logger; keep it out of the CLI."""
@@ -193,7 +178,7 @@ def quantize_int8(source: Path, target: Path, config, *, external: bool) -> dict
             result = onnx.load(str(scratch), load_external_data=True)
     left = {n.name for n in result.graph.node if n.op_type == "MatMul"}
     quantized = [name for name, _ in nodes if name not in left]
-    save_model(result, target, external)
+    save_onnx(result, target, external)
     return {"scheme": config.int8_scheme, **settings, "exclude": list(patterns),
             "excluded_nodes": [{"node": n, "module": p} for n, p in excluded],
             "quantized_nodes": len(quantized), "linear_nodes": len(nodes),
@@ -208,7 +193,7 @@ def convert_fp16(source: Path, target: Path, *, external: bool) -> dict:
     model = onnx.load(str(source), load_external_data=True)
     with _quiet_root():
         converted = convert_float_to_float16(model, keep_io_types=list(FP16_KEEP_IO))
-    save_model(converted, target, external)
+    save_onnx(converted, target, external)
     return {"converter": "onnxruntime.transformers.float16", "kept_float32_io": list(FP16_KEEP_IO),
             "fp32_bytes": _size(source.parent), "bytes": _size(target.parent)}
 

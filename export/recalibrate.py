@@ -155,7 +155,7 @@ def fold_temperature(path: Path, factor: float, *, external: bool) -> list[str]:
     import onnx
     from onnx import numpy_helper
 
-    from .quantize import save_model
+    from .onnx import save_onnx
 
     model = onnx.load(str(path), load_external_data=True)
     targets = head_constants(model)
@@ -164,7 +164,7 @@ def fold_temperature(path: Path, factor: float, *, external: bool) -> list[str]:
             array = numpy_helper.to_array(init)
             scaled = (array.astype(np.float64) * factor).astype(array.dtype)
             init.CopyFrom(numpy_helper.from_array(scaled, init.name))
-    save_model(model, path, external)
+    save_onnx(model, path, external)
     return targets
 
 

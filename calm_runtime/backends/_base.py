@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-__all__ = ["Backend"]
+__all__ = ["Backend", "TorchStateMixin"]
 
 
 class Backend(ABC):
@@ -44,3 +44,16 @@ class Backend(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.description})"
+
+
+class TorchStateMixin:
+    """``select`` for backends whose KV state is a list of torch tensors on ``_device``."""
+
+    _torch: Any
+    _device: Any
+
+    def select(self, state, rows):
+        if state is None:
+            return None
+        index = self._torch.as_tensor(np.asarray(rows, dtype=np.int64), device=self._device)
+        return [t.index_select(0, index) for t in state]

@@ -20,14 +20,14 @@ import numpy as np
 
 from ..engine import engine_io_names
 from ..errors import ArtifactError, BackendUnavailableError, ConfigError
-from ._base import Backend
+from ._base import Backend, TorchStateMixin
 
 __all__ = ["TensorRTBackend"]
 
 _HINT = "pip install 'calm[tensorrt]' on a machine with an NVIDIA GPU"
 
 
-class TensorRTBackend(Backend):
+class TensorRTBackend(TorchStateMixin, Backend):
     """``model.plan`` run with the TensorRT Python API on one CUDA device."""
 
     name = "tensorrt"
@@ -165,12 +165,6 @@ class TensorRTBackend(Backend):
 
     def _address(self, tensor) -> int:
         return tensor.data_ptr() if tensor.numel() else self._placeholder.data_ptr()
-
-    def select(self, state, rows):
-        if state is None:
-            return None
-        index = self._torch.as_tensor(np.asarray(rows, dtype=np.int64), device=self._device)
-        return [t.index_select(0, index) for t in state]
 
     def close(self) -> None:
         with self._lock:

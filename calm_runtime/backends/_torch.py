@@ -24,7 +24,7 @@ from .._fs import sha256_file
 from ..artifact import TENSORS_NAME, CalibrationAdapter, ModelIdentity
 from ..calibration import apply_calibration
 from ..errors import BackendUnavailableError, ConfigError, IncompatibleModelError
-from ._base import Backend
+from ._base import Backend, TorchStateMixin
 
 __all__ = ["TorchBackend"]
 
@@ -45,7 +45,7 @@ def _import_torch():
     return torch
 
 
-class TorchBackend(Backend):
+class TorchBackend(TorchStateMixin, Backend):
     """The merged transformers model with the calibration formula on its logits.
 
     Args:
@@ -181,12 +181,6 @@ class TorchBackend(Backend):
 
     def _tensor(self, array: np.ndarray):
         return self._torch.from_numpy(np.ascontiguousarray(array)).to(self._device)
-
-    def select(self, state, rows):
-        if state is None:
-            return None
-        index = self._torch.as_tensor(np.asarray(rows, dtype=np.int64), device=self._device)
-        return [t.index_select(0, index) for t in state]
 
     def close(self) -> None:
         self._model = None
