@@ -27,6 +27,7 @@ EPILOG = """examples:
   calm eval --model smollm2-135m-instruct --adapter adapters/daca-smollm2 --data arc-easy
   calm generate engine/ "Question: What is the capital of France?\nAnswer:"
   calm score engine/ --data arc-easy --mode cloze
+  calm serve engine/ --port 8000
 """
 
 
@@ -42,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_data(sub)
     _add_generate(sub)
     _add_score(sub)
+    _add_serve(sub)
     try:
         from calm_training.cli import register as register_training
     except ImportError:  # the train extra is not installed
@@ -287,6 +289,55 @@ def _score(args) -> int:
     path = write_report(report, args.out or Path("calm-out/reports") / name)
     print(f"\nwrote {path}")
     return 0
+
+
+def _add_serve(sub) -> None:
+    p = sub.add_parser(
+        "serve", help="serve an engine over OpenAI's HTTP API with calibrated confidences",
+        description="An OpenAI-compatible server (POST /v1/completions, /v1/chat/completions; "
+        "GET /v1/models, /health, /metrics) whose logprobs are calibrated and whose choices "
+        "carry a 'calm' object with token confidences, the sequence confidence and, on "
+        "request, P(True). Concurrent requests are micro-batched. Needs the serve extra.",
+        epilog="examples:\n  calm serve engine/ --port 8000\n"
+        "  CALM_API_KEY=secret calm serve engine/ --api-key-env CALM_API_KEY --workers 2\n"
+        "  calm serve engine/ --ray --replicas 2\n\n"
+        "then, with the openai client:\n"
+        "  client = openai.OpenAI(base_url=\"http://127.0.0.1:8000/v1\", api_key=\"unused\")\n"
+        "  client.completions.create(model=\"engine\", prompt=\"Question: ...\", max_tokens=16)",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("engine", help="engine directory written by calm-export")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default loopback only; 0.0.0.0 exposes it)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--workers", type=int, default=1,
+                   help="server processes, each with its own engine and batcher")
+    p.add_argument("--api-key-env", metavar="VAR",
+                   help="require 'Authorization: Bearer KEY' with KEY read from this variable")
+    p.add_argument("--model-name", help="model id clients send (default: the engine folder name)")
+    p.add_argument("--backend", default="onnxruntime", choices=["onnxruntime", "torch",
+                                                                "tensorrt"])
+    p.add_argument("--threads", type=int, help="intra-op threads per worker (default: all)")
+    p.add_argument("--max-batch-size", type=int, default=8, help="1 turns micro-batching off")
+    p.add_argument("--batch-window-ms", type=float, default=5.0,
+                   help="how long a request waits for others to batch with")
+    p.add_argument("--max-queue", type=int, default=64, help="rows waiting before HTTP 429")
+    p.add_argument("--request-timeout", type=float, default=120.0, metavar="SECONDS")
+    p.add_argument("--max-tokens-limit", type=int, default=512)
+    p.add_argument("--max-prompt-tokens", type=int, help="default: the model's context - 1")
+    p.add_argument("--max-body-bytes", type=int, default=1_000_000)
+    p.add_argument("--ray", action="store_true", help="serve on a local Ray Serve instance")
+    p.add_argument("--replicas", type=int, default=2, help="Ray Serve replicas (with --ray)")
+    p.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs per Ray replica")
+    p.set_defaults(handler=_serve)
+
+
+def _serve(args) -> int:
+    try:
+        from .server.cli import serve
+    except ImportError as exc:
+        logging.getLogger(__name__).debug("serve extra missing: %s", exc)
+        return _missing("serve")
+    return serve(args)
 
 
 def configure_logging(verbose: bool, quiet: bool) -> None:

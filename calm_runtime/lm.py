@@ -174,6 +174,34 @@ class CalibratedLM:
             results.extend(run.results)
         return results[0] if single else results
 
+    def generation_run(self, encoded: Sequence[Sequence[int]],
+                       max_new_tokens: int | Sequence[int], **options) -> GenerationRun:
+        """One batched decode over already-encoded prompts, for callers that schedule rows
+        themselves (e.g. ``calm serve``'s micro-batcher).
+
+        ``max_new_tokens`` is one limit or one per prompt; ``options`` are :meth:`generate`'s
+        sampling options. Iterating the run yields ``(row, Token)`` as tokens are chosen;
+        its ``results`` hold one :class:`Generation` per prompt at the end, equal to
+        ``generate``'s for the same prompts and settings. At most ``backend.max_batch``
+        prompts.
+        """
+        encoded = [list(ids) for ids in encoded]
+        if not encoded:
+            raise ConfigError("no prompts given; pass at least one encoded prompt")
+        if self.backend.max_batch and len(encoded) > self.backend.max_batch:
+            raise ConfigError(f"{len(encoded)} prompts exceed this backend's batch limit of "
+                              f"{self.backend.max_batch}; split them")
+        limits = ([max_new_tokens] * len(encoded) if isinstance(max_new_tokens, (int, np.integer))
+                  else list(max_new_tokens))
+        if len(limits) != len(encoded):
+            raise ConfigError(f"{len(limits)} max_new_tokens for {len(encoded)} prompts; pass one "
+                              "per prompt")
+        settings = self._settings(encoded, max(_positive(n, "max_new_tokens") for n in limits),
+                                  **_sampling_options(dict(options)))
+        capped = tuple(min(n, cap) for n, cap in zip(limits, settings.max_new_tokens, strict=True))
+        return GenerationRun(self.backend, self.tokenizer, encoded,
+                             replace(settings, max_new_tokens=capped))
+
     def stream(self, prompt: str, max_new_tokens: int = 32, **options) -> Iterator[Token]:
         """An iterator over the tokens of ``generate(prompt, ...)`` as they are chosen.
 

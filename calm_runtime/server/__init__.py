@@ -1,0 +1,17 @@
+"""``calm serve``: an OpenAI-compatible HTTP server with calibrated confidences.
+
+Needs the ``serve`` extra (``pip install 'calm[serve]'``: FastAPI, uvicorn,
+prometheus-client; Ray Serve for scale-out). The rest of ``calm_runtime`` never imports
+this package.
+
+    calm serve engine/ --port 8000
+    client = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
+    client.completions.create(model="engine", prompt="Question: ...", max_tokens=16)
+"""
+
+from __future__ import annotations
+
+from .app import create_app
+from .config import ServeConfig
+
+__all__ = ["create_app", "ServeConfig"]

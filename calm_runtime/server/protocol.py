@@ -1,0 +1,187 @@
+"""OpenAI's request and response shapes for completions and chat completions.
+
+Requests are validated strictly (unknown fields are refused, as OpenAI does); parameters
+calm cannot honour (``n > 1``, ``echo``, penalties, ``logit_bias``, ...) are refused with a
+400 that names them rather than silently ignored. Two extensions: ``top_k`` (as vLLM) and a
+``calm`` object, ``{"p_true": true}`` to score each choice's P(True).
+
+Responses follow OpenAI's shapes, ``logprobs`` included (calibrated log-probabilities: the
+engine's logits are calibrated). Each choice carries one extension object ``calm`` with the
+token confidences, the sequence confidence and, when asked, P(True); each response a
+top-level ``calm`` object naming the engine and its calibration (also summarised in
+``system_fingerprint``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..results import Generation, Token
+
+__all__ = ["CompletionRequest", "ChatRequest", "APIError", "FINISH_REASONS",
+           "completion_logprobs", "chat_logprobs", "choice_extension"]
+
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's error object and an HTTP status."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 code: str | None = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param = (
+            status, message, type, code, param)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class CalmOptions(_Strict):
+    p_true: bool = False
+
+
+class _Common(_Strict):
+    model: str
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    n: int | None = 1
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0)
+    user: str | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    logit_bias: dict | None = None
+    calm: CalmOptions | None = None
+
+    def unsupported(self) -> list[str]:
+        """Parameters set to something calm cannot honour."""
+        bad = []
+        if self.n not in (None, 1):
+            bad.append("n")
+        if self.presence_penalty:
+            bad.append("presence_penalty")
+        if self.frequency_penalty:
+            bad.append("frequency_penalty")
+        if self.logit_bias:
+            bad.append("logit_bias")
+        return bad
+
+    def stops(self) -> tuple[str, ...]:
+        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if len(stops) > 4 or any(not s for s in stops):
+            raise APIError(400, "stop takes at most 4 non-empty strings", param="stop")
+        return stops
+
+    @property
+    def wants_p_true(self) -> bool:
+        return bool(self.calm and self.calm.p_true)
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str]
+    max_tokens: int | None = Field(None, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool | None = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def unsupported(self) -> list[str]:
+        bad = super().unsupported()
+        if self.echo:
+            bad.append("echo")
+        if self.best_of not in (None, 1):
+            bad.append("best_of")
+        if self.suffix:
+            bad.append("suffix")
+        return bad
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text"]
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+
+    def limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+# ---------------------------------------------------------------------- responses
+def _logprob(confidence: float) -> float:
+    return math.log(confidence) if confidence > 0 else -1e4  # JSON has no -inf
+
+
+def completion_logprobs(tokens: list[Token] | tuple[Token, ...], top: int,
+                        offset: int = 0) -> dict:
+    """The legacy completions ``logprobs`` object for ``tokens`` (``top`` alternatives)."""
+    offsets, at = [], offset
+    for t in tokens:
+        offsets.append(at)
+        at += len(t.text)
+    return {"tokens": [t.text for t in tokens],
+            "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": ([{a.text: _logprob(a.confidence) for a in (t.top or ())}
+                              for t in tokens] if top else None),
+            "text_offset": offsets}
+
+
+def chat_logprobs(tokens: list[Token] | tuple[Token, ...], top: int) -> dict:
+    """The chat ``logprobs`` object: one entry per token with its ``top_logprobs``."""
+    def entry(text: str, logprob: float) -> dict:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    content = []
+    for t in tokens:
+        item = entry(t.text, t.logprob)
+        item["top_logprobs"] = [entry(a.text, _logprob(a.confidence))
+                                for a in (t.top or ())][:top]
+        content.append(item)
+    return {"content": content, "refusal": None}
+
+
+def choice_extension(generation: Generation, p_true: float | None, asked: bool) -> dict:
+    """The per-choice ``calm`` object."""
+    out = {"token_confidences": [t.confidence for t in generation.tokens],
+           "sequence_confidence": generation.sequence_confidence,
+           "joint_confidence": generation.joint_confidence}
+    if asked:
+        out["p_true"] = p_true
+    return out
