@@ -1,18 +1,35 @@
-"""Latency benchmark (batch 1, fixed threads): calm's runtime against its peers, one process.
+"""Latency benchmark: calm's runtime against its baselines and peers, one process, one model.
 
-    python benchmarks/latency.py --engine ENGINE_DIR [--threads 1] [--tokens 32] [--rounds 5]
+    python benchmarks/latency.py --engine ENGINE [--identity-engine ENGINE] [--int8-engine ENGINE]
+        [--adapter ADAPTER] [--threads 1] [--batches 1 8] [--tokens 32] [--rounds 3]
+        [--device cpu|cuda]
 
-Contenders, alternated round by round so machine noise hits all alike (compare ratios):
+Contenders, alternated round by round so machine noise hits all alike (read the ratios;
+absolute times drift on shared machines), each greedy, ``--tokens`` new tokens per row:
 
-* ``transformers``: ``model.generate()`` on the source model in torch (fp32, greedy);
-* ``calm-onnxruntime``: :class:`calm_runtime.CalibratedLM` on the fused engine, greedy,
-  with per-token calibrated confidences and entropies;
-* ``onnxruntime-genai``: the same engine folder run by onnxruntime-genai (the peer), when
-  it is installed.
+* ``transformers``: ``model.generate()`` on the source model in torch;
+* ``calm-torch``: :class:`~calm_runtime.CalibratedLM`'s torch backend (source model + adapter);
+* ``calm-onnxruntime``: ``CalibratedLM`` on the fused engine: calibrated token confidences,
+  entropies and incremental detokenization, what a server returns;
+* ``ort-loop``: the same engine and KV-cache loop with argmax only — no confidences, no
+  text (the floor of any runtime on this engine); ``calm-onnxruntime`` / ``ort-loop`` is
+  what calm's per-token work costs;
+* ``calm-onnxruntime-uncalibrated``: ``CalibratedLM`` on ``--identity-engine`` (the same
+  model exported without calibration): fused / uncalibrated is what fusing costs;
+* ``ort-loop-unfused-numpy`` vs ``ort-loop-fused``: the loop with confidences, once on the
+  uncalibrated engine with the calibration applied per step in numpy
+  (``apply_calibration`` with the adapter's τ, l, T) and once on the fused engine;
+* ``calm-onnxruntime-int8``: ``CalibratedLM`` on ``--int8-engine``;
+* ``onnxruntime-genai``: the fused engine folder run by onnxruntime-genai (the peer).
 
-Also measured: the cost of the confidence computation itself (``step_stats`` on the
-engine's real next-token logits), as a share of calm's per-token time. Reports prefill
-and per-token median / p90 and tokens/s; writes ``results/latency.json``.
+For batch 1 and 8 (the prompt repeated, so every row decodes every step): prefill, per-token
+decode median and p90 (per step; a step yields one token per row), tokens/s over all rows,
+and the process's peak RSS while each contender ran. The memory-bandwidth floor is the
+engine's weight bytes (read once per step) divided by the measured copy bandwidth of one
+thread; every per-token time is also given as a multiple of it. Thread count fixed (ONNX
+Runtime intra-op threads, torch threads) and reported. ``--device cuda`` runs the ONNX
+contenders on the CUDA provider and torch on the GPU (onnxruntime-genai when its CUDA build
+is installed). Writes ``results/latency.json`` and ``results/latency.md``.
 """
 
 from __future__ import annotations
@@ -20,8 +37,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -30,125 +49,150 @@ from _common import git_commit
 
 HERE = Path(__file__).resolve().parent
 PROMPT = "Once upon a time, in a small village by the sea,"
+logger = logging.getLogger("latency")
 
 
-def _summary(per_token: list[float], prefill: list[float], tokens: int) -> dict:
-    ordered = sorted(per_token)
-    median = statistics.median(ordered)
-    return {"per_token_ms_median": 1e3 * median,
-            "per_token_ms_p90": 1e3 * ordered[int(0.9 * (len(ordered) - 1))],
-            "prefill_ms_median": 1e3 * statistics.median(prefill),
-            "tokens_per_s": 1.0 / median if median else None, "tokens": tokens}
+# ---------------------------------------------------------------------- memory
+class PeakRSS:
+    """Samples the process's resident set size every 2 ms while active."""
+
+    def __init__(self) -> None:
+        self._page = os.sysconf("SC_PAGE_SIZE")
+        self.peak = 0
+        self._on = threading.Event()
+        threading.Thread(target=self._sample, daemon=True).start()
+
+    def rss(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self._page
+
+    def _sample(self) -> None:
+        while True:
+            self._on.wait()
+            self.peak = max(self.peak, self.rss())
+            time.sleep(0.002)
+
+    def __enter__(self):
+        self.peak = self.rss()
+        self._on.set()
+        return self
+
+    def __exit__(self, *exc):
+        self._on.clear()
+        self.peak = max(self.peak, self.rss())
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--engine", required=True, help="engine directory from calm-export")
-    parser.add_argument("--model", default="smollm2-135m-instruct",
-                        help="the engine's source model, for the transformers contender")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--out", default=str(HERE / "results" / "latency.json"))
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING)
+def copy_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
+    """Bytes/s one thread moves through memory: best of ``repeats`` copies (read + write)."""
+    src = np.ones(megabytes * 2**20 // 8)
+    dst = np.empty_like(src)
+    best = np.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.nbytes / best
 
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from calm_runtime import CalibratedLM
-    from calm_runtime.models import resolve_model
+def weight_bytes(engine: Path) -> int:
+    from calm_runtime.engine import EngineManifest
+
+    manifest = EngineManifest.load(engine, verify_hashes=False)
+    files = manifest.model.get("files") or [manifest.model["file"]]
+    return sum((engine / f).stat().st_size for f in files)
+
+
+# ---------------------------------------------------------------------- contenders
+def ort_loop(backend, prompt_ids, batch, tokens, *, stats=False, calibrate=None):
+    """The bare KV-cache loop on a backend: argmax (and optionally confidences) only."""
+    from calm_runtime._generation import initial_positions
     from calm_runtime.sampling import step_stats
 
-    torch.set_num_threads(args.threads)
-    folder = resolve_model(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-    lm = CalibratedLM.load(args.engine, backend="onnxruntime", threads=args.threads)
-    genai = _genai(args.engine, args.threads)
-
-    samples = {name: {"per_token": [], "prefill": []} for name in
-               ["transformers", "calm-onnxruntime"] + (["onnxruntime-genai"] if genai else [])}
-    ids = tokenizer(PROMPT, return_tensors="pt")
-    for _ in range(args.rounds):
-        # transformers generate(): prefill = 1 new token; per token from the difference
-        with torch.inference_mode():
-            start = time.perf_counter()
-            model.generate(**ids, max_new_tokens=1, do_sample=False, min_new_tokens=1)
+    ids = np.asarray([prompt_ids] * batch, dtype=np.int64)
+    mask = np.ones_like(ids)
+    start = time.perf_counter()
+    logits, state = backend.run(ids, mask, initial_positions(mask), None, last_only=True)
+    positions = initial_positions(mask)[:, -1:]
+    prefill = None
+    for step in range(tokens):
+        z = logits[:, -1]
+        if calibrate is not None:
+            z = calibrate(z)
+        if stats:
+            s = step_stats(z)
+            chosen = np.argmax(z, axis=-1)
+            s.probability(np.arange(batch), chosen)
+        else:
+            chosen = np.argmax(z, axis=-1)
+        if step == 0:
             prefill = time.perf_counter() - start
             start = time.perf_counter()
-            model.generate(**ids, max_new_tokens=args.tokens, do_sample=False,
-                           min_new_tokens=args.tokens)
-            total = time.perf_counter() - start
-        samples["transformers"]["prefill"].append(prefill)
-        samples["transformers"]["per_token"].append((total - prefill) / (args.tokens - 1))
-        out = lm.generate(PROMPT, max_new_tokens=args.tokens)
-        samples["calm-onnxruntime"]["prefill"].append(out.timing.prefill_s)
-        samples["calm-onnxruntime"]["per_token"].append(out.timing.per_token_s)
-        if genai:
-            prefill, per_token = genai(tokenizer(PROMPT)["input_ids"], args.tokens)
-            samples["onnxruntime-genai"]["prefill"].append(prefill)
-            samples["onnxruntime-genai"]["per_token"].append(per_token)
-
-    # the confidence computation alone, on real next-token logits of the engine
-    logits = _engine_logits(lm, tokenizer(PROMPT)["input_ids"])
-    reps = 200
-    start = time.perf_counter()
-    for _ in range(reps):
-        step_stats(logits)
-    confidence_s = (time.perf_counter() - start) / reps
-
-    results = {name: _summary(s["per_token"], s["prefill"], args.tokens)
-               for name, s in samples.items()}
-    calm = results["calm-onnxruntime"]["per_token_ms_median"]
-    results["ratios"] = {
-        "transformers_over_calm": results["transformers"]["per_token_ms_median"] / calm,
-        "confidence_ms_per_token": 1e3 * confidence_s,
-        "confidence_share_of_calm_token": 1e3 * confidence_s / calm,
-    }
-    if genai:
-        results["ratios"]["calm_over_genai"] = (
-            calm / results["onnxruntime-genai"]["per_token_ms_median"])
-    results["settings"] = {"threads": args.threads, "tokens": args.tokens,
-                           "rounds": args.rounds, "batch": 1, "engine": str(args.engine),
-                           "command": "python benchmarks/latency.py " + " ".join(
-                               argv if argv is not None else sys.argv[1:]),
-                           "commit": git_commit()}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
-    for name, row in results.items():
-        if name not in ("ratios", "settings"):
-            print(f"{name:<20} prefill {row['prefill_ms_median']:7.1f} ms   per token "
-                  f"{row['per_token_ms_median']:6.1f} ms (p90 {row['per_token_ms_p90']:6.1f})"
-                  f"   {row['tokens_per_s']:.1f} tokens/s")
-    print(json.dumps(results["ratios"], indent=1))
-    return 0
+        if step == tokens - 1:
+            break
+        mask = np.concatenate([mask, np.ones((batch, 1), np.int64)], axis=1)
+        positions = positions + 1
+        logits, state = backend.run(chosen[:, None].astype(np.int64), mask, positions, state,
+                                    last_only=True)
+    return prefill, (time.perf_counter() - start) / (tokens - 1)
 
 
-def _engine_logits(lm, prompt_ids) -> np.ndarray:
-    """The engine's real next-token logits ``[1, V]`` after the prompt (one prefill)."""
-    ids = np.asarray([prompt_ids], dtype=np.int64)
-    mask = np.ones_like(ids)
-    positions = np.arange(ids.shape[1], dtype=np.int64)[None, :]
-    logits, _ = lm.backend.run(ids, mask, positions, None, last_only=True)
-    return logits[:, -1]
+def calm_run(lm, prompt_ids, batch, tokens):
+    run = lm.generation_run([prompt_ids] * batch, tokens)
+    for _ in run:
+        pass
+    made = min(len(g.tokens) for g in run.results)
+    if made < tokens:
+        raise RuntimeError(f"a row stopped after {made} tokens (end of sequence); use a "
+                           "prompt that generates {tokens} tokens")
+    t = run.results[0].timing
+    return t.prefill_s, t.per_token_s
 
 
-def _genai(engine: str, threads: int):
+def transformers_run(model, tokenizer, device, batch, tokens):
+    import torch
+
+    enc = tokenizer([PROMPT] * batch, return_tensors="pt").to(device)
+    with torch.inference_mode():
+        _sync(device)
+        start = time.perf_counter()
+        model.generate(**enc, max_new_tokens=1, min_new_tokens=1, do_sample=False)
+        _sync(device)
+        prefill = time.perf_counter() - start
+        start = time.perf_counter()
+        model.generate(**enc, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+        _sync(device)
+        total = time.perf_counter() - start
+    return prefill, (total - prefill) / (tokens - 1)
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def genai_runner(engine: Path, device: str):
     try:
         import onnxruntime_genai as og
     except ImportError:
-        return None
-    config = og.Config(engine)
-    model = og.Model(config)
+        return None, "onnxruntime-genai is not installed (pip install 'calm[genai]')"
+    try:
+        config = og.Config(str(engine))
+        if device == "cuda":
+            config.clear_providers()
+            config.append_provider("cuda")
+        model = og.Model(config)
+    except Exception as exc:  # noqa: BLE001 - reported in the results, not fatal
+        return None, f"onnxruntime-genai cannot load the engine: {exc}"
 
-    def run(prompt_ids, tokens):
+    def run(prompt_ids, batch, tokens):
         params = og.GeneratorParams(model)
-        params.set_search_options(max_length=len(prompt_ids) + tokens, do_sample=False)
+        params.set_search_options(max_length=len(prompt_ids) + tokens, do_sample=False,
+                                  batch_size=batch)
         generator = og.Generator(model, params)
         start = time.perf_counter()
-        generator.append_tokens(prompt_ids)
+        generator.append_tokens(np.asarray([prompt_ids] * batch, dtype=np.int32))
         generator.generate_next_token()
         prefill = time.perf_counter() - start
         start = time.perf_counter()
@@ -156,12 +200,239 @@ def _genai(engine: str, threads: int):
         while not generator.is_done() and steps < tokens - 1:
             generator.generate_next_token()
             steps += 1
-        return prefill, (time.perf_counter() - start) / max(steps, 1)
+        if steps < tokens - 1:
+            raise RuntimeError(f"onnxruntime-genai stopped after {steps + 1} tokens")
+        return prefill, (time.perf_counter() - start) / steps
 
-    _ = threads  # genai takes its thread count from genai_config.json's session options
-    return run
+    return run, None
 
 
+# ---------------------------------------------------------------------- the run
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engine", required=True, type=Path, help="fused engine (calm-export)")
+    parser.add_argument("--identity-engine", type=Path,
+                        help="the same model exported without an adapter (uncalibrated)")
+    parser.add_argument("--int8-engine", type=Path, help="the engine exported with --quantize int8")
+    parser.add_argument("--model", default="smollm2-135m-instruct",
+                        help="the engines' source model (transformers and calm's torch backend)")
+    parser.add_argument("--adapter", type=Path,
+                        help="the adapter the engine was exported with (torch backend, numpy "
+                        "calibration)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--skip", nargs="*", default=[], help="contenders to leave out")
+    parser.add_argument("--out", type=Path, default=HERE / "results")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    command = "python benchmarks/latency.py " + " ".join(
+        argv if argv is not None else sys.argv[1:])
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from calm_runtime import CalibratedLM
+    from calm_runtime.artifact import CalibrationAdapter
+    from calm_runtime.calibration import apply_calibration
+    from calm_runtime.models import resolve_model
+
+    torch.set_num_threads(args.threads)
+    rss = PeakRSS()
+    providers = ["CUDAExecutionProvider"] if args.device == "cuda" else None
+    loaded, runners, notes = {}, {}, {}
+
+    def load(name, fn):
+        if name in args.skip:
+            return None
+        before = rss.rss()
+        value = fn()
+        loaded[name] = {"rss_added_mb": (rss.rss() - before) / 2**20}
+        return value
+
+    folder = resolve_model(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    tokenizer.padding_side = "left"
+    model = load("transformers", lambda: AutoModelForCausalLM.from_pretrained(
+        str(folder), dtype=torch.float32).to(args.device).eval())
+    lm = load("calm-onnxruntime", lambda: CalibratedLM.load(
+        args.engine, providers=providers, threads=args.threads))
+    prompt_ids = lm.tokenizer.encode(PROMPT)
+    if model is not None:
+        runners["transformers"] = lambda b: transformers_run(model, tokenizer, args.device, b,
+                                                             args.tokens)
+    runners["calm-onnxruntime"] = lambda b: calm_run(lm, prompt_ids, b, args.tokens)
+    if "ort-loop" not in args.skip:
+        runners["ort-loop"] = lambda b: ort_loop(lm.backend, prompt_ids, b, args.tokens)
+    if args.adapter:
+        torch_lm = load("calm-torch", lambda: CalibratedLM.load(
+            args.engine, backend="torch", model=str(folder), adapter=str(args.adapter),
+            device=args.device, threads=args.threads))
+        if torch_lm is not None:
+            runners["calm-torch"] = lambda b: calm_run(torch_lm, prompt_ids, b, args.tokens)
+    else:
+        notes["calm-torch"] = "needs --adapter"
+    if args.identity_engine:
+        plain = load("calm-onnxruntime-uncalibrated", lambda: CalibratedLM.load(
+            args.identity_engine, providers=providers, threads=args.threads))
+        if plain is not None:
+            runners["calm-onnxruntime-uncalibrated"] = lambda b: calm_run(plain, prompt_ids, b,
+                                                                          args.tokens)
+            if args.adapter:
+                adapter = CalibrationAdapter.from_pretrained(args.adapter)
+                tau, shift = adapter.tau, adapter.shift
+                temperature = adapter.temperature
+
+                def calibrate(z):
+                    return apply_calibration(z, tau=tau, shift=shift, temperature=temperature)
+
+                runners["ort-loop-unfused-numpy"] = lambda b: ort_loop(
+                    plain.backend, prompt_ids, b, args.tokens, stats=True, calibrate=calibrate)
+                runners["ort-loop-fused"] = lambda b: ort_loop(
+                    lm.backend, prompt_ids, b, args.tokens, stats=True)
+    else:
+        notes["calm-onnxruntime-uncalibrated"] = "needs --identity-engine"
+    if args.int8_engine:
+        int8 = load("calm-onnxruntime-int8", lambda: CalibratedLM.load(
+            args.int8_engine, providers=providers, threads=args.threads))
+        if int8 is not None:
+            runners["calm-onnxruntime-int8"] = lambda b: calm_run(int8, prompt_ids, b,
+                                                                  args.tokens)
+    if "onnxruntime-genai" not in args.skip:
+        genai, why = load("onnxruntime-genai", lambda: genai_runner(args.engine, args.device))
+        if genai is not None:
+            runners["onnxruntime-genai"] = lambda b: genai(prompt_ids, b, args.tokens)
+        else:
+            notes["onnxruntime-genai"] = why
+
+    bandwidth = copy_bandwidth() if args.device == "cpu" else None
+    weights = {"fp32": weight_bytes(args.engine)}
+    if args.int8_engine:
+        weights["int8"] = weight_bytes(args.int8_engine)
+
+    samples = {(n, b): {"prefill": [], "per_token": [], "peak_rss": 0}
+               for n in runners for b in args.batches}
+    for name, run in runners.items():  # warm-up: first-call allocations and lazy inits
+        for batch in args.batches:
+            try:
+                run(batch)
+            except Exception as exc:  # noqa: BLE001 - a contender that fails is reported
+                notes[f"{name}@{batch}"] = f"failed: {exc}"
+    failed = {k for k in notes if "@" in k}
+    for r in range(args.rounds):
+        for batch in args.batches:
+            for name, run in runners.items():
+                if f"{name}@{batch}" in failed:
+                    continue
+                with rss:
+                    prefill, per_token = run(batch)
+                cell = samples[(name, batch)]
+                cell["prefill"].append(prefill)
+                cell["per_token"].append(per_token)
+                cell["peak_rss"] = max(cell["peak_rss"], rss.peak)
+        logger.info("round %d/%d done", r + 1, args.rounds)
+
+    results = []
+    for (name, batch), cell in samples.items():
+        if not cell["per_token"]:
+            continue
+        ordered = sorted(cell["per_token"])
+        median = statistics.median(ordered)
+        floor_bytes = weights["int8" if name.endswith("int8") else "fp32"]
+        floor_s = floor_bytes / bandwidth if bandwidth else None
+        results.append({
+            "contender": name, "batch": batch,
+            "prefill_ms": 1e3 * statistics.median(cell["prefill"]),
+            "per_token_ms_median": 1e3 * median,
+            "per_token_ms_p90": 1e3 * ordered[int(0.9 * (len(ordered) - 1))],
+            "tokens_per_s": batch / median,
+            "peak_rss_mb": cell["peak_rss"] / 2**20,
+            "rss_added_at_load_mb": loaded.get(name, {}).get("rss_added_mb"),
+            "floor_ms": None if floor_s is None else 1e3 * floor_s,
+            "x_floor": None if floor_s is None else median / floor_s})
+
+    def per_token(name, batch):
+        row = next((r for r in results if r["contender"] == name and r["batch"] == batch), None)
+        return None if row is None else row["per_token_ms_median"]
+
+    ratios = {}
+    for batch in args.batches:
+        calm = per_token("calm-onnxruntime", batch)
+        pairs = {"calm_over_ort_loop (runtime work incl. confidences)": "ort-loop",
+                 "fused_over_uncalibrated (cost of fusing)": "calm-onnxruntime-uncalibrated",
+                 "calm_over_genai": "onnxruntime-genai",
+                 "calm_over_transformers": "transformers", "calm_over_calm_torch": "calm-torch",
+                 "calm_over_int8": "calm-onnxruntime-int8"}
+        ratios[batch] = {k: calm / per_token(v, batch) for k, v in pairs.items()
+                         if calm and per_token(v, batch)}
+        unfused, fused = (per_token("ort-loop-unfused-numpy", batch),
+                          per_token("ort-loop-fused", batch))
+        if unfused and fused:
+            ratios[batch]["unfused_numpy_over_fused"] = unfused / fused
+    confidence_ms = _confidence_cost(lm, prompt_ids, args.batches)
+    payload = {"command": command.strip(), "commit": git_commit(),
+               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+               "device": args.device, "threads": args.threads, "tokens": args.tokens,
+               "rounds": args.rounds, "engine": str(args.engine),
+               "weight_bytes": weights,
+               "copy_bandwidth_gb_s": None if bandwidth is None else bandwidth / 1e9,
+               "confidence_ms_per_step": confidence_ms, "results": results,
+               "ratios": {str(k): v for k, v in ratios.items()}, "notes": notes}
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = "latency" if args.device == "cpu" else f"latency-{args.device}"
+    (args.out / f"{stem}.json").write_text(json.dumps(payload, indent=1) + "\n")
+    text = format_markdown(payload)
+    (args.out / f"{stem}.md").write_text(text)
+    print(text)
+    return 0
+
+
+def _confidence_cost(lm, prompt_ids, batches) -> dict:
+    """Milliseconds of ``step_stats`` (the confidences) on the engine's real logits, per step."""
+    from calm_runtime._generation import initial_positions
+    from calm_runtime.sampling import step_stats
+
+    out = {}
+    for batch in batches:
+        ids = np.asarray([prompt_ids] * batch, dtype=np.int64)
+        mask = np.ones_like(ids)
+        logits, _ = lm.backend.run(ids, mask, initial_positions(mask), None, last_only=True)
+        z = np.ascontiguousarray(logits[:, -1])
+        start = time.perf_counter()
+        for _ in range(100):
+            step_stats(z)
+        out[str(batch)] = 1e3 * (time.perf_counter() - start) / 100
+    return out
+
+
+def format_markdown(p: dict) -> str:
+    bw = p["copy_bandwidth_gb_s"]
+    lines = [f"`{p['command']}` at {p['commit']} ({p['date']}); device {p['device']}, "
+             f"{p['threads']} thread(s), {p['tokens']} tokens, {p['rounds']} rounds; "
+             f"weights {p['weight_bytes']['fp32'] / 1e6:.0f} MB fp32"
+             + (f", {p['weight_bytes']['int8'] / 1e6:.0f} MB int8" if "int8" in p["weight_bytes"]
+                else "")
+             + ("" if bw is None else f"; one-thread copy bandwidth {bw:.1f} GB/s"), "",
+             "| contender | batch | prefill ms | ms/step median | p90 | tokens/s | x floor | "
+             "peak RSS MB |", "|---|---|---|---|---|---|---|---|"]
+    for r in sorted(p["results"], key=lambda r: (r["batch"], r["per_token_ms_median"])):
+        floor = "-" if r["x_floor"] is None else f"{r['x_floor']:.2f} ({r['floor_ms']:.1f} ms)"
+        lines.append(f"| {r['contender']} | {r['batch']} | {r['prefill_ms']:.1f} | "
+                     f"{r['per_token_ms_median']:.2f} | {r['per_token_ms_p90']:.2f} | "
+                     f"{r['tokens_per_s']:.1f} | {floor} | {r['peak_rss_mb']:.0f} |")
+    lines += ["", "ratios of per-step medians (calm-onnxruntime over X; < 1 means calm is faster):",
+              ""]
+    for batch, ratios in p["ratios"].items():
+        for k, v in ratios.items():
+            lines.append(f"* batch {batch}: {k} = {v:.3f}")
+    lines += ["", "confidences alone (step_stats on real logits): " + ", ".join(
+        f"batch {b}: {ms:.3f} ms/step" for b, ms in p["confidence_ms_per_step"].items())]
+    if p["notes"]:
+        lines += ["", "notes: " + "; ".join(f"{k}: {v}" for k, v in p["notes"].items())]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

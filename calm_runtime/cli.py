@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_score(sub)
     _add_serve(sub)
+    _add_bench(sub)
     try:
         from calm_training.cli import register as register_training
     except ImportError:  # the train extra is not installed
@@ -338,6 +339,37 @@ def _serve(args) -> int:
         logging.getLogger(__name__).debug("serve extra missing: %s", exc)
         return _missing("serve")
     return serve(args)
+
+
+BENCHMARKS = ("calibration", "latency", "calm_real_run", "serve_load")
+
+
+def _add_bench(sub) -> None:
+    p = sub.add_parser(
+        "bench", help="run a benchmark from a calm source checkout (benchmarks/NAME.py)",
+        description="Runs benchmarks/NAME.py of the calm checkout that holds the current "
+        "directory (or this installation's source tree) with the remaining arguments; "
+        "results go to benchmarks/results/. `calm bench NAME --help` shows its options.",
+        epilog="examples:\n  calm bench calibration --quick\n"
+        "  calm bench latency --engine engines/daca --identity-engine engines/plain\n"
+        "  calm bench serve_load --engine engines/daca",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("name", choices=BENCHMARKS)
+    p.add_argument("arguments", nargs=argparse.REMAINDER, help="passed to the benchmark")
+    p.set_defaults(handler=_bench)
+
+
+def _bench(args) -> int:
+    import subprocess
+    from pathlib import Path
+
+    roots = [Path.cwd(), *Path.cwd().parents, Path(__file__).resolve().parents[1]]
+    script = next((r / "benchmarks" / f"{args.name}.py" for r in roots
+                   if (r / "benchmarks" / f"{args.name}.py").is_file()), None)
+    if script is None:
+        raise ConfigError(f"benchmarks/{args.name}.py not found above {Path.cwd()}; run calm "
+                          "bench inside a calm source checkout (git clone, pip install -e .)")
+    return subprocess.call([sys.executable, str(script), *args.arguments])
 
 
 def configure_logging(verbose: bool, quiet: bool) -> None:

@@ -21,7 +21,7 @@ def test_help_shows_examples():
     assert "examples:" in result.stdout and "calm quickstart" in result.stdout
 
 
-@pytest.mark.parametrize("sub", ["models", "data", "fit", "eval", "quickstart"])
+@pytest.mark.parametrize("sub", ["models", "data", "fit", "eval", "quickstart", "serve", "bench"])
 def test_every_subcommand_has_help(sub, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main([sub, "--help"])
@@ -49,3 +49,29 @@ def test_eval_without_target_is_a_clear_error(capsys):
     assert main(["eval", "--model", "x", "--data", "y"]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("ConfigError: nothing to evaluate"), err
+
+
+def test_bench_runs_the_checkout_script():
+    result = _run("bench", "latency", "--help")
+    assert result.returncode == 0
+    assert "--identity-engine" in result.stdout
+
+
+def test_bench_outside_a_checkout_is_a_clear_error(tmp_path, monkeypatch):
+    import calm_runtime.cli as cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli, "__file__", str(tmp_path / "site" / "calm_runtime" / "cli.py"))
+    from calm_runtime.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="benchmarks/latency.py not found"):
+        cli._bench(type("Args", (), {"name": "latency", "arguments": []})())
+
+
+def test_serve_with_an_unset_key_variable_fails_before_starting(tmp_path, monkeypatch):
+    pytest.importorskip("fastapi")
+    monkeypatch.delenv("CALM_NO_SUCH_KEY", raising=False)
+    result = _run("serve", str(tmp_path), "--api-key-env", "CALM_NO_SUCH_KEY")
+    assert result.returncode == 1
+    assert result.stderr.strip().startswith("ConfigError: the environment variable "
+                                            "CALM_NO_SUCH_KEY")

@@ -7,9 +7,6 @@ is compared with direct :class:`CalibratedLM` calls on the same prompts.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
-import socket
-import threading
 import time
 
 import numpy as np
@@ -22,37 +19,11 @@ httpx = pytest.importorskip("httpx")
 
 from calm_runtime.lm import CalibratedLM  # noqa: E402
 from calm_runtime.server import ServeConfig, create_app  # noqa: E402
+from calm_runtime.server.background import serve_in_background as running  # noqa: E402
 
 PROMPTS = ["Question: what is red?\nAnswer:", "The cat sat on", "One two three four",
            "Sun moon water fire earth", "Answer: A B C"]
 NAME = "tiny"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def running(app):
-    """Serve ``app`` with uvicorn on a free loopback port in a thread; yield its base URL."""
-    import uvicorn
-
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           timeout_graceful_shutdown=30))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}", server
-    finally:
-        server.should_exit = True
-        thread.join(30)
 
 
 @pytest.fixture(scope="module")
