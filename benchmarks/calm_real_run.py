@@ -187,7 +187,7 @@ def format_set(name: str, entry: dict, n_bins: int) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -220,6 +220,11 @@ def main(argv=None) -> int:
     if args.smoke:
         args.steps, args.eval_limit, args.checkpoint_every = 2, args.eval_limit or 24, 0
         args.adapters = args.adapters.replace("calm-real", "calm-real-smoke")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     command = "python benchmarks/calm_real_run.py " + " ".join(

@@ -275,32 +275,32 @@ def main(argv=None) -> int:
             runners["calm-torch"] = lambda b: calm_run(torch_lm, prompt_ids, b, args.tokens)
     else:
         notes["calm-torch"] = "needs --adapter"
+    def add_calm(name: str, engine: Path):
+        """A CalibratedLM contender on another engine; returns it (None when skipped)."""
+        other = load(name, lambda: CalibratedLM.load(engine, providers=providers,
+                                                     threads=args.threads))
+        if other is not None:
+            runners[name] = lambda b: calm_run(other, prompt_ids, b, args.tokens)
+        return other
+
+    plain = None
     if args.identity_engine:
-        plain = load("calm-onnxruntime-uncalibrated", lambda: CalibratedLM.load(
-            args.identity_engine, providers=providers, threads=args.threads))
-        if plain is not None:
-            runners["calm-onnxruntime-uncalibrated"] = lambda b: calm_run(plain, prompt_ids, b,
-                                                                          args.tokens)
-            if args.adapter:
-                adapter = CalibrationAdapter.from_pretrained(args.adapter)
-                tau, shift = adapter.tau, adapter.shift
-                temperature = adapter.temperature
-
-                def calibrate(z):
-                    return apply_calibration(z, tau=tau, shift=shift, temperature=temperature)
-
-                runners["ort-loop-unfused-numpy"] = lambda b: ort_loop(
-                    plain.backend, prompt_ids, b, args.tokens, stats=True, calibrate=calibrate)
-                runners["ort-loop-fused"] = lambda b: ort_loop(
-                    lm.backend, prompt_ids, b, args.tokens, stats=True)
+        plain = add_calm("calm-onnxruntime-uncalibrated", args.identity_engine)
     else:
         notes["calm-onnxruntime-uncalibrated"] = "needs --identity-engine"
+    if plain is not None and args.adapter:
+        adapter = CalibrationAdapter.from_pretrained(args.adapter)
+
+        def calibrate(z):
+            return apply_calibration(z, tau=adapter.tau, shift=adapter.shift,
+                                     temperature=adapter.temperature)
+
+        runners["ort-loop-unfused-numpy"] = lambda b: ort_loop(
+            plain.backend, prompt_ids, b, args.tokens, stats=True, calibrate=calibrate)
+        runners["ort-loop-fused"] = lambda b: ort_loop(lm.backend, prompt_ids, b, args.tokens,
+                                                       stats=True)
     if args.int8_engine:
-        int8 = load("calm-onnxruntime-int8", lambda: CalibratedLM.load(
-            args.int8_engine, providers=providers, threads=args.threads))
-        if int8 is not None:
-            runners["calm-onnxruntime-int8"] = lambda b: calm_run(int8, prompt_ids, b,
-                                                                  args.tokens)
+        add_calm("calm-onnxruntime-int8", args.int8_engine)
     if "onnxruntime-genai" not in args.skip:
         genai, why = load("onnxruntime-genai", lambda: genai_runner(args.engine, args.device))
         if genai is not None:
@@ -417,12 +417,14 @@ def format_markdown(p: dict) -> str:
                 else "")
              + ("" if bw is None else f"; one-thread copy bandwidth {bw:.1f} GB/s"), "",
              "| contender | batch | prefill ms | ms/step median | p90 | tokens/s | x floor | "
-             "peak RSS MB |", "|---|---|---|---|---|---|---|---|"]
+             "RSS added at load MB | process peak RSS MB |", "|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(p["results"], key=lambda r: (r["batch"], r["per_token_ms_median"])):
         floor = "-" if r["x_floor"] is None else f"{r['x_floor']:.2f} ({r['floor_ms']:.1f} ms)"
+        added = r["rss_added_at_load_mb"]
         lines.append(f"| {r['contender']} | {r['batch']} | {r['prefill_ms']:.1f} | "
                      f"{r['per_token_ms_median']:.2f} | {r['per_token_ms_p90']:.2f} | "
-                     f"{r['tokens_per_s']:.1f} | {floor} | {r['peak_rss_mb']:.0f} |")
+                     f"{r['tokens_per_s']:.1f} | {floor} | "
+                     f"{'-' if added is None else f'{added:.0f}'} | {r['peak_rss_mb']:.0f} |")
     lines += ["", "ratios of per-step medians (calm-onnxruntime over X; < 1 means calm is faster):",
               ""]
     for batch, ratios in p["ratios"].items():
