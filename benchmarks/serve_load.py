@@ -119,6 +119,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    for chatty in ("httpx", "openai"):  # one line per request otherwise
+        logging.getLogger(chatty).setLevel(logging.WARNING)
 
     from calm_runtime import CalibratedLM
 

@@ -356,3 +356,38 @@ def test_server_is_torch_free(engine_dir):
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report == {"status": 200, "loaded": []}
+
+
+def test_cli_serves_with_two_workers_and_stops_on_sigterm(engine_dir, direct):
+    """`calm serve ENGINE --workers 2` as a user runs it: two processes, SIGTERM stops it."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "calm_runtime.cli", "-q", "serve", str(engine_dir), "--port",
+         str(port), "--workers", "2", "--model-name", NAME, "--threads", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 90
+        while True:
+            assert process.poll() is None, process.stderr.read()[-2000:]
+            assert time.monotonic() < deadline, "calm serve did not come up"
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        cli = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        for prompt in PROMPTS[:3]:
+            out = cli.completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=0)
+            assert out.choices[0].text == direct.generate(prompt, max_new_tokens=8).text
+    finally:
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(60)
+    assert code == 0
