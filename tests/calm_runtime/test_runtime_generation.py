@@ -16,6 +16,7 @@ torch = pytest.importorskip("torch")
 
 from calm_runtime import CalibratedLM  # noqa: E402
 from calm_runtime._generation import DecodeSettings, GenerationRun  # noqa: E402
+from calm_runtime.errors import ConfigError  # noqa: E402
 from calm_runtime.sampling import SamplingParams  # noqa: E402
 
 #: |runtime - reference| allowed. The engine matches the reference's calibrated logits to
@@ -222,3 +223,22 @@ def test_long_prompts_are_prefilled_in_chunks(runtime_engine, lm):
                                    [t.confidence for t in ref.tokens], atol=1e-5)
     np.testing.assert_allclose(chunked.p_true_batch(PROMPTS, ["a", "b", "c"]),
                                lm.p_true_batch(PROMPTS, ["a", "b", "c"]), atol=1e-5)
+
+
+def test_generation_run_takes_a_limit_per_row(lm):
+    prompts = ["Question: what is red?\nAnswer:", "The cat", "One two three"]
+    limits = [3, 9, 5]
+    run = lm.generation_run([lm.encode_prompt(p) for p in prompts], limits)
+    events = list(run)
+    for row, (prompt, limit) in enumerate(zip(prompts, limits, strict=True)):
+        alone = lm.generate(prompt, max_new_tokens=limit)
+        got = run.results[row]
+        assert got.token_ids == alone.token_ids and got.text == alone.text
+        assert len(got.tokens) <= limit
+        np.testing.assert_allclose([t.confidence for t in got.tokens],
+                                   [t.confidence for t in alone.tokens], atol=1e-5)
+        assert [t.id for r, t in events if r == row] == got.token_ids
+    with pytest.raises(ConfigError, match="3 max_new_tokens for 2 prompts"):
+        lm.generation_run([[1, 5], [1, 6]], [1, 2, 3])
+    with pytest.raises(ConfigError, match="max_new_tokens must be a positive integer"):
+        lm.generation_run([[1, 5]], [0])
