@@ -4,8 +4,10 @@
         [--adapter ADAPTER] [--threads 1] [--batches 1 8] [--tokens 32] [--rounds 3]
         [--device cpu|cuda]
 
-Contenders, alternated round by round so machine noise hits all alike (read the ratios;
-absolute times drift on shared machines), each greedy, ``--tokens`` new tokens per row:
+Contenders run in a fresh random order (seeded) every round, so machine noise and
+after-effects of the previous contender (torch's spinning threads, evicted caches) hit all
+alike; read the ratios, absolute times drift on shared machines. Each is greedy,
+``--tokens`` new tokens per row:
 
 * ``transformers``: ``model.generate()`` on the source model in torch;
 * ``calm-torch``: :class:`~calm_runtime.CalibratedLM`'s torch backend (source model + adapter);
@@ -22,8 +24,9 @@ absolute times drift on shared machines), each greedy, ``--tokens`` new tokens p
 * ``calm-onnxruntime-int8``: ``CalibratedLM`` on ``--int8-engine``;
 * ``onnxruntime-genai``: the fused engine folder run by onnxruntime-genai (the peer).
 
-For batch 1 and 8 (the prompt repeated, so every row decodes every step): prefill, per-token
-decode median and p90 (per step; a step yields one token per row), tokens/s over all rows,
+For batch 1 and 8 (the prompt repeated, so every row decodes every step): prefill, the
+per-step decode time (a step yields one token per row; each round gives one mean over its
+steps) as the median and p90 over rounds, tokens/s over all rows,
 and the process's peak RSS while each contender ran. The memory-bandwidth floor is the
 engine's weight bytes (read once per step) divided by the measured copy bandwidth of one
 thread; every per-token time is also given as a multiple of it. Thread count fixed (ONNX
@@ -141,9 +144,9 @@ def calm_run(lm, prompt_ids, batch, tokens):
     for _ in run:
         pass
     made = min(len(g.tokens) for g in run.results)
-    if made < tokens:
-        raise RuntimeError(f"a row stopped after {made} tokens (end of sequence); use a "
-                           "prompt that generates {tokens} tokens")
+    if made < tokens:  # an end-of-sequence token: per-step times would cover a shorter cache
+        raise RuntimeError(f"a row stopped after {made} of {tokens} tokens (end of sequence); "
+                           "use fewer --tokens")
     t = run.results[0].timing
     return t.prefill_s, t.per_token_s
 
@@ -223,7 +226,7 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--skip", nargs="*", default=[], help="contenders to leave out")
     parser.add_argument("--out", type=Path, default=HERE / "results")
@@ -322,9 +325,13 @@ def main(argv=None) -> int:
             except Exception as exc:  # noqa: BLE001 - a contender that fails is reported
                 notes[f"{name}@{batch}"] = f"failed: {exc}"
     failed = {k for k in notes if "@" in k}
+    order = np.random.default_rng(0)
     for r in range(args.rounds):
         for batch in args.batches:
-            for name, run in runners.items():
+            names = list(runners)
+            order.shuffle(names)  # no contender always runs right after the same other one
+            for name in names:
+                run = runners[name]
                 if f"{name}@{batch}" in failed:
                     continue
                 with rss:
@@ -416,7 +423,7 @@ def format_markdown(p: dict) -> str:
              + (f", {p['weight_bytes']['int8'] / 1e6:.0f} MB int8" if "int8" in p["weight_bytes"]
                 else "")
              + ("" if bw is None else f"; one-thread copy bandwidth {bw:.1f} GB/s"), "",
-             "| contender | batch | prefill ms | ms/step median | p90 | tokens/s | x floor | "
+             "| contender | batch | prefill ms | ms/step median | p90 of rounds | tokens/s | x floor | "
              "RSS added at load MB | process peak RSS MB |", "|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(p["results"], key=lambda r: (r["batch"], r["per_token_ms_median"])):
         floor = "-" if r["x_floor"] is None else f"{r['x_floor']:.2f} ({r['floor_ms']:.1f} ms)"

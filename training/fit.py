@@ -238,7 +238,12 @@ def compare_methods(config: FitConfig, methods: Sequence[str] = METHODS, *,
     labels = _labeled(prep, prep.test, "test")
     rows, panels = {}, {}
     for method in methods:
-        fit = _fit(method, prep)
+        try:
+            fit = _fit(method, prep)
+        except FitError as exc:  # e.g. DACA without agreement: a result, not a crash
+            logger.warning("%s: %s", method, exc)
+            rows[method] = {"error": str(exc)}
+            continue
         row, panels[method] = metric_row(_apply(fit, prep.polm[prep.test]), labels, config)
         row["fit"] = None if fit is None else fit.to_dict()
         rows[method] = row
@@ -397,6 +402,9 @@ def format_table(report: dict) -> str:
              "| method | T | acc | ECE [95% CI] | MCE | AECE | Brier | NLL |",
              "|---|---|---|---|---|---|---|---|"]
     for name, row in report["methods"].items():
+        if "error" in row:
+            lines.append(f"| {name} | - | fit failed: {row['error']} | - | - | - | - | - |")
+            continue
         fit = row.get("fit") or {}
         temp = fit.get("temperature")
         t_text = "vector" if "weights" in fit else ("1" if not fit else

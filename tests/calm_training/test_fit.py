@@ -71,6 +71,28 @@ def test_scores_are_cached(tiny_llama_tied, mc_file, monkeypatch):
     assert first["methods"]["ts"]["ece"] == second["methods"]["ts"]["ece"]
 
 
+def test_a_method_that_cannot_fit_is_reported_not_fatal(tiny_llama_tied, mc_file, monkeypatch,
+                                                        tmp_path):
+    from calm_runtime.errors import FitError
+    from calm_training import fit as fit_module
+
+    config = _config(tiny_llama_tied, mc_file, mode="letter", chat=False)
+    real_fit = fit_module._fit
+
+    def no_agreement(method, prep):
+        if method == "ts-vector":
+            raise FitError("the PLM and PoLM agree on none of the 12 items")
+        return real_fit(method, prep)
+
+    monkeypatch.setattr(fit_module, "_fit", no_agreement)
+    report = compare_methods(config, ("vanilla", "ts-vector", "ts"), progress=False)
+    assert report["methods"]["ts-vector"] == {"error": "the PLM and PoLM agree on none of the 12 items"}
+    assert "ece" in report["methods"]["ts"]
+    table = format_table(report)
+    assert "| ts-vector | - | fit failed: the PLM and PoLM agree on none" in table
+    assert write_report(report, tmp_path / "reports", "cmp")["png"].exists()
+
+
 def _relabel_by_model(config, path, tmp_path):
     """A copy of the data whose answers follow the model's own letter choice 80% of the time,
     so that fitted vector-scaling weights are positive (as on a real model)."""
