@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     parser.add_argument("--bins", type=int, default=10)
     parser.add_argument("--calm-adapters", default="calm-out/calm-real/adapters",
                         help="adapters trained by benchmarks/calm_real_run.py")
-    parser.add_argument("--calm-eval-limit", type=int, default=300,
+    parser.add_argument("--calm-eval-limit", type=int, default=200,
                         help="questions per part in the CALM section (--quick: 40)")
     parser.add_argument("--out", default=str(HERE / "results"))
     args = parser.parse_args(argv)

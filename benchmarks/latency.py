@@ -175,13 +175,32 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def genai_runner(engine: Path, device: str):
+def genai_folder(engine: Path, threads: int) -> Path:
+    """The engine folder as onnxruntime-genai sees it, with ``threads`` intra-op threads.
+
+    genai reads its thread count from ``genai_config.json`` (ONNX Runtime's default, one
+    per core, when absent); a temporary folder of links to the engine's files with an edited
+    copy of that file holds the comparison at the same thread count as calm's.
+    """
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="calm-genai-"))
+    for item in engine.iterdir():
+        if item.name != "genai_config.json":
+            (folder / item.name).symlink_to(item.resolve())
+    config = json.loads((engine / "genai_config.json").read_text())
+    config["model"]["decoder"].setdefault("session_options", {})["intra_op_num_threads"] = threads
+    (folder / "genai_config.json").write_text(json.dumps(config, indent=1))
+    return folder
+
+
+def genai_runner(engine: Path, device: str, threads: int):
     try:
         import onnxruntime_genai as og
     except ImportError:
         return None, "onnxruntime-genai is not installed (pip install 'calm[genai]')"
     try:
-        config = og.Config(str(engine))
+        config = og.Config(str(genai_folder(engine, threads)))
         if device == "cuda":
             config.clear_providers()
             config.append_provider("cuda")
@@ -305,7 +324,8 @@ def main(argv=None) -> int:
     if args.int8_engine:
         add_calm("calm-onnxruntime-int8", args.int8_engine)
     if "onnxruntime-genai" not in args.skip:
-        genai, why = load("onnxruntime-genai", lambda: genai_runner(args.engine, args.device))
+        genai, why = load("onnxruntime-genai", lambda: genai_runner(args.engine, args.device,
+                                                                     args.threads))
         if genai is not None:
             runners["onnxruntime-genai"] = lambda b: genai(prompt_ids, b, args.tokens)
         else:
