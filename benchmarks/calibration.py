@@ -51,7 +51,7 @@ def _calm_section(args) -> dict | None:
     real = calm_real_run.parse_args([
         "--model", args.model, "--reference", args.reference, "--adapters", args.calm_adapters,
         "--bins", str(args.bins), "--methods", *present,
-        "--eval-limit", str(40 if args.quick else args.calm_eval_limit)])
+        "--eval-limit", str(20 if args.quick else args.calm_eval_limit)])
     runs = calm_real_run.train_all(real)  # reuses the adapters, trains nothing
     report = calm_real_run.evaluate(real, runs)
     markdown = "\n\n".join(calm_real_run.format_set(n, e, args.bins)
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     parser.add_argument("--calm-adapters", default="calm-out/calm-real/adapters",
                         help="adapters trained by benchmarks/calm_real_run.py")
     parser.add_argument("--calm-eval-limit", type=int, default=200,
-                        help="questions per part in the CALM section (--quick: 40)")
+                        help="questions per part in the CALM section (--quick: 20)")
     parser.add_argument("--out", default=str(HERE / "results"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
