@@ -211,9 +211,8 @@ class CalibratedLM:
         if not isinstance(prompt, str):
             raise ConfigError("stream takes one prompt string; use generate for a batch")
         chat = options.pop("chat", False)
-        encoded = [self.encode_prompt(prompt, chat=chat)]
-        settings = self._settings(encoded, max_new_tokens, **_sampling_options(options))
-        run = GenerationRun(self.backend, self.tokenizer, encoded, settings)
+        run = self.generation_run([self.encode_prompt(prompt, chat=chat)], max_new_tokens,
+                                  **options)
         return (token for _, token in run)  # arguments are checked above, before iterating
 
     def _settings(self, encoded, max_new_tokens, temperature=0.0, top_k=0, top_p=1.0,

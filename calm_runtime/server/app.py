@@ -395,8 +395,8 @@ class _Server:
                         logprobs = (None if req.logprobs is None
                                     else completion_logprobs([token], req.logprobs, offset))
                     else:
-                        logprobs = ({"content": chat_logprobs([token], req.top_logprobs or 0)
-                                     ["content"], "refusal": None} if req.logprobs else None)
+                        logprobs = (chat_logprobs([token], req.top_logprobs or 0)
+                                    if req.logprobs else None)
                     offset += len(token.text)
                     yield _event(chunk(index, text, logprobs, None,
                                        {"token_confidence": token.confidence}))
