@@ -443,8 +443,9 @@ def format_markdown(p: dict) -> str:
              + (f", {p['weight_bytes']['int8'] / 1e6:.0f} MB int8" if "int8" in p["weight_bytes"]
                 else "")
              + ("" if bw is None else f"; one-thread copy bandwidth {bw:.1f} GB/s"), "",
-             "| contender | batch | prefill ms | ms/step median | p90 of rounds | tokens/s | x floor | "
-             "RSS added at load MB | process peak RSS MB |", "|---|---|---|---|---|---|---|---|---|"]
+             "| contender | batch | prefill ms | ms/step median | p90 of rounds | tokens/s | "
+             "x floor | RSS added at load MB | process peak RSS MB |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(p["results"], key=lambda r: (r["batch"], r["per_token_ms_median"])):
         floor = "-" if r["x_floor"] is None else f"{r['x_floor']:.2f} ({r['floor_ms']:.1f} ms)"
         added = r["rss_added_at_load_mb"]

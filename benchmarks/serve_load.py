@@ -101,8 +101,10 @@ def run_mode(lm, args, prompts, refs, *, batch_size: int, window_ms: float) -> d
     return {"max_batch_size": batch_size, "batch_window_ms": window_ms,
             "requests": len(rows), "errors": len(errors), "error_examples": errors[:3],
             "mismatches": len(mismatches), "wall_s": wall,
-            "latency_s_p50": _percentile(latencies, 50), "latency_s_p90": _percentile(latencies, 90),
-            "latency_s_p99": _percentile(latencies, 99), "latency_s_mean": statistics.fmean(latencies),
+            "latency_s_p50": _percentile(latencies, 50),
+            "latency_s_p90": _percentile(latencies, 90),
+            "latency_s_p99": _percentile(latencies, 99),
+            "latency_s_mean": statistics.fmean(latencies),
             "requests_per_s": len(rows) / wall, "tokens_per_s": tokens / wall, **batches}
 
 

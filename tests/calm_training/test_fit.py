@@ -86,7 +86,8 @@ def test_a_method_that_cannot_fit_is_reported_not_fatal(tiny_llama_tied, mc_file
 
     monkeypatch.setattr(fit_module, "_fit", no_agreement)
     report = compare_methods(config, ("vanilla", "ts-vector", "ts"), progress=False)
-    assert report["methods"]["ts-vector"] == {"error": "the PLM and PoLM agree on none of the 12 items"}
+    assert report["methods"]["ts-vector"] == {
+        "error": "the PLM and PoLM agree on none of the 12 items"}
     assert "ece" in report["methods"]["ts"]
     table = format_table(report)
     assert "| ts-vector | - | fit failed: the PLM and PoLM agree on none" in table
