@@ -309,20 +309,22 @@ def test_timeout_gives_504(engine_dir, direct):
 
 
 def test_graceful_shutdown_finishes_in_flight_requests(engine_dir, direct):
+    import json
+
     config = ServeConfig(engine=str(engine_dir), model_name=NAME, threads=1)
     ref = direct.generate(PROMPTS[4], max_new_tokens=64)
     with running(create_app(config, direct)) as (url, server):
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            pending = pool.submit(httpx.post, url + "/v1/completions", timeout=60, json={
-                "model": NAME, "prompt": PROMPTS[4], "max_tokens": 64, "temperature": 0})
-            deadline = time.monotonic() + 10
-            while "calm_requests_in_flight 1.0" not in httpx.get(url + "/metrics").text:
-                assert time.monotonic() < deadline, "the request never became in flight"
-                time.sleep(0.005)
-            server.should_exit = True  # what SIGTERM does
-            response = pending.result()
+        body = {"model": NAME, "prompt": PROMPTS[4], "max_tokens": 64, "temperature": 0,
+                "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            events = [next(line for line in lines if line.startswith("data: "))]
+            server.should_exit = True  # what SIGTERM does, with the request surely in flight
+            events += [line for line in lines if line.startswith("data: ")]
     assert response.status_code == 200
-    assert response.json()["choices"][0]["text"] == ref.text
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == ref.text
 
 
 SERVER_CHILD = r'''
