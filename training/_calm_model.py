@@ -25,10 +25,17 @@ class AnswerHead(torch.nn.Module):
         self.softcap = getattr(lm.config, "final_logit_softcapping", None)
 
     def forward(self, input_ids, attention_mask, flat_positions):
+        return self.project(self.hidden(input_ids, attention_mask, flat_positions))
+
+    def hidden(self, input_ids, attention_mask, flat_positions):
+        """The decoder's last hidden states ``[P, d]`` at the flat positions."""
         out = self.lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
                                     use_cache=False)
         hidden = out.last_hidden_state
-        hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat_positions)
+        return hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat_positions)
+
+    def project(self, hidden):
+        """Float32 logits ``[P, V]`` of hidden states through the LM head (and soft cap)."""
         z = self.lm.get_output_embeddings()(hidden).float()
         if self.softcap:
             z = (z / self.softcap).tanh() * self.softcap
@@ -60,6 +67,7 @@ class CalmModel:
         self.names = [n for n, _ in named]
         self.theta = [p for _, p in named]
         vocab = self.identity.vocab_size
+        self.alpha_index = None
         if config.method == "scalar":
             self.alpha_names = ["log_temperature"]
             self.alpha = [torch.zeros(1, device=device, requires_grad=True)]
@@ -70,6 +78,63 @@ class CalmModel:
             self.alpha = [torch.zeros(vocab, device=device, requires_grad=True)
                           for _ in range(2)]
 
+    def restrict_alpha(self, token_ids) -> None:
+        """Train τ, l only at ``token_ids`` (the identity elsewhere); α restarts at identity.
+        A no-op for methods without per-vocabulary α."""
+        if len(self.alpha) != 2:
+            return
+        vocab = self.identity.vocab_size
+        index = np.unique(np.asarray(list(token_ids), dtype=np.int64))
+        if index.size == 0 or index.min() < 0 or index.max() >= vocab:
+            raise ConfigError(f"alpha tokens must be ids in [0, {vocab}), got {index.size} "
+                              "ids; check the data and the tokenizer")
+        device = self.alpha[0].device
+        self.alpha_index = torch.as_tensor(index, device=device)
+        self.alpha = [torch.zeros(index.size, device=device, requires_grad=True)
+                      for _ in range(2)]
+
+    def load_lora(self, folder) -> None:
+        """Set θ to the LoRA weights of a peft folder (``adapter_model.safetensors``), which
+        must have this model's rank and target modules."""
+        from pathlib import Path
+
+        from safetensors.torch import load_file
+
+        path = Path(folder) / "adapter_model.safetensors"
+        if not path.is_file():
+            raise ConfigError(f"{folder} has no adapter_model.safetensors; point --init-lora "
+                              "at a peft LoRA folder or a calm adapter with a lora/ folder")
+        saved = load_file(str(path))
+        mine = {}
+        for name, param in zip(self.names, self.theta, strict=True):
+            key = _peft_key(name)
+            if key not in saved:
+                raise ConfigError(f"{folder} has no tensor {key}; its LoRA targets differ from "
+                                  "--lora-targets, use the same targets it was trained with")
+            if tuple(saved[key].shape) != tuple(param.shape):
+                raise ConfigError(f"{folder}: {key} has shape {tuple(saved[key].shape)}, this "
+                                  f"model {tuple(param.shape)}; use the same --lora-rank")
+            mine[key] = saved[key]
+        extra = sorted(set(saved) - set(mine))
+        if extra:
+            raise ConfigError(f"{folder} has {len(extra)} LoRA tensors this model lacks (e.g. "
+                              f"{extra[0]}); use the same --lora-targets it was trained with")
+        with torch.no_grad():
+            for name, param in zip(self.names, self.theta, strict=True):
+                param.copy_(mine[_peft_key(name)].to(param.dtype))
+
+    def set_alpha(self, log_tau=None, shift=None) -> None:
+        """Set α (``[V]`` vectors, or their entries at the trained tokens); None: identity."""
+        with torch.no_grad():
+            for param, value in zip(self.alpha, (log_tau, shift), strict=False):
+                if value is None:
+                    param.zero_()
+                    continue
+                value = torch.as_tensor(value, dtype=param.dtype, device=param.device)
+                if self.alpha_index is not None and value.numel() != param.numel():
+                    value = value[self.alpha_index]
+                param.copy_(value)
+
     def logits(self, theta, batch):
         """Float32 logits ``[P, V]`` at the batch's positions for LoRA values ``theta``."""
         from torch.func import functional_call
@@ -78,11 +143,19 @@ class CalmModel:
                                (batch.input_ids, batch.attention_mask, batch.flat_positions),
                                strict=False)
 
-    @staticmethod
-    def calibrate(z, alpha):
+    def full_alpha(self, alpha):
+        """``(log_tau, shift)`` over the whole vocabulary (zeros outside the trained tokens)."""
+        if self.alpha_index is None:
+            return alpha[0], alpha[1]
+        vocab = self.identity.vocab_size
+        return tuple(torch.zeros(vocab, dtype=a.dtype, device=a.device)
+                     .scatter(0, self.alpha_index, a) for a in alpha)
+
+    def calibrate(self, z, alpha):
         """``z_α``: the calibration formula of calm_runtime with ``tau = exp(log_tau)``."""
         if len(alpha) == 2:
-            return apply_calibration(z, torch.exp(alpha[0]), alpha[1])
+            log_tau, shift = self.full_alpha(alpha)
+            return apply_calibration(z, torch.exp(log_tau), shift)
         if len(alpha) == 1:
             return apply_calibration(z, torch.exp(alpha[0]))
         return z
@@ -93,40 +166,83 @@ class CalmModel:
         vocab = self.identity.vocab_size
         with torch.no_grad():
             if len(self.alpha) == 2:
-                return (torch.exp(self.alpha[0]).float().cpu().numpy(),
-                        self.alpha[1].float().cpu().numpy())
+                log_tau, shift = self.full_alpha(self.alpha)
+                return (torch.exp(log_tau).float().cpu().numpy(),
+                        shift.float().cpu().numpy())
             tau = (torch.exp(self.alpha[0]).float().cpu().expand(vocab) if self.alpha
                    else torch.ones(vocab))
             return tau.numpy().copy(), np.zeros(vocab, np.float32)
 
-    def objective(self, batches, loss: str):
+    def objective(self, batches, loss: str, *, alpha_l2: float = 0.0):
         """An :data:`~calm_training.bilevel.Objective` summed over micro-``batches`` (their
-        weights already divide by the rank's example count): ``ce`` or ``neg_entropy``."""
+        weights already divide by the rank's example count): ``ce``, ``neg_entropy`` (full
+        vocabulary) or ``neg_option_entropy`` (the K-option distribution). ``alpha_l2`` adds
+        ``alpha_l2 · Σ α²`` over the trained α entries once (not per batch)."""
 
         def objective(theta, alpha, grad_theta, grad_alpha):
             wrt = [*(theta if grad_theta else ()), *(alpha if grad_alpha else ())]
             total = torch.zeros((), dtype=torch.float64)
             grads = None
-            for batch in batches:
+            terms = [(batch, None) for batch in batches]
+            if alpha_l2 and alpha:
+                terms.append((None, alpha_l2))
+            for batch, l2 in terms:
                 with torch.set_grad_enabled(bool(wrt)):
-                    logp = self.calibrate(self.logits(theta, batch), alpha).log_softmax(-1)
-                    if loss == "ce":
-                        per = -logp.gather(1, batch.targets.clamp(min=0)[:, None]).squeeze(1)
+                    if batch is None:
+                        value = l2 * sum((a.double() ** 2).sum() for a in alpha)
                     else:
-                        per = (logp.exp() * logp).sum(-1)
-                    value = (per * batch.weights).sum()
+                        value = self.loss(theta, alpha, batch, loss)
                 total += value.detach().double().cpu()
-                if wrt:
+                if wrt and value.requires_grad:
                     parts = torch.autograd.grad(value, wrt, allow_unused=True)
                     parts = [torch.zeros_like(w) if p is None else p
                              for w, p in zip(wrt, parts, strict=True)]
                     grads = parts if grads is None else [
                         a + b for a, b in zip(grads, parts, strict=True)]
+            if wrt and grads is None:
+                grads = [torch.zeros_like(w) for w in wrt]
             n = len(theta) if grad_theta else 0
             return (total, grads[:n] if grad_theta else None,
                     grads[n:] if grad_alpha else None)
 
         return objective
+
+    def loss(self, theta, alpha, batch, loss: str):
+        """One batch's weighted loss (a scalar tensor)."""
+        logp = self.calibrate(self.logits(theta, batch), alpha).log_softmax(-1)
+        if loss == "ce":
+            per = -logp.gather(1, batch.targets.clamp(min=0)[:, None]).squeeze(1)
+        elif loss == "neg_entropy":
+            per = (logp.exp() * logp).sum(-1)
+        elif loss == "neg_option_entropy":
+            option_logp = option_log_probs(logp, batch)
+            neg_entropy = (option_logp.exp() * option_logp.masked_fill(
+                ~batch.option_mask, 0.0)).sum(-1)
+            return (neg_entropy * batch.example_weights).sum()
+        else:
+            raise ConfigError(f"unknown loss {loss!r}")
+        return (per * batch.weights).sum()
+
+
+def option_scores(logp, batch):
+    """Option scores ``[E, k_max]`` (``-inf`` where an option is absent) from the
+    log-probabilities ``[P, V]`` at an option-entropy batch's positions:
+    ``s_k = Σ scale · log p(target)`` over the positions of option ``k``."""
+    token_logp = logp.gather(1, batch.targets[:, None]).squeeze(1)
+    flat = torch.zeros(batch.option_mask.numel(), dtype=logp.dtype, device=logp.device)
+    flat = flat.index_add(0, batch.slots, token_logp * batch.scales.to(logp.dtype))
+    return flat.view(batch.option_mask.shape).masked_fill(~batch.option_mask, float("-inf"))
+
+
+def option_log_probs(logp, batch):
+    """``log softmax`` over each example's option scores, ``[E, k_max]``."""
+    return option_scores(logp, batch).log_softmax(-1)
+
+
+def _peft_key(name: str) -> str:
+    """The key peft's ``adapter_model.safetensors`` uses for a trainable parameter name."""
+    key = name.removeprefix("lm.").replace(".default.weight", ".weight")
+    return key if key.startswith("base_model.") else "base_model.model." + key
 
 
 class Ranks:

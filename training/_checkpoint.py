@@ -91,6 +91,7 @@ def load_checkpoint(trainer, folder: Path) -> None:
             p.copy_(tensors[f"theta/{n}"])
         for n, a in zip(m.alpha_names, m.alpha, strict=True):
             a.copy_(tensors[f"alpha/{n}"])
+    trainer.step = int(payload["step"])  # which optimizer is active depends on the step
     state: dict = {}
     for key, value in tensors.items():
         if key.startswith("optim/"):

@@ -12,10 +12,17 @@ METHODS.md §4. The lower level ``g(θ, α)`` is minimised over ``θ``; the uppe
    ``φ = η q`` (``phi="value"``); ``d = ∇f + λ∇q``.
 4. ``d`` is written into the parameters' ``.grad`` and the outer optimiser steps.
 
+With ``upper_theta=False`` (``--upper-params alpha``) ``∇_θ f`` is left out of ``∇f``: θ then
+moves only through ``λ∇_θ q``. Every step reports ``⟨d, ∇q⟩`` and ``cos(∇f, ∇q)``: with
+plain SGD the update ``u ← u − lr·d`` decreases ``q`` to first order exactly when
+``⟨d, ∇q⟩ > 0``, which ``λ`` guarantees (``⟨d, ∇q⟩ ≥ φ``) whenever ``λ > 0`` — the property
+BOME's analysis rests on. Adam rescales ``d`` per coordinate and adds momentum, so it keeps
+no such guarantee; the trainer watches ``q`` and warns when it grows.
+
 The ablations of the paper use the same machinery: :func:`regularization_step`
-(``d = ∇g + β∇f``, no constraint), :func:`iterate_step` (a θ step on ``g``, then an α step
-on ``f``, no coupling) and :func:`descent_step` (plain minimisation of one objective, e.g.
-LoRA fine-tuning without α).
+(``d = ∇g + β∇f``, no constraint), :func:`iterate_step` (a θ step on ``g``, then a step on
+``f`` without the coupling: over α only, or over θ and α with ``theta_path=True``) and
+:func:`descent_step` (plain minimisation of one objective, e.g. LoRA fine-tuning without α).
 
 Objectives are callables ``objective(theta, alpha, grad_theta, grad_alpha)`` returning
 ``(value, grads_theta, grads_alpha)``; the step passes leaf tensors whose ``requires_grad``
@@ -68,6 +75,8 @@ class BomeOptions:
         phi: ``"grad"`` for ``φ = η‖∇q‖²`` (the default of the BOME paper), ``"value"`` for
             ``φ = η q``.
         epsilon: added to ``‖∇q‖²`` in the denominator of ``λ``.
+        upper_theta: whether ``f``'s gradient reaches θ (``False``: θ moves only through
+            ``λ∇_θ q``; ``f`` then needs no gradient w.r.t. θ, which also saves a backward).
     """
 
     inner_steps: int = 3
@@ -75,6 +84,7 @@ class BomeOptions:
     eta: float = 0.5
     phi: str = "grad"
     epsilon: float = 1e-12
+    upper_theta: bool = True
 
     def __post_init__(self) -> None:
         problems = []
@@ -90,6 +100,8 @@ class BomeOptions:
             problems.append(f"phi must be one of {', '.join(PHI_MODES)}, got {self.phi!r}")
         if not (isinstance(self.epsilon, (int, float)) and self.epsilon > 0):
             problems.append(f"epsilon must be positive, got {self.epsilon!r}")
+        if not isinstance(self.upper_theta, bool):
+            problems.append(f"upper_theta must be True or False, got {self.upper_theta!r}")
         if problems:
             raise ConfigError("; ".join(problems) + "; fix the BOME options")
 
@@ -99,7 +111,8 @@ class StepStats:
     """What one outer step measured (global values under data parallelism).
 
     ``f`` and ``g`` are taken at the current ``(θ, α)`` before the update; ``g_inner`` is
-    ``g(θ~, α)``; ``q``, ``lam``, ``grad_q_norm`` are ``None`` for steps without the
+    ``g(θ~, α)``; ``q``, ``lam``, ``grad_q_norm``, ``d_dot_grad_q`` (``⟨d, ∇q⟩``) and
+    ``cos_f_q`` (``cos(∇f, ∇q)``, 0 when either is zero) are ``None`` for steps without the
     bilevel coupling; ``grad_f_norm`` is ``‖∇f‖`` over the variables ``f`` moved.
     """
 
@@ -110,6 +123,8 @@ class StepStats:
     lam: float | None = None
     grad_q_norm: float | None = None
     grad_f_norm: float | None = None
+    d_dot_grad_q: float | None = None
+    cos_f_q: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -209,17 +224,24 @@ def bome_step(theta: Sequence[torch.Tensor], alpha: Sequence[torch.Tensor], lowe
             tilde = [t - options.inner_lr * s
                      for t, s in zip(tilde, _split(step, tilde), strict=True)]
     g_inner, _, g_alpha_inner = _evaluate(lower, tilde, alpha_now, False, True, reduce)
-    f, f_theta, f_alpha = _evaluate(upper, theta_now, alpha_now, True, True, reduce)
+    f, f_theta, f_alpha = _evaluate(upper, theta_now, alpha_now, options.upper_theta, True,
+                                    reduce)
+    if not options.upper_theta:
+        f_theta = torch.zeros_like(g_theta0)
     q = g0 - g_inner
     grad_q = torch.cat([g_theta0, g_alpha0 - g_alpha_inner]).double()
     grad_f = torch.cat([f_theta, f_alpha]).double()
     q_sq = float(grad_q @ grad_q)
+    f_dot_q = float(grad_f @ grad_q)
     phi = options.eta * (q_sq if options.phi == "grad" else q)
-    lam = max((phi - float(grad_f @ grad_q)) / (q_sq + options.epsilon), 0.0)
-    direction = (grad_f + lam * grad_q).to(g_theta0.dtype)
-    _apply([*theta, *alpha], direction, optimizer)
+    lam = max((phi - f_dot_q) / (q_sq + options.epsilon), 0.0)
+    direction = grad_f + lam * grad_q
+    f_norm = _norm(grad_f)
+    cos = f_dot_q / (f_norm * math.sqrt(q_sq)) if f_norm > 0 and q_sq > 0 else 0.0
+    d_dot_q = float(direction @ grad_q)
+    _apply([*theta, *alpha], direction.to(g_theta0.dtype), optimizer)
     return StepStats(f=f, g=g0, q=q, g_inner=g_inner, lam=lam, grad_q_norm=math.sqrt(q_sq),
-                     grad_f_norm=_norm(grad_f))
+                     grad_f_norm=f_norm, d_dot_grad_q=d_dot_q, cos_f_q=cos)
 
 
 def regularization_step(theta: Sequence[torch.Tensor], alpha: Sequence[torch.Tensor],
@@ -237,20 +259,28 @@ def regularization_step(theta: Sequence[torch.Tensor], alpha: Sequence[torch.Ten
 
 
 def iterate_step(theta: Sequence[torch.Tensor], alpha: Sequence[torch.Tensor], lower: Objective,
-                 upper: Objective, optimizer: torch.optim.Optimizer, *,
+                 upper: Objective, optimizer: torch.optim.Optimizer, *, theta_path: bool = False,
                  reduce: Reduce | None = None) -> StepStats:
-    """Alternate without coupling: a θ step along ``∇_θ g``, then an α step along ``∇_α f``.
+    """Alternate without the coupling ``λ∇q``: a θ step along ``∇_θ g``, then a step on ``f``.
 
-    ``f`` is evaluated after the θ step (at the new θ); the reported ``f`` and ``g`` are the
-    values each step started from.
+    The ``f`` step moves α only (``theta_path=False``: "no coupling, α only") or θ and α
+    together (``theta_path=True``: "no coupling, θ path kept", f's gradient reaches θ as in
+    the bilevel step). ``f`` is evaluated after the θ step (at the new θ); the reported ``f``
+    and ``g`` are the values each step started from.
     """
     alpha_now = [a.detach() for a in alpha]
     g, g_theta, _ = _evaluate(lower, [t.detach() for t in theta], alpha_now, True, False,
                               reduce)
     _apply(list(theta), g_theta, optimizer)
-    f, _, f_alpha = _evaluate(upper, [t.detach() for t in theta], alpha_now, False, True, reduce)
-    _apply(list(alpha), f_alpha, optimizer)
-    return StepStats(f=f, g=g, grad_f_norm=_norm(f_alpha))
+    f, f_theta, f_alpha = _evaluate(upper, [t.detach() for t in theta], alpha_now, theta_path,
+                                    True, reduce)
+    if theta_path:
+        grad_f = torch.cat([f_theta, f_alpha])
+        _apply([*theta, *alpha], grad_f, optimizer)
+    else:
+        grad_f = f_alpha
+        _apply(list(alpha), f_alpha, optimizer)
+    return StepStats(f=f, g=g, grad_f_norm=_norm(grad_f))
 
 
 def descent_step(theta: Sequence[torch.Tensor], alpha: Sequence[torch.Tensor], lower: Objective,

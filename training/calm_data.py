@@ -30,6 +30,11 @@ distribution counts, and the target token there (``-1``: entropy only).
   with ``positions="answer"`` only where the answer starts (K times cheaper);
 * multiple choice, letter mode — the letter prompt (chat template when configured);
   training: CE on the answer letter; calibration: entropy at the answer position;
+* multiple choice with ``entropy="options"`` (calibration only) — the entropy of the
+  K-option distribution the evaluation reads: cloze, every option's text as above with its
+  tokens as targets, each position tagged with its option and the weight the score variant
+  gives it (``sum`` 1, ``mean`` 1/tokens, ``char`` 1/characters), so that
+  ``s_k = Σ weight · log p(token)``; letter, the answer position once per option letter;
 * open QA — ``"Question: ...\\nAnswer:" + " {answers[0]}"``; training: CE on the answer
   tokens; calibration: entropy at the first answer position (the end of the prompt).
 
@@ -58,12 +63,20 @@ from calm_runtime.data import (
     split_records,
 )
 from calm_runtime.errors import ConfigError, DataError
-from calm_runtime.prompts import cloze_context, cloze_continuation, letter_prompt, letter_tokens
+from calm_runtime.prompts import (
+    CLOZE_VARIANTS,
+    cloze_context,
+    cloze_continuation,
+    letter_prompt,
+    letter_tokens,
+    option_char_count,
+)
 
 from .scoring import _encode, _render_chat, single_token_id
 
 __all__ = [
     "CALIBRATION_POSITIONS",
+    "ENTROPY_KINDS",
     "TRAIN_PART",
     "UNLABELED_PART",
     "TRAIN_SPLIT_FRACTION",
@@ -74,6 +87,7 @@ __all__ = [
     "load_records",
     "encode_training",
     "encode_calibration",
+    "answer_token_ids",
     "collate",
     "batch_indices",
 ]
@@ -81,6 +95,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 CALIBRATION_POSITIONS = ("options", "answer")
+#: the upper objective's entropy: of the K-option distribution the evaluation reads
+#: (``options``) or of the full next-token distribution at the answer positions (``vocab``)
+ENTROPY_KINDS = ("options", "vocab")
 TRAIN_PART = "train"
 UNLABELED_PART = "unlabeled"
 TRAIN_SPLIT_FRACTION = 0.5
@@ -139,11 +156,17 @@ def load_records(specs: Sequence[str], *, labeled: bool, limit: int | None = Non
 @dataclass(frozen=True)
 class Example:
     """Token sequences and the positions (``(sequence, index)``) whose next-token
-    distribution enters the loss, with the target token there (``-1``: entropy only)."""
+    distribution enters the loss, with the target token there (``-1``: entropy only).
+
+    Option-entropy examples also give, per position, the option it scores (``options``)
+    and its weight in that option's score (``scales``).
+    """
 
     sequences: tuple[tuple[int, ...], ...]
     positions: tuple[tuple[int, int], ...]
     targets: tuple[int, ...]
+    options: tuple[int, ...] | None = None
+    scales: tuple[float, ...] | None = None
 
 
 def _fit_length(context: list[int], continuation: list[int], max_length: int):
@@ -177,14 +200,21 @@ def _answer_position(context: list[int], max_length: int) -> Example:
 
 class _Encoder:
     def __init__(self, tokenizer, *, mode: str, chat: bool, max_length: int,
-                 positions: str = "options") -> None:
+                 positions: str = "options", entropy: str = "vocab",
+                 variant: str = "mean") -> None:
         if mode not in ("cloze", "letter"):
             raise ConfigError(f"mode must be cloze or letter, got {mode!r}")
         if positions not in CALIBRATION_POSITIONS:
             raise ConfigError(f"calibration positions must be one of "
                               f"{', '.join(CALIBRATION_POSITIONS)}, got {positions!r}")
         self.tokenizer, self.mode, self.chat, self.max_length = tokenizer, mode, chat, max_length
-        self.positions = positions
+        if entropy not in ENTROPY_KINDS:
+            raise ConfigError(f"entropy must be one of {', '.join(ENTROPY_KINDS)}, got "
+                              f"{entropy!r}")
+        if variant not in CLOZE_VARIANTS:
+            raise ConfigError(f"cloze variant must be one of {', '.join(CLOZE_VARIANTS)}, got "
+                              f"{variant!r}")
+        self.positions, self.entropy, self.variant = positions, entropy, variant
         self._letters: dict[int, list[int]] = {}
 
     def context(self, text: str) -> list[int]:
@@ -210,8 +240,29 @@ class _Encoder:
         tgt = -1 if target is None else self.letter_ids(len(record.choices))[target]
         return Example((tuple(prompt),), ((0, len(prompt) - 1),), (tgt,))
 
+    def option_example(self, record: MultipleChoiceRecord) -> Example:
+        """The positions that score every option, tagged with option and weight."""
+        if self.mode == "letter":
+            base = self.letter_example(record, None)
+            ids = self.letter_ids(len(record.choices))
+            return Example(base.sequences, base.positions * len(ids), tuple(ids),
+                           tuple(range(len(ids))), (1.0,) * len(ids))
+        context = _encode(self.tokenizer, cloze_context(record.question), special=True)
+        conts = [self.continuation(o) for o in record.choices]
+        example = _continuation_example(context, conts, self.max_length, targets=True)
+        options, scales = [], []
+        for k, cont in enumerate(conts):
+            n = sum(1 for s, _ in example.positions if s == k)
+            divisor = {"sum": 1, "mean": max(n, 1),
+                       "char": option_char_count(record.choices[k])}[self.variant]
+            options += [k] * n
+            scales += [1.0 / divisor] * n
+        return replace(example, options=tuple(options), scales=tuple(scales))
+
     def encode(self, record: Record, *, labeled: bool) -> Example:
         if isinstance(record, MultipleChoiceRecord):
+            if not labeled and self.entropy == "options":
+                return self.option_example(record)
             if self.mode == "letter":
                 return self.letter_example(record, record.answer if labeled else None)
             context = _encode(self.tokenizer, cloze_context(record.question), special=True)
@@ -225,6 +276,9 @@ class _Encoder:
             if labeled:
                 return _continuation_example(context, [self.continuation(record.answers[0])],
                                              self.max_length, targets=True)
+            if self.entropy == "options":
+                raise DataError("the options entropy needs multiple-choice calibration records "
+                                "and this one is open QA; use --entropy vocab")
             return _answer_position(context, self.max_length)
         raise DataError(f"cannot train on a {type(record).__name__}; use multiple-choice or "
                         "open-QA records")
@@ -238,16 +292,39 @@ def encode_training(records: Sequence[Record], tokenizer, *, mode: str, chat: bo
 
 
 def encode_calibration(records: Sequence[Record], tokenizer, *, mode: str, chat: bool,
-                       max_length: int, positions: str = "options") -> list[Example]:
-    """Unlabeled examples for the upper level (entropy at the answer positions).
+                       max_length: int, positions: str = "options", entropy: str = "vocab",
+                       variant: str = "mean") -> list[Example]:
+    """Unlabeled examples for the upper level.
 
-    ``positions`` (cloze multiple choice only): ``options`` — every position that predicts
-    an option token, all options (one sequence each); ``answer`` — only the position where
-    the answer starts (one sequence per question, about K times cheaper).
+    ``entropy="vocab"``: the full next-token entropy at the answer positions; ``positions``
+    (cloze multiple choice only) says which: ``options`` — every position that predicts an
+    option token, all options (one sequence each); ``answer`` — only the position where the
+    answer starts (one sequence per question, about K times cheaper).
+    ``entropy="options"``: the entropy of the K-option distribution (module docstring),
+    cloze scores of the ``variant`` (:data:`~calm_runtime.prompts.CLOZE_VARIANTS`).
     """
     encoder = _Encoder(tokenizer, mode=mode, chat=chat, max_length=max_length,
-                       positions=positions)
+                       positions=positions, entropy=entropy, variant=variant)
     return [encoder.encode(r, labeled=False) for r in records]
+
+
+def answer_token_ids(records: Sequence[Record], tokenizer, *, mode: str, chat: bool) -> set[int]:
+    """Every token an answer can be read from: the tokens of every option text (cloze) or
+    the option letters (letter) of multiple-choice records, and of every answer alias of
+    open-QA records — where ``--alpha-tokens options`` trains τ and l."""
+    encoder = _Encoder(tokenizer, mode=mode, chat=chat, max_length=1 << 30)
+    ids: set[int] = set()
+    for record in records:
+        if isinstance(record, MultipleChoiceRecord):
+            if mode == "letter":
+                ids.update(encoder.letter_ids(len(record.choices)))
+            else:
+                for option in record.choices:
+                    ids.update(encoder.continuation(option))
+        elif isinstance(record, OpenQARecord):
+            for answer in record.answers:
+                ids.update(encoder.continuation(answer))
+    return ids
 
 
 # ---------------------------------------------------------------------------- batches
@@ -256,7 +333,10 @@ class TokenBatch:
     """Right-padded sequences and the flat positions ``row * length + index`` to read.
 
     ``weights`` sum to ``n_examples / normaliser``; ``targets`` is ``-1`` where only the
-    entropy counts.
+    entropy counts. Option-entropy batches also carry ``slots`` (``[P]``, the option
+    ``example * k_max + k`` each position scores), ``scales`` (``[P]``, its weight in that
+    score), ``option_mask`` (``[E, k_max]``, which options exist) and ``example_weights``
+    (``[E]``, ``1 / normaliser``); they are ``None`` otherwise.
     """
 
     input_ids: object  # torch.LongTensor [S, L]
@@ -264,11 +344,15 @@ class TokenBatch:
     flat_positions: object  # torch.LongTensor [P]
     targets: object  # torch.LongTensor [P]
     weights: object  # torch.FloatTensor [P]
+    slots: object = None  # torch.LongTensor [P]
+    scales: object = None  # torch.FloatTensor [P]
+    option_mask: object = None  # torch.BoolTensor [E, k_max]
+    example_weights: object = None  # torch.FloatTensor [E]
 
     def to(self, device) -> TokenBatch:
-        return TokenBatch(*(t.to(device) for t in (self.input_ids, self.attention_mask,
-                                                   self.flat_positions, self.targets,
-                                                   self.weights)))
+        return TokenBatch(*(None if t is None else t.to(device) for t in (
+            self.input_ids, self.attention_mask, self.flat_positions, self.targets,
+            self.weights, self.slots, self.scales, self.option_mask, self.example_weights)))
 
 
 def collate(examples: Sequence[Example], normaliser: int, pad_id: int) -> TokenBatch:
@@ -280,8 +364,15 @@ def collate(examples: Sequence[Example], normaliser: int, pad_id: int) -> TokenB
     ids = torch.full((len(sequences), length), pad_id, dtype=torch.long)
     mask = torch.zeros((len(sequences), length), dtype=torch.long)
     flat, targets, weights = [], [], []
+    with_options = [e.options is not None for e in examples]
+    if any(with_options) and not all(with_options):
+        raise ConfigError("a batch mixes option-entropy examples with others; encode the "
+                          "calibration set with one entropy kind")
+    k_max = max((max(e.options) + 1 for e in examples if e.options), default=0)
+    slots, scales = [], []
+    option_mask = torch.zeros((len(examples), max(k_max, 1)), dtype=torch.bool)
     row = 0
-    for example in examples:
+    for e_index, example in enumerate(examples):
         for s, seq in enumerate(example.sequences):
             ids[row + s, :len(seq)] = torch.as_tensor(seq, dtype=torch.long)
             mask[row + s, :len(seq)] = 1
@@ -290,10 +381,21 @@ def collate(examples: Sequence[Example], normaliser: int, pad_id: int) -> TokenB
             flat.append((row + s) * length + index)
             targets.append(target)
             weights.append(weight)
+        if example.options is not None:
+            for k, scale in zip(example.options, example.scales, strict=True):
+                slots.append(e_index * k_max + k)
+                scales.append(scale)
+                option_mask[e_index, k] = True
         row += len(example.sequences)
+    options = {}
+    if k_max:
+        options = {"slots": torch.as_tensor(slots, dtype=torch.long),
+                   "scales": torch.as_tensor(scales, dtype=torch.float32),
+                   "option_mask": option_mask,
+                   "example_weights": torch.full((len(examples),), 1.0 / normaliser)}
     return TokenBatch(ids, mask, torch.as_tensor(flat, dtype=torch.long),
                       torch.as_tensor(targets, dtype=torch.long),
-                      torch.as_tensor(weights, dtype=torch.float32))
+                      torch.as_tensor(weights, dtype=torch.float32), **options)
 
 
 def batch_indices(n: int, batch_size: int, step: int, seed: int, stream: int) -> np.ndarray:

@@ -40,20 +40,26 @@ import numpy as np
 
 from calm_runtime.artifact import CalibrationAdapter
 from calm_runtime.errors import ConfigError, FitError
+from calm_runtime.prompts import CLOZE_VARIANTS
 
 from . import calm_data
 
-__all__ = ["METHODS", "OPTIMIZERS", "PHI_MODES", "CalmConfig", "TrainResult", "train_calm",
+__all__ = ["METHODS", "OPTIMIZERS", "PHI_MODES", "UPPER_PARAMS", "ALPHA_TOKENS", "CalmConfig", "TrainResult", "train_calm",
            "latest_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
-#: bilevel: BOME (METHODS.md §4); regularization: min g + β f; iterate: alternate θ on g and
-#: α on f; scalar: BOME with α one learned temperature; lora: plain LoRA fine-tuning (no α)
-METHODS = ("bilevel", "regularization", "iterate", "scalar", "lora")
+#: bilevel: BOME (METHODS.md §4); regularization: min g + β f; iterate-theta: alternate a θ
+#: step on g and a (θ, α) step on f, no coupling; iterate-alpha: alternate a θ step on g and an
+#: α step on f, no coupling; scalar: BOME with α one learned temperature; lora: plain LoRA
+#: fine-tuning (no α)
+METHODS = ("bilevel", "regularization", "iterate-theta", "iterate-alpha", "scalar", "lora")
 OPTIMIZERS = ("adam", "sgd")
 PHI_MODES = ("grad", "value")  # the same as calm_training.bilevel.PHI_MODES (torch-free here)
-KINDS = {"bilevel": "calm", "regularization": "calm_regularization", "iterate": "calm_iterate",
+UPPER_PARAMS = ("all", "alpha")
+ALPHA_TOKENS = ("all", "options")
+KINDS = {"bilevel": "calm", "regularization": "calm_regularization",
+         "iterate-theta": "calm_iterate_theta", "iterate-alpha": "calm_iterate_alpha",
          "scalar": "calm_scalar", "lora": "lora"}
 
 
@@ -77,10 +83,26 @@ class CalmConfig:
         inner_lr: step size of those inner steps (plain gradient descent).
         outer_lr: learning rate of the outer optimiser for the LoRA weights.
         alpha_lr: learning rate for α (default ``outer_lr``).
-        optimizer: ``adam`` or ``sgd`` (with ``momentum``) for the outer update.
+        optimizer: ``sgd`` (with ``momentum``; the step BOME's guarantee is about) or
+            ``adam`` for the outer update.
         momentum: SGD momentum.
         phi: ``grad`` (``φ = η‖∇q‖²``) or ``value`` (``φ = η q``).
         eta: ``η`` of ``φ``.
+        warm_start_steps: the first this many of ``steps`` are plain LoRA steps (Adam at
+            ``warm_start_lr``, α fixed at the identity) before the method's own steps.
+        warm_start_lr: Adam's learning rate during the warm start.
+        init_lora: start θ from this peft LoRA folder (or a calm adapter with ``lora/``).
+        entropy: the upper objective: ``options`` (entropy of the K-option distribution the
+            evaluation reads) or ``vocab`` (full next-token entropy at the answer positions).
+        cloze_variant: the cloze score variant of the options entropy (``sum``, ``mean``,
+            ``char``), the one evaluation uses.
+        upper_params: ``all`` (f's gradient moves θ and α) or ``alpha`` (α only; θ then
+            moves through ``λ∇q``).
+        alpha_tokens: ``all`` (τ, l over the whole vocabulary) or ``options`` (only the
+            tokens of the options/answers in the training and calibration data).
+        alpha_l2: weight of the penalty ``Σ (log τ)² + l²`` added to f (0: none).
+        q_window: warn when the mean of q over the last this many steps exceeds the mean
+            over the this many before.
         beta: weight of ``f`` in the ``regularization`` ablation (``g + β f``).
         lora_rank, lora_alpha, lora_targets: the peft LoRA (dropout 0, B initialised to 0).
         max_length: longest sequence in tokens (contexts are cut from the left).
@@ -111,6 +133,15 @@ class CalmConfig:
     momentum: float = 0.9
     phi: str = "grad"
     eta: float = 0.5
+    warm_start_steps: int = 0
+    warm_start_lr: float = 1e-3
+    init_lora: str | None = None
+    entropy: str = "vocab"
+    cloze_variant: str = "mean"
+    upper_params: str = "all"
+    alpha_tokens: str = "all"
+    alpha_l2: float = 0.0
+    q_window: int = 10
     beta: float = 1.0
     lora_rank: int = 8
     lora_alpha: float = 16.0
@@ -141,6 +172,21 @@ class CalmConfig:
                             f"of {', '.join(calm_data.CALIBRATION_POSITIONS)}")
         if self.phi not in PHI_MODES:
             problems.append(f"phi {self.phi!r} is not one of {', '.join(PHI_MODES)}")
+        for name, allowed in (("entropy", calm_data.ENTROPY_KINDS),
+                              ("cloze_variant", CLOZE_VARIANTS),
+                              ("upper_params", UPPER_PARAMS), ("alpha_tokens", ALPHA_TOKENS)):
+            if getattr(self, name) not in allowed:
+                problems.append(f"{name} {getattr(self, name)!r} is not one of "
+                                f"{', '.join(allowed)}")
+        if not _is_int(self.warm_start_steps, 0) or not _is_int(self.q_window, 2):
+            problems.append(f"warm_start_steps must be an integer >= 0 and q_window >= 2, got "
+                            f"{self.warm_start_steps!r}, {self.q_window!r}")
+        elif _is_int(self.steps, 1) and self.method != "lora" \
+                and self.warm_start_steps >= self.steps:
+            problems.append(f"warm_start_steps {self.warm_start_steps} leaves none of the "
+                            f"{self.steps} steps to the {self.method} method; raise --steps")
+        if self.init_lora is not None and not isinstance(self.init_lora, str):
+            object.__setattr__(self, "init_lora", os.fspath(self.init_lora))
         if not self.train or not self.calibration:
             problems.append("give at least one train and one calibration data spec")
         for name in ("steps", "batch_size", "grad_accumulation", "inner_steps", "lora_rank",
@@ -154,12 +200,12 @@ class CalmConfig:
         if not _is_int(self.checkpoint_every, 0) or not _is_int(self.seed, 0):
             problems.append(f"checkpoint_every and seed must be integers >= 0, got "
                             f"{self.checkpoint_every!r}, {self.seed!r}")
-        for name in ("inner_lr", "outer_lr", "lora_alpha"):
+        for name in ("inner_lr", "outer_lr", "lora_alpha", "warm_start_lr"):
             if not _positive(getattr(self, name)):
                 problems.append(f"{name} must be a positive number, got {getattr(self, name)!r}")
         if self.alpha_lr is not None and not _positive(self.alpha_lr):
             problems.append(f"alpha_lr must be a positive number or None, got {self.alpha_lr!r}")
-        for name in ("eta", "beta", "momentum"):
+        for name in ("eta", "beta", "momentum", "alpha_l2"):
             value = getattr(self, name)
             if not (_positive(value) or value == 0):
                 problems.append(f"{name} must be a finite number >= 0, got {value!r}")
@@ -256,21 +302,41 @@ class _Trainer:
                   "max_length": config.max_length}
         self.train_examples = calm_data.encode_training(train, **encode)
         self.cal_examples = calm_data.encode_calibration(
-            cal, **encode, positions=config.calibration_positions)
+            cal, **encode, positions=config.calibration_positions, entropy=config.entropy,
+            variant=config.cloze_variant)
+        if config.alpha_tokens == "options":
+            self.model.restrict_alpha(calm_data.answer_token_ids(
+                [*train, *cal], self.model.tokenizer, mode=config.mode, chat=chat))
+        if config.init_lora is not None:
+            self.model.load_lora(_lora_folder(config.init_lora))
         self.pad = _pad_id(self.model.tokenizer)
         groups = [{"params": self.model.theta, "lr": config.outer_lr}]
         if self.model.alpha:
             groups.append({"params": self.model.alpha, "lr": config.alpha_lr or config.outer_lr})
-        self.optimizer = (torch.optim.Adam(groups) if config.optimizer == "adam" else
-                          torch.optim.SGD(groups, momentum=config.momentum))
+        self.outer_optimizer = (torch.optim.Adam(groups) if config.optimizer == "adam" else
+                                torch.optim.SGD(groups, momentum=config.momentum))
+        self.warm_optimizer = (torch.optim.Adam(self.model.theta, lr=config.warm_start_lr)
+                               if config.warm_start_steps and config.method != "lora" else None)
         self.options = BomeOptions(inner_steps=config.inner_steps, inner_lr=config.inner_lr,
                                    eta=config.eta, phi=config.phi,
-                                   epsilon=CalmConfig.LAMBDA_EPSILON)
+                                   epsilon=CalmConfig.LAMBDA_EPSILON,
+                                   upper_theta=config.upper_params == "all")
         self.history: list[dict] = []
         self.step = 0
+        self.q_warnings = 0
         if config.checkpoint_every and self.checkpoint_dir is None:
             logger.warning("checkpoint_every=%d but no checkpoint directory (no --out); no "
                            "checkpoints will be written", config.checkpoint_every)
+
+    @property
+    def warming(self) -> bool:
+        """Whether the next step is a warm-start (plain LoRA) step."""
+        return self.warm_optimizer is not None and self.step < self.config.warm_start_steps
+
+    @property
+    def optimizer(self):
+        """The optimizer of the next step (the warm start's, then the method's)."""
+        return self.warm_optimizer if self.warming else self.outer_optimizer
 
     def _batches(self, examples, batch_size: int, stream: int):
         idx = calm_data.batch_indices(len(examples), batch_size, self.step, self.config.seed,
@@ -279,29 +345,57 @@ class _Trainer:
                 .to(self.device) for chunk in np.array_split(idx, self.config.grad_accumulation)]
 
     def one_step(self) -> dict:
+        import torch
+
         from .bilevel import bome_step, descent_step, iterate_step, regularization_step
 
         cfg, m = self.config, self.model
-        lower = m.objective(self._batches(self.train_examples, cfg.batch_size, 0), "ce")
-        upper = m.objective(self._batches(self.cal_examples, cfg.cal_batch_size, 1),
-                            "neg_entropy")
+        train_batches = self._batches(self.train_examples, cfg.batch_size, 0)
+        lower = m.objective(train_batches, "ce")
+        upper_loss = "neg_option_entropy" if cfg.entropy == "options" else "neg_entropy"
+        upper = m.objective(self._batches(self.cal_examples, cfg.cal_batch_size, 1), upper_loss,
+                            alpha_l2=cfg.alpha_l2)
         reduce = self.dist.reduce
-        if cfg.method in ("bilevel", "scalar"):
+        phase = "warm-start" if self.warming else cfg.method
+        g_identity = None  # g with α at the identity (comparable with plain LoRA's g)
+        if m.alpha and phase != "warm-start":
+            identity = [a.detach().new_zeros(a.shape) for a in m.alpha]
+            value, _, _ = lower([t.detach() for t in m.theta], identity, False, False)
+            value = value.reshape(1).to(device=m.theta[0].device, dtype=torch.float64)
+            g_identity = float(reduce(value)[0])
+        if phase in ("bilevel", "scalar"):
             stats = bome_step(m.theta, m.alpha, lower, upper, self.optimizer, self.options,
                               reduce=reduce)
-        elif cfg.method == "regularization":
+        elif phase == "regularization":
             stats = regularization_step(m.theta, m.alpha, lower, upper, self.optimizer,
                                         cfg.beta, reduce=reduce)
-        elif cfg.method == "iterate":
-            stats = iterate_step(m.theta, m.alpha, lower, upper, self.optimizer, reduce=reduce)
-        else:
+        elif phase in ("iterate-theta", "iterate-alpha"):
+            stats = iterate_step(m.theta, m.alpha, lower, upper, self.optimizer,
+                                 theta_path=phase == "iterate-theta", reduce=reduce)
+        else:  # plain LoRA, or the warm start of another method
             stats = descent_step(m.theta, m.alpha, lower, upper, self.optimizer, reduce=reduce)
+        if g_identity is None:
+            g_identity = stats.g
         self.step += 1
         tau, shift = m.tau_shift()
-        return {"step": self.step, **stats.to_dict(),
+        return {"step": self.step, "phase": phase, **stats.to_dict(), "g_identity": g_identity,
                 "tau_min": float(tau.min()), "tau_max": float(tau.max()),
                 "tau_mean": float(tau.mean()), "shift_min": float(shift.min()),
                 "shift_max": float(shift.max()), "shift_mean": float(shift.mean())}
+
+    def _watch_q(self, row: dict) -> None:
+        """Warn when q grew: mean over the last ``q_window`` steps above the window before."""
+        n = self.config.q_window
+        qs = [r["q"] for r in self.history if r.get("q") is not None]
+        if row.get("q") is None or len(qs) < 2 * n or len(qs) % n:
+            return
+        before, last = float(np.mean(qs[-2 * n:-n])), float(np.mean(qs[-n:]))
+        if last > before:
+            self.q_warnings += 1
+            logger.warning("step %d: q grew from %.3g to %.3g (mean over %d steps): the outer "
+                           "steps are leaving the lower-level optimum; use --outer-optimizer "
+                           "sgd, a smaller --outer-lr or a larger --eta", row["step"], before,
+                           last, n)
 
     def run(self, out, resume: bool, overwrite: bool, progress: bool) -> TrainResult:
         from tqdm.auto import tqdm
@@ -313,6 +407,7 @@ class _Trainer:
         bar = tqdm(total=cfg.steps, initial=self.step, desc=f"calm {cfg.method}", unit="step",
                    disable=not progress or self.dist.rank != 0)
         warned = False
+        self.inner_increases = sum(1 for r in self.history if (r.get("q") or 0) < 0)
         while self.step < cfg.steps:
             row = self.one_step()
             self.history.append(row)
@@ -323,10 +418,14 @@ class _Trainer:
                                    "lower the learning rates; nothing was written")
             if self.dist.rank == 0:
                 logger.info("step %d/%d %s", row["step"], cfg.steps, _log_line(row))
-            if row["q"] is not None and row["q"] < 0 and not warned and self.dist.rank == 0:
-                warned = True
-                logger.warning("step %d: q = %.3g < 0, the inner steps increased g; lower "
-                               "inner_lr (now %g)", row["step"], row["q"], cfg.inner_lr)
+                self._watch_q(row)
+            if row["q"] is not None and row["q"] < 0 and self.dist.rank == 0:
+                self.inner_increases += 1
+                if not warned:
+                    warned = True
+                    logger.warning("step %d: g(θ~) > g(θ) (q = %.3g < 0): the inner steps "
+                                   "increased g; lower --inner-lr (now %g)", row["step"],
+                                   row["q"], cfg.inner_lr)
             bar.set_postfix_str(_log_line(row, short=True), refresh=False)
             bar.update(1)
             if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
@@ -356,18 +455,22 @@ class _Trainer:
 
         cfg = self.config
         tau, shift = self.model.tau_shift()
-        keys = ("step", "f", "g", "q", "lam", "grad_q_norm", "tau_min", "tau_max",
-                "shift_min", "shift_max")
+        keys = ("step", "phase", "f", "g", "g_identity", "q", "lam", "grad_q_norm",
+                "d_dot_grad_q", "cos_f_q", "tau_min", "tau_max", "shift_min", "shift_max")
         every = max(1, math.ceil(len(self.history) / 50))
-        curve = [{k: r[k] for k in keys} for r in self.history[::every]]
+        curve = [{k: r.get(k) for k in keys} for r in self.history[::every]]
         if self.history and curve[-1]["step"] != self.history[-1]["step"]:
-            curve.append({k: self.history[-1][k] for k in keys})
+            curve.append({k: self.history[-1].get(k) for k in keys})
         return CalibrationAdapter(
             base_model=self.model.identity, tau=tau, shift=shift, temperature=1.0,
             kind=KINDS[cfg.method],
             method={"name": "calm", "variant": cfg.method, "mode": cfg.mode,
-                    "alpha": self.model.alpha_names, "settings": cfg.to_dict()},
+                    "alpha": self.model.alpha_names, "settings": cfg.to_dict(),
+                    "alpha_token_count": (None if self.model.alpha_index is None
+                                          else int(self.model.alpha_index.numel()))},
             metrics={"training": {"steps": self.step, "seconds": round(seconds, 3),
+                                  "q_growth_warnings": self.q_warnings,
+                                  "inner_increases": self.inner_increases,
                                   "first": self.history[0] if self.history else None,
                                   "last": self.history[-1] if self.history else None,
                                   "curve": curve}},
@@ -399,6 +502,22 @@ class _Trainer:
         logger.info("resumed from %s at step %d", folder, self.step)
 
 
+def _lora_folder(path: str) -> Path:
+    """A peft LoRA folder from ``--init-lora``: the folder itself or a calm adapter's
+    ``lora/``."""
+    folder = Path(path)
+    if (folder / "adapter_model.safetensors").is_file():
+        return folder
+    if (folder / "calm_adapter.json").is_file():
+        lora = CalibrationAdapter.from_pretrained(folder).lora_path
+        if lora is None:
+            raise ConfigError(f"--init-lora {path}: the adapter has no LoRA; give an adapter "
+                              "trained with a LoRA (calm train) or a peft folder")
+        return Path(lora)
+    raise ConfigError(f"--init-lora {path}: not a peft LoRA folder (no "
+                      "adapter_model.safetensors) nor a calm adapter; check the path")
+
+
 def _log_line(row: dict, short: bool = False) -> str:
     def num(key, fmt=".4g"):
         return "-" if row.get(key) is None else format(row[key], fmt)
@@ -406,6 +525,8 @@ def _log_line(row: dict, short: bool = False) -> str:
     if short:
         return (f"f={num('f', '.3f')} g={num('g', '.3f')} q={num('q', '.2e')} "
                 f"lam={num('lam', '.2g')} tau=[{num('tau_min', '.3f')},{num('tau_max', '.3f')}]")
-    return (f"f={num('f')} g={num('g')} q={num('q')} lam={num('lam')} "
+    return (f"[{row.get('phase', '-')}] f={num('f')} g={num('g')} "
+            f"g(identity)={num('g_identity')} q={num('q')} lam={num('lam')} "
+            f"<d,grad q>={num('d_dot_grad_q')} cos(grad f,grad q)={num('cos_f_q', '.3f')} "
             f"|grad q|={num('grad_q_norm')} tau=[{num('tau_min')}, {num('tau_max')}] "
             f"l=[{num('shift_min')}, {num('shift_max')}]")

@@ -1,0 +1,376 @@
+"""Does CALM keep its accuracy? The deciding experiment, arm by arm, on a real model.
+
+    python benchmarks/calm_replication.py --direction arc-easy     # train + evaluate one
+    python benchmarks/calm_replication.py --direction sciq
+    python benchmarks/calm_replication.py --report                 # merge both into the table
+    python benchmarks/calm_replication.py --direction arc-easy --smoke   # 3 steps, 16 questions
+
+Model: SmolLM2-135M-Instruct. A *direction* trains on one set and evaluates in domain on that
+set's test part and out of domain on the others: ``arc-easy`` (out of domain: SciQ,
+ARC-Challenge, MMLU) and ``sciq`` (out of domain: ARC-Easy, ARC-Challenge, MMLU). Training
+data: ``DIR:train`` (labeled, CE) and ``DIR:unlabeled`` (calibration set, no labels), the two
+halves of DIR's 30% calibration part; test parts are never trained on. Nothing selects
+checkpoints: every arm is read after its last step. η of the SGD arms is chosen on the
+training split (``--eta-grid``): a short warm-started probe per value, keeping the η with
+the lowest option NLL on ``DIR:train`` (labels of the training split only).
+
+Arms, all with the same step budget (``--steps``; a warm start counts against it):
+
+* ``lora`` — plain LoRA fine-tuning (Adam), no α;
+* ``calm-adam-vocab`` — CALM as it was first built: Adam, full-vocabulary entropy at the
+  answer position, θ and α both moved by f, no warm start;
+* ``calm-sgd-vocab`` — plain SGD (BOME's step), warm start, η from the probe;
+* ``calm-sgd-options`` — the same with the entropy of the K-option distribution;
+* ``calm-sgd-options-alpha`` — and f's gradient on α only (θ moves through λ∇q);
+* ``calm-sgd-options-alpha-tok`` — and α only on the option tokens, with an L2 penalty.
+
+Evaluation (cloze, per-token mean scores, questions with four options, ``--eval-limit``
+test questions per set): every arm with and without its α, the base model with the arm's
+α, and each arm (and the base model) with labeled temperature scaling fitted in domain on
+``DIR``'s calibration half that no arm trained on with labels (the ``unlabeled`` half,
+with its labels) and carried over to every set. ECE with a 95% bootstrap interval (10
+bins), mean confidence, accuracy, a flag when accuracy is within 5 points of chance, and
+the full-vocabulary entropy at the answer position.
+
+Writes ``OUT/calm_replication.parts/DIR.json`` per direction; ``--report`` merges them into
+``OUT/calm_replication.json`` and ``.md`` (the README's table is generated from the JSON by
+``--report``). Adapters go to ``--adapters``; present ones are reused (``--retrain``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from _common import git_commit
+
+from calm_runtime import metrics
+from calm_runtime.artifact import CalibrationAdapter
+from calm_runtime.data import load_dataset, split_records
+from calm_training import calm_data, daca
+from calm_training.fit import option_probabilities
+from calm_training.trainer import CalmConfig, train_calm
+
+HERE = Path(__file__).resolve().parent
+SETS = ("arc-easy", "sciq", "arc-challenge", "mmlu")
+K = 4
+VARIANT = "mean"
+logger = logging.getLogger("calm_replication")
+
+#: settings shared by every arm (the plain LoRA recipe of the project's earlier CALM run)
+COMMON = {"batch_size": 8, "calibration_batch_size": 8, "lora_rank": 8, "lora_alpha": 16.0,
+          "max_length": 256, "inner_steps": 2, "inner_lr": 0.01, "cloze_variant": VARIANT}
+SGD = {"method": "bilevel", "optimizer": "sgd", "momentum": 0.9, "outer_lr": 0.1,
+       "alpha_lr": 0.05, "calibration_positions": "answer"}
+ARMS = {
+    "lora": {"method": "lora", "optimizer": "adam", "outer_lr": 1e-3},
+    "calm-adam-vocab": {"method": "bilevel", "optimizer": "adam", "outer_lr": 1e-3,
+                        "alpha_lr": 5e-3, "entropy": "vocab", "calibration_positions": "answer"},
+    "calm-sgd-vocab": {**SGD, "entropy": "vocab"},
+    "calm-sgd-options": {**SGD, "entropy": "options"},
+    "calm-sgd-options-alpha": {**SGD, "entropy": "options", "upper_params": "alpha"},
+    "calm-sgd-options-alpha-tok": {**SGD, "entropy": "options", "upper_params": "alpha",
+                                   "alpha_tokens": "options", "alpha_l2": 1e-3},
+}
+WARM = ("calm-sgd-vocab", "calm-sgd-options", "calm-sgd-options-alpha",
+        "calm-sgd-options-alpha-tok")
+
+
+def _config(args, direction: str, arm: str, **extra) -> CalmConfig:
+    settings = {**COMMON, **ARMS[arm], "steps": args.steps, **extra}
+    if arm in WARM:
+        settings.setdefault("warm_start_steps", args.warm_start_steps)
+        if "eta" not in settings:
+            settings["eta"] = args.eta
+    return CalmConfig(model=args.model, train=(f"{direction}:train",),
+                      calibration=(f"{direction}:unlabeled",), seed=args.seed, **settings)
+
+
+def _four(records):
+    return [r for r in records if len(r.choices) == K]
+
+
+def _labeled_unlabeled_half(name: str):
+    """``NAME:unlabeled`` with its labels (the TS fit set; no arm trained on its labels)."""
+    return split_records(load_dataset(f"{name}:calibration"), calm_data.TRAIN_SPLIT_FRACTION,
+                         calm_data.TRAIN_SPLIT_SEED)[1]
+
+
+def _evaluator(args):
+    from calm_training._calm_model import CalmModel
+    from calm_training.option_eval import OptionEvaluator
+
+    config = CalmConfig(model=args.model, train=("-",), calibration=("-",), method="bilevel",
+                        lora_rank=COMMON["lora_rank"], lora_alpha=COMMON["lora_alpha"])
+    model = CalmModel(config, _device())
+    return OptionEvaluator(model, mode="cloze", variant=VARIANT,
+                           max_length=COMMON["max_length"], batch_size=args.eval_batch_size)
+
+
+def _device():
+    import torch
+
+    return torch.device("cpu")
+
+
+def choose_eta(args, direction: str) -> dict:
+    """η of the SGD arms: the probe (warm start + ``--probe-steps`` bilevel steps) whose
+    option NLL on ``DIR:train`` is lowest."""
+    if len(args.eta_grid) == 1:
+        return {"eta": args.eta_grid[0], "probe": []}
+    train = _four(calm_data.resolve_records(f"{direction}:train"))
+    probe = []
+    for eta in args.eta_grid:
+        from calm_training.option_eval import OptionEvaluator
+
+        config = _config(args, direction, "calm-sgd-vocab", eta=eta,
+                         steps=args.warm_start_steps + args.probe_steps)
+        result = train_calm(config, None, progress=False)
+        tau, shift = result.model.tau_shift()
+        evaluator = OptionEvaluator(result.model, mode="cloze", variant=VARIANT,
+                                    max_length=COMMON["max_length"],
+                                    batch_size=args.eval_batch_size)
+        hidden = evaluator.hidden(train)
+        scores, _ = evaluator.scores(hidden, tau, shift)
+        nll = metrics.nll(option_probabilities(scores), hidden.labels)
+        probe.append({"eta": eta, "train_option_nll": nll,
+                      "q_last": result.history[-1]["q"]})
+        logger.info("probe eta=%g: option NLL on %s:train %.4f", eta, direction, nll)
+    best = min(probe, key=lambda r: r["train_option_nll"])
+    return {"eta": best["eta"], "probe": probe}
+
+
+def train_arms(args, direction: str) -> dict:
+    runs = {}
+    for arm in args.arms:
+        out = Path(args.adapters) / direction / arm
+        if out.is_dir() and not args.retrain:
+            adapter = CalibrationAdapter.from_pretrained(out)
+            training = adapter.metrics.get("training", {})
+            logger.info("reusing %s", out)
+        else:
+            result = train_calm(_config(args, direction, arm), out, overwrite=True,
+                                progress=not args.quiet)
+            training = result.adapter.metrics["training"]
+        runs[arm] = {"dir": str(out), "seconds": training.get("seconds"),
+                     "steps": training.get("steps"), "last": training.get("last"),
+                     "q_growth_warnings": training.get("q_growth_warnings"),
+                     "settings": CalibrationAdapter.from_pretrained(out).method["settings"]}
+        logger.info("%s/%s: %s steps in %s s", direction, arm, runs[arm]["steps"],
+                    runs[arm]["seconds"])
+    return runs
+
+
+def _row(direction, method, eval_set, with_alpha, probs, labels, entropy, args) -> dict:
+    conf = probs.max(axis=1)
+    correct = (probs.argmax(axis=1) == labels).astype(float)
+    acc = float(correct.mean())
+    lo, hi = metrics.bootstrap_interval(lambda c, k: metrics.ece(c, k, args.bins), conf,
+                                        correct, n_resamples=args.bootstrap)
+    return {"direction": direction, "method": method, "eval_set": eval_set,
+            "in_domain": eval_set == direction, "with_alpha": with_alpha, "accuracy": acc,
+            "ece": float(metrics.ece(conf, correct, args.bins)), "ece_ci": [lo, hi],
+            "mean_confidence": float(conf.mean()), "near_chance": acc < 1.0 / K + 0.05,
+            "answer_vocab_entropy": None if entropy is None else float(np.mean(entropy)),
+            "n": int(labels.size)}
+
+
+def evaluate(args, direction: str, runs: dict, evaluator) -> list[dict]:
+    sets = {name: _four(load_dataset(f"{name}:test"))[:args.eval_limit] for name in SETS}
+    ts_set = _four(_labeled_unlabeled_half(direction))
+    rows = []
+    states = [("vanilla", None)] + [(arm, run) for arm, run in runs.items()]
+    for arm, run in states:
+        if run is None:
+            evaluator.reset_lora()
+            alphas = {True: (None, None)}
+        else:
+            adapter = CalibrationAdapter.from_pretrained(run["dir"])
+            evaluator.model.load_lora(adapter.lora_path)
+            alphas = {True: (adapter.tau, adapter.shift)}
+            if arm != "lora":
+                alphas[False] = (None, None)
+        hidden_ts = evaluator.hidden(ts_set)
+        fits = {}
+        for with_alpha, (tau, shift) in alphas.items():
+            s, _ = evaluator.scores(hidden_ts, tau, shift)
+            fits[with_alpha] = daca.fit_temperature_scaling(s, hidden_ts.labels).temperature
+        for name, records in sets.items():
+            hidden = evaluator.hidden(records, progress=not args.quiet)
+            for with_alpha, (tau, shift) in alphas.items():
+                scores, entropy = evaluator.scores(hidden, tau, shift)
+                label = arm if with_alpha or arm == "vanilla" else f"{arm}/no-alpha"
+                rows.append(_row(direction, label, name, with_alpha or arm == "lora",
+                                 option_probabilities(scores), hidden.labels, entropy, args))
+                t = fits[with_alpha]
+                ts_row = _row(direction, f"{label}+ts", name, with_alpha or arm == "lora",
+                              option_probabilities(scores, t), hidden.labels, None, args)
+                ts_row["temperature"] = t
+                rows.append(ts_row)
+        logger.info("%s/%s evaluated", direction, arm)
+    # the base model with each arm's α (the α alone, without its LoRA)
+    evaluator.reset_lora()
+    hidden_sets = {name: evaluator.hidden(records) for name, records in sets.items()}
+    for arm, run in runs.items():
+        if arm == "lora":
+            continue
+        adapter = CalibrationAdapter.from_pretrained(run["dir"])
+        for name, hidden in hidden_sets.items():
+            scores, entropy = evaluator.scores(hidden, adapter.tau, adapter.shift)
+            rows.append(_row(direction, f"base+{arm}-alpha", name, True,
+                             option_probabilities(scores), hidden.labels, entropy, args))
+    return rows
+
+
+def run_direction(args) -> int:
+    direction = args.direction
+    started = time.perf_counter()
+    chosen = choose_eta(args, direction)
+    args.eta = chosen["eta"]
+    runs = train_arms(args, direction)
+    rows = evaluate(args, direction, runs, _evaluator(args))
+    part = {"command": args.command, "commit": git_commit(), "direction": direction,
+            "eta": chosen, "runs": runs, "rows": rows,
+            "wall_s": round(time.perf_counter() - started, 1),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "settings": {k: v for k, v in vars(args).items() if k != "command"}}
+    folder = Path(args.out) / ("calm_replication_smoke.parts" if args.smoke
+                               else "calm_replication.parts")
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{direction}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(part, indent=1, default=str) + "\n")
+    tmp.replace(path)
+    print(f"wrote {path}")
+    return 0
+
+
+def pick_default(rows: list[dict], runs: dict) -> str:
+    """The faithful arm (not plain LoRA, not the first-built Adam arm) that best keeps
+    in-domain accuracy against plain LoRA, then has the lowest in-domain ECE."""
+    def in_domain(direction, method):
+        return next(r for r in rows if r["direction"] == direction and r["method"] == method
+                    and r["in_domain"])
+
+    directions = sorted({r["direction"] for r in rows})
+    candidates = [a for a in runs if a.startswith("calm-sgd")]
+    if not candidates:
+        return "none"
+
+    def key(arm):
+        gaps = [in_domain(d, "lora")["accuracy"] - in_domain(d, arm)["accuracy"]
+                for d in directions]
+        eces = [in_domain(d, arm)["ece"] for d in directions]
+        return (max(0.02, max(gaps)), float(np.mean(eces)))
+
+    return min(candidates, key=key)
+
+
+def report(args) -> int:
+    folder = Path(args.out) / "calm_replication.parts"
+    parts = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
+    if not parts:
+        print(f"no direction results in {folder}; run --direction first", file=sys.stderr)
+        return 1
+    rows = [r for p in parts for r in p["rows"]]
+    default = pick_default(rows, parts[0]["runs"])
+    payload = {"command": " && ".join(p["command"] for p in parts) + " && " + args.command,
+               "commit": ",".join(sorted({p["commit"] for p in parts})),
+               "default_method": default, "rows": rows,
+               "directions": {p["direction"]: {"eta": p["eta"], "wall_s": p["wall_s"],
+                                               "runs": p["runs"]} for p in parts}}
+    out = Path(args.out)
+    (out / "calm_replication.json").write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    (out / "calm_replication.md").write_text(render(payload) + "\n")
+    print(render(payload))
+    return 0
+
+
+def render(payload: dict) -> str:
+    lines = [f"Generated by `{payload['command']}` at {payload['commit']}.", "",
+             f"Default arm chosen: **{payload['default_method']}**.", ""]
+    for direction, info in payload["directions"].items():
+        lines += [f"## trained on {direction}", "",
+                  f"η = {info['eta']['eta']} (probe: {info['eta']['probe']})", "",
+                  "| arm | steps | train s | last f | last g | last g (α=identity) | last q |"
+                  " q-growth warnings |", "|---|---|---|---|---|---|---|---|"]
+        for arm, run in info["runs"].items():
+            last = run.get("last") or {}
+
+            def num(key, last=last):
+                value = last.get(key)
+                return "-" if value is None else f"{value:.3g}"
+            lines.append(f"| {arm} | {run['steps']} | {run['seconds']:.0f} | {num('f')} | "
+                         f"{num('g')} | {num('g_identity')} | {num('q')} | "
+                         f"{run.get('q_growth_warnings')} |")
+        lines += [""]
+        for eval_set in SETS:
+            sel = [r for r in payload["rows"] if r["direction"] == direction
+                   and r["eval_set"] == eval_set]
+            if not sel:
+                continue
+            where = "in domain" if sel[0]["in_domain"] else "out of domain"
+            flag = " (near chance)" if any(r["near_chance"] for r in sel
+                                           if r["method"] == "vanilla") else ""
+            lines += [f"### {eval_set} ({where}{flag}, n={sel[0]['n']})", "",
+                      "| method | α | acc | ECE [95% CI] | mean conf | answer-position entropy |",
+                      "|---|---|---|---|---|---|"]
+            for r in sel:
+                ent = "-" if r["answer_vocab_entropy"] is None else \
+                    f"{r['answer_vocab_entropy']:.2f}"
+                chance = " *" if r["near_chance"] else ""
+                lines.append(f"| {r['method']} | {'yes' if r['with_alpha'] else 'no'} | "
+                             f"{r['accuracy']:.3f}{chance} | {r['ece']:.3f} [{r['ece_ci'][0]:.3f}, "
+                             f"{r['ece_ci'][1]:.3f}] | {r['mean_confidence']:.3f} | {ent} |")
+            lines += [""]
+    lines += ["`*`: accuracy within 5 points of chance (0.25)."]
+    return "\n".join(lines)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--direction", choices=["arc-easy", "sciq"])
+    parser.add_argument("--report", action="store_true", help="merge the directions' results")
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warm-start-steps", type=int, default=10)
+    parser.add_argument("--eta-grid", type=float, nargs="+", default=[0.5, 2.0])
+    parser.add_argument("--probe-steps", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--eval-limit", type=int, default=100)
+    parser.add_argument("--eval-batch-size", type=int, default=16)
+    parser.add_argument("--bins", type=int, default=10)
+    parser.add_argument("--bootstrap", type=int, default=1000)
+    parser.add_argument("--smoke", action="store_true", help="3 steps, 16 questions per set")
+    parser.add_argument("--retrain", action="store_true")
+    parser.add_argument("--adapters", default="calm-out/calm-replication/adapters")
+    parser.add_argument("--out", default=str(HERE / "results"))
+    parser.add_argument("-q", "--quiet", action="store_true")
+    args = parser.parse_args(argv)
+    args.command = "python benchmarks/calm_replication.py " + " ".join(
+        argv if argv is not None else sys.argv[1:])
+    if args.smoke:
+        args.steps, args.warm_start_steps, args.eval_limit, args.probe_steps = 3, 1, 16, 1
+        args.bootstrap = 50
+        args.adapters = args.adapters.replace("calm-replication", "calm-replication-smoke")
+    if not args.report and not args.direction:
+        parser.error("give --direction arc-easy|sciq, or --report")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return report(args) if args.report else run_direction(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
