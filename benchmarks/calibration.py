@@ -10,11 +10,7 @@ interval, MCE, AECE, Brier, NLL; the bin count is named in every table). Writes
 ``results/calibration.json``, ``results/calibration.md`` and one reliability-diagram PNG
 per (data set, mode, variant), each naming the command and the commit that produced it.
 
-Training-time methods: when the adapters of ``benchmarks/calm_real_run.py`` exist
-(``--calm-adapters``, default ``calm-out/calm-real/adapters``; train them with that script),
-the same run adds its evaluation — CALM, plain LoRA, the ablations and CALM + DACA against
-vanilla, DACA and labeled TS fitted in-domain (ARC-Easy + SciQ) and carried over to MMLU and
-ARC-Challenge (out-of-domain), cloze mode, mean scores. Without them the section says so.
+Training-time calibration (CALM) has its own benchmark, ``benchmarks/calm_replication.py``.
 """
 
 from __future__ import annotations
@@ -37,30 +33,6 @@ MC_METHODS = ("vanilla", "naive", "daca", "daca-vector", "ts", "ts-vector")
 
 
 
-def _calm_section(args) -> dict | None:
-    """CALM and its baselines in- and out-of-domain, from calm_real_run's adapters."""
-    import calm_real_run
-
-    present = [m for m in calm_real_run.TRAINED
-               if (Path(args.calm_adapters) / calm_real_run.KIND[m]).is_dir()]
-    if not present:
-        logging.getLogger("calibration").warning(
-            "no CALM adapters under %s: the training-time rows are left out (train them with "
-            "python benchmarks/calm_real_run.py)", args.calm_adapters)
-        return None
-    real = calm_real_run.parse_args([
-        "--model", args.model, "--reference", args.reference, "--adapters", args.calm_adapters,
-        "--bins", str(args.bins), "--methods", *present,
-        "--eval-limit", str(20 if args.quick else args.calm_eval_limit)])
-    runs = calm_real_run.train_all(real)  # reuses the adapters, trains nothing
-    report = calm_real_run.evaluate(real, runs)
-    markdown = "\n\n".join(calm_real_run.format_set(n, e, args.bins)
-                            for n, e in report.items())
-    return {"adapters": args.calm_adapters, "eval_limit": real.eval_limit,
-            "evaluation": report, "markdown": "## Training-time calibration (CALM)\n\n" +
-            markdown}
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -73,10 +45,6 @@ def main(argv=None) -> int:
                         choices=["sum", "mean", "char"])
     parser.add_argument("--quick", action="store_true", help="first 200 questions of each set")
     parser.add_argument("--bins", type=int, default=10)
-    parser.add_argument("--calm-adapters", default="calm-out/calm-real/adapters",
-                        help="adapters trained by benchmarks/calm_real_run.py")
-    parser.add_argument("--calm-eval-limit", type=int, default=200,
-                        help="questions per part in the CALM section (--quick: 20)")
     parser.add_argument("--out", default=str(HERE / "results"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -104,14 +72,9 @@ def main(argv=None) -> int:
                 results.append(report)
                 tables.append(format_table(report))
                 print(tables[-1] + "\n", flush=True)
-    calm_section = _calm_section(args)
-    if calm_section is not None:
-        tables.append(calm_section["markdown"])
-        print(tables[-1] + "\n", flush=True)
     provenance["wall_s"] = round(time.perf_counter() - start, 1)
     (out / "calibration.json").write_text(json.dumps({"provenance": provenance,
-                                                      "results": results,
-                                                      "calm": calm_section}, indent=1) + "\n")
+                                                      "results": results}, indent=1) + "\n")
     header = (f"# Calibration benchmark\n\nProduced by `{provenance['command']}` at commit "
               f"{provenance['commit']} on {provenance['date']} ({provenance['wall_s']} s).\n"
               "Metrics on the held-out test split; fits on the 30% calibration split "

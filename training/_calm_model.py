@@ -35,8 +35,11 @@ class AnswerHead(torch.nn.Module):
         return hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat_positions)
 
     def project(self, hidden):
-        """Float32 logits ``[P, V]`` of hidden states through the LM head (and soft cap)."""
-        z = self.lm.get_output_embeddings()(hidden).float()
+        """Logits ``[P, V]`` of hidden states through the LM head (and soft cap), at least in
+        float32 (half precision is upcast; float64 stays, for gradient checks)."""
+        z = self.lm.get_output_embeddings()(hidden)
+        if z.dtype != torch.float64:
+            z = z.float()
         if self.softcap:
             z = (z / self.softcap).tanh() * self.softcap
         return z

@@ -251,7 +251,7 @@ class _Encoder:
         conts = [self.continuation(o) for o in record.choices]
         example = _continuation_example(context, conts, self.max_length, targets=True)
         options, scales = [], []
-        for k, cont in enumerate(conts):
+        for k in range(len(conts)):
             n = sum(1 for s, _ in example.positions if s == k)
             divisor = {"sum": 1, "mean": max(n, 1),
                        "char": option_char_count(record.choices[k])}[self.variant]

@@ -251,7 +251,7 @@ examples:
 
 
 def _register_train(sub) -> None:
-    from calm_training.trainer import METHODS, OPTIMIZERS, CalmConfig
+    from calm_training.trainer import ALPHA_TOKENS, METHODS, OPTIMIZERS, UPPER_PARAMS, CalmConfig
 
     d = CalmConfig.__dataclass_fields__
     t = sub.add_parser("train", help="CALM: train LoRA + per-token calibration (bilevel)",
@@ -266,7 +266,11 @@ def _register_train(sub) -> None:
                    help="unlabeled calibration data (repeatable), e.g. sciq:unlabeled")
     t.add_argument("--out", required=True, help="adapter directory to write")
     t.add_argument("--method", default="bilevel", choices=METHODS,
-                   help="bilevel (CALM); ablations: regularization, iterate, scalar; "
+                   help="bilevel (CALM, the default); ablations: regularization (min g + beta "
+                        "f, no constraint), iterate-theta (alternate a LoRA step on g and a "
+                        "step of LoRA and tau/shift on f: no coupling, theta path kept), "
+                        "iterate-alpha (alternate a LoRA step on g and a tau/shift step on f: "
+                        "no coupling, alpha only), scalar (one learned temperature); "
                         "lora = plain LoRA fine-tuning without calibration")
     t.add_argument("--mode", default="cloze", choices=["cloze", "letter"],
                    help="multiple choice: CE on the option text (cloze) or its letter")
@@ -282,7 +286,15 @@ def _register_train(sub) -> None:
             ("inner-lr", float, "step size of the inner steps"),
             ("outer-lr", float, "outer learning rate (LoRA)"),
             ("alpha-lr", float, "outer learning rate of tau/shift (default: --outer-lr)"),
-            ("momentum", float, "SGD momentum"), ("eta", float, "eta of phi"),
+            ("momentum", float, "SGD momentum"),
+            ("eta", float, "eta of phi: larger keeps the LoRA closer to the lower-level "
+             "optimum"),
+            ("warm-start-steps", int, "the first N of --steps are plain LoRA steps (Adam, "
+             "tau/shift fixed at identity) before the bilevel phase"),
+            ("warm-start-lr", float, "Adam learning rate of the warm start"),
+            ("alpha-l2", float, "weight of the penalty sum((log tau)^2 + shift^2) added to "
+             "the upper objective"),
+            ("q-window", int, "warn when q's mean over the last N steps exceeds the N before"),
             ("beta", float, "weight of f in the regularization ablation"),
             ("lora-rank", int, "LoRA rank"), ("lora-alpha", float, "LoRA alpha"),
             ("max-length", int, "longest sequence in tokens"), ("seed", int, "seed"),
@@ -291,13 +303,36 @@ def _register_train(sub) -> None:
         name = flag.replace("-", "_")
         t.add_argument(f"--{flag}", type=kind, default=d[name].default,
                        help=f"{text} (default {d[name].default})")
-    t.add_argument("--optimizer", default=d["optimizer"].default, choices=OPTIMIZERS)
+    t.add_argument("--outer-optimizer", "--optimizer", dest="optimizer",
+                   default=d["optimizer"].default, choices=OPTIMIZERS,
+                   help="outer update: sgd (plain SGD with --momentum: the step whose "
+                        "decrease of q BOME guarantees) or adam (rescales the step per "
+                        f"coordinate; no such guarantee) (default {d['optimizer'].default})")
+    t.add_argument("--init-lora", metavar="DIR",
+                   help="start the LoRA from this peft folder or calm adapter (same rank and "
+                        "targets)")
+    t.add_argument("--entropy", default=d["entropy"].default, choices=["options", "vocab"],
+                   help="upper objective: entropy of the K-option distribution the evaluation "
+                        "reads (options) or of the full next-token distribution at the "
+                        f"answer positions (vocab) (default {d['entropy'].default})")
+    t.add_argument("--cloze-variant", default=d["cloze_variant"].default,
+                   choices=["sum", "mean", "char"],
+                   help="cloze score variant of the options entropy (default "
+                        f"{d['cloze_variant'].default}, as calm fit/eval)")
+    t.add_argument("--upper-params", default=d["upper_params"].default, choices=UPPER_PARAMS,
+                   help="what f's gradient moves: all (LoRA and tau/shift) or alpha "
+                        "(tau/shift only; the LoRA then moves through lambda*grad q) "
+                        f"(default {d['upper_params'].default})")
+    t.add_argument("--alpha-tokens", default=d["alpha_tokens"].default, choices=ALPHA_TOKENS,
+                   help="train tau/shift on the whole vocabulary (all) or only on the tokens "
+                        "of the options/answers in the training and calibration data "
+                        f"(options; identity elsewhere) (default {d['alpha_tokens'].default})")
     t.add_argument("--calibration-positions", default=d["calibration_positions"].default,
                    choices=["options", "answer"],
                    help="cloze: entropy at every option-token position (options) or only "
                         "where the answer starts (answer, K times cheaper)")
     t.add_argument("--phi", default=d["phi"].default, choices=["grad", "value"],
-                   help="phi = eta*|grad q|^2 (grad) or eta*q (value)")
+                   help="phi = eta*|grad q|^2 (grad) or eta*q (value) (default grad)")
     t.add_argument("--lora-targets", default=",".join(d["lora_targets"].default),
                    help="comma-separated module names to adapt")
     t.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")

@@ -44,8 +44,8 @@ from calm_runtime.prompts import CLOZE_VARIANTS
 
 from . import calm_data
 
-__all__ = ["METHODS", "OPTIMIZERS", "PHI_MODES", "UPPER_PARAMS", "ALPHA_TOKENS", "CalmConfig", "TrainResult", "train_calm",
-           "latest_checkpoint"]
+__all__ = ["METHODS", "OPTIMIZERS", "PHI_MODES", "UPPER_PARAMS", "ALPHA_TOKENS", "CalmConfig",
+           "TrainResult", "train_calm", "latest_checkpoint"]
 
 logger = logging.getLogger(__name__)
 

@@ -127,6 +127,14 @@ def test_the_ablation_steps_follow_their_directions():
     assert torch.allclose(alpha.detach(), alpha0 - MU * alpha0)  # ∇_α f after the θ step
     assert stats.q is None and stats.lam is None
 
+    # "no coupling, θ path kept": the f step also moves θ, by ∇_θ f at the new θ
+    theta, alpha = theta0.clone().requires_grad_(), alpha0.clone().requires_grad_()
+    iterate_step([theta], [alpha], lo, up, torch.optim.SGD([theta, alpha], lr=1.0),
+                 theta_path=True)
+    after_g = theta0 - r
+    assert torch.allclose(theta.detach(), after_g - (after_g - c))
+    assert torch.allclose(alpha.detach(), alpha0 - MU * alpha0)
+
     theta, alpha = theta0.clone().requires_grad_(), alpha0.clone().requires_grad_()
     stats = descent_step([theta], [alpha], lo, up, torch.optim.SGD([theta, alpha], lr=1.0))
     assert torch.allclose(theta.detach(), theta0 - r) and torch.equal(alpha.detach(), alpha0)
@@ -156,3 +164,71 @@ def test_options_collect_every_problem():
     message = str(info.value)
     for word in ("inner_steps", "inner_lr", "eta", "phi"):
         assert word in message
+
+
+def _q_now(lower, theta, alpha, options):
+    """``q(u)`` as the step defines it: ``g(θ, α) − g(θ~, α)`` with fresh inner steps."""
+    th = [t.detach().clone().requires_grad_() for t in theta]
+    tilde = th[0].detach().clone()
+    for _ in range(options.inner_steps):
+        t = tilde.clone().requires_grad_()
+        (grad,) = torch.autograd.grad(lower([t], alpha), [t])
+        tilde = tilde - options.inner_lr * grad
+    return float((lower(th, alpha) - lower([tilde], alpha)).detach())
+
+
+@pytest.mark.parametrize("phi", ["grad", "value"])
+def test_plain_sgd_step_decreases_q_whenever_lambda_is_positive(phi):
+    """BOME's property: with λ > 0, ⟨d, ∇q⟩ ≥ φ > 0, so a small plain-SGD step along −d
+    decreases q — and the logged ⟨d, ∇q⟩ says so. (Adam gives no such guarantee.)"""
+    positive = 0
+    for seed in range(8):
+        lower, upper, _, _, _ = _problem(seed)
+        gen = torch.Generator().manual_seed(100 + seed)
+        theta = torch.randn(4, generator=gen, dtype=torch.float64).requires_grad_()
+        alpha = torch.randn(2, generator=gen, dtype=torch.float64).requires_grad_()
+        options = BomeOptions(inner_steps=20, inner_lr=0.5, eta=1.0, phi=phi)
+        before = _q_now(lower, [theta], [alpha.detach()], options)
+        stats = bome_step([theta], [alpha], objective_from_loss(lower),
+                          objective_from_loss(upper), torch.optim.SGD([theta, alpha], lr=1e-3),
+                          options)
+        after = _q_now(lower, [theta], [alpha.detach()], options)
+        assert stats.q == pytest.approx(before, rel=1e-9)
+        if stats.lam == 0:
+            continue
+        positive += 1
+        phi_value = options.eta * (stats.grad_q_norm ** 2 if phi == "grad" else stats.q)
+        assert stats.d_dot_grad_q >= phi_value * (1 - 1e-9) and stats.d_dot_grad_q > 0
+        assert after < before, (seed, before, after)
+        # the predicted first-order decrease, lr·⟨d, ∇q⟩, is what happened
+        assert before - after == pytest.approx(1e-3 * stats.d_dot_grad_q, rel=0.05)
+        assert -1.0 <= stats.cos_f_q <= 1.0
+    assert positive >= 3, f"only {positive} of 8 starts had λ > 0"
+
+
+def test_upper_params_alpha_keeps_f_gradient_off_theta():
+    """``upper_theta=False``: θ moves by λ∇_θ q only, α by ∇_α f + λ∇_α q."""
+    lower, upper, _, _, (h, b_mat, b, c) = _problem(4)
+    theta0 = torch.tensor([0.3, -0.2, 0.5, 0.1], dtype=torch.float64)
+    alpha0 = torch.tensor([0.4, -0.7], dtype=torch.float64)
+    options = BomeOptions(inner_steps=3, inner_lr=0.3, eta=0.7, upper_theta=False)
+    theta, alpha = theta0.clone().requires_grad_(), alpha0.clone().requires_grad_()
+    stats = bome_step([theta], [alpha], objective_from_loss(lower), objective_from_loss(upper),
+                      torch.optim.SGD([theta, alpha], lr=1.0), options)
+
+    def grads(t, a):
+        r = h @ (t - b_mat @ a - b)
+        return r, -b_mat.T @ r
+
+    tilde = theta0.clone()
+    for _ in range(3):
+        tilde = tilde - 0.3 * grads(tilde, alpha0)[0]
+    g_t, g_a = grads(theta0, alpha0)
+    grad_q = torch.cat([g_t, g_a - grads(tilde, alpha0)[1]])
+    grad_f = torch.cat([torch.zeros(4, dtype=torch.float64), MU * alpha0])  # no ∇_θ f
+    q_sq = float(grad_q @ grad_q)
+    lam = max((0.7 * q_sq - float(grad_f @ grad_q)) / (q_sq + options.epsilon), 0.0)
+    assert stats.lam == pytest.approx(lam, rel=1e-12)
+    assert torch.allclose(theta.detach(), theta0 - lam * g_t, atol=1e-12)
+    assert torch.allclose(alpha.detach(), alpha0 - (MU * alpha0 + lam * grad_q[4:]), atol=1e-12)
+    assert stats.grad_f_norm == pytest.approx(float(grad_f.norm()), rel=1e-12)

@@ -140,14 +140,15 @@ def test_resume_continues_bit_for_bit(tiny_llama_tied, mc_file, tmp_path):
                    checkpoint_dir=tmp_path / "ckpt", progress=False)
 
 
-@pytest.mark.parametrize("method,mode", [("regularization", "cloze"), ("iterate", "cloze"),
+@pytest.mark.parametrize("method,mode", [("regularization", "cloze"),
+                                         ("iterate-theta", "cloze"), ("iterate-alpha", "cloze"),
                                          ("scalar", "letter")])
 def test_ablations_write_their_adapters(method, mode, tiny_llama_tied, mc_file, tmp_path):
     config = _config(tiny_llama_tied, mc_file, method=method, mode=mode, chat=False, steps=2,
                      outer_lr=1e-2)
     result = train_calm(config, tmp_path / method, progress=False)
     loaded = CalibrationAdapter.from_pretrained(tmp_path / method)
-    assert loaded.kind == f"calm_{method}" and loaded.lora_path is not None
+    assert loaded.kind == f"calm_{method.replace('-', '_')}" and loaded.lora_path is not None
     assert (loaded.tau > 0).all() and np.isfinite(loaded.tau).all()
     if method == "scalar":
         assert np.unique(loaded.tau).size == 1 and loaded.tau[0] != 1.0
