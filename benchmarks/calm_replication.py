@@ -235,11 +235,12 @@ def evaluate(args, direction: str, runs: dict, evaluator) -> list[dict]:
 def run_direction(args) -> int:
     direction = args.direction
     started = time.perf_counter()
+    commit = git_commit()  # the code that runs (later commits do not change this process)
     chosen = choose_eta(args, direction)
     args.eta = chosen["eta"]
     runs = train_arms(args, direction)
     rows = evaluate(args, direction, runs, _evaluator(args))
-    part = {"command": args.command, "commit": git_commit(), "direction": direction,
+    part = {"command": args.command, "commit": commit, "direction": direction,
             "eta": chosen, "runs": runs, "rows": rows,
             "wall_s": round(time.perf_counter() - started, 1),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
