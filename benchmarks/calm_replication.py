@@ -88,7 +88,9 @@ WARM = ("calm-sgd-vocab", "calm-sgd-options", "calm-sgd-options-alpha",
 
 def _config(args, direction: str, arm: str, **extra) -> CalmConfig:
     settings = {**COMMON, **ARMS[arm], "steps": args.steps, **extra}
-    if arm in WARM:
+    if arm not in WARM:
+        settings.setdefault("warm_start_steps", 0)
+    else:
         settings.setdefault("warm_start_steps", args.warm_start_steps)
         if "eta" not in settings:
             settings["eta"] = args.eta

@@ -284,13 +284,15 @@ def _register_train(sub) -> None:
             ("grad-accumulation", int, "micro-batches per rank and step"),
             ("inner-steps", int, "T_inner: gradient steps on the LoRA copy"),
             ("inner-lr", float, "step size of the inner steps"),
-            ("outer-lr", float, "outer learning rate (LoRA)"),
-            ("alpha-lr", float, "outer learning rate of tau/shift (default: --outer-lr)"),
+            ("outer-lr", float, "outer learning rate of the LoRA (None: 0.1 with sgd, 0.001 "
+             "with adam)"),
+            ("alpha-lr", float, "outer learning rate of tau/shift (None: 0.02 with sgd, 0.005 "
+             "with adam)"),
             ("momentum", float, "SGD momentum"),
             ("eta", float, "eta of phi: larger keeps the LoRA closer to the lower-level "
              "optimum"),
             ("warm-start-steps", int, "the first N of --steps are plain LoRA steps (Adam, "
-             "tau/shift fixed at identity) before the bilevel phase"),
+             "tau/shift fixed at identity) before the bilevel phase (None: half of --steps)"),
             ("warm-start-lr", float, "Adam learning rate of the warm start"),
             ("alpha-l2", float, "weight of the penalty sum((log tau)^2 + shift^2) added to "
              "the upper objective"),
@@ -353,12 +355,13 @@ def _train(args) -> int:
     result = train_calm(config, args.out, resume=args.resume, overwrite=args.overwrite,
                         checkpoint_dir=args.checkpoint_dir, progress=_progress(args))
     if result.out is not None and result.history:
-        first, last = result.history[0], result.history[-1]
+        last = result.history[-1]
         print(f"wrote {result.out} (kind {result.adapter.kind}) after {last['step']} steps "
               f"in {result.seconds:.0f} s")
         for key in ("f", "g", "q", "lam"):
-            if last.get(key) is not None:
-                print(f"  {key:<4} {first[key]:.4g} -> {last[key]:.4g}")
+            start = next((r[key] for r in result.history if r.get(key) is not None), None)
+            if last.get(key) is not None and start is not None:
+                print(f"  {key:<4} {start:.4g} -> {last[key]:.4g}")
         summary = result.adapter.summary()
         print(f"  tau [{summary['tau_min']:.4g}, {summary['tau_max']:.4g}]  "
               f"shift [{summary['shift_min']:.4g}, {summary['shift_max']:.4g}]")

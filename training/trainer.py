@@ -58,6 +58,9 @@ OPTIMIZERS = ("adam", "sgd")
 PHI_MODES = ("grad", "value")  # the same as calm_training.bilevel.PHI_MODES (torch-free here)
 UPPER_PARAMS = ("all", "alpha")
 ALPHA_TOKENS = ("all", "options")
+#: (LoRA, α) outer learning rates when none is given: plain SGD (momentum 0.9) needs steps
+#: about a hundred times larger than Adam's per-coordinate normalised ones
+DEFAULT_LR = {"sgd": (0.1, 0.02), "adam": (1e-3, 5e-3)}
 KINDS = {"bilevel": "calm", "regularization": "calm_regularization",
          "iterate-theta": "calm_iterate_theta", "iterate-alpha": "calm_iterate_alpha",
          "scalar": "calm_scalar", "lora": "lora"}
@@ -81,15 +84,17 @@ class CalmConfig:
         grad_accumulation: micro-batches per rank and step (bounds memory; same result).
         inner_steps: ``T_inner``, gradient steps on the LoRA copy ``θ~`` per outer step.
         inner_lr: step size of those inner steps (plain gradient descent).
-        outer_lr: learning rate of the outer optimiser for the LoRA weights.
-        alpha_lr: learning rate for α (default ``outer_lr``).
+        outer_lr: learning rate of the outer optimiser for the LoRA weights (``None``: the
+            optimizer's default, :data:`DEFAULT_LR`).
+        alpha_lr: learning rate for α (``None``: the optimizer's default).
         optimizer: ``sgd`` (with ``momentum``; the step BOME's guarantee is about) or
             ``adam`` for the outer update.
         momentum: SGD momentum.
         phi: ``grad`` (``φ = η‖∇q‖²``) or ``value`` (``φ = η q``).
         eta: ``η`` of ``φ``.
         warm_start_steps: the first this many of ``steps`` are plain LoRA steps (Adam at
-            ``warm_start_lr``, α fixed at the identity) before the method's own steps.
+            ``warm_start_lr``, α fixed at the identity) before the method's own steps
+            (``None``: half of ``steps``; never for ``lora``).
         warm_start_lr: Adam's learning rate during the warm start.
         init_lora: start θ from this peft LoRA folder (or a calm adapter with ``lora/``).
         entropy: the upper objective: ``options`` (entropy of the K-option distribution the
@@ -127,13 +132,13 @@ class CalmConfig:
     grad_accumulation: int = 1
     inner_steps: int = 3
     inner_lr: float = 0.01
-    outer_lr: float = 1e-3
+    outer_lr: float | None = None
     alpha_lr: float | None = None
     optimizer: str = "adam"
     momentum: float = 0.9
     phi: str = "grad"
     eta: float = 0.5
-    warm_start_steps: int = 0
+    warm_start_steps: int | None = None
     warm_start_lr: float = 1e-3
     init_lora: str | None = None
     entropy: str = "vocab"
@@ -178,11 +183,12 @@ class CalmConfig:
             if getattr(self, name) not in allowed:
                 problems.append(f"{name} {getattr(self, name)!r} is not one of "
                                 f"{', '.join(allowed)}")
-        if not _is_int(self.warm_start_steps, 0) or not _is_int(self.q_window, 2):
+        if (self.warm_start_steps is not None and not _is_int(self.warm_start_steps, 0)) \
+                or not _is_int(self.q_window, 2):
             problems.append(f"warm_start_steps must be an integer >= 0 and q_window >= 2, got "
                             f"{self.warm_start_steps!r}, {self.q_window!r}")
         elif _is_int(self.steps, 1) and self.method != "lora" \
-                and self.warm_start_steps >= self.steps:
+                and self.warm_start_steps is not None and self.warm_start_steps >= self.steps:
             problems.append(f"warm_start_steps {self.warm_start_steps} leaves none of the "
                             f"{self.steps} steps to the {self.method} method; raise --steps")
         if self.init_lora is not None and not isinstance(self.init_lora, str):
@@ -200,11 +206,13 @@ class CalmConfig:
         if not _is_int(self.checkpoint_every, 0) or not _is_int(self.seed, 0):
             problems.append(f"checkpoint_every and seed must be integers >= 0, got "
                             f"{self.checkpoint_every!r}, {self.seed!r}")
-        for name in ("inner_lr", "outer_lr", "lora_alpha", "warm_start_lr"):
+        for name in ("inner_lr", "lora_alpha", "warm_start_lr"):
             if not _positive(getattr(self, name)):
                 problems.append(f"{name} must be a positive number, got {getattr(self, name)!r}")
-        if self.alpha_lr is not None and not _positive(self.alpha_lr):
-            problems.append(f"alpha_lr must be a positive number or None, got {self.alpha_lr!r}")
+        for name in ("outer_lr", "alpha_lr"):
+            if getattr(self, name) is not None and not _positive(getattr(self, name)):
+                problems.append(f"{name} must be a positive number or None, got "
+                                f"{getattr(self, name)!r}")
         for name in ("eta", "beta", "momentum", "alpha_l2"):
             value = getattr(self, name)
             if not (_positive(value) or value == 0):
@@ -217,6 +225,23 @@ class CalmConfig:
     @property
     def cal_batch_size(self) -> int:
         return self.calibration_batch_size or self.batch_size
+
+    @property
+    def theta_lr(self) -> float:
+        """The outer learning rate of the LoRA: ``outer_lr`` or the optimizer's default."""
+        return self.outer_lr if self.outer_lr is not None else DEFAULT_LR[self.optimizer][0]
+
+    @property
+    def alpha_step_lr(self) -> float:
+        """The outer learning rate of α: ``alpha_lr`` or the optimizer's default."""
+        return self.alpha_lr if self.alpha_lr is not None else DEFAULT_LR[self.optimizer][1]
+
+    @property
+    def warm_steps(self) -> int:
+        """Warm-start steps: ``warm_start_steps``, or half of ``steps`` (0 for ``lora``)."""
+        if self.method == "lora":
+            return 0
+        return self.warm_start_steps if self.warm_start_steps is not None else self.steps // 2
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -310,13 +335,13 @@ class _Trainer:
         if config.init_lora is not None:
             self.model.load_lora(_lora_folder(config.init_lora))
         self.pad = _pad_id(self.model.tokenizer)
-        groups = [{"params": self.model.theta, "lr": config.outer_lr}]
+        groups = [{"params": self.model.theta, "lr": config.theta_lr}]
         if self.model.alpha:
-            groups.append({"params": self.model.alpha, "lr": config.alpha_lr or config.outer_lr})
+            groups.append({"params": self.model.alpha, "lr": config.alpha_step_lr})
         self.outer_optimizer = (torch.optim.Adam(groups) if config.optimizer == "adam" else
                                 torch.optim.SGD(groups, momentum=config.momentum))
         self.warm_optimizer = (torch.optim.Adam(self.model.theta, lr=config.warm_start_lr)
-                               if config.warm_start_steps and config.method != "lora" else None)
+                               if config.warm_steps else None)
         self.options = BomeOptions(inner_steps=config.inner_steps, inner_lr=config.inner_lr,
                                    eta=config.eta, phi=config.phi,
                                    epsilon=CalmConfig.LAMBDA_EPSILON,
@@ -331,7 +356,7 @@ class _Trainer:
     @property
     def warming(self) -> bool:
         """Whether the next step is a warm-start (plain LoRA) step."""
-        return self.warm_optimizer is not None and self.step < self.config.warm_start_steps
+        return self.warm_optimizer is not None and self.step < self.config.warm_steps
 
     @property
     def optimizer(self):

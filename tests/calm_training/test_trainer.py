@@ -35,7 +35,7 @@ def mc_file(tmp_path_factory):
 def _config(model, data, **kw):
     base = {"model": str(model), "train": (f"{data}:train",),
             "calibration": (f"{data}:unlabeled",), "batch_size": 2, "inner_steps": 2,
-            "lora_rank": 4, "max_length": 64}
+            "lora_rank": 4, "max_length": 64, "optimizer": "adam", "warm_start_steps": 0}
     return CalmConfig(**{**base, **kw})
 
 
@@ -44,7 +44,7 @@ def trained(tiny_llama_tied, mc_file, tmp_path_factory):
     """20 full-batch BOME steps (6 training, 6 calibration questions)."""
     out = tmp_path_factory.mktemp("adapters") / "calm"
     config = _config(tiny_llama_tied, mc_file, batch_size=6, steps=20, outer_lr=1e-2,
-                     inner_lr=0.02)
+                     alpha_lr=1e-2, inner_lr=0.02)
     return train_calm(config, out, progress=False)
 
 
