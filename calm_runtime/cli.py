@@ -341,7 +341,7 @@ def _serve(args) -> int:
     return serve(args)
 
 
-BENCHMARKS = ("calibration", "latency", "calm_real_run", "serve_load")
+BENCHMARKS = ("calibration", "latency", "calm_replication", "serve_load")
 
 
 def _add_bench(sub) -> None:
@@ -352,7 +352,8 @@ def _add_bench(sub) -> None:
         "results go to benchmarks/results/. `calm bench NAME --help` shows its options.",
         epilog="examples:\n  calm bench calibration --quick\n"
         "  calm bench latency --engine engines/daca --identity-engine engines/plain\n"
-        "  calm bench serve_load --engine engines/daca",
+        "  calm bench serve_load --engine engines/daca\n"
+        "  calm bench calm_replication --direction arc-easy",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("name", choices=BENCHMARKS)
     p.add_argument("arguments", nargs=argparse.REMAINDER, help="passed to the benchmark")

@@ -1,0 +1,89 @@
+"""The CALM replication benchmark's report: the result schema, near-chance flags, the choice
+of the default arm and the generated README block, on synthetic per-direction results."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        yield importlib.import_module("calm_replication")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+def _probs(accuracy: float, confidence: float, n: int = 200, seed: int = 0):
+    """``[n, 4]`` probabilities whose argmax is right for ``accuracy`` of the rows."""
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, 4, n)
+    correct = np.arange(n) < round(accuracy * n)
+    top = np.where(correct, labels, (labels + 1) % 4)
+    probs = np.full((n, 4), (1 - confidence) / 3)
+    probs[np.arange(n), top] = confidence
+    return probs, labels
+
+
+def _part(bench, direction, arms):
+    args = bench.parse_args(["--direction", direction, "--bootstrap", "20"])
+    rows = []
+    for method, (acc, conf) in arms.items():
+        for eval_set in bench.SETS:
+            a = acc if eval_set == direction else 0.26 if eval_set == "mmlu" else acc - 0.1
+            probs, labels = _probs(a, conf)
+            rows.append(bench._row(direction, method, eval_set, True, probs, labels,
+                                   np.full(200, 2.5), args))
+    runs = {m: {"steps": 40, "seconds": 100.0, "last": {"f": -1.0, "g": 2.0, "q": 0.1},
+                "q_growth_warnings": 0} for m in arms if m != "vanilla"}
+    return {"command": f"python benchmarks/calm_replication.py --direction {direction}",
+            "commit": "abc1234", "direction": direction, "eta": {"eta": 0.5, "probe": []},
+            "runs": runs, "rows": rows, "wall_s": 1.0}
+
+
+def test_report_schema_default_and_readme_block(bench, tmp_path):
+    arms = {"vanilla": (0.45, 0.7), "vanilla+ts": (0.45, 0.5), "lora": (0.70, 0.9),
+            "lora+ts": (0.70, 0.72), "calm-adam-vocab": (0.55, 0.6),
+            "calm-sgd-options": (0.69, 0.74), "calm-sgd-vocab": (0.71, 0.95)}
+    parts = tmp_path / "calm_replication.parts"
+    parts.mkdir()
+    for direction in ("arc-easy", "sciq"):
+        (parts / f"{direction}.json").write_text(json.dumps(_part(bench, direction, arms)))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{bench.README_START}\nstale text\n{bench.README_END}\noutro\n")
+    assert bench.main(["--report", "--out", str(tmp_path), "--readme", str(readme)]) == 0
+
+    payload = json.loads((tmp_path / "calm_replication.json").read_text())
+    assert set(payload) >= {"command", "commit", "default_method", "rows"}
+    keys = {"direction", "method", "eval_set", "in_domain", "with_alpha", "accuracy", "ece",
+            "ece_ci", "mean_confidence", "near_chance", "answer_vocab_entropy"}
+    assert all(keys <= set(r) for r in payload["rows"])
+    # both SGD arms are within 2 points of LoRA's accuracy; the better-calibrated one wins
+    assert payload["default_method"] == "calm-sgd-options"
+    mmlu = [r for r in payload["rows"] if r["eval_set"] == "mmlu"]
+    assert all(r["near_chance"] for r in mmlu)  # 0.26 accuracy over 4 options
+    assert not any(r["near_chance"] for r in payload["rows"] if r["eval_set"] != "mmlu")
+    first = payload["rows"][0]
+    assert first["ece_ci"][0] <= first["ece"] <= first["ece_ci"][1]
+    assert first["in_domain"] == (first["eval_set"] == first["direction"])
+
+    text = readme.read_text()
+    assert text.startswith("intro\n") and text.endswith("outro\n") and "stale text" not in text
+    block = text.split(bench.README_START)[1].split(bench.README_END)[0]
+    assert "calm-sgd-options" in block and "mmlu" not in block.split("claims")[0]
+    assert "keeps accuracy: holds" in block
+    assert (tmp_path / "calm_replication.md").read_text().count("trained on") >= 2
+
+
+def test_report_needs_results(bench, tmp_path, capsys):
+    assert bench.main(["--report", "--out", str(tmp_path), "--readme", str(tmp_path / "R")]) == 1
+    assert "run --direction first" in capsys.readouterr().err
