@@ -47,6 +47,19 @@ def _problem(seed: int = 0):
     return lower, upper, alpha_star, b_mat @ alpha_star + b, (h, b_mat, b, c)
 
 
+def _by_hand_grad_q(h, b_mat, b, theta0, alpha0, inner_steps=3, inner_lr=0.3):
+    """``(θ~, ∇_θ g(θ), ∇q)`` of the quadratic written out: ∇_θ g = H r, ∇_α g = −Bᵀ H r."""
+    def grads(t, a):
+        r = h @ (t - b_mat @ a - b)
+        return r, -b_mat.T @ r
+
+    tilde = theta0.clone()
+    for _ in range(inner_steps):
+        tilde = tilde - inner_lr * grads(tilde, alpha0)[0]
+    g_t, g_a = grads(theta0, alpha0)
+    return tilde, g_t, torch.cat([g_t, g_a - grads(tilde, alpha0)[1]])
+
+
 @pytest.mark.parametrize("phi", ["grad", "value"])
 def test_toy_bilevel_converges_to_the_closed_form_solution(phi):
     lower, upper, alpha_star, theta_star, _ = _problem()
@@ -79,15 +92,7 @@ def test_one_step_matches_the_update_rule_by_hand():
     stats = bome_step([theta], [alpha], objective_from_loss(lower), objective_from_loss(upper),
                       torch.optim.SGD([theta, alpha], lr=1.0), options)
 
-    def grads(t, a):  # ∇_θ g, ∇_α g
-        r = h @ (t - b_mat @ a - b)
-        return r, -b_mat.T @ r
-
-    tilde = theta0.clone()
-    for _ in range(3):
-        tilde = tilde - 0.3 * grads(tilde, alpha0)[0]
-    g_t, g_a = grads(theta0, alpha0)
-    grad_q = torch.cat([g_t, g_a - grads(tilde, alpha0)[1]])
+    tilde, g_t, grad_q = _by_hand_grad_q(h, b_mat, b, theta0, alpha0)
     grad_f = torch.cat([theta0 - c, MU * alpha0])
     q = float(lower([theta0], [alpha0]) - lower([tilde], [alpha0]))
     lam = max((0.7 * float(grad_q @ grad_q) - float(grad_f @ grad_q))
@@ -216,15 +221,7 @@ def test_upper_params_alpha_keeps_f_gradient_off_theta():
     stats = bome_step([theta], [alpha], objective_from_loss(lower), objective_from_loss(upper),
                       torch.optim.SGD([theta, alpha], lr=1.0), options)
 
-    def grads(t, a):
-        r = h @ (t - b_mat @ a - b)
-        return r, -b_mat.T @ r
-
-    tilde = theta0.clone()
-    for _ in range(3):
-        tilde = tilde - 0.3 * grads(tilde, alpha0)[0]
-    g_t, g_a = grads(theta0, alpha0)
-    grad_q = torch.cat([g_t, g_a - grads(tilde, alpha0)[1]])
+    _, g_t, grad_q = _by_hand_grad_q(h, b_mat, b, theta0, alpha0)
     grad_f = torch.cat([torch.zeros(4, dtype=torch.float64), MU * alpha0])  # no ∇_θ f
     q_sq = float(grad_q @ grad_q)
     lam = max((0.7 * q_sq - float(grad_f @ grad_q)) / (q_sq + options.epsilon), 0.0)
