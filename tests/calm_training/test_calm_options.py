@@ -258,3 +258,19 @@ def test_every_new_option_is_in_train_help(capsys):
                  "--q-window", "iterate-theta", "iterate-alpha"):
         assert flag in text, flag
     assert "default" in text.lower()
+
+
+def test_q_growth_warns_once_per_window(caplog):
+    from types import SimpleNamespace
+
+    from calm_training.trainer import _Trainer
+
+    fake = SimpleNamespace(config=SimpleNamespace(q_window=3), history=[], q_warnings=0)
+    qs = [0.5, 0.4, 0.3, 0.2, 0.2, 0.1, 0.3, 0.4, 0.5]  # falls, then grows
+    with caplog.at_level("WARNING", logger="calm_training.trainer"):
+        for step, q in enumerate(qs, 1):
+            row = {"step": step, "q": q}
+            fake.history.append(row)
+            _Trainer._watch_q(fake, row)
+    assert fake.q_warnings == 1  # checked at steps 6 (fell) and 9 (grew)
+    assert "q grew from" in caplog.text and "--outer-optimizer sgd" in caplog.text
