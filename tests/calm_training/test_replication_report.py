@@ -44,7 +44,7 @@ def _part(bench, direction, arms):
             rows.append(bench._row(direction, method, eval_set, True, probs, labels,
                                    np.full(200, 2.5), args))
     runs = {m: {"steps": 40, "seconds": 100.0, "last": {"f": -1.0, "g": 2.0, "q": 0.1},
-                "q_growth_warnings": 0} for m in arms if m != "vanilla"}
+                "q_growth_warnings": 0} for m in arms if m in bench.ARMS}
     return {"command": f"python benchmarks/calm_replication.py --direction {direction}",
             "commit": "abc1234", "direction": direction, "eta": {"eta": 0.5, "probe": []},
             "runs": runs, "rows": rows, "wall_s": 1.0}
@@ -69,6 +69,7 @@ def test_report_schema_default_and_readme_block(bench, tmp_path):
     assert all(keys <= set(r) for r in payload["rows"])
     # both SGD arms are within 2 points of LoRA's accuracy; the better-calibrated one wins
     assert payload["default_method"] == "calm-sgd-options"
+    assert "BOME-faithful" in payload["default_reason"]
     mmlu = [r for r in payload["rows"] if r["eval_set"] == "mmlu"]
     assert all(r["near_chance"] for r in mmlu)  # 0.26 accuracy over 4 options
     assert not any(r["near_chance"] for r in payload["rows"] if r["eval_set"] != "mmlu")
@@ -87,3 +88,22 @@ def test_report_schema_default_and_readme_block(bench, tmp_path):
 def test_report_needs_results(bench, tmp_path, capsys):
     assert bench.main(["--report", "--out", str(tmp_path), "--readme", str(tmp_path / "R")]) == 1
     assert "run --direction first" in capsys.readouterr().err
+
+
+def test_default_falls_back_to_an_arm_that_keeps_accuracy(bench):
+    args = bench.parse_args(["--direction", "sciq", "--bootstrap", "10"])
+    rows = []
+    for method, acc, conf in (("lora", 0.70, 0.9), ("calm-sgd-options", 0.60, 0.6),
+                              ("calm-adam-options-alpha", 0.71, 0.75),
+                              ("calm-adam-vocab", 0.72, 0.72)):
+        probs, labels = _probs(acc, conf)
+        rows.append(bench._row("sciq", method, "sciq", True, probs, labels, None, args))
+    runs = dict.fromkeys(["lora", "calm-sgd-options", "calm-adam-options-alpha",
+                          "calm-adam-vocab"], {})
+    arm, reason = bench.pick_default(rows, runs)
+    assert arm == "calm-adam-options-alpha"  # calm-adam-vocab is never the default
+    assert reason.startswith("no BOME-faithful")
+    rows = [r for r in rows if r["method"] != "calm-adam-options-alpha"]
+    runs.pop("calm-adam-options-alpha")
+    arm, reason = bench.pick_default(rows, runs)
+    assert arm == "calm-sgd-options" and reason.startswith("no arm kept")
