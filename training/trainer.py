@@ -130,7 +130,7 @@ class CalmConfig:
     batch_size: int = 8
     calibration_batch_size: int | None = None
     grad_accumulation: int = 1
-    inner_steps: int = 3
+    inner_steps: int = 2
     inner_lr: float = 0.01
     outer_lr: float | None = None
     alpha_lr: float | None = None
@@ -141,9 +141,9 @@ class CalmConfig:
     warm_start_steps: int | None = None
     warm_start_lr: float = 1e-3
     init_lora: str | None = None
-    entropy: str = "vocab"
+    entropy: str = "options"
     cloze_variant: str = "mean"
-    upper_params: str = "all"
+    upper_params: str = "alpha"
     alpha_tokens: str = "all"
     alpha_l2: float = 0.0
     q_window: int = 10
