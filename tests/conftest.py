@@ -202,3 +202,17 @@ def write_mc_jsonl(path, n: int = 40, *, seed: int = 0):
                                  "answer": int(rng.integers(0, 4))}))
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+@pytest.fixture(scope="module")
+def private_calm_cache(tmp_path_factory):
+    """A CALM_CACHE of the module's own (use with ``pytestmark = usefixtures(...)``)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CALM_CACHE", str(tmp_path_factory.mktemp("calm-cache")))
+        yield
+
+
+@pytest.fixture(scope="module")
+def mc_file(tmp_path_factory):
+    """A 40-record multiple-choice JSONL file (:func:`write_mc_jsonl`)."""
+    return write_mc_jsonl(tmp_path_factory.mktemp("data") / "mc.jsonl")

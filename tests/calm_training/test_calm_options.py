@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 
-from conftest import tiny_lora_dir, write_mc_jsonl  # noqa: E402
+from conftest import tiny_lora_dir  # noqa: E402
 
 from calm_runtime.artifact import CalibrationAdapter  # noqa: E402
 from calm_runtime.cli import main  # noqa: E402
@@ -17,17 +17,7 @@ from calm_runtime.errors import ConfigError, DataError  # noqa: E402
 from calm_training import calm_data  # noqa: E402
 from calm_training.trainer import CalmConfig, train_calm  # noqa: E402
 
-
-@pytest.fixture(scope="module", autouse=True)
-def private_cache(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("CALM_CACHE", str(tmp_path_factory.mktemp("calm-cache")))
-        yield
-
-
-@pytest.fixture(scope="module")
-def mc_file(tmp_path_factory):
-    return write_mc_jsonl(tmp_path_factory.mktemp("data") / "mc.jsonl")
+pytestmark = pytest.mark.usefixtures("private_calm_cache")
 
 
 def _config(model, data, **kw):
