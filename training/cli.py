@@ -265,8 +265,9 @@ def _register_train(sub) -> None:
                        "f's gradient on tau/shift only (--upper-params alpha). It was the "
                        "only arm that kept plain LoRA's accuracy in both directions (ARC-Easy "
                        "and SciQ) without flattening the model's output; the BOME-faithful "
-                       "plain-SGD arms (--outer-optimizer sgd) kept it on ARC-Easy but "
-                       "diverged on SciQ at the learning rates that train the LoRA as fast, "
+                       "plain-SGD arms (--outer-optimizer sgd) kept it on ARC-Easy but not on "
+                       "SciQ, where the alpha-only ones diverged at the learning rates that "
+                       "train the LoRA as fast, "
                        "and the full-vocabulary entropy (--entropy vocab) flattened the "
                        "output and cost 8-25 accuracy points.",
                        epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
