@@ -102,7 +102,7 @@ class OptionEvaluator:
     def _hidden_batch(self, chunk, batch):
         import torch
 
-        from .scoring import _cache_kwarg
+        from .scoring import _cache_kwarg, left_pad
 
         answer_rows, offset = [], 0
         for e in chunk:
@@ -117,13 +117,7 @@ class OptionEvaluator:
                                            batch.flat_positions)
                 return batch, h, answer_rows
             contexts = [e.sequences[0][:_context_length(e)] for e in chunk]
-            length = max(len(c) for c in contexts)
-            ids = torch.full((len(contexts), length), self.pad, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for row, ctx in enumerate(contexts):
-                ids[row, length - len(ctx):] = torch.as_tensor(ctx)
-                mask[row, length - len(ctx):] = 1
-            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            ids, mask, positions = left_pad(contexts, self.pad)
             out = decoder(input_ids=ids, attention_mask=mask, position_ids=positions,
                           use_cache=True)
             cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)

@@ -125,17 +125,25 @@ def _pad_id(tokenizer) -> int:
     return 0
 
 
-def _batched_logits(model, sequences: Sequence[Sequence[int]], keep: int, pad_id: int):
-    """Float32 logits of the last ``keep`` positions of left-padded ``sequences`` [B, keep, V]."""
+def left_pad(sequences: Sequence[Sequence[int]], pad_id: int):
+    """``(input_ids, attention_mask, position_ids)`` of left-padded ``sequences``: padding
+    on the left, positions counting the real tokens only (0 on the padding)."""
     import torch
 
     length = max(len(s) for s in sequences)
     ids = torch.full((len(sequences), length), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), length), dtype=torch.long)
+    mask = torch.zeros_like(ids)
     for row, seq in enumerate(sequences):
         ids[row, length - len(seq):] = torch.as_tensor(seq, dtype=torch.long)
         mask[row, length - len(seq):] = 1
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def _batched_logits(model, sequences: Sequence[Sequence[int]], keep: int, pad_id: int):
+    """Float32 logits of the last ``keep`` positions of left-padded ``sequences`` [B, keep, V]."""
+    import torch
+
+    ids, mask, positions = left_pad(sequences, pad_id)
     with torch.inference_mode():
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions,
                     logits_to_keep=keep, use_cache=False)
@@ -254,13 +262,7 @@ def _run_contexts(model, sequences, pad):
     """Run left-padded contexts with the KV cache on: last-position logits, cache, mask."""
     import torch
 
-    length = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), length), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, seq in enumerate(sequences):
-        ids[row, length - len(seq):] = _long(seq)
-        mask[row, length - len(seq):] = 1
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    ids, mask, positions = left_pad(sequences, pad)
     with torch.inference_mode():
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                     logits_to_keep=1)
