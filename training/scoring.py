@@ -349,12 +349,8 @@ def generate_answers(model, tokenizer, questions: Sequence[str], *, max_new_toke
     prompts = [_encode(tokenizer, cloze_context(q), special=True) for q in questions]
     for chunk in tqdm(list(_batches(list(range(len(prompts))), batch_size)),
                       desc="generating", disable=not progress):
-        length = max(len(prompts[i]) for i in chunk)
-        ids = torch.full((len(chunk), length), pad, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for b, i in enumerate(chunk):
-            ids[b, length - len(prompts[i]):] = _long(prompts[i])
-            mask[b, length - len(prompts[i]):] = 1
+        ids, mask, _ = left_pad([prompts[i] for i in chunk], pad)
+        length = ids.shape[1]
         with torch.inference_mode():
             out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
                                  max_new_tokens=max_new_tokens, pad_token_id=pad)

@@ -375,8 +375,7 @@ class _Trainer:
         from .bilevel import bome_step, descent_step, iterate_step, regularization_step
 
         cfg, m = self.config, self.model
-        train_batches = self._batches(self.train_examples, cfg.batch_size, 0)
-        lower = m.objective(train_batches, "ce")
+        lower = m.objective(self._batches(self.train_examples, cfg.batch_size, 0), "ce")
         upper_loss = "neg_option_entropy" if cfg.entropy == "options" else "neg_entropy"
         upper = m.objective(self._batches(self.cal_examples, cfg.cal_batch_size, 1), upper_loss,
                             alpha_l2=cfg.alpha_l2)
