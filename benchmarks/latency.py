@@ -198,7 +198,7 @@ def genai_runner(engine: Path, device: str, threads: int):
     try:
         import onnxruntime_genai as og
     except ImportError:
-        return None, "onnxruntime-genai is not installed (pip install 'calm[genai]')"
+        return None, "onnxruntime-genai is not installed (pip install 'calm-llm[genai]')"
     try:
         config = og.Config(str(genai_folder(engine, threads)))
         if device == "cuda":

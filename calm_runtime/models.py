@@ -225,7 +225,7 @@ def _import_torch_transformers():
         import transformers
     except ImportError as exc:
         raise ModelSourceError(f"{exc.name} is not installed; converting or loading weights "
-                               "needs the train extra: pip install 'calm[train]'") from None
+                               "needs the train extra: pip install 'calm-llm[train]'") from None
     return torch, transformers
 
 
@@ -277,7 +277,7 @@ def load_model_and_tokenizer(spec: str | os.PathLike, *, dtype: str = "float32",
             from peft import PeftModel
         except ImportError:
             raise ModelSourceError("peft is not installed; a LoRA adapter needs the train "
-                                   "extra: pip install 'calm[train]'") from None
+                                   "extra: pip install 'calm-llm[train]'") from None
         model = PeftModel.from_pretrained(model, str(lora_path)).merge_and_unload()
     model.eval()
     name = str(spec) if str(spec) in PACKAGED_MODELS else None

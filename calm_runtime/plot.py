@@ -55,7 +55,7 @@ def write_reliability_diagram(path: str | os.PathLike, panels: Mapping[str, tupl
         from matplotlib.figure import Figure
     except ImportError as exc:
         raise BackendUnavailableError("matplotlib is not installed; install the plot extra: "
-                                      "pip install 'calm[plot]'") from exc
+                                      "pip install 'calm-llm[plot]'") from exc
 
     figure = Figure(figsize=(PANEL_SIZE_INCHES * len(binned), PANEL_SIZE_INCHES + 0.6),
                     layout="constrained")

@@ -30,6 +30,7 @@ __all__ = [
     "letter_prompt",
     "option_letters",
     "CLOZE_VARIANTS",
+    "DEFAULT_CLOZE_VARIANT",
     "cloze_option_scores",
     "option_char_count",
 ]
@@ -107,6 +108,10 @@ def cloze_continuation(option: str) -> str:
 #: How a cloze option is scored from the log-probability of its text: ``sum`` (summed),
 #: ``mean`` (per token) or ``char`` (per character of the option, lm-eval's ``acc_norm``).
 CLOZE_VARIANTS = ("sum", "mean", "char")
+#: The one default everywhere (fitting, training, export checks, runtime scoring): per-token
+#: mean scores gave the better-calibrated reference model in the project's calibration
+#: benchmark (benchmarks/results/calibration.md), which is what DACA relies on.
+DEFAULT_CLOZE_VARIANT = "mean"
 
 
 def option_char_count(option: str) -> int:
@@ -114,7 +119,8 @@ def option_char_count(option: str) -> int:
     return max(len(option.strip()), 1)
 
 
-def cloze_option_scores(logprob_sums, n_tokens, n_chars, variant: str = "sum") -> np.ndarray:
+def cloze_option_scores(logprob_sums, n_tokens, n_chars,
+                        variant: str = DEFAULT_CLOZE_VARIANT) -> np.ndarray:
     """Option scores of a :data:`CLOZE_VARIANTS` variant from summed log-probabilities.
 
     Training fits ``answer_temperature`` on these scores and the runtime applies it to the

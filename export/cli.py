@@ -7,9 +7,11 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from calm_runtime._extras import missing
+from calm_runtime.cli import missing_extra_message
 from calm_runtime.errors import CalmError, ConfigError
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "register", "run"]
 
 EPILOG = """examples:
   calm-export --model smollm2-135m-instruct --adapter runs/daca-adapter --out engines/smol
@@ -21,11 +23,28 @@ the unfused model with the calibration applied in torch); a failed validation wr
 nothing and leaves an existing engine in place."""
 
 
+DESCRIPTION = ("Fuse a calibration adapter into a model and export a validated inference "
+               "engine (ONNX with KV cache, or TensorRT).")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="calm-export", description="Fuse a calibration adapter into a model and export a "
-        "validated inference engine (ONNX with KV cache, or TensorRT).", epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="calm-export", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return parser
+
+
+def register(sub) -> None:
+    """``calm export``: the same options as ``calm-export``, under the one ``calm`` command."""
+    p = sub.add_parser("export", help="build a calibrated, validated ONNX/TensorRT engine",
+                       description=DESCRIPTION, epilog=EPILOG.replace("calm-export", "calm export"),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p, quiet=False)
+    p.set_defaults(handler=run)
+
+
+def add_arguments(parser: argparse.ArgumentParser, *, quiet: bool = True) -> None:
+    """The export options; ``quiet=False`` where the parent parser already has ``--quiet``."""
     parser.add_argument("--model", required=True,
                         help="model folder, .gguf file or packaged model name")
     parser.add_argument("--adapter", default=None,
@@ -48,41 +67,50 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--opset", type=int, default=18, help="ONNX opset (default 18)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an existing engine once the new one has passed validation")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar or stage log")
-    return parser
+    if quiet:
+        parser.add_argument("--quiet", action="store_true", help="no progress bar or stage log")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if missing("export"):  # before argparse, so that --help gives the same one line
+        print(f"BackendUnavailableError: {missing_extra_message('export', 'calm-export')}",
+              file=sys.stderr)
+        return 1
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if not args.quiet:  # stage log for calm only; the exporters' own INFO chatter stays off
         for name in ("calm_export", "calm_runtime"):
             logging.getLogger(name).setLevel(logging.INFO)
     try:
-        from calm_export.config import ExportConfig
-
-        data = args.recalibrate or args.calibration_data
-        if args.recalibrate and args.calibration_data not in (None, args.recalibrate):
-            raise ConfigError("--calibration-data and --recalibrate name different data; pass "
-                              "one of them")
-        config = ExportConfig(format=args.format, dtype=args.dtype, quantize=args.quantize,
-                              opset=args.opset, overwrite=args.overwrite,
-                              progress=not args.quiet, calibration_data=data,
-                              recalibrate=args.recalibrate is not None,
-                              calibration_mode=args.calibration_mode)
-        if config.format == "tensorrt":  # fail at once, before loading anything heavy
-            from calm_export.tensorrt import require_tensorrt
-
-            require_tensorrt()
-        from tqdm.contrib.logging import logging_redirect_tqdm
-
-        from calm_export.pipeline import export_engine
-
-        with logging_redirect_tqdm():  # log lines above the progress bar, not through it
-            result = export_engine(args.model, args.out, adapter=args.adapter, config=config)
+        return run(args)
     except CalmError as exc:
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+
+
+def run(args: argparse.Namespace) -> int:
+    """Export with the parsed options and print the summary; raises :class:`CalmError`."""
+    from calm_export.config import ExportConfig
+
+    data = args.recalibrate or args.calibration_data
+    if args.recalibrate and args.calibration_data not in (None, args.recalibrate):
+        raise ConfigError("--calibration-data and --recalibrate name different data; pass "
+                          "one of them")
+    config = ExportConfig(format=args.format, dtype=args.dtype, quantize=args.quantize,
+                          opset=args.opset, overwrite=args.overwrite,
+                          progress=not args.quiet, calibration_data=data,
+                          recalibrate=args.recalibrate is not None,
+                          calibration_mode=args.calibration_mode)
+    if config.format == "tensorrt":  # fail at once, before loading anything heavy
+        from calm_export.tensorrt import require_tensorrt
+
+        require_tensorrt()
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    from calm_export.pipeline import export_engine
+
+    with logging_redirect_tqdm():  # log lines above the progress bar, not through it
+        result = export_engine(args.model, args.out, adapter=args.adapter, config=config)
     print(summary(result))
     return 0
 

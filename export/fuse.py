@@ -111,7 +111,7 @@ def apply_lora(model, lora_path: str | Path):
         from calm_runtime.errors import BackendUnavailableError
 
         raise BackendUnavailableError("peft is not installed; the adapter has a LoRA, install "
-                                      "the export extra: pip install 'calm[export]'") from None
+                                      "the export extra: pip install 'calm-llm[export]'") from None
     try:
         wrapped = PeftModel.from_pretrained(model, str(lora_path), is_trainable=False)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:

@@ -34,6 +34,7 @@ import numpy as np
 from calm_runtime import metrics
 from calm_runtime.data import MultipleChoiceRecord, dataset_hash, load_dataset
 from calm_runtime.errors import ConfigError, DataError, ExportValidationError, FitError
+from calm_runtime.prompts import DEFAULT_CLOZE_VARIANT
 
 from .onnx import ONNX_FILE
 
@@ -98,7 +99,7 @@ def scoring_settings(config, adapter) -> tuple[str, str | None]:
     if mode == "letter":
         return mode, None
     recorded = method.get("variant")
-    variant = config.calibration_variant or recorded or "mean"
+    variant = config.calibration_variant or recorded or DEFAULT_CLOZE_VARIANT
     if (recorded and variant != recorded and adapter.answer_temperature is not None
             and not config.recalibrate):
         raise ConfigError(f"the adapter's answer_temperature was fitted on {recorded!r} cloze "

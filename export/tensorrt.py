@@ -10,7 +10,7 @@ validation cases as the ONNX graph:
 ``fp32`` builds clear the TF32 flag (TF32 GEMMs keep only 10 mantissa bits and would
 fail the fp32 tolerance); ``fp16`` builds set the FP16 flag and are checked against the
 fp16 tolerance. A plan only runs on the GPU model and TensorRT version that built it,
-which the manifest records. Needs ``pip install 'calm[tensorrt]'`` and a CUDA GPU; without
+which the manifest records. Needs ``pip install 'calm-llm[tensorrt]'`` and a CUDA GPU; without
 them :func:`require_tensorrt` fails at once with one line.
 """
 
@@ -32,7 +32,7 @@ __all__ = ["PLAN_FILE", "require_tensorrt", "build_plan", "tensorrt_runner"]
 logger = logging.getLogger(__name__)
 
 PLAN_FILE = "model.plan"
-INSTALL_HINT = "pip install 'calm[tensorrt]'"
+INSTALL_HINT = "pip install 'calm-llm[tensorrt]'"
 WORKSPACE_BYTES = 4 << 30
 
 

@@ -65,6 +65,7 @@ from calm_runtime.data import (
 from calm_runtime.errors import ConfigError, DataError
 from calm_runtime.prompts import (
     CLOZE_VARIANTS,
+    DEFAULT_CLOZE_VARIANT,
     cloze_context,
     cloze_continuation,
     letter_prompt,
@@ -201,7 +202,7 @@ def _answer_position(context: list[int], max_length: int) -> Example:
 class _Encoder:
     def __init__(self, tokenizer, *, mode: str, chat: bool, max_length: int,
                  positions: str = "options", entropy: str = "vocab",
-                 variant: str = "mean") -> None:
+                 variant: str = DEFAULT_CLOZE_VARIANT) -> None:
         if mode not in ("cloze", "letter"):
             raise ConfigError(f"mode must be cloze or letter, got {mode!r}")
         if positions not in CALIBRATION_POSITIONS:
@@ -293,7 +294,7 @@ def encode_training(records: Sequence[Record], tokenizer, *, mode: str, chat: bo
 
 def encode_calibration(records: Sequence[Record], tokenizer, *, mode: str, chat: bool,
                        max_length: int, positions: str = "options", entropy: str = "vocab",
-                       variant: str = "mean") -> list[Example]:
+                       variant: str = DEFAULT_CLOZE_VARIANT) -> list[Example]:
     """Unlabeled examples for the upper level.
 
     ``entropy="vocab"``: the full next-token entropy at the answer positions; ``positions``

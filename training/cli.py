@@ -9,6 +9,10 @@ import argparse
 import logging
 from pathlib import Path
 
+from calm_runtime.cli import deprecated_alias
+from calm_runtime.data import CALIBRATION_FRACTION
+from calm_runtime.prompts import CLOZE_VARIANTS
+
 __all__ = ["register"]
 
 logger = logging.getLogger(__name__)
@@ -78,13 +82,17 @@ def _add_common(p, default_variant: str) -> None:
                    help="cloze/letter: multiple choice; p_true: open QA judged by P(True)")
     p.add_argument("--template", default="kadavath", dest="p_true_template",
                    help="P(True) template name (p_true mode): kadavath or yes-no")
-    p.add_argument("--variant", default=default_variant, choices=["sum", "mean", "char"],
+    p.add_argument("--variant", default=default_variant, choices=CLOZE_VARIANTS,
                    help="cloze option score: summed, per-token mean or per-character "
                         f"log-probability (default {default_variant})")
-    p.add_argument("--reference-variant", choices=["sum", "mean", "char"],
+    p.add_argument("--reference-variant", choices=CLOZE_VARIANTS,
                    help="the reference model's cloze score (default: --variant)")
-    p.add_argument("--split", type=float, default=0.3, metavar="FRACTION",
-                   help="share of the data used for fitting; the rest is the test split")
+    p.add_argument("--calibration-fraction", type=float, default=CALIBRATION_FRACTION,
+                   metavar="FRACTION",
+                   help="share of the data used for fitting; the rest is the test part "
+                        f"(default {CALIBRATION_FRACTION})")
+    p.add_argument("--split", dest="calibration_fraction", type=float, help=argparse.SUPPRESS,
+                   action=deprecated_alias("--calibration-fraction"))
     p.add_argument("--seed", type=int, default=0, help="seed of the split")
     p.add_argument("--bins", type=int, default=10, help="bins of ECE/MCE/AECE")
     p.add_argument("--limit", type=int, help="use only the first N records")
@@ -100,7 +108,8 @@ def _config(args):
 
     return FitConfig(model=args.model, reference=args.reference, data=args.data,
                      mode=args.mode, variant=args.variant,
-                     reference_variant=args.reference_variant, calibration_fraction=args.split,
+                     reference_variant=args.reference_variant,
+                     calibration_fraction=args.calibration_fraction,
                      seed=args.seed, n_bins=args.bins, chat=args.chat,
                      adapter=getattr(args, "adapter", None), batch_size=args.batch_size,
                      limit=args.limit, p_true_template=args.p_true_template)
@@ -330,7 +339,7 @@ def _register_train(sub) -> None:
                         "reads (options) or of the full next-token distribution at the "
                         f"answer positions (vocab) (default {d['entropy'].default})")
     t.add_argument("--cloze-variant", default=d["cloze_variant"].default,
-                   choices=["sum", "mean", "char"],
+                   choices=CLOZE_VARIANTS,
                    help="cloze score variant of the options entropy (default "
                         f"{d['cloze_variant'].default}, as calm fit/eval)")
     t.add_argument("--upper-params", default=d["upper_params"].default, choices=UPPER_PARAMS,

@@ -276,7 +276,8 @@ def _vector_fit(method, g, p, *, n, agreement_rate, l2) -> VectorFit:
     try:
         import torch
     except ImportError as exc:  # pragma: no cover - torch is in the train extra
-        raise BackendUnavailableError("vector scaling needs torch; install calm[train].") from exc
+        raise BackendUnavailableError("vector scaling needs torch; pip install "
+                                      "'calm-llm[train]'") from exc
     h = torch.as_tensor(g, dtype=torch.float64)
     target = torch.as_tensor(p, dtype=torch.float64)
     k = g.shape[1]

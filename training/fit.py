@@ -27,7 +27,7 @@ from calm_runtime.calibration import apply_calibration
 from calm_runtime.data import MultipleChoiceRecord, dataset_hash, load_dataset, split_indices
 from calm_runtime.errors import ConfigError, DataError, FitError
 from calm_runtime.models import model_identity, resolve_model
-from calm_runtime.prompts import letter_tokens
+from calm_runtime.prompts import DEFAULT_CLOZE_VARIANT, letter_tokens
 
 from . import daca
 from .cache import cached_option_scores
@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 #: every post-hoc method; the label-free ones need a reference model, the others labels
 METHODS = ("vanilla", "naive", "daca", "daca-vector", "ts", "ts-vector")
 LABEL_FREE = ("naive", "daca", "daca-vector")
-DEFAULT_VARIANT = "mean"  # chosen by measurement, see the README's calibration table
+DEFAULT_VARIANT = DEFAULT_CLOZE_VARIANT  # one default for fitting, training and the runtime
 ALL_MODES = (*MODES, "p_true")
 
 

@@ -23,6 +23,7 @@ import numpy as np
 
 from calm_runtime.data import MultipleChoiceRecord
 from calm_runtime.errors import DataError
+from calm_runtime.prompts import DEFAULT_CLOZE_VARIANT
 
 from . import calm_data
 
@@ -60,7 +61,7 @@ class OptionEvaluator:
     :meth:`hidden`; :meth:`scores` applies any ``(tau, shift)`` to those hidden states.
     """
 
-    def __init__(self, model, *, mode: str = "cloze", variant: str = "mean",
+    def __init__(self, model, *, mode: str = "cloze", variant: str = DEFAULT_CLOZE_VARIANT,
                  chat: bool = False, max_length: int = 256, batch_size: int = 16) -> None:
         self.model, self.batch_size = model, batch_size
         self.encoder = calm_data._Encoder(model.tokenizer, mode=mode, chat=chat,

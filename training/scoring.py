@@ -27,6 +27,7 @@ from calm_runtime.data import MultipleChoiceRecord
 from calm_runtime.errors import ConfigError, DataError
 from calm_runtime.prompts import (
     CLOZE_VARIANTS,
+    DEFAULT_CLOZE_VARIANT,
     PTrueTemplate,
     cloze_context,
     cloze_continuation,
@@ -73,7 +74,7 @@ class OptionScores:
     def n_options(self) -> np.ndarray:
         return (~np.isnan(self.values)).sum(axis=1)
 
-    def scores(self, variant: str = "sum") -> np.ndarray:
+    def scores(self, variant: str = DEFAULT_CLOZE_VARIANT) -> np.ndarray:
         """Option scores ``[N, K_max]`` for softmax, ``-inf`` where an option is absent."""
         if self.mode == "letter":
             out = self.values.copy()

@@ -40,7 +40,7 @@ import numpy as np
 
 from calm_runtime.artifact import CalibrationAdapter
 from calm_runtime.errors import ConfigError, FitError
-from calm_runtime.prompts import CLOZE_VARIANTS
+from calm_runtime.prompts import CLOZE_VARIANTS, DEFAULT_CLOZE_VARIANT
 
 from . import calm_data
 
@@ -142,7 +142,7 @@ class CalmConfig:
     warm_start_lr: float = 1e-3
     init_lora: str | None = None
     entropy: str = "options"
-    cloze_variant: str = "mean"
+    cloze_variant: str = DEFAULT_CLOZE_VARIANT
     upper_params: str = "alpha"
     alpha_tokens: str = "all"
     alpha_l2: float = 0.0

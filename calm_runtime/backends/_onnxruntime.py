@@ -40,8 +40,8 @@ def _import_onnxruntime():
         import onnxruntime
     except ImportError:
         raise BackendUnavailableError("onnxruntime is not installed; install calm with the cpu "
-                                      "extra (pip install 'calm[cpu]') or the gpu extra "
-                                      "(pip install 'calm[gpu]')") from None
+                                      "extra (pip install 'calm-llm[cpu]') or the gpu extra "
+                                      "(pip install 'calm-llm[gpu]')") from None
     return onnxruntime
 
 
@@ -95,7 +95,7 @@ class OnnxRuntimeBackend(Backend):
         if missing:
             raise BackendUnavailableError(
                 f"execution provider(s) {missing} are not in this onnxruntime build (available: "
-                f"{available}); install onnxruntime-gpu (pip install 'calm[gpu]') for CUDA or "
+                f"{available}); install onnxruntime-gpu (pip install 'calm-llm[gpu]') for CUDA or "
                 "pass providers=['CPUExecutionProvider']")
         so = ort.SessionOptions()
         so.log_severity_level = 3

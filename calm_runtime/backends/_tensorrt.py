@@ -7,7 +7,7 @@ time. Batches are limited to the plan's ``max_batch_size``. CUDA buffers are tor
 tensors; an execution context is not thread-safe, so each call borrows one from a small
 pool (created on demand, guarded by a lock).
 
-Needs ``pip install 'calm[tensorrt]'``, torch with CUDA and the GPU the plan was built on;
+Needs ``pip install 'calm-llm[tensorrt]'``, torch with CUDA and the GPU the plan was built on;
 otherwise :class:`BackendUnavailableError` says which is missing.
 """
 
@@ -24,7 +24,7 @@ from ._base import Backend, TorchStateMixin
 
 __all__ = ["TensorRTBackend"]
 
-_HINT = "pip install 'calm[tensorrt]' on a machine with an NVIDIA GPU"
+_HINT = "pip install 'calm-llm[tensorrt]' on a machine with an NVIDIA GPU"
 
 
 class TensorRTBackend(TorchStateMixin, Backend):

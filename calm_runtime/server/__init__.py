@@ -1,6 +1,6 @@
 """``calm serve``: an OpenAI-compatible HTTP server with calibrated confidences.
 
-Needs the ``serve`` extra (``pip install 'calm[serve]'``: FastAPI, uvicorn,
+Needs the ``serve`` extra (``pip install 'calm-llm[serve]'``: FastAPI, uvicorn,
 prometheus-client; Ray Serve for scale-out). The rest of ``calm_runtime`` never imports
 this package.
 

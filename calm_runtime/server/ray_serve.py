@@ -29,7 +29,7 @@ def calm_deployment(config: ServeConfig, *, replicas: int = 1, replica_cpus: flo
     try:
         from ray import serve
     except ImportError:
-        raise BackendUnavailableError("Ray Serve is not installed; pip install 'calm[ray]' "
+        raise BackendUnavailableError("Ray Serve is not installed; pip install 'calm-llm[ray]' "
                                       "(or 'ray[serve]')") from None
     def build_app():  # a plain function: Ray calls it on each replica to build the app
         from calm_runtime.server.app import create_app
@@ -54,7 +54,7 @@ def run_ray(config: ServeConfig, *, host: str, port: int, replicas: int,
         import ray
         from ray import serve
     except ImportError:
-        raise BackendUnavailableError("Ray Serve is not installed; pip install 'calm[ray]' "
+        raise BackendUnavailableError("Ray Serve is not installed; pip install 'calm-llm[ray]' "
                                       "(or 'ray[serve]')") from None
     import time
 

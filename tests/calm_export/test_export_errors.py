@@ -93,7 +93,7 @@ def test_missing_tensorrt_fails_at_once_naming_the_extra(tmp_path, tiny_llama_un
     with pytest.raises(BackendUnavailableError) as info:
         export_engine(tiny_llama_untied, tmp_path / "engine",
                       config=ExportConfig(progress=False, format="tensorrt"))
-    assert "pip install 'calm[tensorrt]'" in _one_line(info)
+    assert "pip install 'calm-llm[tensorrt]'" in _one_line(info)
     _nothing_written(tmp_path)
 
 

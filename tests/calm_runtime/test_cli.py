@@ -21,7 +21,8 @@ def test_help_shows_examples():
     assert "examples:" in result.stdout and "calm quickstart" in result.stdout
 
 
-@pytest.mark.parametrize("sub", ["models", "data", "fit", "eval", "quickstart", "serve", "bench"])
+@pytest.mark.parametrize("sub", ["models", "data", "fit", "eval", "quickstart", "train",
+                                 "generate", "score", "serve", "bench", "export"])
 def test_every_subcommand_has_help(sub, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main([sub, "--help"])
@@ -75,3 +76,36 @@ def test_serve_with_an_unset_key_variable_fails_before_starting(tmp_path, monkey
     assert result.returncode == 1
     assert result.stderr.strip().startswith("ConfigError: the environment variable "
                                             "CALM_NO_SUCH_KEY")
+
+
+CHILD_WITHOUT_TORCH = r'''
+import importlib.abc, sys
+
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname.split(".")[0] == "torch":
+            raise ModuleNotFoundError(f"No module named {fullname!r}", name=fullname)
+
+sys.meta_path.insert(0, Block())
+from calm_runtime.cli import main
+sys.exit(main(sys.argv[1:]))
+'''
+
+
+@pytest.mark.parametrize("argv", [["fit", "--help"], ["train", "--model", "m", "--out", "o"],
+                                  ["eval"], ["quickstart", "--limit", "3"]])
+def test_training_commands_without_the_train_extra_are_one_line(tmp_path, argv):
+    proc = subprocess.run([sys.executable, "-c", CHILD_WITHOUT_TORCH, *argv], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("BackendUnavailableError: this command needs the train extra")
+    assert "pip install 'calm-llm[train]'" in lines[0]
+
+
+def test_unknown_options_are_still_refused(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["data", "list", "--no-such-option"])
+    assert info.value.code == 2
+    assert "unrecognized arguments: --no-such-option" in capsys.readouterr().err

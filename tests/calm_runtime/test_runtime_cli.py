@@ -54,7 +54,7 @@ def test_generate_json(runtime_engine, lm, capsys):
 def test_score_multiple_choice(runtime_engine, lm, tmp_path, capsys, mode):
     data = write_jsonl(tmp_path / "mc.jsonl", MC)
     report_path = tmp_path / "report.json"
-    assert main(["-q", "score", str(runtime_engine[2]), "--data", str(data), "--split", "all",
+    assert main(["-q", "score", str(runtime_engine[2]), "--data", str(data), "--part", "all",
                  "--mode", mode, "--bins", "5", "--out", str(report_path)]) == 0
     printed = capsys.readouterr().out
     report = json.loads(report_path.read_text())
@@ -81,7 +81,7 @@ def test_score_open_qa_with_p_true(runtime_engine, lm, tmp_path, capsys):
     assert "| P(True) |" in capsys.readouterr().out
 
 
-def test_score_and_generate_errors_are_one_line(runtime_engine, tmp_path, capsys):
+def test_score_and_generate_errors_are_one_line(runtime_engine, tmp_path, capsys, caplog):
     assert main(["generate", str(tmp_path / "missing"), "hi"]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("ArtifactError: ") and "\n" not in err
@@ -89,9 +89,14 @@ def test_score_and_generate_errors_are_one_line(runtime_engine, tmp_path, capsys
     assert capsys.readouterr().err.strip().startswith("ConfigError: the prompt is empty")
     unlabeled = write_jsonl(tmp_path / "u.jsonl", [MultipleChoiceRecord("q?", ("a", "b")),
                                                    MultipleChoiceRecord("r?", ("c", "d"))])
-    assert main(["score", str(runtime_engine[2]), "--data", str(unlabeled), "--split",
+    assert main(["score", str(runtime_engine[2]), "--data", str(unlabeled), "--part",
                  "all"]) == 1
     assert capsys.readouterr().err.strip().startswith("DataError: 2 of 2 records have no answer")
+    # the old name of --part still works, with a deprecation warning
+    assert main(["score", str(runtime_engine[2]), "--data", str(unlabeled), "--split",
+                 "all"]) == 1
+    assert "DataError: 2 of 2 records have no answer" in capsys.readouterr().err
+    assert "--split is deprecated and will be removed; use --part" in caplog.text
 
 
 @pytest.mark.parametrize("sub", ["generate", "score"])

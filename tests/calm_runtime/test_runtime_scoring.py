@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 
 from calm_runtime import CalibratedLM  # noqa: E402
 from calm_runtime.data import MultipleChoiceRecord  # noqa: E402
-from calm_runtime.prompts import p_true_template  # noqa: E402
+from calm_runtime.prompts import DEFAULT_CLOZE_VARIANT, p_true_template  # noqa: E402
 
 #: |engine - torch| on option scores (summed log-probabilities of a few tokens, or logits)
 #: and on probabilities; the engine's logits are within ~1e-5 of the reference here
@@ -83,7 +83,7 @@ def test_cloze_equals_a_direct_computation(lm, runtime_reference_model, hf_token
             logits = model(input_ids=torch.tensor([context + cont])).logits[0].float()
         logp = adapter.calibrate(logits).log_softmax(-1).double().numpy()
         want.append(sum(logp[len(context) - 1 + t, tok] for t, tok in enumerate(cont)))
-    choice = lm.choose(question, options)  # default variant "sum"
+    choice = lm.choose(question, options, variant="sum")
     np.testing.assert_allclose(choice.scores, want, atol=ATOL["scores"])
 
 
@@ -115,11 +115,15 @@ def test_batched_choices_equal_single_ones(lm):
 
 def test_recorded_variant_is_the_default(runtime_engine, lm):
     manifest = dataclasses.replace(lm.manifest, export={**lm.manifest.export,
-                                                        "cloze_variant": "mean"})
+                                                        "cloze_variant": "char"})
     other = CalibratedLM(manifest, lm.backend, lm.tokenizer)
-    assert lm.default_variant == "sum" and other.default_variant == "mean"
+    # unrecorded: the one project-wide default (calm_runtime.prompts.DEFAULT_CLOZE_VARIANT)
+    assert lm.default_variant == DEFAULT_CLOZE_VARIANT == "mean"
+    assert other.default_variant == "char"
     question, options = QUESTIONS[1]
     np.testing.assert_allclose(other.choose(question, options).scores,
+                               lm.choose(question, options, variant="char").scores)
+    np.testing.assert_allclose(lm.choose(question, options).scores,
                                lm.choose(question, options, variant="mean").scores)
 
 

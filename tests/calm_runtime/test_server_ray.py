@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'calm[ray]')")
+ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'calm-llm[ray]')")
 serve = pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
 

@@ -114,5 +114,5 @@ def test_runtime_works_without_torch(tmp_path: Path):
     name, message = report["models_error"]
     assert name == "ModelSourceError", f"expected ModelSourceError, got {name}: {message}"
     assert "torch is not installed" in message
-    assert "train extra" in message and "calm[train]" in message
+    assert "train extra" in message and "calm-llm[train]" in message
     assert "\n" not in message
