@@ -2,6 +2,7 @@
 
     python benchmarks/calibration.py                # full run (scores cached after the first)
     python benchmarks/calibration.py --quick        # first 200 questions of each set
+    python benchmarks/calibration.py --render       # rewrite the .md from the committed .json
 
 For each data set, mode and cloze scoring variant it fits vanilla, naive alignment, DACA
 (scalar and vector), labeled temperature scaling (scalar and vector) on the calibration
@@ -24,6 +25,7 @@ from pathlib import Path
 
 from _common import git_commit
 
+from calm_runtime.cli import install_named
 from calm_training.evaluate import write_report
 from calm_training.fit import FitConfig, compare_methods, format_table
 
@@ -31,6 +33,11 @@ HERE = Path(__file__).resolve().parent
 MC_METHODS = ("vanilla", "naive", "daca", "daca-vector", "ts", "ts-vector")
 
 
+
+
+#: Keys of calibration.json that this script writes; --render drops any other (an older
+#: script's section) from the file it rewrites, and says so in the provenance.
+KEYS = ("provenance", "results")
 
 
 def main(argv=None) -> int:
@@ -46,16 +53,23 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="first 200 questions of each set")
     parser.add_argument("--bins", type=int, default=10)
     parser.add_argument("--out", default=str(HERE / "results"))
+    parser.add_argument("--note", help="a sentence for the header of calibration.md (kept in "
+                        "the JSON's provenance), instead of editing the generated file")
+    parser.add_argument("--render", action="store_true",
+                        help="no scoring: rewrite OUT/calibration.md from OUT/calibration.json")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-
     command = "python benchmarks/calibration.py " + " ".join(argv if argv is not None
                                                              else sys.argv[1:])
-    provenance = {"command": command.strip(), "commit": git_commit(),
-                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    stamp = {"command": command.strip(), "commit": git_commit(),
+             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     out = Path(args.out)
+    if args.render:
+        return render(out, stamp, args.note)
+    install_named([args.model, args.reference], args.data)  # a command line: it may install
+    provenance = dict(stamp, **({"note": args.note} if args.note else {}))
     out.mkdir(parents=True, exist_ok=True)
-    results, tables = [], []
+    results = []
     start = time.perf_counter()
     for data in args.data:
         for mode in args.modes:
@@ -70,17 +84,46 @@ def main(argv=None) -> int:
                 write_report(report, out, stem)
                 report.pop("_panels", None)
                 results.append(report)
-                tables.append(format_table(report))
-                print(tables[-1] + "\n", flush=True)
+                print(format_table(report) + "\n", flush=True)
     provenance["wall_s"] = round(time.perf_counter() - start, 1)
-    (out / "calibration.json").write_text(json.dumps({"provenance": provenance,
-                                                      "results": results}, indent=1) + "\n")
-    header = (f"# Calibration benchmark\n\nProduced by `{provenance['command']}` at commit "
-              f"{provenance['commit']} on {provenance['date']} ({provenance['wall_s']} s).\n"
-              "Metrics on the held-out test split; fits on the 30% calibration split "
-              "(seed 0).\n")
-    (out / "calibration.md").write_text(header + "\n" + "\n\n".join(tables) + "\n")
+    payload = {"provenance": provenance, "results": results}
+    (out / "calibration.json").write_text(json.dumps(payload, indent=1) + "\n")
+    (out / "calibration.md").write_text(markdown(payload))
     return 0
+
+
+def render(out: Path, stamp: dict, note: str | None) -> int:
+    """Rewrite ``calibration.md`` from ``calibration.json`` (and the JSON without keys this
+    script does not write), recording the rendering command in the provenance."""
+    path = out / "calibration.json"
+    payload = json.loads(path.read_text())
+    dropped = sorted(set(payload) - set(KEYS))
+    provenance = dict(payload["provenance"])
+    if note:
+        provenance["note"] = note
+    provenance["rendered"] = dict(stamp, **({"dropped_keys": dropped} if dropped else {}))
+    payload = {"provenance": provenance, "results": payload["results"]}
+    path.write_text(json.dumps(payload, indent=1) + "\n")
+    (out / "calibration.md").write_text(markdown(payload))
+    logging.getLogger(__name__).info("rewrote %s and calibration.md%s", path,
+                                     f" (dropped {', '.join(dropped)})" if dropped else "")
+    return 0
+
+
+def markdown(payload: dict) -> str:
+    provenance = payload["provenance"]
+    header = (f"# Calibration benchmark\n\nProduced by `{provenance['command']}` at commit "
+              f"{provenance['commit']} on {provenance['date']} ({provenance['wall_s']} s).\n")
+    rendered = provenance.get("rendered")
+    if rendered:
+        header += (f"Rendered from `calibration.json` by `{rendered['command']}` at commit "
+                   f"{rendered['commit']} on {rendered['date']}.\n")
+    if provenance.get("note"):
+        header += provenance["note"].strip() + "\n"
+    header += ("Metrics on the held-out test split; fits on the 30% calibration split "
+               "(seed 0). Training-time calibration (CALM): `calm_replication.md`.\n")
+    tables = [format_table(report) for report in payload["results"]]
+    return header + "\n" + "\n\n".join(tables) + "\n"
 
 
 if __name__ == "__main__":

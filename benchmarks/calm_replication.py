@@ -53,6 +53,7 @@ from _common import git_commit
 
 from calm_runtime import metrics
 from calm_runtime.artifact import CalibrationAdapter
+from calm_runtime.cli import install_named
 from calm_runtime.data import load_dataset, split_records
 from calm_training import calm_data, daca
 from calm_training.fit import option_probabilities
@@ -499,7 +500,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return report(args) if args.report else run_direction(args)
+    if args.report:
+        return report(args)
+    install_named([args.model], SETS)  # a command line: it may install
+    return run_direction(args)
 
 
 if __name__ == "__main__":

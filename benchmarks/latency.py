@@ -275,7 +275,7 @@ def main(argv=None) -> int:
         loaded[name] = {"rss_added_mb": (rss.rss() - before) / 2**20}
         return value
 
-    folder = resolve_model(args.model)
+    folder = resolve_model(args.model, install=True)  # a command line: it may install
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     tokenizer.padding_side = "left"
     model = load("transformers", lambda: AutoModelForCausalLM.from_pretrained(

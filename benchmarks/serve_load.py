@@ -37,7 +37,7 @@ def _prompts(n: int) -> list[str]:
     from calm_runtime.data import load_dataset
     from calm_runtime.prompts import cloze_context
 
-    return [cloze_context(r.question) for r in load_dataset("arc-easy:test")[:n]]
+    return [cloze_context(r.question) for r in load_dataset("arc-easy:test", install=True)[:n]]
 
 
 def _percentile(values, q: float) -> float:

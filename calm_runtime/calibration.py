@@ -1,4 +1,4 @@
-"""The one calibration formula (METHODS.md §1) and its fused LM-head form.
+"""The one calibration formula (docs/methods.md §1) and its fused LM-head form.
 
     z_cal = (z / tau + shift) / T
     W'    = diag(1 / (tau * T)) @ W

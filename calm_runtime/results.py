@@ -1,6 +1,6 @@
 """What :class:`~calm_runtime.lm.CalibratedLM` returns: plain, immutable, JSON-ready records.
 
-Every probability here is calibrated (the engine's logits are, METHODS.md §1–§2).
+Every probability here is calibrated (the engine's logits are, docs/methods.md §1–§2).
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ class Generation:
         prompt_tokens: the prompt's length in tokens.
         timing: see :class:`Timing`.
 
-    Sequence confidences (METHODS.md §2) over ``tokens``: :attr:`joint_confidence` is the
+    Sequence confidences (docs/methods.md §2) over ``tokens``: :attr:`joint_confidence` is the
     product of the token probabilities, :attr:`sequence_confidence` their geometric mean
     (length-normalised, ``exp(mean logprob)``).
     """

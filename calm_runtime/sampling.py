@@ -1,6 +1,6 @@
 """Token statistics and token choice on calibrated logits (numpy, one pass per step).
 
-Confidence (METHODS.md §2): a token's confidence is its probability under
+Confidence (docs/methods.md §2): a token's confidence is its probability under
 ``softmax(z_cal)`` over the full vocabulary, whatever sampling settings chose it. Per
 step and row the statistics come from one pass: ``s = z - max(z)``, ``e = exp(s)``,
 ``S = sum(e)``; then ``p(t) = e[t] / S``, ``log p(t) = s[t] - log S`` and the entropy

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from calm_runtime._extras import missing
-from calm_runtime.cli import missing_extra_message
+from calm_runtime.cli import install_named, missing_extra_message
 from calm_runtime.errors import CalmError, ConfigError
 
 __all__ = ["main", "build_parser", "register", "run"]
@@ -82,6 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name in ("calm_export", "calm_runtime"):
             logging.getLogger(name).setLevel(logging.INFO)
     try:
+        install_named([args.model], [args.calibration_data, args.recalibrate])
         return run(args)
     except CalmError as exc:
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)

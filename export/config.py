@@ -81,7 +81,7 @@ class ExportConfig:
     #: Refit the final temperature on the final engine's own scores of ``calibration_data``
     #: (letter mode: token-level T folded into the head; cloze: ``answer_temperature``).
     recalibrate: bool = False
-    #: "cloze" or "letter" (METHODS.md §2); ``None``: the adapter's fit mode, else "cloze".
+    #: "cloze" or "letter" (docs/methods.md §2); ``None``: the adapter's fit mode, else "cloze".
     calibration_mode: str | None = None
     #: Cloze score variant; ``None``: the adapter's recorded variant, else "mean" (the
     #: training default).

@@ -1,6 +1,6 @@
 """Merge the LoRA, untie the embedding, and fuse the calibration into the LM head.
 
-The math is :func:`calm_runtime.calibration.fused_head` (METHODS.md §1), called through
+The math is :func:`calm_runtime.calibration.fused_head` (docs/methods.md §1), called through
 :meth:`CalibrationAdapter.fused_head`; nothing here re-derives it.
 
 Head layout (``ExportConfig.head_layout``), measured on SmolLM2-135M-Instruct (tied, vocab
@@ -26,7 +26,7 @@ layout                      model.onnx   session RSS     decode / step   prefill
   transpose into the file itself.
 
 So ``untied`` is the default: same memory where it matters, a standard graph, and it is
-what METHODS.md §1 prescribes. ``tied-scale`` stays available for disk-bound deployments.
+what docs/methods.md §1 prescribes. ``tied-scale`` stays available for disk-bound deployments.
 (Export itself peaked at 3.35 GB RSS untied vs 2.84 GB tied-scale.)
 """
 

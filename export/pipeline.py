@@ -21,6 +21,7 @@ from calm_runtime._fs import atomic_directory
 from calm_runtime.artifact import CalibrationAdapter
 from calm_runtime.engine import EngineManifest
 from calm_runtime.errors import ArtifactError, ConfigError, ExportValidationError
+from calm_runtime.prompts import CLOZE_VARIANTS
 from calm_runtime.models import (
     PACKAGED_MODELS,
     load_model_and_tokenizer,
@@ -229,7 +230,7 @@ def _export(model_spec, out: Path, adapter_arg, config: ExportConfig,
                            "source_head_tied": was_tied, "genai_config": genai,
                            "tensorrt": trt_settings,
                            # the cloze score answer_temperature was fitted on (runtime reads it)
-                           "cloze_variant": (adapter.method or {}).get("variant")}
+                           "cloze_variant": _cloze_variant(adapter)}
         if config.variant:  # "int8" / "fp16": scheme, excluded nodes, sizes, drift
             export_settings[config.variant] = variant_facts
 
@@ -361,6 +362,11 @@ def _build_tensorrt(staging: Path, shape, config: ExportConfig, cases, reference
     return settings, {"max_abs_diff": single.merge(double).max_abs_diff, "tolerance": tolerance,
                       "batch2_max_abs_diff": double.max_abs_diff, "greedy_match": True,
                       "greedy_ties": single.greedy_ties + double.greedy_ties}
+
+
+def _cloze_variant(adapter: CalibrationAdapter) -> str | None:
+    value = (adapter.method or {}).get("variant")
+    return value if value in CLOZE_VARIANTS else None
 
 
 def _versions() -> dict:

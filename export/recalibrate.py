@@ -14,7 +14,7 @@ labeled temperature scaling (:func:`calm_training.daca.fit_temperature_scaling`,
   the graph by scaling the head's constants (the bias and the weight, the weight's block
   scales when the head is blockwise int8, or the tied-scale layout's scale vector) by
   ``1 / T_r`` -- exact, as the head is affine -- and the manifest's ``temperature``
-  becomes ``T * T_r`` (METHODS.md §1). The folded engine is scored again and must give
+  becomes ``T * T_r`` (docs/methods.md §1). The folded engine is scored again and must give
   the old option logits divided by ``T_r`` within the validation tolerance.
 
 The fit and the reported ECE use the same records (in-sample): the numbers show that
@@ -34,7 +34,7 @@ import numpy as np
 from calm_runtime import metrics
 from calm_runtime.data import MultipleChoiceRecord, dataset_hash, load_dataset
 from calm_runtime.errors import ConfigError, DataError, ExportValidationError, FitError
-from calm_runtime.prompts import DEFAULT_CLOZE_VARIANT
+from calm_runtime.prompts import CLOZE_VARIANTS, DEFAULT_CLOZE_VARIANT
 
 from .onnx import ONNX_FILE
 
@@ -98,7 +98,7 @@ def scoring_settings(config, adapter) -> tuple[str, str | None]:
                                        ("cloze", "letter") else "cloze")
     if mode == "letter":
         return mode, None
-    recorded = method.get("variant")
+    recorded = method.get("variant") if method.get("variant") in CLOZE_VARIANTS else None
     variant = config.calibration_variant or recorded or DEFAULT_CLOZE_VARIANT
     if (recorded and variant != recorded and adapter.answer_temperature is not None
             and not config.recalibrate):

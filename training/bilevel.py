@@ -1,6 +1,6 @@
 """First-order bilevel optimisation (BOME, Liu et al. 2022) on generic parameter lists.
 
-METHODS.md §4. The lower level ``g(θ, α)`` is minimised over ``θ``; the upper level
+docs/methods.md §4. The lower level ``g(θ, α)`` is minimised over ``θ``; the upper level
 ``f(θ, α)`` over the joint variable ``u = (θ, α)`` subject to ``θ`` staying a minimiser of
 ``g``. One outer step (:func:`bome_step`):
 

@@ -266,7 +266,7 @@ def _register_train(sub) -> None:
     t = sub.add_parser("train", help="CALM: train LoRA + per-token calibration (bilevel)",
                        description="Fine-tune a LoRA adapter with cross-entropy while the "
                        "per-vocabulary temperatures and shifts maximise an entropy on an "
-                       "unlabeled calibration set (BOME, METHODS.md section 4). The defaults "
+                       "unlabeled calibration set (BOME, docs/methods.md section 4). The defaults "
                        "are the arm that won the project's CALM replication "
                        "(benchmarks/results/calm_replication.md): a plain-LoRA warm start "
                        "of half the steps, then BOME steps with Adam, the entropy of the "

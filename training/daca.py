@@ -1,6 +1,6 @@
 """DACA: label-free calibration from a pre-trained model, and its labeled baselines.
 
-METHODS.md §3. With ``p = softmax(f)`` the PLM's option probabilities and ``g`` the
+docs/methods.md §3. With ``p = softmax(f)`` the PLM's option probabilities and ``g`` the
 PoLM's option logits, DACA picks ``T`` minimising the mean ``KL(p || softmax(g / T))``
 over the items where both models predict the same option. With ``beta = 1 / T`` the
 cross-entropy ``-beta p.g + logsumexp(beta g)`` is convex in ``beta`` and its derivative

@@ -3,12 +3,12 @@
 ``FitConfig`` names the models, data, mode and scoring variant; :func:`compare_methods`
 fits every post-hoc method on the calibration split and evaluates all of them on the
 held-out split (the table `calm eval` and the README's main job print);
-:func:`fit_adapter` writes one method's calibration adapter (METHODS.md §1–§3):
+:func:`fit_adapter` writes one method's calibration adapter (docs/methods.md §1–§3):
 
 * cloze mode: the fitted temperature becomes ``answer_temperature`` (it acts on the
   option scores, so it cannot be fused into the LM head);
 * letter mode: it becomes the token-level ``temperature`` (fusable), and vector scaling
-  is written onto the option tokens' entries of ``tau``/``shift`` (exact, METHODS.md §1).
+  is written onto the option tokens' entries of ``tau``/``shift`` (exact, docs/methods.md §1).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class FitConfig:
         reference: the pre-trained reference model for DACA / naive alignment.
         data: a data spec (``arc-easy``, ``sciq``, a ``.jsonl`` path, ...).
         mode: ``cloze`` or ``letter`` for multiple choice, ``p_true`` for open QA
-            (METHODS.md §2).
+            (docs/methods.md §2).
         variant: cloze scoring variant (``sum``, ``mean``, ``char``); ignored in letter mode.
         reference_variant: the reference model's cloze variant (default: ``variant``). DACA
             aligns the model with the reference's probabilities, so it can only be as good

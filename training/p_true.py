@@ -1,6 +1,6 @@
 """Open QA: greedy answers, correctness by alias match, P(True), and its calibration.
 
-METHODS.md §2–§3: the post-trained model answers each question greedily; each model
+docs/methods.md §2–§3: the post-trained model answers each question greedily; each model
 (PoLM and, for DACA, the PLM) judges that answer with a named P(True) template; the
 two-way ``[true, false]`` logits are calibrated like option logits (DACA on the two-way
 distributions, or temperature scaling against answer correctness). The fitted
@@ -118,7 +118,7 @@ def compare_p_true(config, methods=P_TRUE_METHODS, *, progress: bool = True) -> 
     """Fit P(True) calibrations on the calibration split; binary metrics on the test split.
 
     The label of an item is whether the PoLM's answer is correct; the confidence is
-    P(True) (METHODS.md §5).
+    P(True) (docs/methods.md §5).
     """
     judged = open_qa_judgements(config, progress=progress)
     n = len(judged["records"])

@@ -1,6 +1,6 @@
 """Scoring multiple-choice and open-QA records with a causal LM (torch, batched).
 
-Multiple choice (METHODS.md §2):
+Multiple choice (docs/methods.md §2):
 
 * **cloze** — the log-probability of each option's text ``" {option}"`` as the
   continuation of ``"Question: ...\\nAnswer:"``; kept as the summed log-probability plus
@@ -295,7 +295,7 @@ def _score_letters(model, tokenizer, records, values, batch_size, pad, chat, cal
         for b, row in enumerate(chunk):
             ids = token_ids[len(records[row].choices)]
             # raw logits (not log-softmax): vector scaling acts on logits, and only then
-            # maps exactly onto tau/shift of the option tokens (METHODS.md §1)
+            # maps exactly onto tau/shift of the option tokens (docs/methods.md §1)
             values[row, :len(ids)] = logits[b, 0, ids].double().numpy()
         bar.update(len(chunk))
     bar.close()
@@ -312,7 +312,7 @@ def score_p_true(model, tokenizer, questions: Sequence[str], answers: Sequence[s
                  calibration=None, progress: bool = True) -> np.ndarray:
     """Two-way logits ``[N, 2]`` (the true and false tokens' logits) for each pair.
 
-    P(True) is ``softmax`` over the two columns (METHODS.md §2).
+    P(True) is ``softmax`` over the two columns (docs/methods.md §2).
     """
     from tqdm.auto import tqdm
 

@@ -1,4 +1,4 @@
-"""CALM training (METHODS.md §4): a LoRA adapter and per-vocabulary α = (log_tau, l).
+"""CALM training (docs/methods.md §4): a LoRA adapter and per-vocabulary α = (log_tau, l).
 
 :func:`train_calm` loads the model, wraps it with a peft LoRA, and runs ``config.steps``
 outer steps of the chosen method (:data:`METHODS`) with the step functions of
@@ -49,7 +49,7 @@ __all__ = ["METHODS", "OPTIMIZERS", "PHI_MODES", "UPPER_PARAMS", "ALPHA_TOKENS",
 
 logger = logging.getLogger(__name__)
 
-#: bilevel: BOME (METHODS.md §4); regularization: min g + β f; iterate-theta: alternate a θ
+#: bilevel: BOME (docs/methods.md §4); regularization: min g + β f; iterate-theta: alternate a θ
 #: step on g and a (θ, α) step on f, no coupling; iterate-alpha: alternate a θ step on g and an
 #: α step on f, no coupling; scalar: BOME with α one learned temperature; lora: plain LoRA
 #: fine-tuning (no α)
@@ -488,7 +488,10 @@ class _Trainer:
         return CalibrationAdapter(
             base_model=self.model.identity, tau=tau, shift=shift, temperature=1.0,
             kind=KINDS[cfg.method],
-            method={"name": "calm", "variant": cfg.method, "mode": cfg.mode,
+            # "variant" is the cloze score variant, as in every adapter (export and the
+            # runtime read it); the CALM solver or ablation is "solver"
+            method={"name": "calm", "solver": cfg.method, "mode": cfg.mode,
+                    "variant": cfg.cloze_variant if cfg.mode == "cloze" else None,
                     "alpha": self.model.alpha_names, "settings": cfg.to_dict(),
                     "alpha_token_count": (None if self.model.alpha_index is None
                                           else int(self.model.alpha_index.numel()))},

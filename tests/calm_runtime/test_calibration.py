@@ -1,4 +1,4 @@
-"""The one calibration formula (METHODS.md §1): apply_calibration, fused_head, is_identity.
+"""The one calibration formula (docs/methods.md §1): apply_calibration, fused_head, is_identity.
 
 Every case is checked on numpy and on torch, and the fused head is checked against the
 unfused formula: ``W' h + b' == apply_calibration(W h + b, tau, shift, T)``.

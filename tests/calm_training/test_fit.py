@@ -112,7 +112,7 @@ def _relabel_by_model(config, path, tmp_path):
 
 def test_letter_vector_scaling_is_exact_in_the_artifact(tiny_llama_tied, mc_file, tmp_path):
     """Vector scaling written onto tau/shift and applied to full-vocabulary logits gives the
-    same option probabilities as the fit applied to the option logits (METHODS.md §1)."""
+    same option probabilities as the fit applied to the option logits (docs/methods.md §1)."""
     config = _config(tiny_llama_tied, mc_file, mode="letter", chat=False)
     config = _config(tiny_llama_tied, _relabel_by_model(config, mc_file, tmp_path),
                      mode="letter", chat=False)

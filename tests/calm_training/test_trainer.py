@@ -66,6 +66,11 @@ def test_artifact_round_trips_with_identical_logits(trained, tiny_llama_tied):
     assert loaded.provenance["train_data"][0]["n"] == 6
     assert loaded.provenance["seed"] == 0
     assert loaded.method["settings"]["steps"] == 20
+    # "variant" is the cloze score variant in every adapter (export and the runtime read it)
+    settings = loaded.method["settings"]
+    assert loaded.method["solver"] == settings["method"]
+    assert loaded.method["variant"] == (settings["cloze_variant"]
+                                        if settings["mode"] == "cloze" else None)
     assert loaded.metrics["training"]["last"]["step"] == 20
 
     ids = torch.tensor([[1, 50, 60, 70, 80, 90, 100, 110]])
