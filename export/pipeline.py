@@ -21,13 +21,13 @@ from calm_runtime._fs import atomic_directory
 from calm_runtime.artifact import CalibrationAdapter
 from calm_runtime.engine import EngineManifest
 from calm_runtime.errors import ArtifactError, ConfigError, ExportValidationError
-from calm_runtime.prompts import CLOZE_VARIANTS
 from calm_runtime.models import (
     PACKAGED_MODELS,
     load_model_and_tokenizer,
     model_identity,
     resolve_model,
 )
+from calm_runtime.prompts import CLOZE_VARIANTS
 
 from . import engine_writer, fuse, quantize, recalibrate, validate
 from .config import ExportConfig

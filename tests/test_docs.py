@@ -46,8 +46,9 @@ def test_every_cited_markdown_file_exists_with_its_section():
                           re.split(r"[/.]", name)[:-1])  # OUT/calibration.md, results/NAME.md
         if path is None and not placeholder:
             missing.append(where)
-        elif path is not None and section and section not in HEADING.findall(path.read_text(encoding="utf-8")):
-            sections.append(f"{where} §{section}")
+        elif path is not None and section:
+            if section not in HEADING.findall(path.read_text(encoding="utf-8")):
+                sections.append(f"{where} §{section}")
     assert not missing, f"cited but not in the repository: {missing}"
     assert not sections, f"cited sections with no heading '§N' in the page: {sections}"
 

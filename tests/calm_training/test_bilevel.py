@@ -83,7 +83,8 @@ def test_toy_bilevel_converges_to_the_closed_form_solution(phi):
 
 
 def test_one_step_matches_the_update_rule_by_hand():
-    """u ← u − d with SGD(lr=1): every quantity of docs/methods.md §4 written out for the quadratic."""
+    """u ← u − d with SGD(lr=1): every quantity of docs/methods.md §4, written out for the
+    quadratic."""
     lower, upper, _, _, (h, b_mat, b, c) = _problem(1)
     theta0 = torch.tensor([0.3, -0.2, 0.5, 0.1], dtype=torch.float64)
     alpha0 = torch.tensor([0.4, -0.7], dtype=torch.float64)
