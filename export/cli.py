@@ -10,6 +10,9 @@ from collections.abc import Sequence
 from calm_runtime._extras import missing
 from calm_runtime.cli import install_named, missing_extra_message
 from calm_runtime.errors import CalmError, ConfigError
+from calm_runtime.prompts import CLOZE_VARIANTS, DEFAULT_CLOZE_VARIANT
+
+from .config import HEAD_LAYOUTS, INT8_SCHEMES  # torch-free, like this module
 
 __all__ = ["main", "build_parser", "register", "run"]
 
@@ -64,6 +67,19 @@ def add_arguments(parser: argparse.ArgumentParser, *, quiet: bool = True) -> Non
                         "(implies --calibration-data DATA)")
     parser.add_argument("--calibration-mode", choices=("cloze", "letter"), default=None,
                         help="how DATA is scored (default: the adapter's fit mode, else cloze)")
+    parser.add_argument("--calibration-variant", choices=CLOZE_VARIANTS, default=None,
+                        help="cloze score variant for DATA (default: the adapter's recorded "
+                        f"one, else {DEFAULT_CLOZE_VARIANT})")
+    parser.add_argument("--int8-scheme", choices=INT8_SCHEMES, default="blockwise",
+                        help="with --quantize int8: blockwise (MatMulNBits) or dynamic "
+                        "(default blockwise)")
+    parser.add_argument("--int8-exclude", metavar="MODULES", default=None,
+                        help="with --quantize int8: comma-separated modules kept fp32 (a path, "
+                        "a suffix such as mlp.down_proj, or a glob; default: the scheme's "
+                        "measured choice)")
+    parser.add_argument("--head-layout", choices=HEAD_LAYOUTS, default="untied",
+                        help="untied: the head holds W/(tau T) and a bias (default); "
+                        "tied-scale: the tied head followed by a scale and a shift")
     parser.add_argument("--opset", type=int, default=18, help="ONNX opset (default 18)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an existing engine once the new one has passed validation")
@@ -101,7 +117,11 @@ def run(args: argparse.Namespace) -> int:
                           opset=args.opset, overwrite=args.overwrite,
                           progress=not args.quiet, calibration_data=data,
                           recalibrate=args.recalibrate is not None,
-                          calibration_mode=args.calibration_mode)
+                          calibration_mode=args.calibration_mode,
+                          calibration_variant=args.calibration_variant,
+                          int8_scheme=args.int8_scheme, head_layout=args.head_layout,
+                          int8_exclude=None if args.int8_exclude is None else tuple(
+                              m.strip() for m in args.int8_exclude.split(",") if m.strip()))
     if config.format == "tensorrt":  # fail at once, before loading anything heavy
         from calm_export.tensorrt import require_tensorrt
 

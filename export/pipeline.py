@@ -305,8 +305,9 @@ def _build_variant(staging: Path, shape, config: ExportConfig, cases, references
             raise ExportValidationError(
                 f"the int8 engine keeps the fp32 top token at {drift['greedy_agreement']:.1%} "
                 f"of {drift['positions']} positions (minimum {config.int8_min_agreement:.0%}); "
-                "keep more modules in fp32 (int8_exclude), use int8_scheme='blockwise' with a "
-                "smaller block, or export fp32; no engine was written")
+                "keep more modules in fp32 (--int8-exclude), use --int8-scheme blockwise "
+                "(ExportConfig.int8_block_size for a smaller block), or export fp32; no "
+                "engine was written")
         return fp32_root, facts, {"int8_min_agreement": config.int8_min_agreement}
     tolerance = config.tolerance(scale, "fp16")
     single, double = validate.compare_all(cases, references, mine, tolerance)

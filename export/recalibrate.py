@@ -142,12 +142,13 @@ def head_constants(model) -> list[str]:
     else:
         what = "no node" if node is None else f"a {node.op_type} node"
         raise ConfigError(f"cannot fold a temperature into this graph's head ({what} where an "
-                          "affine head was expected); keep 'lm_head' in fp32 (int8_exclude) "
+                          "affine head was expected); keep 'lm_head' in fp32 (--int8-exclude "
+                          "lm_head) "
                           "or recalibrate in cloze mode")
     shared = [t for t in targets if uses[t] > 1]
     if shared:
         raise ConfigError(f"the head's constant {shared[0]!r} is shared with other nodes; "
-                          "export with head_layout='untied' to recalibrate in letter mode")
+                          "export with --head-layout untied to recalibrate in letter mode")
     return targets
 
 

@@ -11,6 +11,7 @@ import numpy as np
 
 from calm_runtime.artifact import CalibrationAdapter
 from calm_runtime.plot import write_reliability_diagram
+from calm_runtime.prompts import CLOZE_VARIANTS
 
 from .cache import cached_option_scores
 from .fit import (
@@ -40,6 +41,14 @@ def evaluate_adapter(config: FitConfig, adapter_dir: str | os.PathLike, *,
     adapter = CalibrationAdapter.from_pretrained(adapter_dir)
     records = _load_records(config)
     base_config = FitConfig(**{**config.to_dict(), "adapter": None})
+    recorded = (adapter.method or {}).get("variant")
+    if (config.mode == "cloze" and adapter.answer_temperature is not None
+            and recorded in CLOZE_VARIANTS and recorded != config.variant):
+        # answer_temperature is a temperature of one score variant; the runtime follows the
+        # recorded one too
+        logger.warning("%s: answer_temperature was fitted on %r cloze scores; evaluating "
+                       "with %r, not %r", adapter_dir, recorded, recorded, config.variant)
+        base_config = FitConfig(**{**base_config.to_dict(), "variant": recorded})
     vanilla = cached_option_scores(config.model, records, mode=config.mode, chat=config.chat,
                                    batch_size=config.batch_size, progress=progress)
     calibrated = cached_option_scores(config.model, records, mode=config.mode,
@@ -54,7 +63,8 @@ def evaluate_adapter(config: FitConfig, adapter_dir: str | os.PathLike, *,
                                       (adapter.kind, calibrated, answer_t or 1.0)):
         probs = option_probabilities(_variant(scores, base_config)[test, :k], temperature)
         rows[name], panels[name] = metric_row(probs, _labels(scores, test), config)
-    return {"config": config.to_dict(), "adapter": str(adapter_dir),
+    return {"config": base_config.to_dict() | {"adapter": config.adapter},
+            "adapter": str(adapter_dir),
             "adapter_kind": adapter.kind, "n_test": int(test.size), "n_options": k,
             "methods": rows, "_panels": panels}
 

@@ -142,7 +142,7 @@ def test_low_int8_agreement_fails_and_writes_nothing(tmp_path, tiny_llama_untied
     real = quantize.measure_drift
     monkeypatch.setattr(quantize, "measure_drift",
                         lambda *a: {**real(*a), "greedy_agreement": 0.5})
-    with pytest.raises(ExportValidationError, match=r"50\.0% of .*int8_exclude"):
+    with pytest.raises(ExportValidationError, match=r"50\.0% of .*--int8-exclude"):
         export_engine(tiny_llama_untied, tmp_path / "engine",
                       config=ExportConfig(**FAST, quantize="int8"))
     assert list(tmp_path.iterdir()) == []

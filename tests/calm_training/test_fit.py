@@ -94,13 +94,13 @@ def test_a_method_that_cannot_fit_is_reported_not_fatal(tiny_llama_tied, mc_file
     assert write_report(report, tmp_path / "reports", "cmp")["png"].exists()
 
 
-def _relabel_by_model(config, path, tmp_path):
-    """A copy of the data whose answers follow the model's own letter choice 80% of the time,
-    so that fitted vector-scaling weights are positive (as on a real model)."""
+def _relabel_by_model(config, path, tmp_path, mode="letter"):
+    """A copy of the data whose answers follow the model's own choice (letter or cloze sum)
+    80% of the time, so that fitted vector-scaling weights are positive (as on a real model)."""
     from calm_runtime.data import load_dataset
 
     scores = score_cache.cached_option_scores(config.model, load_dataset(str(path)),
-                                              mode="letter", chat=False, progress=False)
+                                              mode=mode, chat=False, progress=False)
     rng = np.random.default_rng(1)
     out = tmp_path / "relabeled.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines()]
@@ -169,3 +169,17 @@ def test_bad_input(tiny_llama_tied, mc_file, tmp_path):
         compare_methods(_config(no_tokenizer, mc_file), ("vanilla",), progress=False)
     with pytest.raises(ConfigError, match="variant"):
         FitConfig(model="m", data="d", variant="median")
+
+
+def test_eval_follows_the_variant_the_answer_temperature_was_fitted_on(
+        tiny_llama_tied, mc_file, tmp_path, caplog):
+    data = _relabel_by_model(_config(tiny_llama_tied, mc_file), mc_file, tmp_path, "cloze")
+    fitted = _config(tiny_llama_tied, data, mode="cloze", variant="sum")
+    adapter, _ = fit_adapter(fitted, "ts", tmp_path / "ts-sum", progress=False)
+    assert adapter.method["variant"] == "sum" and adapter.answer_temperature is not None
+    asked = _config(tiny_llama_tied, data, mode="cloze", variant="mean")
+    report = evaluate_adapter(asked, tmp_path / "ts-sum", progress=False)
+    assert "answer_temperature was fitted on 'sum' cloze scores" in caplog.text
+    assert report["config"]["variant"] == "sum"
+    assert report["methods"] == evaluate_adapter(fitted, tmp_path / "ts-sum",
+                                                 progress=False)["methods"]
