@@ -13,8 +13,12 @@ command and option: ``docs/cli.md``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
+import signal
 import sys
+import threading
 from collections.abc import Iterable, Sequence
 
 from . import __version__
@@ -442,11 +446,49 @@ def _specs(args: argparse.Namespace, names: Sequence[str]) -> list[str]:
     return out
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM delivered as an exception, so that every cleanup (staging folders, temporary
+    files) runs as it does for Ctrl-C."""
+
+
+#: Exit codes of an interrupted command: 128 + the signal number, as a shell reports them.
+EXIT_SIGINT, EXIT_SIGTERM = 130, 143
+
+
+@contextlib.contextmanager
+def signals_as_exceptions():
+    """Within the block, SIGTERM raises :class:`Terminated` (SIGINT already raises
+    KeyboardInterrupt). Only the main thread can install signal handlers; elsewhere (an
+    embedding server's worker thread) the block changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum, frame):
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def report_interrupt(exc: KeyboardInterrupt) -> int:
+    """One line on stderr and the exit code for an interrupted command."""
+    name = "SIGTERM" if isinstance(exc, Terminated) else "SIGINT"
+    print(f"Interrupted: stopped by {name}; outputs in progress were removed, existing ones "
+          "are unchanged", file=sys.stderr)
+    return EXIT_SIGTERM if isinstance(exc, Terminated) else EXIT_SIGINT
+
+
 def configure_logging(verbose: bool, quiet: bool) -> None:
     level = logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "urllib3", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    if quiet:  # also the progress bars of transformers / huggingface_hub (read at import)
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -456,14 +498,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     configure_logging(args.verbose, args.quiet)
     try:
-        install_named(_specs(args, MODEL_ARGUMENTS), _specs(args, DATA_ARGUMENTS))
-        return int(args.handler(args) or 0)
+        with signals_as_exceptions():
+            install_named(_specs(args, MODEL_ARGUMENTS), _specs(args, DATA_ARGUMENTS))
+            return int(args.handler(args) or 0)
     except CalmError as exc:
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        return report_interrupt(exc)
+    except OSError as exc:  # the file system refused (disk full, permissions): one line too
+        print(f"{type(exc).__name__}: {exc}; nothing was left half-written", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

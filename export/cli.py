@@ -8,7 +8,12 @@ import sys
 from collections.abc import Sequence
 
 from calm_runtime._extras import missing
-from calm_runtime.cli import install_named, missing_extra_message
+from calm_runtime.cli import (
+    install_named,
+    missing_extra_message,
+    report_interrupt,
+    signals_as_exceptions,
+)
 from calm_runtime.errors import CalmError, ConfigError
 from calm_runtime.prompts import CLOZE_VARIANTS, DEFAULT_CLOZE_VARIANT
 
@@ -98,10 +103,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name in ("calm_export", "calm_runtime"):
             logging.getLogger(name).setLevel(logging.INFO)
     try:
-        install_named([args.model], [args.calibration_data, args.recalibrate])
-        return run(args)
+        with signals_as_exceptions():
+            install_named([args.model], [args.calibration_data, args.recalibrate])
+            return run(args)
     except CalmError as exc:
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt as exc:
+        return report_interrupt(exc)
+    except OSError as exc:  # the file system refused (disk full, permissions): one line too
+        print(f"{type(exc).__name__}: {exc}; nothing was left half-written", file=sys.stderr)
         return 1
 
 

@@ -112,9 +112,12 @@ def _export(model_spec, out: Path, adapter_arg, config: ExportConfig,
     if out.exists() and not config.overwrite:
         raise ArtifactError(f"{out} already exists; choose another --out or pass --overwrite "
                             "to replace it (the old engine stays until the new one is valid)")
+    if out.exists() and not out.is_dir():
+        raise ArtifactError(f"{out} exists and is not a folder; choose another --out")
     if out.exists() and not (out / "calm_engine.json").is_file() and any(out.iterdir()):
         raise ArtifactError(f"{out} exists and is not a calm engine; refusing to replace it "
                             "even with --overwrite, choose another --out")
+    _check_writable_parent(out)
     trt_facts = None
     if config.format == "tensorrt":
         from .tensorrt import require_tensorrt
@@ -363,6 +366,20 @@ def _build_tensorrt(staging: Path, shape, config: ExportConfig, cases, reference
     return settings, {"max_abs_diff": single.merge(double).max_abs_diff, "tolerance": tolerance,
                       "batch2_max_abs_diff": double.max_abs_diff, "greedy_match": True,
                       "greedy_ties": single.greedy_ties + double.greedy_ties}
+
+
+def _check_writable_parent(out: Path) -> None:
+    """Refuse at once (not after the export's work) an --out that cannot be created: the
+    engine is staged next to it, so its nearest existing ancestor must be a writable folder."""
+    ancestor = out.absolute().parent
+    while not ancestor.exists() and not ancestor.is_symlink():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ArtifactError(f"cannot create {out}: {ancestor} is not a folder; choose another "
+                            "--out")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ArtifactError(f"cannot create {out}: {ancestor} is not writable; choose another "
+                            "--out or fix its permissions")
 
 
 def _cloze_variant(adapter: CalibrationAdapter) -> str | None:

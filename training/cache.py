@@ -47,7 +47,8 @@ def adapter_fingerprint(adapter_dir: str | os.PathLike | None) -> str | None:
 def cached_option_scores(model: str, records: Sequence[MultipleChoiceRecord], *, mode: str,
                          adapter_dir: str | os.PathLike | None = None,
                          chat: bool | None = None, batch_size: int = 8,
-                         progress: bool = True, loaded=None) -> OptionScores:
+                         progress: bool = True, loaded=None,
+                         max_length: int | None = None) -> OptionScores:
     """Option scores of ``records`` by ``model`` (+ adapter), from the cache when possible.
 
     ``loaded`` may pass an already loaded ``(model, tokenizer)`` for the same spec and
@@ -79,7 +80,8 @@ def cached_option_scores(model: str, records: Sequence[MultipleChoiceRecord], *,
         lm, tokenizer = loaded
     calibration = adapter if adapter is not None and _has_token_calibration(adapter) else None
     scores = score_multiple_choice(lm, tokenizer, records, mode=mode, batch_size=batch_size,
-                                   chat=chat, calibration=calibration, progress=progress)
+                                   chat=chat, calibration=calibration, progress=progress,
+                                   max_length=max_length)
     handle, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
     os.close(handle)
     try:

@@ -73,7 +73,13 @@ from calm_runtime.prompts import (
     option_char_count,
 )
 
-from .scoring import _encode, _render_chat, single_token_id
+from .scoring import (
+    CHARS_PER_TOKEN_MARGIN,
+    _encode,
+    _render_chat,
+    max_token_chars,
+    single_token_id,
+)
 
 __all__ = [
     "CALIBRATION_POSITIONS",
@@ -218,13 +224,23 @@ class _Encoder:
         self.positions, self.entropy, self.variant = positions, entropy, variant
         self._letters: dict[int, list[int]] = {}
 
+    def _cap(self) -> int:
+        """Characters that surely hold more than ``max_length`` tokens: longer texts are cut
+        (contexts from the left, answers from the right) before they are tokenised, so a
+        huge record costs no more than a long one."""
+        return self.max_length * max_token_chars(self.tokenizer) * CHARS_PER_TOKEN_MARGIN
+
+    def question(self, record) -> str:
+        return record.question[-self._cap():]
+
     def context(self, text: str) -> list[int]:
+        text = text[-self._cap():]
         if self.chat:
             return _encode(self.tokenizer, _render_chat(self.tokenizer, text), special=False)
         return _encode(self.tokenizer, text, special=True)
 
     def continuation(self, text: str) -> list[int]:
-        ids = _encode(self.tokenizer, cloze_continuation(text), special=False)
+        ids = _encode(self.tokenizer, cloze_continuation(text[:self._cap()]), special=False)
         if not ids:
             raise DataError(f"answer text {text!r} tokenises to nothing; fix or drop it")
         return ids
@@ -248,7 +264,7 @@ class _Encoder:
             ids = self.letter_ids(len(record.choices))
             return Example(base.sequences, base.positions * len(ids), tuple(ids),
                            tuple(range(len(ids))), (1.0,) * len(ids))
-        context = _encode(self.tokenizer, cloze_context(record.question), special=True)
+        context = _encode(self.tokenizer, cloze_context(self.question(record)), special=True)
         conts = [self.continuation(o) for o in record.choices]
         example = _continuation_example(context, conts, self.max_length, targets=True)
         options, scales = [], []
@@ -266,14 +282,14 @@ class _Encoder:
                 return self.option_example(record)
             if self.mode == "letter":
                 return self.letter_example(record, record.answer if labeled else None)
-            context = _encode(self.tokenizer, cloze_context(record.question), special=True)
+            context = _encode(self.tokenizer, cloze_context(self.question(record)), special=True)
             if not labeled and self.positions == "answer":
                 return _answer_position(context, self.max_length)
             options = ([record.choices[record.answer]] if labeled else list(record.choices))
             return _continuation_example(context, [self.continuation(o) for o in options],
                                          self.max_length, targets=labeled)
         if isinstance(record, OpenQARecord):
-            context = _encode(self.tokenizer, cloze_context(record.question), special=True)
+            context = _encode(self.tokenizer, cloze_context(self.question(record)), special=True)
             if labeled:
                 return _continuation_example(context, [self.continuation(record.answers[0])],
                                              self.max_length, targets=True)

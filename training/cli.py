@@ -97,6 +97,9 @@ def _add_common(p, default_variant: str) -> None:
     p.add_argument("--bins", type=int, default=10, help="bins of ECE/MCE/AECE")
     p.add_argument("--limit", type=int, help="use only the first N records")
     p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-length", type=int, metavar="TOKENS",
+                   help="refuse records whose scored text is longer (default: the model's "
+                        "context); a too-long record is a one-line error naming it")
     chat = p.add_mutually_exclusive_group()
     chat.add_argument("--chat", dest="chat", action="store_true", default=None,
                       help="apply the chat template in letter mode")
@@ -112,7 +115,8 @@ def _config(args):
                      calibration_fraction=args.calibration_fraction,
                      seed=args.seed, n_bins=args.bins, chat=args.chat,
                      adapter=getattr(args, "adapter", None), batch_size=args.batch_size,
-                     limit=args.limit, p_true_template=args.p_true_template)
+                     limit=args.limit, p_true_template=args.p_true_template,
+                     max_length=args.max_length)
 
 
 def _progress(args) -> bool:

@@ -50,10 +50,12 @@ def evaluate_adapter(config: FitConfig, adapter_dir: str | os.PathLike, *,
                        "with %r, not %r", adapter_dir, recorded, recorded, config.variant)
         base_config = FitConfig(**{**base_config.to_dict(), "variant": recorded})
     vanilla = cached_option_scores(config.model, records, mode=config.mode, chat=config.chat,
-                                   batch_size=config.batch_size, progress=progress)
+                                   batch_size=config.batch_size, progress=progress,
+                                   max_length=config.max_length)
     calibrated = cached_option_scores(config.model, records, mode=config.mode,
                                       adapter_dir=adapter_dir, chat=config.chat,
-                                      batch_size=config.batch_size, progress=progress)
+                                      batch_size=config.batch_size, progress=progress,
+                                      max_length=config.max_length)
     _, test = split_indices(len(records), config.calibration_fraction, config.seed)
     k = int(np.bincount(vanilla.n_options).argmax())
     test = test[vanilla.n_options[test] == k]

@@ -69,6 +69,8 @@ class FitConfig:
         bootstrap: resamples of the ECE's 95% bootstrap interval (0 turns it off).
         limit: use only the first ``limit`` records of the data (quick runs).
         p_true_template: the P(True) template (``p_true`` mode, open-QA data).
+        max_length: refuse (one line, naming the record) any scored sequence longer than
+            this many tokens; ``None``: the model's context (``max_position_embeddings``).
     """
 
     model: str
@@ -86,9 +88,13 @@ class FitConfig:
     bootstrap: int = 1000
     limit: int | None = None
     p_true_template: str = "kadavath"
+    max_length: int | None = None
 
     def __post_init__(self) -> None:
         problems = []
+        if self.max_length is not None and (not isinstance(self.max_length, int)
+                                            or self.max_length < 2):
+            problems.append(f"max_length {self.max_length!r} must be an integer >= 2")
         if self.mode not in ALL_MODES:
             problems.append(f"mode {self.mode!r} is not one of {', '.join(ALL_MODES)}")
         for name in ("variant", "reference_variant"):
@@ -141,7 +147,8 @@ def _prepare(config: FitConfig, *, need_reference: bool, progress: bool) -> _Pre
     records = _load_records(config)
     polm_scores = cached_option_scores(config.model, records, mode=config.mode,
                                        adapter_dir=config.adapter, chat=config.chat,
-                                       batch_size=config.batch_size, progress=progress)
+                                       batch_size=config.batch_size, progress=progress,
+                                       max_length=config.max_length)
     plm_scores = None
     if need_reference:
         if not config.reference:
@@ -149,6 +156,7 @@ def _prepare(config: FitConfig, *, need_reference: bool, progress: bool) -> _Pre
                               "--reference, e.g. gemma-3-270m")
         plm_scores = cached_option_scores(config.reference, records, mode=config.mode,
                                           chat=config.chat, batch_size=config.batch_size,
+                                          max_length=config.max_length,
                                           progress=progress)
     n_options = polm_scores.n_options
     k = int(np.bincount(n_options).argmax())

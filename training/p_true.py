@@ -78,7 +78,8 @@ def open_qa_judgements(config, *, progress: bool = True) -> dict:
         return loaded[spec]
 
     answers = _load_or(_cache_path("answers", base), lambda: generate_answers(
-        *model(config.model), [r.question for r in records], progress=progress))
+        *model(config.model), [r.question for r in records], progress=progress,
+        max_length=config.max_length))
     correct = [is_correct(a, r.answers) for a, r in zip(answers, records, strict=True)]
     out = {"records": records, "answers": answers, "correct": np.array(correct, dtype=float)}
     judges = {"polm": config.model}
@@ -89,7 +90,8 @@ def open_qa_judgements(config, *, progress: bool = True) -> dict:
                     "template": template.to_dict(), "chat": config.chat}
         logits = _load_or(_cache_path("ptrue", material), lambda spec=spec: score_p_true(
             *model(spec), [r.question for r in records], answers, template, chat=config.chat,
-            batch_size=config.batch_size, progress=progress).tolist())
+            batch_size=config.batch_size, progress=progress,
+            max_length=config.max_length).tolist())
         out[role] = np.asarray(logits, dtype=float)
     return out
 

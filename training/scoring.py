@@ -110,6 +110,63 @@ def _encode(tokenizer, text: str, *, special: bool) -> list[int]:
     return list(tokenizer(text, add_special_tokens=special)["input_ids"])
 
 
+#: A token covers at most this many times the characters of the longest token string in the
+#: vocabulary (a margin for normalisers that compose characters); text longer than
+#: ``limit * factor * longest`` cannot fit ``limit`` tokens and is refused before tokenising.
+CHARS_PER_TOKEN_MARGIN = 4
+#: Scoring batches hold at most ``batch_size * BATCH_TOKENS_PER_ROW`` padded tokens: long
+#: sequences run in smaller batches, so no batch's size is set by one long input.
+BATCH_TOKENS_PER_ROW = 512
+
+
+def max_token_chars(tokenizer) -> int:
+    """The longest token string of the vocabulary (computed once per tokenizer)."""
+    cached = getattr(tokenizer, "_calm_max_token_chars", None)
+    if cached is None:
+        cached = max((len(token) for token in tokenizer.get_vocab()), default=1) or 1
+        try:
+            tokenizer._calm_max_token_chars = cached
+        except AttributeError:  # a tokenizer that refuses new attributes: recompute
+            pass
+    return cached
+
+
+def context_limit(model, max_length: int | None = None) -> int:
+    """Tokens a scored sequence may have: the model's context (``max_position_embeddings``)
+    or ``max_length`` if that is smaller."""
+    config = getattr(model, "config", None)
+    context = getattr(config, "max_position_embeddings", None)
+    limits = [v for v in (context, max_length) if isinstance(v, int) and v > 0]
+    if max_length is not None and (not isinstance(max_length, int) or max_length < 2):
+        raise ConfigError(f"max_length must be an integer >= 2, got {max_length!r}")
+    return min(limits) if limits else 1 << 30
+
+
+def encode_within(tokenizer, text: str, limit: int, what: str, *, special: bool,
+                  reserve: int = 0, chat: bool = False) -> list[int]:
+    """``text`` encoded, or a one-line :class:`DataError` naming ``what`` when it cannot fit
+    ``limit - reserve`` tokens. Text that cannot fit by its length alone is refused before
+    it is tokenised, so no allocation is ever sized by the input."""
+    room = limit - reserve
+    if len(text) > max(room, 1) * max_token_chars(tokenizer) * CHARS_PER_TOKEN_MARGIN:
+        raise DataError(f"{what} is {len(text):,} characters, far more than the {limit}-token "
+                        "context can hold; shorten or drop it")
+    ids = (_encode(tokenizer, _render_chat(tokenizer, text), special=False) if chat
+           else _encode(tokenizer, text, special=special))
+    if len(ids) > room:
+        extra = f" plus {reserve} for the answer" if reserve else ""
+        raise DataError(f"{what} is {len(ids):,} tokens{extra}, more than the {limit}-token "
+                        "context (the model's, or --max-length); shorten or drop it")
+    return ids
+
+
+def describe(record, index: int) -> str:
+    """How errors name a record: its position, its id and the start of its question."""
+    ident = f", id {record.id!r}" if getattr(record, "id", None) else ""
+    question = record.question[:40] + ("..." if len(record.question) > 40 else "")
+    return f"record {index}{ident} ({question!r})"
+
+
 def single_token_id(tokenizer, text: str) -> int:
     """The id of ``text`` as one token, or a clear error naming the tokenizer's split."""
     ids = _encode(tokenizer, text, special=False)
@@ -151,18 +208,33 @@ def _batched_logits(model, sequences: Sequence[Sequence[int]], keep: int, pad_id
     return out.logits.float()
 
 
-def _batches(order: Sequence[int], batch_size: int):
-    for start in range(0, len(order), batch_size):
-        yield order[start:start + batch_size]
+def _batches(order: Sequence[int], batch_size: int, lengths: Sequence[int] | None = None):
+    """Consecutive chunks of ``order`` with at most ``batch_size`` items and, given
+    ``lengths``, at most ``batch_size * BATCH_TOKENS_PER_ROW`` padded tokens."""
+    budget = batch_size * BATCH_TOKENS_PER_ROW
+    chunk: list[int] = []
+    longest = 0
+    for i in order:
+        size = 0 if lengths is None else lengths[i]
+        if chunk and (len(chunk) == batch_size or max(longest, size) * (len(chunk) + 1) > budget):
+            yield chunk
+            chunk, longest = [], 0
+        chunk.append(i)
+        longest = max(longest, size)
+    if chunk:
+        yield chunk
 
 
 def score_multiple_choice(model, tokenizer, records: Sequence[MultipleChoiceRecord], *,
                           mode: str = "cloze", batch_size: int = 8, chat: bool | None = None,
-                          calibration=None, progress: bool = True) -> OptionScores:
+                          calibration=None, progress: bool = True,
+                          max_length: int | None = None) -> OptionScores:
     """Option scores for ``records`` in ``mode`` (see the module docstring).
 
     ``calibration`` (a :class:`~calm_runtime.artifact.CalibrationAdapter`) is applied to the
-    full-vocabulary logits before anything is read from them, as an engine would.
+    full-vocabulary logits before anything is read from them, as an engine would. Every
+    sequence must fit :func:`context_limit` (the model's context or ``max_length``); a
+    record that does not is a :class:`DataError` naming it, raised before any batch runs.
     """
     from tqdm.auto import tqdm
 
@@ -179,15 +251,17 @@ def score_multiple_choice(model, tokenizer, records: Sequence[MultipleChoiceReco
     n_chars = np.ones((n, k_max), dtype=np.int64)
     labels = np.array([-1 if r.answer is None else r.answer for r in records], dtype=np.int64)
     pad = _pad_id(tokenizer)
+    limit = context_limit(model, max_length)
     was_training = model.training
     model.eval()
     try:
         if mode == "cloze":
             _score_cloze(model, tokenizer, records, values, n_tokens, n_chars, batch_size, pad,
-                         calibration, tqdm, progress)
+                         calibration, tqdm, progress, limit)
         else:
             _score_letters(model, tokenizer, records, values, batch_size, pad,
-                           uses_chat_template(tokenizer, chat), calibration, tqdm, progress)
+                           uses_chat_template(tokenizer, chat), calibration, tqdm, progress,
+                           limit)
     finally:
         model.train(was_training)
     return OptionScores(mode=mode, values=values, n_tokens=n_tokens, n_chars=n_chars,
@@ -195,7 +269,7 @@ def score_multiple_choice(model, tokenizer, records: Sequence[MultipleChoiceReco
 
 
 def _score_cloze(model, tokenizer, records, values, n_tokens, n_chars, batch_size, pad,
-                 calibration, tqdm, progress):
+                 calibration, tqdm, progress, limit):
     """Score every option, running each question's context once and sharing its KV cache.
 
     A batch of left-padded contexts is run with the cache on; the cache rows are then
@@ -206,10 +280,10 @@ def _score_cloze(model, tokenizer, records, values, n_tokens, n_chars, batch_siz
 
     contexts, continuations = [], []
     for row, record in enumerate(records):
-        contexts.append(_encode(tokenizer, cloze_context(record.question), special=True))
         options = []
         for k, option in enumerate(record.choices):
-            cont = _encode(tokenizer, cloze_continuation(option), special=False)
+            cont = encode_within(tokenizer, cloze_continuation(option), limit - 1,
+                                 f"option {k} of {describe(record, row)}", special=False)
             if not cont:
                 raise DataError(f"question {row} option {k} ({option!r}) tokenises to nothing; "
                                 "fix or drop the option text")
@@ -217,9 +291,14 @@ def _score_cloze(model, tokenizer, records, values, n_tokens, n_chars, batch_siz
             n_tokens[row, k] = len(cont)
             n_chars[row, k] = option_char_count(option)
         continuations.append(options)
+        longest = max(len(c) for c in options)
+        contexts.append(encode_within(tokenizer, cloze_context(record.question), limit,
+                                      describe(record, row), special=True, reserve=longest))
     order = sorted(range(len(records)), key=lambda i: -len(contexts[i]))
+    lengths = [len(contexts[i]) + max(len(c) for c in continuations[i])
+               for i in range(len(records))]
     bar = tqdm(total=len(records), desc="cloze scoring", unit="question", disable=not progress)
-    for chunk in _batches(order, batch_size):
+    for chunk in _batches(order, batch_size, lengths):
         first, cache, ctx_mask = _run_contexts(model, [contexts[i] for i in chunk], pad)
         owners = [b for b, i in enumerate(chunk) for _ in continuations[i]]
         conts = [c for i in chunk for c in continuations[i]]
@@ -272,14 +351,10 @@ def _run_contexts(model, sequences, pad):
 
 
 def _score_letters(model, tokenizer, records, values, batch_size, pad, chat, calibration, tqdm,
-                   progress):
-    prompts = []
-    for record in records:
-        text = letter_prompt(record.question, record.choices)
-        if chat:
-            prompts.append(_encode(tokenizer, _render_chat(tokenizer, text), special=False))
-        else:
-            prompts.append(_encode(tokenizer, text, special=True))
+                   progress, limit):
+    prompts = [encode_within(tokenizer, letter_prompt(record.question, record.choices), limit,
+                             describe(record, row), special=True, chat=chat)
+               for row, record in enumerate(records)]
     token_ids = {}
     for record in records:
         k = len(record.choices)
@@ -288,7 +363,7 @@ def _score_letters(model, tokenizer, records, values, batch_size, pad, chat, cal
     order = sorted(range(len(records)), key=lambda i: -len(prompts[i]))
     bar = tqdm(total=len(records), desc="letter scoring", unit="question",
                disable=not progress)
-    for chunk in _batches(order, batch_size):
+    for chunk in _batches(order, batch_size, [len(p) for p in prompts]):
         logits = _batched_logits(model, [prompts[i] for i in chunk], 1, pad)
         if calibration is not None:
             logits = calibration.calibrate(logits)
@@ -309,7 +384,8 @@ def _long(ids):
 
 def score_p_true(model, tokenizer, questions: Sequence[str], answers: Sequence[str],
                  template: PTrueTemplate, *, chat: bool | None = None, batch_size: int = 16,
-                 calibration=None, progress: bool = True) -> np.ndarray:
+                 calibration=None, progress: bool = True,
+                 max_length: int | None = None) -> np.ndarray:
     """Two-way logits ``[N, 2]`` (the true and false tokens' logits) for each pair.
 
     P(True) is ``softmax`` over the two columns (docs/methods.md §2).
@@ -323,15 +399,15 @@ def score_p_true(model, tokenizer, questions: Sequence[str], answers: Sequence[s
     true_text = template.true_token.lstrip() if use_chat else template.true_token
     false_text = template.false_token.lstrip() if use_chat else template.false_token
     ids = [single_token_id(tokenizer, true_text), single_token_id(tokenizer, false_text)]
-    prompts = []
-    for q, a in zip(questions, answers, strict=True):
-        text = template.render(q, a)
-        prompts.append(_encode(tokenizer, _render_chat(tokenizer, text), special=False)
-                       if use_chat else _encode(tokenizer, text, special=True))
+    limit = context_limit(model, max_length)
+    prompts = [encode_within(tokenizer, template.render(q, a), limit,
+                             f"P(True) prompt {i} ({q[:40]!r})", special=True, chat=use_chat)
+               for i, (q, a) in enumerate(zip(questions, answers, strict=True))]
     out = np.zeros((len(prompts), 2))
     pad = _pad_id(tokenizer)
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
-    for chunk in tqdm(list(_batches(order, batch_size)), desc="P(True)", disable=not progress):
+    for chunk in tqdm(list(_batches(order, batch_size, [len(p) for p in prompts])),
+                      desc="P(True)", disable=not progress):
         logits = _batched_logits(model, [prompts[i] for i in chunk], 1, pad)
         if calibration is not None:
             logits = calibration.calibrate(logits)
@@ -340,15 +416,20 @@ def score_p_true(model, tokenizer, questions: Sequence[str], answers: Sequence[s
 
 
 def generate_answers(model, tokenizer, questions: Sequence[str], *, max_new_tokens: int = 24,
-                     batch_size: int = 8, progress: bool = True) -> list[str]:
+                     batch_size: int = 8, progress: bool = True,
+                     max_length: int | None = None) -> list[str]:
     """Greedy answers to ``"Question: ...\\nAnswer:"`` prompts, cut at the first newline."""
     import torch
     from tqdm.auto import tqdm
 
     pad = _pad_id(tokenizer)
     answers: list[str] = [""] * len(questions)
-    prompts = [_encode(tokenizer, cloze_context(q), special=True) for q in questions]
-    for chunk in tqdm(list(_batches(list(range(len(prompts))), batch_size)),
+    limit = context_limit(model, max_length)
+    prompts = [encode_within(tokenizer, cloze_context(q), limit, f"question {i} ({q[:40]!r})",
+                             special=True, reserve=max_new_tokens)
+               for i, q in enumerate(questions)]
+    for chunk in tqdm(list(_batches(list(range(len(prompts))), batch_size,
+                                    [len(p) for p in prompts])),
                       desc="generating", disable=not progress):
         ids, mask, _ = left_pad([prompts[i] for i in chunk], pad)
         length = ids.shape[1]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 
@@ -135,3 +136,64 @@ def test_without_the_export_extra_every_use_is_one_line(tmp_path, argv):
     assert lines[0].startswith("BackendUnavailableError: ")
     assert "export extra" in lines[0] and "pip install 'calm-llm[export]'" in lines[0]
     assert not (tmp_path / "e").exists()
+
+
+def test_an_out_that_cannot_be_created_is_refused_before_any_work(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    # the model does not exist: the --out error must come first, before anything is loaded
+    assert main(["--model", "no-such-model", "--out", str(blocker / "engine"), "--quiet"]) == 1
+    line = _error_line(capsys)
+    assert line.startswith("ArtifactError: cannot create") and "is not a folder" in line
+    assert main(["--model", "no-such-model", "--out", str(blocker), "--quiet"]) == 1
+    assert _error_line(capsys).startswith("ArtifactError: ")
+    assert blocker.read_text() == "not a folder"
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0,
+                    reason="root writes into read-only folders")
+def test_a_read_only_parent_is_refused_before_any_work(tmp_path, capsys):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        assert main(["--model", "no-such-model", "--out", str(locked / "e"), "--quiet"]) == 1
+        assert "is not writable" in _error_line(capsys)
+    finally:
+        locked.chmod(0o700)
+
+
+def test_ctrl_c_is_one_line_and_exit_130(tmp_path, capsys, monkeypatch):
+    from calm_export import pipeline
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pipeline, "export_engine", interrupted)
+    assert main(["--model", "m", "--out", str(tmp_path / "e"), "--quiet"]) == 130
+    assert _error_line(capsys).startswith("Interrupted: stopped by SIGINT")
+
+
+def test_sigterm_during_export_removes_the_staging_folder(tmp_path, tiny_llama_untied):
+    """SIGTERM arrives while the engine is being built in its staging folder: one line, exit
+    143, and nothing left next to --out (no engine, no .engine.tmp-* folder)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    code = "import sys; from calm_export.cli import main; sys.exit(main(sys.argv[1:]))"
+    out = tmp_path / "engine"
+    proc = subprocess.Popen([sys.executable, "-c", code, "--model", str(tiny_llama_untied),
+                             "--out", str(out), "--quiet"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob(".engine.tmp-*")) and proc.poll() is None:
+        assert time.monotonic() < deadline, "the export never staged its folder"
+        time.sleep(0.02)
+    assert proc.poll() is None, f"the export ended before it could be stopped: {proc.stderr}"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    assert err.strip().splitlines()[-1].startswith("Interrupted: stopped by SIGTERM"), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], list(tmp_path.iterdir())

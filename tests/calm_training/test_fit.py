@@ -183,3 +183,36 @@ def test_eval_follows_the_variant_the_answer_temperature_was_fitted_on(
     assert report["config"]["variant"] == "sum"
     assert report["methods"] == evaluate_adapter(fitted, tmp_path / "ts-sum",
                                                  progress=False)["methods"]
+
+
+RSS_WRAPPER = r'''
+import json, resource, subprocess, sys
+proc = subprocess.run(sys.argv[1:], capture_output=True, text=True)
+print(json.dumps({"code": proc.returncode, "stderr": proc.stderr, "stdout": proc.stdout,
+                  "max_rss_kb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}))
+'''
+
+
+def test_one_10mb_record_stops_in_one_line_with_bounded_memory(tiny_llama_tied, mc_file,
+                                                              tmp_path):
+    """40 good records and one ~10 MB question: `calm fit` stops with a one-line error naming
+    the problem, and the process's peak RSS stays under 2 GB (it once reached 22.6 GB)."""
+    import os
+    import subprocess
+    import sys
+
+    data = tmp_path / "with-huge.jsonl"
+    huge = {"question": "water " * 1_750_000, "choices": ["fire", "dog"], "answer": 0,
+            "id": "huge"}
+    data.write_text(mc_file.read_text() + json.dumps(huge) + "\n")
+    command = [sys.executable, "-m", "calm_runtime.cli", "-q", "fit", "ts", "--model",
+               str(tiny_llama_tied), "--data", str(data), "--out", str(tmp_path / "adapter")]
+    env = dict(os.environ, CALM_CACHE=str(tmp_path / "cache"))
+    result = json.loads(subprocess.run([sys.executable, "-c", RSS_WRAPPER, *command], env=env,
+                                       capture_output=True, text=True, check=True,
+                                       timeout=600).stdout)
+    lines = result["stderr"].strip().splitlines()
+    assert result["code"] == 1 and len(lines) == 1, result["stderr"][-2000:]
+    assert lines[0].startswith("DataError: ") and "huge" in lines[0], lines[0][:300]
+    assert result["max_rss_kb"] < 2 * 1024 * 1024, f"peak RSS {result['max_rss_kb']} kB"
+    assert not (tmp_path / "adapter").exists()

@@ -153,3 +153,51 @@ def test_answer_normalisation():
     assert is_correct("Sunset Boulevard, a musical", ["Sunset Boulevard"])
     assert not is_correct("Sunset", ["Sunset Boulevard"])
     assert not is_correct("", ["x"])
+
+
+# --- context length -------------------------------------------------------------------------
+
+def test_a_record_longer_than_the_context_is_a_one_line_error_naming_it(tiny):
+    model, tok = tiny  # max_position_embeddings 256
+    long = MultipleChoiceRecord(" ".join(["water"] * 300), ("fire", "dog"), 0, id="long-1")
+    for mode in ("cloze", "letter"):
+        with pytest.raises(DataError) as info:
+            score_multiple_choice(model, tok, [RECORDS[0], long], mode=mode, chat=False,
+                                  progress=False)
+        message = str(info.value)
+        assert "record 1, id 'long-1'" in message and "256-token context" in message
+        assert "\n" not in message
+    # a smaller configured maximum refuses what the model's context would take
+    with pytest.raises(DataError, match="record 0.*more than the 4-token context"):
+        score_multiple_choice(model, tok, RECORDS[:1], mode="cloze", progress=False,
+                              max_length=4)
+    with pytest.raises(DataError, match="P\\(True\\) prompt 0"):
+        score_p_true(model, tok, [long.question], ["fire"], p_true_template("kadavath"),
+                     chat=False, progress=False)
+
+
+def test_a_huge_record_is_refused_before_it_is_tokenised(tiny, monkeypatch):
+    from calm_training import scoring
+
+    model, tok = tiny
+    huge = MultipleChoiceRecord("water " * 200_000, ("fire", "dog"), 0)
+    seen = []
+    real = scoring._encode
+    monkeypatch.setattr(scoring, "_encode", lambda t, text, **k: seen.append(len(text))
+                        or real(t, text, **k))
+    with pytest.raises(DataError, match=r"record 0 .* is 1,200,018 characters, far more"):
+        score_multiple_choice(model, tok, [huge], mode="cloze", progress=False)
+    assert max(seen, default=0) < 1000  # only the option texts were tokenised
+
+
+def test_batches_keep_padded_tokens_within_the_budget():
+    from calm_training.scoring import BATCH_TOKENS_PER_ROW, _batches
+
+    lengths = [4000, 3000, 600, 500, 10, 10, 10, 10, 10, 10]
+    chunks = list(_batches(list(range(10)), 4, lengths))
+    assert [i for c in chunks for i in c] == list(range(10))
+    for chunk in chunks:
+        assert len(chunk) <= 4
+        assert len(chunk) == 1 or max(lengths[i] for i in chunk) * len(chunk) <= \
+            4 * BATCH_TOKENS_PER_ROW
+    assert chunks[:2] == [[0], [1]] and [5, 6, 7, 8] in chunks  # short ones: full batches
