@@ -1,0 +1,401 @@
+"""Scoring a model behind an OpenAI-compatible API (vLLM, SGLang, llama.cpp's server, a hosted
+API, or ``calm serve``), with the same prompts and option-score conventions as the local path.
+
+A model spec that starts with ``http://`` or ``https://`` is the base URL of such an API
+(``.../v1``). The served model name comes from ``GET /models`` when it lists exactly one
+model, else from ``model_name``; the key from an environment variable, never an argument.
+
+* **letter**: one completion token with ``logprobs=20``; an option letter's logit is its
+  log-probability among the returned alternatives (softmax over the K letters is the same
+  as over the logits). A letter that is not among them gets the smallest returned
+  log-probability (an upper bound on its own), and the share of questions where that
+  happened is logged and returned.
+* **cloze**: the log-probabilities of the prompt itself (``echo=true``, ``max_tokens=0``);
+  the option's tokens are the echoed tokens at or after the character where the option
+  text starts.
+* **P(True)**: the true and false tokens' log-probabilities of the judging prompt's next
+  token, with the same floor as letter mode.
+
+Requests run ``concurrency`` at a time, are retried with exponential backoff on 429, 5xx,
+time-outs and connection errors, and every answer is appended to a cache file keyed by the
+endpoint, the served model and the request, so an interrupted run resumes where it stopped.
+Uses the standard library only (no torch, no HTTP client dependency).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from calm_runtime._paths import cache_dir
+from calm_runtime.data import MultipleChoiceRecord
+from calm_runtime.errors import CalmError, ConfigError
+from calm_runtime.prompts import (
+    PTrueTemplate,
+    cloze_context,
+    cloze_continuation,
+    letter_prompt,
+    letter_tokens,
+    option_char_count,
+)
+
+from .scoring import MODES, OptionScores
+
+__all__ = ["Endpoint", "RemoteError", "TOP_LOGPROBS", "connect", "is_endpoint",
+           "remote_option_scores", "remote_p_true"]
+
+logger = logging.getLogger(__name__)
+
+#: The most alternatives OpenAI's API returns per position.
+TOP_LOGPROBS = 20
+#: Version of the request formats; part of every cache key.
+REMOTE_SCORER_VERSION = 1
+
+
+class RemoteError(CalmError):
+    """The endpoint could not be used: unreachable, refusing, or answering out of protocol."""
+
+
+def is_endpoint(spec: object) -> bool:
+    return isinstance(spec, str) and spec.startswith(("http://", "https://"))
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """A served model: ``base_url`` (``.../v1``) and the served ``model`` name.
+
+    The API key is read from ``api_key_env`` when a request is made and is never stored.
+    """
+
+    base_url: str
+    model: str
+    api_key_env: str = "OPENAI_API_KEY"
+    concurrency: int = 8
+    timeout: float = 120.0
+    retries: int = 6
+    backoff: float = 0.5
+    #: Called with the seconds to wait before a retry (tests replace it).
+    sleep: Callable[[float], None] = field(default=time.sleep, compare=False, repr=False)
+
+    @property
+    def identity(self) -> dict:
+        """What an adapter records about the model (no key)."""
+        return {"endpoint": self.base_url, "served_model": self.model}
+
+    def cache_key(self) -> str:
+        return hashlib.sha256(f"{self.base_url}\n{self.model}".encode()).hexdigest()[:32]
+
+    # ------------------------------------------------------------------ HTTP
+    def _headers(self) -> dict[str, str]:
+        headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        key = os.environ.get(self.api_key_env)
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        return headers
+
+    def request(self, method: str, path: str, body: dict | None = None) -> dict:
+        """One API call with retries; the decoded JSON object, or a one-line RemoteError."""
+        url = self.base_url.rstrip("/") + path
+        data = None if body is None else json.dumps(body).encode()
+        last = "no attempt"
+        for attempt in range(self.retries + 1):
+            if attempt:
+                delay = min(self.backoff * 2 ** (attempt - 1), 30.0) * (1 + random.random() / 4)
+                self.sleep(delay)
+            req = urllib.request.Request(url, data=data, method=method, headers=self._headers())
+            try:
+                with urllib.request.urlopen(req, timeout=self.timeout) as response:
+                    raw = response.read()
+            except urllib.error.HTTPError as exc:
+                detail = _error_detail(exc)
+                if exc.code == 429 or exc.code >= 500:
+                    last = f"HTTP {exc.code}{detail}"
+                    continue
+                raise RemoteError(f"{url} answered HTTP {exc.code}{detail}; check the model "
+                                  "name, the key and the request settings") from None
+            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as exc:
+                reason = getattr(exc, "reason", exc)
+                last = f"{type(reason).__name__}: {reason}"
+                continue
+            try:
+                payload = json.loads(raw)
+            except (ValueError, RecursionError):
+                raise RemoteError(f"{url} answered something that is not JSON "
+                                  f"({raw[:80]!r}); is this an OpenAI-compatible API?") from None
+            if not isinstance(payload, dict):
+                raise RemoteError(f"{url} answered a JSON {type(payload).__name__}, not an "
+                                  "object; is this an OpenAI-compatible API?")
+            return payload
+        raise RemoteError(f"{url} failed {self.retries + 1} times (last: {last}); check that "
+                          "the server is up and not overloaded, then rerun (scores already "
+                          "received are cached)")
+
+
+def _error_detail(exc: urllib.error.HTTPError) -> str:
+    try:
+        body = json.loads(exc.read() or b"{}")
+        message = body.get("error", {}).get("message") if isinstance(body, dict) else None
+    except (ValueError, AttributeError, OSError):
+        message = None
+    return f" ({str(message)[:200]})" if message else ""
+
+
+def connect(url: str, *, model_name: str | None = None, api_key_env: str = "OPENAI_API_KEY",
+            concurrency: int = 8, timeout: float = 120.0, retries: int = 6) -> Endpoint:
+    """The :class:`Endpoint` for ``url``, its served model checked with ``GET /models``."""
+    parsed = urllib.parse.urlparse(url)
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        raise ConfigError(f"{url!r} is not an http(s) URL; pass the API's base URL, e.g. "
+                          "http://127.0.0.1:8000/v1")
+    if concurrency < 1:
+        raise ConfigError(f"concurrency must be >= 1, got {concurrency}")
+    endpoint = Endpoint(url.rstrip("/"), model_name or "", api_key_env=api_key_env,
+                        concurrency=concurrency, timeout=timeout, retries=retries)
+    listing = endpoint.request("GET", "/models")
+    served = [m.get("id") for m in listing.get("data") or [] if isinstance(m, dict)]
+    served = [s for s in served if isinstance(s, str)]
+    if model_name is None:
+        if len(served) != 1:
+            raise ConfigError(f"{url} serves {len(served)} models ({', '.join(served[:5])}); "
+                              "name one with --model-name / --reference-name")
+        model_name = served[0]
+    elif served and model_name not in served:
+        raise ConfigError(f"{url} does not serve {model_name!r} (it serves "
+                          f"{', '.join(served[:5])}); fix --model-name / --reference-name")
+    return Endpoint(endpoint.base_url, model_name, api_key_env=api_key_env,
+                    concurrency=concurrency, timeout=timeout, retries=retries)
+
+
+# ---------------------------------------------------------------------- the cache
+class _Cache:
+    """Append-only JSONL of ``{"key": ..., "value": ...}``: answers survive an interruption;
+    a torn last line (the process was killed mid-write) is ignored."""
+
+    def __init__(self, endpoint: Endpoint) -> None:
+        self.path = cache_dir("remote") / f"{endpoint.cache_key()}.jsonl"
+        self.values: dict[str, object] = {}
+        if self.path.is_file():
+            for line in self.path.read_text(encoding="utf-8", errors="replace").splitlines():
+                try:
+                    item = json.loads(line)
+                    self.values[item["key"]] = item["value"]
+                except (ValueError, KeyError, TypeError):
+                    continue
+        self._handle = None
+
+    def add(self, key: str, value: object) -> None:
+        self.values[key] = value
+        if self._handle is None:
+            self._handle = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+        self._handle.write(json.dumps({"key": key, "value": value}) + "\n")
+        self._handle.flush()
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.close()
+
+
+def _key(kind: str, body: dict) -> str:
+    material = json.dumps({"v": REMOTE_SCORER_VERSION, "kind": kind, "body": body},
+                          sort_keys=True)
+    return hashlib.sha256(material.encode()).hexdigest()
+
+
+def _run(endpoint: Endpoint, kind: str, bodies: Sequence[dict],
+         parse: Callable[[dict], object], *, progress: bool, desc: str) -> list:
+    """Every body's parsed answer, from the cache or the endpoint (``concurrency`` at once)."""
+    from tqdm.auto import tqdm
+
+    cache = _Cache(endpoint)
+    keys = [_key(kind, {**b, "model": endpoint.model}) for b in bodies]
+    todo = sorted({k: i for i, k in enumerate(keys) if k not in cache.values}.values())
+    if len(todo) < len(bodies):
+        logger.info("%s: %d of %d answers from the cache %s", desc, len(bodies) - len(todo),
+                    len(bodies), cache.path.name)
+    bar = tqdm(total=len(todo), desc=desc, unit="request", disable=not progress or not todo)
+    pool = concurrent.futures.ThreadPoolExecutor(endpoint.concurrency)
+    futures: dict = {}
+    try:
+        futures = {pool.submit(endpoint.request, "POST", "/completions",
+                               {**bodies[i], "model": endpoint.model}): i for i in todo}
+        for future in concurrent.futures.as_completed(futures):
+            i = futures[future]
+            cache.add(keys[i], parse(future.result()))
+            bar.update(1)
+    except CalmError:
+        # queued requests are dropped; those in flight finish, and what they got is kept
+        # (on Ctrl-C or SIGTERM nothing is waited for)
+        pool.shutdown(wait=True, cancel_futures=True)
+        for future, i in futures.items():
+            if keys[i] in cache.values or future.cancelled() or future.exception() is not None:
+                continue
+            try:
+                cache.add(keys[i], parse(future.result()))
+            except CalmError:
+                pass
+        raise
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+        bar.close()
+        cache.close()
+    return [cache.values[k] for k in keys]
+
+
+def _first_choice(payload: dict) -> dict:
+    choices = payload.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise RemoteError("the completion has no choices; is this an OpenAI-compatible "
+                          "completions API?")
+    return choices[0]
+
+
+def _logprobs(payload: dict) -> dict:
+    logprobs = _first_choice(payload).get("logprobs")
+    if not isinstance(logprobs, dict):
+        raise RemoteError("the completion carries no logprobs; the endpoint must support "
+                          "the 'logprobs' parameter of /v1/completions")
+    return logprobs
+
+
+def _top_alternatives(payload: dict) -> dict[str, float]:
+    """``{token text: logprob}`` at the first generated position."""
+    top = _logprobs(payload).get("top_logprobs")
+    if not isinstance(top, list) or not top or not isinstance(top[0], dict) or not top[0]:
+        raise RemoteError("the completion's logprobs have no top_logprobs; the endpoint must "
+                          f"return up to {TOP_LOGPROBS} alternatives per token")
+    out = {}
+    for text, value in top[0].items():
+        if not isinstance(value, int | float) or not math.isfinite(value) and value != -math.inf:
+            raise RemoteError(f"the endpoint returned a non-numeric logprob {value!r} for "
+                              f"{text!r}")
+        out[str(text)] = float(value)
+    return out
+
+
+def _echo_fields(payload: dict) -> dict:
+    """What the cache keeps of an echoed prompt, checked before it is kept."""
+    logprobs = _logprobs(payload)
+    fields = {k: logprobs.get(k) for k in ("tokens", "token_logprobs", "text_offset")}
+    lists = [v for v in fields.values() if isinstance(v, list)]
+    if len(lists) != 3 or len({len(v) for v in lists}) != 1 or not all(
+            isinstance(o, int) for o in fields["text_offset"]):
+        raise RemoteError("the echoed prompt has no per-token logprobs and text offsets; the "
+                          "endpoint does not support echo with logprobs — use --mode letter")
+    return fields
+
+
+def _echoed_continuation(payload: dict, start: int) -> list[float]:
+    """The log-probabilities of the echoed tokens at or after character ``start``."""
+    logprobs = _logprobs(payload)
+    tokens, values, offsets = (logprobs.get("tokens"), logprobs.get("token_logprobs"),
+                               logprobs.get("text_offset"))
+    if not (isinstance(tokens, list) and isinstance(values, list) and isinstance(offsets, list)
+            and len(tokens) == len(values) == len(offsets)):
+        raise RemoteError("the echoed prompt has no per-token logprobs and text offsets; the "
+                          "endpoint does not support echo with logprobs — use --mode letter")
+    picked = []
+    for token, value, offset in zip(tokens, values, offsets, strict=True):
+        if not isinstance(offset, int):
+            raise RemoteError(f"the endpoint returned a text offset {offset!r}")
+        if offset >= start:
+            if not isinstance(value, int | float):
+                raise RemoteError(f"the endpoint returned no logprob for the prompt token "
+                                  f"{token!r}; it does not score prompts — use --mode letter")
+            picked.append(float(value))
+    return picked
+
+
+# ---------------------------------------------------------------------- scoring
+@dataclass
+class RemoteStats:
+    """What the remote path had to approximate."""
+
+    floored: int = 0  # questions where an option token was not among the top alternatives
+    total: int = 0
+
+    @property
+    def floored_share(self) -> float:
+        return self.floored / self.total if self.total else 0.0
+
+
+def remote_option_scores(endpoint: Endpoint, records: Sequence[MultipleChoiceRecord], *,
+                         mode: str, progress: bool = True) -> tuple[OptionScores, RemoteStats]:
+    """Option scores like :func:`calm_training.scoring.score_multiple_choice` (``chat=False``:
+    the prompts are sent as text to ``/v1/completions``)."""
+    if mode not in MODES:
+        raise ConfigError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+    k_max = max(len(r.choices) for r in records)
+    n = len(records)
+    values = np.full((n, k_max), np.nan)
+    n_tokens = np.ones((n, k_max), dtype=np.int64)
+    n_chars = np.ones((n, k_max), dtype=np.int64)
+    labels = np.array([-1 if r.answer is None else r.answer for r in records], dtype=np.int64)
+    stats = RemoteStats(total=n)
+    if mode == "letter":
+        bodies = [{"prompt": letter_prompt(r.question, r.choices), "max_tokens": 1,
+                   "temperature": 0, "logprobs": TOP_LOGPROBS} for r in records]
+        answers = _run(endpoint, "letter", bodies, _top_alternatives, progress=progress,
+                       desc="letter scoring (remote)")
+        for row, (record, top) in enumerate(zip(records, answers, strict=True)):
+            floor = min(top.values())
+            letters = letter_tokens(len(record.choices), chat=False)
+            stats.floored += any(t not in top for t in letters)
+            values[row, :len(letters)] = [top.get(t, floor) for t in letters]
+    else:
+        bodies, owners = [], []
+        for row, record in enumerate(records):
+            context = cloze_context(record.question)
+            for k, option in enumerate(record.choices):
+                bodies.append({"prompt": context + cloze_continuation(option), "max_tokens": 0,
+                               "temperature": 0, "logprobs": 0, "echo": True})
+                owners.append((row, k, len(context)))
+                n_chars[row, k] = option_char_count(option)
+        answers = _run(endpoint, "cloze", bodies, _echo_fields, progress=progress,
+                       desc="cloze scoring (remote)")
+        for (row, k, start), echoed in zip(owners, answers, strict=True):
+            picked = _echoed_continuation({"choices": [{"logprobs": echoed}]}, start)
+            if not picked:
+                raise RemoteError(f"question {row} option {k}: the endpoint echoed no token "
+                                  "for the option text; it does not score prompts — use "
+                                  "--mode letter")
+            values[row, k] = sum(picked)
+            n_tokens[row, k] = len(picked)
+    if stats.floored:
+        logger.warning("%d of %d questions (%.1f%%) had an option letter outside the top %d "
+                       "alternatives; those got the smallest returned log-probability (an "
+                       "upper bound)", stats.floored, n, 100 * stats.floored_share,
+                       TOP_LOGPROBS)
+    return OptionScores(mode=mode, values=values, n_tokens=n_tokens, n_chars=n_chars,
+                        labels=labels), stats
+
+
+def remote_p_true(endpoint: Endpoint, questions: Sequence[str], answers: Sequence[str],
+                  template: PTrueTemplate, *, progress: bool = True
+                  ) -> tuple[np.ndarray, RemoteStats]:
+    """Two-way logits ``[N, 2]`` (true, false) like :func:`~calm_training.scoring.score_p_true`
+    (``chat=False``)."""
+    bodies = [{"prompt": template.render(q, a), "max_tokens": 1, "temperature": 0,
+               "logprobs": TOP_LOGPROBS} for q, a in zip(questions, answers, strict=True)]
+    tops = _run(endpoint, "p_true", bodies, _top_alternatives, progress=progress,
+                desc="P(True) (remote)")
+    out = np.zeros((len(bodies), 2))
+    stats = RemoteStats(total=len(bodies))
+    for i, top in enumerate(tops):
+        floor = min(top.values())
+        pair = (template.true_token, template.false_token)
+        stats.floored += any(t not in top for t in pair)
+        out[i] = [top.get(t, floor) for t in pair]
+    return out, stats
