@@ -1,4 +1,6 @@
-"""Calibration metrics (docs/methods.md §5): accuracy, NLL, Brier, ECE, MCE and adaptive ECE.
+"""Calibration metrics (docs/methods.md §5): accuracy, NLL, Brier, ECE, MCE and adaptive ECE;
+and how well confidence ranks answers for selective prediction: AUROC, the risk–coverage
+curve, AURC, PRR and selective accuracy at thresholds.
 
 numpy only: importing this module never imports torch. Every function validates its
 inputs and raises :class:`~calm_runtime.errors.ConfigError` with a one-line message.
@@ -25,6 +27,8 @@ from .errors import ConfigError
 __all__ = [
     "ReliabilityBins", "reliability_bins", "accuracy", "nll", "brier", "ece", "mce", "aece",
     "calibration_report", "binary_report", "bootstrap_interval",
+    "auroc", "risk_coverage", "aurc", "prr", "selective_accuracy", "selective_report",
+    "SELECTIVE_THRESHOLDS",
 ]
 
 # Probabilities are clipped to [PROB_EPS, 1] before the log, so a zero probability on the
@@ -204,6 +208,113 @@ def _report(p: np.ndarray, y: np.ndarray, confidences: np.ndarray, correct: np.n
             "n": int(y.size), "n_bins": int(n_bins)}
 
 
+# ---- selective prediction -----------------------------------------------------------------
+#
+# Ties. Answers with equal confidence are kept or rejected together by any threshold, so the
+# curves below move in whole tie groups: AUROC counts a tied (correct, wrong) pair as 1/2
+# (as scikit-learn's roc_auc_score does), and within a tie group the risk–coverage curve
+# accumulates errors at the group's error rate (the expectation over the orders the group
+# could be sorted in), so no metric depends on how a sort happens to break ties.
+
+#: The thresholds of :func:`selective_accuracy` by default: 0.5, 0.55, ..., 0.95.
+SELECTIVE_THRESHOLDS = tuple(round(0.5 + 0.05 * i, 2) for i in range(10))
+
+
+def auroc(confidences: Any, correct: Any) -> float:
+    """Area under the ROC curve of confidence as a detector of correct answers: the
+    probability that a random correct answer has higher confidence than a random wrong one
+    (ties count 1/2). 0.5 for a constant confidence, 1.0 for a perfect ranking; NaN when
+    every answer is correct or every answer is wrong (no pair to rank)."""
+    conf, ok = _check_confidences(confidences, correct)
+    n_pos = float(ok.sum())
+    n_neg = float(ok.size - n_pos)
+    if n_pos == 0 or n_neg == 0:
+        return float("nan")
+    ranks = _average_ranks(conf)
+    return float((ranks[ok == 1].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
+
+
+def risk_coverage(confidences: Any, correct: Any) -> tuple[np.ndarray, np.ndarray]:
+    """``(coverage, risk)`` at every ``k = 1..N`` answers kept, most confident first:
+    ``coverage = k / N`` and ``risk`` = the share of wrong answers among the ``k`` kept
+    (expected over tie orders, see above)."""
+    conf, ok = _check_confidences(confidences, correct)
+    errors = _expected_cumulative_errors(conf, 1.0 - ok)
+    k = np.arange(1, conf.size + 1, dtype=np.float64)
+    return k / conf.size, errors / k
+
+
+def aurc(confidences: Any, correct: Any) -> float:
+    """Area under the risk–coverage curve, ``mean_k risk(k)``: lower is better; the error
+    rate for an uninformative confidence."""
+    return float(np.mean(risk_coverage(confidences, correct)[1]))
+
+
+def prr(confidences: Any, correct: Any) -> float:
+    """Prediction rejection ratio: ``(AURC_random - AURC) / (AURC_random - AURC_oracle)``,
+    where random keeps answers in random order (AURC = error rate) and the oracle keeps the
+    correct ones first. 1 for a perfect ranking, 0 for an uninformative one, negative when
+    confidence prefers wrong answers; NaN when there is nothing to rank (no errors or no
+    correct answers)."""
+    conf, ok = _check_confidences(confidences, correct)
+    random_area = 1.0 - float(ok.mean())
+    oracle_area = aurc(ok, ok)  # confidence = correctness: every correct answer first
+    if random_area - oracle_area <= 0:
+        return float("nan")
+    return float((random_area - aurc(conf, ok)) / (random_area - oracle_area))
+
+
+def selective_accuracy(confidences: Any, correct: Any,
+                       thresholds: Any = SELECTIVE_THRESHOLDS) -> list[dict[str, float]]:
+    """For each threshold ``t``: the answers with confidence ``>= t`` are kept; returns
+    ``{"threshold", "coverage", "accuracy", "n"}`` (accuracy NaN when none is kept)."""
+    conf, ok = _check_confidences(confidences, correct)
+    rows = []
+    for t in np.asarray(thresholds, dtype=np.float64).ravel():
+        kept = conf >= t
+        n = int(kept.sum())
+        rows.append({"threshold": float(t), "coverage": n / conf.size,
+                     "accuracy": float(ok[kept].mean()) if n else float("nan"), "n": n})
+    return rows
+
+
+def selective_report(confidences: Any, correct: Any, *, bootstrap: int = 0,
+                     seed: int = 0) -> dict[str, Any]:
+    """AUROC, AURC, PRR and selective accuracy; with ``bootstrap`` resamples, 95% intervals
+    of the first three (as ``*_ci``), resampled like the ECE's."""
+    conf, ok = _check_confidences(confidences, correct)
+    out: dict[str, Any] = {"auroc": auroc(conf, ok), "aurc": aurc(conf, ok),
+                           "prr": prr(conf, ok), "selective": selective_accuracy(conf, ok)}
+    if bootstrap:
+        for name, fn in (("auroc", auroc), ("aurc", aurc), ("prr", prr)):
+            out[f"{name}_ci"] = list(bootstrap_interval(fn, conf, ok, n_resamples=bootstrap,
+                                                        seed=seed))
+    return out
+
+
+def _average_ranks(values: np.ndarray) -> np.ndarray:
+    """1-based ranks, ties given the mean of the ranks they span."""
+    order = np.argsort(values, kind="stable")
+    sorted_values = values[order]
+    starts = np.r_[0, np.flatnonzero(np.diff(sorted_values)) + 1]
+    ends = np.r_[starts[1:], values.size]
+    ranks = np.empty(values.size)
+    ranks[order] = np.repeat((starts + ends + 1) / 2.0, ends - starts)
+    return ranks
+
+
+def _expected_cumulative_errors(conf: np.ndarray, wrong: np.ndarray) -> np.ndarray:
+    """Cumulative error counts with the most confident first; inside a tie group the errors
+    are spread evenly (their expectation over the group's orders)."""
+    order = np.argsort(-conf, kind="stable")
+    c, w = conf[order], wrong[order]
+    starts = np.r_[0, np.flatnonzero(np.diff(c)) + 1]
+    ends = np.r_[starts[1:], c.size]
+    group_errors = np.add.reduceat(w, starts)
+    rate = np.repeat(group_errors / (ends - starts), ends - starts)
+    return np.cumsum(rate)
+
+
 def bootstrap_interval(metric_fn: Callable[..., float], *arrays: Any, n_resamples: int = 1000,
                        confidence: float = 0.95, seed: int = 0) -> tuple[float, float]:
     """Percentile bootstrap interval of ``metric_fn(*arrays)``.
@@ -211,7 +322,8 @@ def bootstrap_interval(metric_fn: Callable[..., float], *arrays: Any, n_resample
     Each resample draws ``N`` row indices with replacement and applies the same indices to
     every array (paired resampling), so ``bootstrap_interval(ece, conf, correct)`` keeps
     each confidence with its label. Deterministic for a given ``seed``. Returns the
-    ``(1 - confidence) / 2`` and ``(1 + confidence) / 2`` percentiles of the resampled metric.
+    ``(1 - confidence) / 2`` and ``(1 + confidence) / 2`` percentiles of the resampled metric
+    over the resamples where it is defined (AUROC, PRR: NaN without both kinds of answer).
     Pass extra metric arguments with ``functools.partial`` or a lambda.
     """
     if not callable(metric_fn) or not arrays:
@@ -234,7 +346,10 @@ def bootstrap_interval(metric_fn: Callable[..., float], *arrays: Any, n_resample
         idx = rng.integers(0, n, size=n)
         stats[r] = float(metric_fn(*(a[idx] for a in data)))
     tail = 100.0 * (1.0 - confidence) / 2.0
-    low, high = np.percentile(stats, [tail, 100.0 - tail])
+    defined = stats[np.isfinite(stats)]  # resamples where the metric is undefined drop out
+    if defined.size == 0:
+        return float("nan"), float("nan")
+    low, high = np.percentile(defined, [tail, 100.0 - tail])
     return float(low), float(high)
 
 

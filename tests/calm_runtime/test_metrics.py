@@ -267,3 +267,68 @@ def test_reliability_diagram_without_matplotlib(tmp_path, monkeypatch):
     with pytest.raises(BackendUnavailableError, match="calm-llm\\[plot\\]"):
         write_reliability_diagram(tmp_path / "r.png", {"a": ([0.5], [1])})
     assert not list(tmp_path.iterdir())
+
+
+# --- selective prediction -------------------------------------------------------------------
+
+def test_auroc_matches_scikit_learn_with_ties():
+    sklearn_metrics = pytest.importorskip("sklearn.metrics")
+    from calm_runtime.metrics import auroc
+
+    rng = np.random.default_rng(0)
+    for trial in range(20):
+        n = int(rng.integers(5, 200))
+        conf = np.round(rng.random(n), int(rng.integers(1, 3)))  # coarse: many ties
+        correct = (rng.random(n) < conf).astype(float)
+        if correct.min() == correct.max():
+            continue
+        assert auroc(conf, correct) == pytest.approx(
+            sklearn_metrics.roc_auc_score(correct, conf), abs=1e-12), trial
+
+
+def test_auroc_known_cases():
+    from calm_runtime.metrics import auroc
+
+    correct = np.array([1, 0, 1, 0, 1.0])
+    assert auroc(np.full(5, 0.7), correct) == 0.5
+    assert auroc(np.array([0.9, 0.1, 0.8, 0.2, 0.95]), correct) == 1.0
+    assert auroc(np.array([0.1, 0.9, 0.2, 0.8, 0.05]), correct) == 0.0
+    assert np.isnan(auroc(np.array([0.3, 0.6]), np.array([1.0, 1.0])))
+
+
+def test_risk_coverage_aurc_and_prr_by_hand():
+    from calm_runtime.metrics import aurc, prr, risk_coverage
+
+    conf, correct = np.array([0.9, 0.8, 0.7, 0.6]), np.array([1, 0, 1, 0.0])
+    coverage, risk = risk_coverage(conf, correct)
+    np.testing.assert_allclose(coverage, [0.25, 0.5, 0.75, 1.0])
+    np.testing.assert_allclose(risk, [0, 1 / 2, 1 / 3, 2 / 4])
+    assert aurc(conf, correct) == pytest.approx((0 + 1 / 2 + 1 / 3 + 1 / 2) / 4)
+    # ties: the first two answers (one wrong) enter together, errors spread over the group
+    tied, tied_ok = np.array([0.9, 0.9, 0.5]), np.array([1, 0, 1.0])
+    np.testing.assert_allclose(risk_coverage(tied, tied_ok)[1], [0.5, 0.5, 1 / 3])
+    assert aurc(tied[::-1], tied_ok[::-1]) == aurc(tied, tied_ok)  # input order is irrelevant
+    random_area, oracle_area = 1 / 3, (0 + 0 + 1 / 3) / 3
+    assert prr(tied, tied_ok) == pytest.approx(
+        (random_area - (0.5 + 0.5 + 1 / 3) / 3) / (random_area - oracle_area))
+    assert prr(np.array([0.9, 0.2, 0.8, 0.1]), np.array([1, 0, 1, 0.0])) == pytest.approx(1.0)
+    assert prr(np.full(4, 0.6), np.array([1, 0, 1, 0.0])) == pytest.approx(0.0)
+    assert np.isnan(prr(np.array([0.2, 0.4]), np.array([1.0, 1.0])))
+
+
+def test_selective_accuracy_and_report():
+    from calm_runtime.metrics import SELECTIVE_THRESHOLDS, selective_accuracy, selective_report
+
+    conf = np.array([0.95, 0.9, 0.7, 0.55, 0.4])
+    correct = np.array([1, 1, 0, 1, 0.0])
+    rows = {r["threshold"]: r for r in selective_accuracy(conf, correct)}
+    assert sorted(rows) == list(SELECTIVE_THRESHOLDS)
+    assert rows[0.5] == {"threshold": 0.5, "coverage": 0.8, "accuracy": 0.75, "n": 4}
+    assert rows[0.9]["accuracy"] == 1.0 and rows[0.9]["n"] == 2  # >= t is kept
+    assert rows[0.95]["n"] == 1 and selective_accuracy(conf, correct, [0.99])[0]["n"] == 0
+    assert np.isnan(selective_accuracy(conf, correct, [0.99])[0]["accuracy"])
+    report = selective_report(conf, correct, bootstrap=50)
+    for name in ("auroc", "aurc", "prr"):
+        low, high = report[f"{name}_ci"]
+        assert low <= high
+    assert report["auroc"] == pytest.approx(5 / 6)
