@@ -27,7 +27,7 @@ from _common import git_commit
 
 from calm_runtime.cli import install_named
 from calm_training.evaluate import write_report
-from calm_training.fit import FitConfig, compare_methods, format_table
+from calm_training.fit import FitConfig, compare_methods, format_selective_table, format_table
 
 HERE = Path(__file__).resolve().parent
 MC_METHODS = ("vanilla", "naive", "daca", "daca-vector", "ts", "ts-vector")
@@ -122,7 +122,11 @@ def markdown(payload: dict) -> str:
         header += provenance["note"].strip() + "\n"
     header += ("Metrics on the held-out test split; fits on the 30% calibration split "
                "(seed 0). Training-time calibration (CALM): `calm_replication.md`.\n")
-    tables = [format_table(report) for report in payload["results"]]
+    tables = [format_table(report) + ("\n\nselective accuracy (share kept):\n\n"
+                                      + format_selective_table(report)
+                                      if any("selective" in row for row in
+                                             report["methods"].values()) else "")
+              for report in payload["results"]]
     return header + "\n" + "\n\n".join(tables) + "\n"
 
 

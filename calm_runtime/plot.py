@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from .errors import BackendUnavailableError, ConfigError
-from .metrics import ReliabilityBins, reliability_bins
+from .metrics import ReliabilityBins, aurc, auroc, reliability_bins, risk_coverage
 
-__all__ = ["write_reliability_diagram"]
+__all__ = ["write_reliability_diagram", "write_risk_coverage"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +69,42 @@ def write_reliability_diagram(path: str | os.PathLike, panels: Mapping[str, tupl
     target = Path(path)
     _save_png_atomically(figure, target)
     logger.info("wrote reliability diagram %s (%d panels, %d bins)", target, len(binned), n_bins)
+    return target
+
+
+def write_risk_coverage(path: str | os.PathLike, panels: Mapping[str, tuple[Any, Any]],
+                        title: str | None = None) -> Path:
+    """The risk–coverage curves of every panel on one axis (lower is better), with each
+    method's AURC and AUROC in the legend; same panels as :func:`write_reliability_diagram`."""
+    if not panels:
+        raise ConfigError("panels is empty; pass a mapping name -> (confidences, correct)")
+    curves = {}
+    for name, (confidences, correct) in panels.items():
+        coverage, risk = risk_coverage(confidences, correct)
+        curves[str(name)] = (coverage, risk, aurc(confidences, correct),
+                             auroc(confidences, correct))
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        raise BackendUnavailableError("matplotlib is not installed; install the plot extra: "
+                                      "pip install 'calm-llm[plot]'") from exc
+    figure = Figure(figsize=(PANEL_SIZE_INCHES * 1.4, PANEL_SIZE_INCHES), layout="constrained")
+    FigureCanvasAgg(figure)
+    axis = figure.subplots()
+    for name, (coverage, risk, area, roc) in curves.items():
+        axis.plot(coverage, risk, linewidth=1.2,
+                  label=f"{name} (AURC {area:.3f}, AUROC {roc:.3f})")
+    axis.set_xlim(0.0, 1.0)
+    axis.set_ylim(bottom=0.0)
+    axis.set_xlabel("coverage (share of answers kept, most confident first)")
+    axis.set_ylabel("risk (share of kept answers that are wrong)")
+    axis.legend(fontsize=7)
+    if title:
+        axis.set_title(title, fontsize=10)
+    target = Path(path)
+    _save_png_atomically(figure, target)
+    logger.info("wrote risk-coverage plot %s (%d methods)", target, len(curves))
     return target
 
 

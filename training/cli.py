@@ -158,7 +158,12 @@ def _fit_line(fit: dict) -> str:
 def _eval(args) -> int:
     from calm_runtime.errors import ConfigError
     from calm_training.evaluate import evaluate_adapter, write_report
-    from calm_training.fit import LABEL_FREE, compare_methods, format_table
+    from calm_training.fit import (
+        LABEL_FREE,
+        compare_methods,
+        format_selective_table,
+        format_table,
+    )
 
     config = _config(args)
     if args.compare:
@@ -173,6 +178,9 @@ def _eval(args) -> int:
     else:
         raise ConfigError("nothing to evaluate; pass --adapter DIR or --compare")
     print(format_table(report))
+    print("\nselective accuracy: accuracy of the answers kept at each confidence threshold "
+          "(share kept)\n")
+    print(format_selective_table(report))
     written = write_report(report, args.report_dir, stem)
     print("\n" + "\n".join(f"wrote {p}" for p in written.values()))
     return 0

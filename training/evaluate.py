@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from calm_runtime.artifact import CalibrationAdapter
-from calm_runtime.plot import write_reliability_diagram
+from calm_runtime.plot import write_reliability_diagram, write_risk_coverage
 from calm_runtime.prompts import CLOZE_VARIANTS
 
 from .cache import cached_option_scores
@@ -93,4 +93,6 @@ def write_report(report: dict, out_dir: str | os.PathLike, stem: str,
         title = f"{cfg['model']} on {cfg['data']} ({cfg['mode']}), test split"
         written["png"] = write_reliability_diagram(out / f"{stem}.png", panels,
                                                    n_bins=cfg["n_bins"], title=title)
+        written["risk_coverage_png"] = write_risk_coverage(out / f"{stem}-risk-coverage.png",
+                                                           panels, title=title)
     return written

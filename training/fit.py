@@ -218,11 +218,33 @@ def metric_row(probs: np.ndarray, labels: np.ndarray, config: FitConfig):
     """One table row (metrics + ECE bootstrap interval) and its reliability-diagram panel."""
     row = metrics.calibration_report(probs, labels, config.n_bins)
     conf, correct = probs.max(axis=1), (probs.argmax(axis=1) == labels).astype(float)
+    add_selective(row, conf, correct, config)
+    return row, (conf, correct)
+
+
+def add_selective(row: dict, conf: np.ndarray, correct: np.ndarray, config: FitConfig) -> None:
+    """The ECE's bootstrap interval, the selective-prediction metrics (AUROC, AURC, PRR,
+    selective accuracy, with intervals) and the per-question ``confidence`` and ``correct``
+    arrays, so that every figure of a report can be recomputed from it."""
     if config.bootstrap:
         row["ece_ci95"] = list(metrics.bootstrap_interval(
             lambda c, y: metrics.ece(c, y, config.n_bins), conf, correct,
             n_resamples=config.bootstrap))
-    return row, (conf, correct)
+    row.update(_finite_or_none(metrics.selective_report(conf, correct,
+                                                        bootstrap=config.bootstrap)))
+    row["confidence"] = [float(c) for c in conf]
+    row["correct"] = [int(c) for c in correct]
+
+
+def _finite_or_none(value):
+    """NaN (an undefined metric: AUROC without a wrong answer) as None, for strict JSON."""
+    if isinstance(value, dict):
+        return {k: _finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite_or_none(v) for v in value]
+    if isinstance(value, float) and not np.isfinite(value):
+        return None
+    return value
 
 
 def compare_methods(config: FitConfig, methods: Sequence[str] = METHODS, *,
@@ -407,11 +429,12 @@ def format_table(report: dict) -> str:
     if "answer_accuracy" in report:
         head += f"; answer accuracy {report['answer_accuracy']:.3f}"
     lines = [head, "",
-             "| method | T | acc | ECE [95% CI] | MCE | AECE | Brier | NLL |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| method | T | acc | ECE [95% CI] | MCE | AECE | Brier | NLL | AUROC | AURC |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, row in report["methods"].items():
         if "error" in row:
-            lines.append(f"| {name} | - | fit failed: {row['error']} | - | - | - | - | - |")
+            lines.append(f"| {name} | - | fit failed: {row['error']} | - | - | - | - | - | - "
+                         "| - |")
             continue
         fit = row.get("fit") or {}
         temp = fit.get("temperature")
@@ -421,5 +444,26 @@ def format_table(report: dict) -> str:
         ece_text = f"{row['ece']:.3f}" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
         lines.append(f"| {name} | {t_text} | {row['accuracy']:.3f} | {ece_text} | "
                      f"{row['mce']:.3f} | {row['aece']:.3f} | {row['brier']:.3f} | "
-                     f"{row['nll']:.3f} |")
+                     f"{row['nll']:.3f} | {_number(row.get('auroc'))} | "
+                     f"{_number(row.get('aurc'))} |")
     return "\n".join(lines)
+
+
+def format_selective_table(report: dict, thresholds=(0.5, 0.6, 0.7, 0.8, 0.9)) -> str:
+    """Selective accuracy per method: the accuracy of the answers kept at each confidence
+    threshold, with the share kept (coverage) in parentheses."""
+    lines = ["| method | " + " | ".join(f"conf >= {t}" for t in thresholds) + " |",
+             "|---|" + "---|" * len(thresholds)]
+    for name, row in report["methods"].items():
+        rows = {round(r["threshold"], 4): r for r in row.get("selective") or []}
+        cells = []
+        for t in thresholds:
+            r = rows.get(round(t, 4))
+            cells.append("-" if r is None else
+                         f"{_number(r['accuracy'])} ({r['coverage']:.2f})")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _number(value) -> str:
+    return "-" if value is None else f"{value:.3f}"

@@ -26,6 +26,7 @@ from calm_runtime.models import load_model_and_tokenizer, model_fingerprint, res
 from calm_runtime.prompts import p_true_template
 
 from . import daca
+from .fit import add_selective
 from .scoring import generate_answers, is_correct, score_p_true
 
 __all__ = ["P_TRUE_METHODS", "compare_p_true", "fit_p_true", "open_qa_judgements"]
@@ -131,10 +132,7 @@ def compare_p_true(config, methods=P_TRUE_METHODS, *, progress: bool = True) -> 
         p = _p(judged["polm"][test], 1.0 if fit is None else fit.temperature)
         y = judged["correct"][test]
         row = metrics.binary_report(p, y, config.n_bins)
-        if config.bootstrap:
-            row["ece_ci95"] = list(metrics.bootstrap_interval(
-                lambda c, t: metrics.ece(c, t, config.n_bins), p, y,
-                n_resamples=config.bootstrap))
+        add_selective(row, p, y, config)
         row["fit"] = None if fit is None else fit.to_dict()
         rows[method], panels[method] = row, (p, y)
     report = {"config": config.to_dict(), "data_hash": dataset_hash(judged["records"]),

@@ -216,3 +216,29 @@ def test_one_10mb_record_stops_in_one_line_with_bounded_memory(tiny_llama_tied, 
     assert lines[0].startswith("DataError: ") and "huge" in lines[0], lines[0][:300]
     assert result["max_rss_kb"] < 2 * 1024 * 1024, f"peak RSS {result['max_rss_kb']} kB"
     assert not (tmp_path / "adapter").exists()
+
+
+def test_reports_carry_selective_metrics_and_the_per_question_arrays(tiny_llama_tied, mc_file,
+                                                                     tmp_path):
+    """Every figure of a report can be recomputed from it; a risk-coverage plot sits next to
+    the reliability diagram."""
+    from calm_runtime import metrics
+    from calm_training.fit import format_selective_table
+
+    config = _config(tiny_llama_tied, mc_file, mode="cloze")
+    report = compare_methods(config, ("vanilla", "ts"), progress=False)
+    for name, row in report["methods"].items():
+        conf, correct = np.array(row["confidence"]), np.array(row["correct"], dtype=float)
+        assert conf.size == report["n_test"] == correct.size
+        assert row["ece"] == pytest.approx(metrics.ece(conf, correct, config.n_bins))
+        expected = metrics.auroc(conf, correct)
+        assert (row["auroc"] is None) if np.isnan(expected) else \
+            row["auroc"] == pytest.approx(expected)
+        assert row["aurc"] == pytest.approx(metrics.aurc(conf, correct))
+        assert [r["threshold"] for r in row["selective"]][:2] == [0.5, 0.55]
+        assert len(row["auroc_ci"]) == 2, name
+    assert "| ts |" in format_selective_table(report)
+    written = write_report(report, tmp_path, "r")
+    assert written["png"].is_file() and written["risk_coverage_png"].is_file()
+    assert json.loads(written["json"].read_text())["methods"]["ts"]["confidence"] == \
+        report["methods"]["ts"]["confidence"]
