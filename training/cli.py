@@ -168,6 +168,8 @@ def _eval(args) -> int:
     config = _config(args)
     if args.compare:
         methods = ("vanilla", "naive", "daca", "daca-vector", "ts", "ts-vector")
+        if args.mode == "p_true":
+            from calm_training.p_true import P_TRUE_METHODS as methods
         if not args.reference:
             methods = tuple(m for m in methods if m not in LABEL_FREE)
         report = compare_methods(config, methods, progress=_progress(args))

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +22,7 @@ from calm_runtime import metrics
 from calm_runtime._fs import sha256_bytes
 from calm_runtime._paths import cache_dir
 from calm_runtime.data import OpenQARecord, dataset_hash, load_dataset, split_indices
-from calm_runtime.errors import ConfigError, DataError
+from calm_runtime.errors import ConfigError, DataError, FitError
 from calm_runtime.models import load_model_and_tokenizer, model_fingerprint, resolve_model
 from calm_runtime.prompts import p_true_template
 
@@ -33,7 +34,64 @@ __all__ = ["P_TRUE_METHODS", "compare_p_true", "fit_p_true", "open_qa_judgements
 
 logger = logging.getLogger(__name__)
 
-P_TRUE_METHODS = ("vanilla", "naive", "daca", "ts")
+P_TRUE_METHODS = ("vanilla", "naive", "daca", "ts", "platt")
+
+
+@dataclass(frozen=True)
+class PlattFit:
+    """``P(True) = sigmoid(slope * d + bias)`` with ``d = z_true - z_false``: a temperature
+    (``1 / slope``) and a shift, which moves the base rate where a temperature cannot.
+    Fitted by Newton's method on the binary NLL against answer correctness (convex)."""
+
+    slope: float
+    bias: float
+    n_used: int
+    iterations: int
+    method: str = "platt"
+
+    @property
+    def temperature(self) -> float:
+        return 1.0 / self.slope if self.slope else float("inf")
+
+    def apply(self, two_way: np.ndarray) -> np.ndarray:
+        d = two_way[:, 0] - two_way[:, 1]
+        return 1.0 / (1.0 + np.exp(-np.clip(self.slope * d + self.bias, -700, 700)))
+
+    def to_dict(self) -> dict:
+        return {"method": self.method, "slope": self.slope, "bias": self.bias,
+                "temperature": self.temperature, "n_used": self.n_used,
+                "iterations": self.iterations}
+
+
+def fit_platt(two_way: np.ndarray, correct: np.ndarray, *, max_iter: int = 100,
+              tol: float = 1e-10) -> PlattFit:
+    """Platt scaling of two-way logits against 0/1 correctness (damped Newton steps)."""
+    d = two_way[:, 0] - two_way[:, 1]
+    y = np.asarray(correct, dtype=float)
+    if y.min() == y.max():
+        raise FitError("Platt scaling needs both correct and wrong answers on the calibration "
+                       "split; use more data")
+    x = np.stack([d, np.ones_like(d)], axis=1)
+    w = np.zeros(2)
+
+    def loss(w):
+        z = x @ w
+        return float(np.mean(np.logaddexp(0.0, z) - y * z))
+
+    iterations = 0
+    for _ in range(max_iter):
+        iterations += 1
+        p = 1.0 / (1.0 + np.exp(-np.clip(x @ w, -700, 700)))
+        grad = x.T @ (p - y) / y.size
+        hess = (x * (p * (1 - p))[:, None]).T @ x / y.size + 1e-12 * np.eye(2)
+        step = np.linalg.solve(hess, grad)
+        scale, current = 1.0, loss(w)
+        while loss(w - scale * step) > current and scale > 1e-8:
+            scale /= 2
+        w = w - scale * step
+        if np.abs(scale * step).max() < tol:
+            break
+    return PlattFit(float(w[0]), float(w[1]), int(y.size), iterations)
 ANSWER_VERSION = 1  # bump when generation or judging changes (invalidates the cache)
 
 
@@ -113,6 +171,8 @@ def _fit(method: str, judged: dict, cal: np.ndarray):
         return daca.fit_daca_p_true(_p(judged["plm"][cal]), _p(g), mask=method == "daca")
     if method == "ts":
         return daca.fit_temperature_scaling(g, (1 - judged["correct"][cal]).astype(int))
+    if method == "platt":
+        return fit_platt(g, judged["correct"][cal])
     raise ConfigError(f"unknown P(True) method {method!r}; choose one of "
                       f"{', '.join(P_TRUE_METHODS)}")
 
@@ -128,8 +188,14 @@ def compare_p_true(config, methods=P_TRUE_METHODS, *, progress: bool = True) -> 
     cal, test = split_indices(n, config.calibration_fraction, config.seed)
     rows, panels = {}, {}
     for method in methods:
-        fit = _fit(method, judged, cal)
-        p = _p(judged["polm"][test], 1.0 if fit is None else fit.temperature)
+        try:
+            fit = _fit(method, judged, cal)
+        except FitError as exc:  # e.g. no wrong answer to fit against: a result, not a crash
+            logger.warning("%s: %s", method, exc)
+            rows[method] = {"error": str(exc)}
+            continue
+        p = (fit.apply(judged["polm"][test]) if isinstance(fit, PlattFit)
+             else _p(judged["polm"][test], 1.0 if fit is None else fit.temperature))
         y = judged["correct"][test]
         row = metrics.binary_report(p, y, config.n_bins)
         add_selective(row, p, y, config)
@@ -152,6 +218,10 @@ def fit_p_true(config, method: str):
     """Fit ``method`` on the calibration split; returns ``(fit, n_calibration, data_hash)``."""
     judged = open_qa_judgements(config)
     cal, _ = split_indices(len(judged["records"]), config.calibration_fraction, config.seed)
+    if method == "platt":
+        raise ConfigError("Platt scaling is compared by calm eval --compare but not written as "
+                          "an adapter yet (it needs a shift on the true token); choose daca, "
+                          "naive or ts")
     fit = _fit(method, judged, cal)
     if fit is None:
         raise ConfigError("vanilla is the uncalibrated baseline; choose daca, naive or ts")

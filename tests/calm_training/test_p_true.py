@@ -68,3 +68,21 @@ def test_p_true_mode_needs_open_qa_data(tiny_llama_tied, tmp_path):
     config = FitConfig(model=str(tiny_llama_tied), data=str(mc), mode="p_true")
     with pytest.raises(DataError, match="open-QA"):
         compare_methods(config, ("vanilla",), progress=False)
+
+
+def test_platt_recovers_a_known_slope_and_bias():
+    """Labels drawn from sigmoid(2 d - 1): the fit finds slope 2 and bias -1 (it can move
+    the base rate, which a temperature cannot)."""
+    import numpy as np
+
+    from calm_training.p_true import fit_platt
+
+    rng = np.random.default_rng(0)
+    d = rng.normal(0, 2, 20_000)
+    correct = (rng.random(d.size) < 1 / (1 + np.exp(-(2 * d - 1)))).astype(float)
+    two_way = np.stack([d, np.zeros_like(d)], axis=1)
+    fit = fit_platt(two_way, correct)
+    assert fit.slope == pytest.approx(2.0, rel=0.05) and fit.bias == pytest.approx(-1, abs=0.08)
+    assert fit.temperature == pytest.approx(0.5, rel=0.05)
+    p = fit.apply(two_way)
+    assert abs(p.mean() - correct.mean()) < 0.01
