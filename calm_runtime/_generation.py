@@ -3,14 +3,15 @@
 One :class:`GenerationRun` per call holds all per-call state (nothing is shared between
 calls, so many threads can generate on one backend). Rows are left-padded; a row that
 finishes is dropped from the batch (its KV rows are removed with ``backend.select``), so
-the remaining rows run as if alone. Timing excludes the time the consumer of a stream
-spends between tokens.
+the remaining rows run as if alone. A row whose caller gave up (the ``cancelled`` check,
+asked between decode steps) is dropped the same way, with ``finish_reason="cancelled"``.
+Timing excludes the time the consumer of a stream spends between tokens.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,14 +51,22 @@ class DecodeSettings:
 
 
 class GenerationRun:
-    """Iterate ``(row, Token)`` as tokens are chosen; :attr:`results` is filled at the end."""
+    """Iterate ``(row, Token)`` as tokens are chosen; :attr:`results` is filled at the end.
+
+    ``cancelled(row)``, when given, is asked for every unfinished row before each decode
+    step (from the decoding thread; it must be cheap and thread-safe): a row it answers
+    ``True`` for stops there and leaves the batch, and its result so far has
+    ``finish_reason="cancelled"``. The run ends early when every row is cancelled.
+    """
 
     def __init__(self, backend, tokenizer: EngineTokenizer, prompts: Sequence[Sequence[int]],
-                 settings: DecodeSettings) -> None:
+                 settings: DecodeSettings,
+                 cancelled: Callable[[int], bool] | None = None) -> None:
         self._backend = backend
         self._tok = tokenizer
         self._prompts = [list(p) for p in prompts]
         self._settings = settings
+        self._cancelled = cancelled
         self.results: list[Generation] | None = None
 
     def __iter__(self) -> Iterator[tuple[int, Token]]:
@@ -123,6 +132,11 @@ class GenerationRun:
             else:
                 decode_s += now - started
             yield from events
+            if self._cancelled is not None and keep:
+                gone = [b for b in keep if self._cancelled(int(active[b]))]
+                for b in gone:
+                    finish[active[b]] = "cancelled"
+                keep = [b for b in keep if b not in gone]
             if not keep:
                 break
             started = time.perf_counter()

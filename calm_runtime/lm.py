@@ -14,13 +14,20 @@ scores (docs/methods.md §2). Prompts and token ids are those of training
 Thread safety: a ``CalibratedLM`` is immutable after :meth:`load`; every call keeps its
 state (KV cache, decoders, random generators) local, and the backends' ``run`` is
 thread-safe, so one instance serves many threads.
+
+Context length: every input a call builds (a prompt, a question with each of its options,
+a P(True) prompt) is tokenised and checked against the model's context
+(``max_position_embeddings``) before anything is batched or run; one that does not fit
+raises a one-line :class:`~calm_runtime.errors.ConfigError` naming the input, its token
+count and the limit. Text must be valid Unicode (a lone UTF-16 surrogate is refused).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator, Mapping, Sequence
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 
 import numpy as np
@@ -53,6 +60,8 @@ __all__ = ["CalibratedLM", "MODES", "CLOZE_VARIANTS", "recorded_cloze_variant"]
 logger = logging.getLogger(__name__)
 
 MODES = ("cloze", "letter")
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def recorded_cloze_variant(manifest: EngineManifest) -> str | None:
@@ -123,19 +132,29 @@ class CalibratedLM:
 
     # ------------------------------------------------------------------ prompts
     def encode_prompt(self, prompt: str, *, chat: bool | None = False) -> list[int]:
-        """Token ids of a prompt: the chat template (``chat``) or BOS per the manifest."""
+        """Token ids of a prompt: the chat template (``chat``) or BOS per the manifest.
+
+        Raises :class:`ConfigError` for an empty prompt, invalid Unicode, or one longer
+        than the model's context.
+        """
+        return self._encode_prompt(prompt, chat, "the prompt")
+
+    def _encode_prompt(self, prompt: str, chat: bool | None, label: str) -> list[int]:
         if not isinstance(prompt, str):
-            raise ConfigError(f"a prompt must be a string, got {type(prompt).__name__}")
+            raise ConfigError(f"{label} must be a string, got {type(prompt).__name__}")
         if not prompt:
-            raise ConfigError("the prompt is empty; pass some text to generate from or score")
+            which = "" if label == "the prompt" else f" ({label})"
+            raise ConfigError(f"the prompt is empty{which}; pass some text to generate from or "
+                              "score")
+        _check_text(prompt, label)
         if self.tokenizer.use_chat(chat):
             ids = self.tokenizer.encode(self.tokenizer.render_chat(prompt), add_bos=False)
         else:
             ids = self.tokenizer.encode(prompt)
         if not ids:
-            raise ConfigError(f"the prompt {prompt[:40]!r} encodes to no tokens; pass some text")
+            raise ConfigError(f"{label} {prompt[:40]!r} encodes to no tokens; pass some text")
         if len(ids) > self.max_context:
-            raise ConfigError(f"the prompt is {len(ids)} tokens but the model's context is "
+            raise ConfigError(f"{label} is {len(ids)} tokens but the model's context is "
                               f"{self.max_context}; shorten the prompt")
         return ids
 
@@ -159,7 +178,8 @@ class CalibratedLM:
         prompts = [prompt] if single else list(prompt)
         if not prompts:
             raise ConfigError("no prompts given; pass a string or a non-empty list of strings")
-        encoded = [self.encode_prompt(p, chat=chat) for p in prompts]
+        encoded = [self._encode_prompt(p, chat, _label("prompt", i, len(prompts)))
+                   for i, p in enumerate(prompts)]
         settings = self._settings(encoded, max_new_tokens, temperature, top_k, top_p, seed,
                                   stop, top_alternatives)
         size = _positive(batch_size, "batch_size")
@@ -175,7 +195,9 @@ class CalibratedLM:
         return results[0] if single else results
 
     def generation_run(self, encoded: Sequence[Sequence[int]],
-                       max_new_tokens: int | Sequence[int], **options) -> GenerationRun:
+                       max_new_tokens: int | Sequence[int], *,
+                       cancelled: Callable[[int], bool] | None = None,
+                       **options) -> GenerationRun:
         """One batched decode over already-encoded prompts, for callers that schedule rows
         themselves (e.g. ``calm serve``'s micro-batcher).
 
@@ -183,11 +205,24 @@ class CalibratedLM:
         sampling options. Iterating the run yields ``(row, Token)`` as tokens are chosen;
         its ``results`` hold one :class:`Generation` per prompt at the end, equal to
         ``generate``'s for the same prompts and settings. At most ``backend.max_batch``
-        prompts.
+        prompts, each non-empty, of valid token ids, and shorter than the model's context.
+        ``cancelled(row)`` is asked before every decode step for each unfinished row; a row
+        it answers ``True`` for stops there (``finish_reason="cancelled"``) and frees its
+        place in the batch, the other rows decode on unchanged.
         """
         encoded = [list(ids) for ids in encoded]
         if not encoded:
             raise ConfigError("no prompts given; pass at least one encoded prompt")
+        vocab = self.manifest.vocab_size
+        for i, ids in enumerate(encoded):
+            label = _label("prompt", i, len(encoded))
+            if not ids:
+                raise ConfigError(f"{label} has no token ids; pass at least one token")
+            low, high = min(ids), max(ids)
+            if low < 0 or high >= vocab:
+                raise ConfigError(f"{label} has token id {low if low < 0 else high}, outside "
+                                  f"this model's vocabulary of {vocab}; encode it with "
+                                  "encode_prompt")
         if self.backend.max_batch and len(encoded) > self.backend.max_batch:
             raise ConfigError(f"{len(encoded)} prompts exceed this backend's batch limit of "
                               f"{self.backend.max_batch}; split them")
@@ -200,7 +235,7 @@ class CalibratedLM:
                                   **_sampling_options(dict(options)))
         capped = tuple(min(n, cap) for n, cap in zip(limits, settings.max_new_tokens, strict=True))
         return GenerationRun(self.backend, self.tokenizer, encoded,
-                             replace(settings, max_new_tokens=capped))
+                             replace(settings, max_new_tokens=capped), cancelled=cancelled)
 
     def stream(self, prompt: str, max_new_tokens: int = 32, **options) -> Iterator[Token]:
         """An iterator over the tokens of ``generate(prompt, ...)`` as they are chosen.
@@ -225,11 +260,12 @@ class CalibratedLM:
         if any(not isinstance(s, str) or not s for s in stops):
             raise ConfigError(f"stop strings must be non-empty strings, got {stops!r}")
         limits = []
-        for ids in encoded:
+        for i, ids in enumerate(encoded):
             room = self.max_context - len(ids)
             if room < 1:
-                raise ConfigError(f"the prompt is {len(ids)} tokens and fills the model's context "
-                                  f"of {self.max_context}; shorten it to leave room to generate")
+                raise ConfigError(f"{_label('prompt', i, len(encoded))} is {len(ids)} tokens and "
+                                  f"fills the model's context of {self.max_context}; shorten it "
+                                  "to leave room to generate")
             limits.append(min(max_new, room))
         return DecodeSettings(max_new_tokens=tuple(limits),
                               sampling=SamplingParams(temperature=temperature, top_k=top_k,
@@ -275,15 +311,19 @@ class CalibratedLM:
         if recorded is not None and variant != recorded:
             logger.warning("scoring with variant %r but the engine's answer_temperature was "
                            "fitted with %r", variant, recorded)
-        contexts = [self.tokenizer.encode(cloze_context(q)) for q in questions]
-        conts = []
-        for q, opts in zip(questions, options, strict=True):
+        contexts, conts = [], []
+        for n, (q, opts) in enumerate(zip(questions, options, strict=True)):
+            ids = self.tokenizer.encode(cloze_context(q))
             encoded = [self.tokenizer.encode(cloze_continuation(o), add_bos=False) for o in opts]
             if any(not c for c in encoded):
                 raise ConfigError(f"an option of {q[:40]!r} encodes to no tokens; fix the option")
+            longest = max(range(len(encoded)), key=lambda k: len(encoded[k]))
+            self._check_length(len(ids) + len(encoded[longest]) - 1,
+                               f"{_label('question', n, len(questions))} with option "
+                               f"{longest + 1} (question and option)",
+                               "shorten the question or options")
+            contexts.append(ids)
             conts.append(encoded)
-        for ids, cont in zip(contexts, conts, strict=True):
-            self._check_length(len(ids) + max(len(c) for c in cont) - 1)
         sums = _scoring.cloze_logprobs(self.backend, contexts, conts,
                                        self.tokenizer.pad_token_id, size)
         choices = []
@@ -297,8 +337,11 @@ class CalibratedLM:
         use_chat = self.tokenizer.use_chat(chat)
         table = self.manifest.option_tokens["chat" if use_chat else "plain"]
         prompts, ids = [], []
-        for q, opts in zip(questions, options, strict=True):
-            prompts.append(self._prompt_ids(letter_prompt(q, opts), use_chat))
+        for n, (q, opts) in enumerate(zip(questions, options, strict=True)):
+            prompts.append(self._prompt_ids(
+                letter_prompt(q, opts), use_chat,
+                f"{_label('question', n, len(questions))} as a letter-mode prompt",
+                "shorten the question or options"))
             texts = letter_tokens(len(opts), chat=use_chat)
             missing = [t for t in texts if t not in table]
             if missing:
@@ -341,29 +384,33 @@ class CalibratedLM:
         pair = [self.tokenizer.single_token_id(true_text, "the P(True) true token"),
                 self.tokenizer.single_token_id(false_text, "the P(True) false token")]
         prompts = []
-        for q, a in zip(questions, answers, strict=True):
+        for n, (q, a) in enumerate(zip(questions, answers, strict=True)):
             if not isinstance(q, str) or not q.strip() or not isinstance(a, str):
                 raise ConfigError(f"P(True) needs a non-empty question and an answer string, got "
                                   f"{q!r} / {a!r}")
-            prompts.append(self._prompt_ids(chosen.render(q, a), use_chat))
+            label = f"the P(True) prompt of {_label('question', n, len(questions))}"
+            _check_text(q, label)
+            _check_text(a, label)
+            prompts.append(self._prompt_ids(chosen.render(q, a), use_chat, label,
+                                            "shorten the question or the answer"))
         logits = _scoring.next_token_logits(self.backend, prompts, self.tokenizer.pad_token_id,
                                             _positive(batch_size, "batch_size"))
         two = logits[:, pair].astype(np.float64)
         return 1.0 / (1.0 + np.exp(two[:, 1] - two[:, 0]))
 
     # ------------------------------------------------------------------ helpers
-    def _prompt_ids(self, text: str, use_chat: bool) -> list[int]:
+    def _prompt_ids(self, text: str, use_chat: bool, label: str, fix: str) -> list[int]:
         if use_chat:
             ids = self.tokenizer.encode(self.tokenizer.render_chat(text), add_bos=False)
         else:
             ids = self.tokenizer.encode(text)
-        self._check_length(len(ids))
+        self._check_length(len(ids), label, fix)
         return ids
 
-    def _check_length(self, n: int) -> None:
+    def _check_length(self, n: int, label: str, fix: str) -> None:
         if n > self.max_context:
-            raise ConfigError(f"the prompt is {n} tokens but the model's context is "
-                              f"{self.max_context}; shorten the question or options")
+            raise ConfigError(f"{label} is {n} tokens but the model's context is "
+                              f"{self.max_context}; {fix}")
 
 
 def _choice(scores: np.ndarray, mode: str, variant: str | None, temperature: float) -> Choice:
@@ -379,12 +426,28 @@ def _choice(scores: np.ndarray, mode: str, variant: str | None, temperature: flo
 def _check_question(question, options) -> None:
     if not isinstance(question, str) or not question.strip():
         raise ConfigError(f"a question must be a non-empty string, got {question!r}")
+    _check_text(question, "a question")
     if isinstance(options, str) or not isinstance(options, Sequence):
         raise ConfigError(f"options must be a list of strings, got {type(options).__name__}")
     option_letters(len(options))  # 2..26 options, else a one-line ConfigError
     for option in options:
         if not isinstance(option, str) or not option.strip():
             raise ConfigError(f"every option must be a non-empty string, got {option!r}")
+        _check_text(option, "an option")
+
+
+def _check_text(text: str, label: str) -> None:
+    """Refuse text the tokenizer cannot take: a lone UTF-16 surrogate is not Unicode."""
+    found = _SURROGATE.search(text)
+    if found is not None:
+        raise ConfigError(f"{label} holds a lone UTF-16 surrogate "
+                          f"({found.group()!r} at character {found.start()}), which is not "
+                          "valid Unicode; pass valid text")
+
+
+def _label(kind: str, index: int, count: int) -> str:
+    """How an error names input ``index`` of ``count``: "the prompt" or "prompt 2 of 5"."""
+    return f"the {kind}" if count == 1 else f"{kind} {index + 1} of {count}"
 
 
 def _positive(value, name: str) -> int:

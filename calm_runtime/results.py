@@ -87,7 +87,8 @@ class Generation:
         text: the generated text (prompt excluded), cut before a stop string.
         tokens: every generated token, including an end-of-sequence token and the token that
             completed a stop string (their probabilities are part of the sequence's).
-        finish_reason: ``"eos"``, ``"stop"`` (a stop string) or ``"length"``.
+        finish_reason: ``"eos"``, ``"stop"`` (a stop string) or ``"length"``; ``"cancelled"``
+            when the caller stopped the row early (``generation_run(cancelled=...)``).
         prompt_tokens: the prompt's length in tokens.
         timing: see :class:`Timing`.
 

@@ -35,6 +35,8 @@ _BLOCK = 1024
 #: value buckets of the top-p histogram
 _BUCKETS = 1024
 _HEAD_DELTAS = (0.5, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 48.0, np.inf)
+#: the smallest positive float32, the least a temperature divides by
+_SMALLEST = np.float32(np.finfo(np.float32).smallest_subnormal)
 
 
 @dataclass(frozen=True)
@@ -132,7 +134,10 @@ def _sample_row(stats: StepStats, row: int, params: SamplingParams,
     if params.temperature == 1.0:
         weights = stats.exps[row]
     else:
-        scaled = scaled / np.float32(params.temperature)
+        # a temperature below float32's range divides by its smallest step, not by 0: the
+        # best token(s) keep weight 1 and the others fall to -inf (weight 0), greedy's limit
+        with np.errstate(over="ignore"):
+            scaled = scaled / max(np.float32(params.temperature), _SMALLEST)
         weights = np.exp(scaled)
     if params.top_k or params.top_p < 1.0:
         candidates = _candidates(scaled, weights, params.top_k, params.top_p)

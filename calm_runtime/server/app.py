@@ -10,6 +10,21 @@ concurrent requests share batched decodes. Errors are OpenAI error objects: 400 
 body or parameter, 401 for a wrong key, 404 for another model or path, 413 for a body over
 ``max_body_bytes``, 429 when the queue is full, 504 past ``request_timeout_s``; an
 unexpected failure is a 500 whose message hides the traceback (it goes to the log).
+
+Defences, in the order a request meets them:
+
+* the body is counted as it arrives (``Content-Length`` or chunked): past
+  ``max_body_bytes`` the server stops reading, answers 413 and closes the connection;
+* the body must be UTF-8 JSON (no ``NaN``/``Infinity``, no lone UTF-16 surrogate, nesting
+  within Python's recursion limit) and match the request model exactly (strict types);
+* a prompt longer than :data:`PROMPT_CHARS_PER_TOKEN` characters per token of the
+  prompt-token limit is refused before it is tokenised; tokenising runs on a worker
+  thread, so the event loop (and ``/health``) never waits for it;
+* a request whose client disconnects (or that passes its timeout) stops decoding at the
+  next step and leaves its batch; ``calm_requests_cancelled_total`` counts the former.
+
+``app.openapi()`` describes every endpoint with its request body and error responses (the
+server does not publish it; the fuzz tests drive the server from it).
 """
 
 from __future__ import annotations
@@ -20,15 +35,20 @@ import hmac
 import json
 import logging
 import os
+import re
 import time
 import uuid
 from contextlib import asynccontextmanager
 
+import anyio
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .. import __version__
 from ..engine import ENGINE_MANIFEST_NAME
 from ..errors import CalmError
 from ..lm import CalibratedLM
@@ -40,18 +60,36 @@ from .protocol import (
     APIError,
     ChatRequest,
     CompletionRequest,
+    ErrorResponse,
     chat_logprobs,
     choice_extension,
     completion_logprobs,
 )
 
-__all__ = ["create_app", "app_from_environment", "CONFIG_ENV"]
+__all__ = ["create_app", "app_from_environment", "CONFIG_ENV", "PROMPT_CHARS_PER_TOKEN"]
 
 logger = logging.getLogger(__name__)
 
 #: environment variable through which ``calm serve --workers N`` hands each worker its config
 CONFIG_ENV = "CALM_SERVE_CONFIG"
+#: a prompt (a chat request: its messages' text together) may hold at most this many
+#: characters per token of the server's prompt-token limit; longer ones get a 400 before
+#: tokenising. Text averages 3-5 characters per token, so only pathological prompts (say,
+#: long runs of one character) that would fit in tokens are refused by it.
+PROMPT_CHARS_PER_TOKEN = 32
+#: status recorded in the metrics for a request whose client left before any answer
+#: (nginx's "client closed request"; nothing is sent)
+CLIENT_CLOSED = 499
 _ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+#: a JSON escape of a UTF-16 surrogate; only then can the parsed body hold a lone one
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_ERROR_RESPONSES = {
+    status: {"model": ErrorResponse, "description": text} for status, text in (
+        (400, "a bad body or parameter"), (401, "a missing or wrong API key"),
+        (404, "another model"), (413, "a body over the size limit"),
+        (429, "the queue is full"), (503, "the server is shutting down"),
+        (504, "past the request timeout"))}
 
 
 def create_app(config: ServeConfig, lm: CalibratedLM | None = None) -> FastAPI:
@@ -67,84 +105,69 @@ def create_app(config: ServeConfig, lm: CalibratedLM | None = None) -> FastAPI:
         yield
         await server.batcher.close()  # in-flight requests finish first
 
-    app = FastAPI(title="calm serve", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+    app = FastAPI(title="calm serve", version=__version__, lifespan=lifespan, docs_url=None,
+                  redoc_url=None, openapi_url=None)
     app.state.calm = server
+    app.add_middleware(_Guard, server=server)
 
     @app.exception_handler(APIError)
     async def _api_error(_request, exc: APIError):
-        server.metrics.errors.labels(exc.type).inc()
-        headers = {"Retry-After": "1"} if exc.status == 429 else None
-        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+        return server.error_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request, exc: StarletteHTTPException):
-        error = APIError(exc.status_code, str(exc.detail), code="not_found"
-                         if exc.status_code == 404 else None)
-        return await _api_error(_request, error)
+        return server.error_response(APIError(
+            exc.status_code, str(exc.detail),
+            code="not_found" if exc.status_code == 404 else None))
 
     @app.exception_handler(Exception)
     async def _unexpected(_request, exc: Exception):
         logger.error("unexpected error", exc_info=exc)
-        return await _api_error(_request, APIError(
+        return server.error_response(APIError(
             500, "the server failed on this request; the details are in its log",
             type="server_error"))
-
-    @app.middleware("http")
-    async def _observe(request: Request, call_next):
-        path = request.url.path
-        endpoint = path if path in _ENDPOINTS else "other"
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > config.max_body_bytes:
-            response = await _api_error(request, _too_large(config))
-        else:
-            api = path.startswith("/v1/")
-            if api:
-                server.metrics.in_flight.inc()
-            started = time.perf_counter()
-            try:
-                response = await call_next(request)
-            finally:
-                if api:
-                    server.metrics.in_flight.dec()
-            server.metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
-        server.metrics.requests.labels(endpoint, str(response.status_code)).inc()
-        return response
 
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": config.served_name, "queue_depth": server.batcher.depth}
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses={401: _ERROR_RESPONSES[401]})
     async def metrics(request: Request):
         server.authorize(request)
         return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses={401: _ERROR_RESPONSES[401]})
     async def models(request: Request):
         server.authorize(request)
         return {"object": "list", "data": [{"id": config.served_name, "object": "model",
                                             "created": server.created, "owned_by": "calm",
                                             "calm": server.identity}]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_request_body(CompletionRequest),
+              responses=_ERROR_RESPONSES)
     async def completions(request: Request):
         server.authorize(request)
         req = await server.parse(request, CompletionRequest)
-        prompts = [req.prompt] if isinstance(req.prompt, str) else list(req.prompt)
+        single = isinstance(req.prompt, str)
+        prompts = [req.prompt] if single else list(req.prompt)
         if not prompts or len(prompts) > config.max_queue:
             raise APIError(400, f"prompt must be a string or a list of 1 to {config.max_queue} "
                            "strings", param="prompt")
         limit = server.max_tokens(req.max_tokens, config.default_max_tokens)
         options = server.options(req, top=req.logprobs or 0)
-        jobs = [Job(server.encode(p), limit, options, p if req.wants_p_true else None,
-                    stream=bool(req.stream)) for p in prompts]
+        for index, prompt in enumerate(prompts):
+            server.check_chars(len(prompt), "the prompt" if single else f"prompt[{index}]",
+                               "prompt")
+        encoded = await run_in_threadpool(server.encode, prompts)
+        jobs = [Job(ids, limit, options, p if req.wants_p_true else None,
+                    stream=bool(req.stream)) for ids, p in zip(encoded, prompts, strict=True)]
         server.submit(jobs)
         if req.stream:
-            return _sse(server.stream(jobs, req, "completion"))
-        return await server.complete(jobs, req, "completion")
+            return _EventStream(server, jobs, server.stream(jobs, req, "completion"))
+        return await server.complete(jobs, req, "completion", request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_request_body(ChatRequest),
+              responses=_ERROR_RESPONSES)
     async def chat(request: Request):
         server.authorize(request)
         req = await server.parse(request, ChatRequest)
@@ -157,14 +180,18 @@ def create_app(config: ServeConfig, lm: CalibratedLM | None = None) -> FastAPI:
         if req.wants_p_true and not users:
             raise APIError(400, "P(True) needs a user message to score the answer against",
                            param="messages")
+        server.check_chars(sum(len(m["content"]) for m in messages), "the messages' text",
+                           "messages")
         top = (req.top_logprobs or 0) if req.logprobs else 0
-        job = Job(server.encode_chat(messages), limit, server.options(req, top=top),
+        ids = await run_in_threadpool(server.encode_chat, messages)
+        job = Job(ids, limit, server.options(req, top=top),
                   users[-1] if req.wants_p_true else None, stream=bool(req.stream))
         server.submit([job])
         if req.stream:
-            return _sse(server.stream([job], req, "chat"))
-        return await server.complete([job], req, "chat")
+            return _EventStream(server, [job], server.stream([job], req, "chat"))
+        return await server.complete([job], req, "chat", request)
 
+    app.openapi = lambda: _openapi(app, server)  # type: ignore[method-assign]
     return app
 
 
@@ -181,13 +208,261 @@ def _too_large(config: ServeConfig) -> APIError:
                     "shorter prompt", code="request_too_large")
 
 
-def _sse(events) -> StreamingResponse:
-    return StreamingResponse(events, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
-
-
 def _event(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+# ---------------------------------------------------------------------- the request's body
+class _Guard:
+    """ASGI middleware around every HTTP request: reads the body under the size limit and
+    keeps the request metrics (count by status, latency, in flight).
+
+    The body is read here, counting bytes as they arrive; past ``max_body_bytes`` (or with
+    a ``Content-Length`` over it) the answer is 413 with ``Connection: close`` and the rest
+    of the body is never read. Otherwise the app receives the body as one message, then
+    the server's own ``receive`` (which reports the client's disconnect).
+    """
+
+    def __init__(self, app, server: _Server) -> None:
+        self.app = app
+        self.server = server
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        metrics = self.server.metrics
+        path = scope["path"]
+        endpoint = path if path in _ENDPOINTS else "other"
+        api = path.startswith("/v1/")
+        status = None
+
+        async def tracked(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        started = time.perf_counter()
+        if api:
+            metrics.in_flight.inc()
+        try:
+            body = await self._read_body(scope, receive)
+            if body is _TOO_LARGE:
+                response = self.server.error_response(_too_large(self.server.config),
+                                                      headers={"Connection": "close"})
+                await response(scope, receive, tracked)
+            elif body is not None:  # None: the client left while sending
+                await self.app(scope, _replay(body, receive), tracked)
+        except BaseException:
+            if status is None:
+                status = 500
+            raise
+        finally:
+            if api:
+                metrics.in_flight.dec()
+            metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
+            metrics.requests.labels(endpoint, str(status or CLIENT_CLOSED)).inc()
+
+    async def _read_body(self, scope, receive):
+        limit = self.server.config.max_body_bytes
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length" and value.isdigit() and int(value) > limit:
+                return _TOO_LARGE
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                return _TOO_LARGE
+            if chunk:
+                chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+
+_TOO_LARGE = object()
+
+
+def _replay(body: bytes, receive):
+    """A ``receive`` that hands over ``body`` first, then defers to the server's."""
+    pending = True
+
+    async def replayed():
+        nonlocal pending
+        if pending:
+            pending = False
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed
+
+
+class _NotJSONNumber(ValueError):
+    pass
+
+
+def _not_a_json_number(name: str):
+    raise _NotJSONNumber(name)
+
+
+def _load_json(body: bytes):
+    """The body's JSON value, or a 400 that says what is wrong with the text."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise APIError(400, f"the request body is not valid UTF-8 (byte {exc.start}); send "
+                       "JSON encoded as UTF-8") from None
+    try:
+        return json.loads(text, parse_constant=_not_a_json_number)
+    except RecursionError:
+        raise APIError(400, "the request body's JSON is nested too deeply; send a JSON "
+                       "object a few levels deep") from None
+    except json.JSONDecodeError as exc:
+        raise APIError(400, f"the request body is not valid JSON ({exc.msg} at line "
+                       f"{exc.lineno} column {exc.colno}); send a JSON object") from None
+    except _NotJSONNumber as exc:
+        raise APIError(400, f"the request body is not valid JSON ({exc} is not a JSON number); "
+                       "send finite numbers") from None
+    except ValueError:  # an integer of more digits than Python converts
+        raise APIError(400, "the request body's JSON holds a number too long to read; send "
+                       "numbers of ordinary size") from None
+
+
+def _lone_surrogate(data) -> str | None:
+    """Where the first string (or key) holding a lone UTF-16 surrogate is, else ``None``
+    (``""`` for a key of the top-level object)."""
+    stack = [(data, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                return path
+        elif isinstance(value, dict):
+            for key, item in reversed(value.items()):
+                if _SURROGATE.search(key):
+                    return path
+                stack.append((item, f"{path}.{key}" if path else key))
+        elif isinstance(value, list):
+            for index in range(len(value) - 1, -1, -1):
+                stack.append((value[index], f"{path}.{index}" if path else str(index)))
+    return None
+
+
+def _error_param(error: dict, data) -> str | None:
+    """The dotted place in the body of a pydantic error (union members' tags dropped)."""
+    parts, node = [], data
+    loc = error.get("loc", ())
+    for i, part in enumerate(loc):
+        if isinstance(node, dict) and isinstance(part, str) and part in node:
+            node = node[part]
+            parts.append(part)
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            node = node[part]
+            parts.append(str(part))
+        elif isinstance(node, dict) and error.get("type") == "missing" and i == len(loc) - 1:
+            parts.append(str(part))
+        # anything else is the tag of a union's member ("str", "list[str]"), not a place
+    return _clip(".".join(parts)) or None
+
+
+def _clip(text: str, size: int = 120) -> str:
+    return text if len(text) <= size else text[:size] + "..."
+
+
+# ---------------------------------------------------------------------- streaming
+class _EventStream(StreamingResponse):
+    """The SSE response: while it streams it listens for the client's disconnect (whatever
+    the ASGI server's spec version), and when the client leaves early the request's rows
+    stop decoding."""
+
+    def __init__(self, server: _Server, jobs: list[Job], events) -> None:
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+        self._server = server
+        self._jobs = jobs
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+                async def respond() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:  # the client left while an event was written
+                        pass
+                    group.cancel_scope.cancel()
+
+                group.start_soon(respond)
+                await self.listen_for_disconnect(receive)
+                group.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()
+            self._server.abandon(self._jobs)
+
+
+# ---------------------------------------------------------------------- OpenAPI
+def _request_body(model) -> dict:
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+def _openapi(app: FastAPI, server: _Server) -> dict:
+    """FastAPI's schema plus the request models (the endpoints parse bodies themselves) with
+    this server's limits, and, with an API key, the bearer scheme on every endpoint but
+    ``/health``."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes,
+                             description="OpenAI-compatible completions with calibrated "
+                                         "confidences")
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model in (CompletionRequest, ChatRequest):
+            body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(body.pop("$defs", {}))
+            _document_limits(body["properties"], server)
+            components[model.__name__] = body
+        if server.has_key:
+            schema["components"]["securitySchemes"] = {"bearer": {"type": "http",
+                                                                  "scheme": "bearer"}}
+            for path, operations in schema["paths"].items():
+                if path != "/health":
+                    for operation in operations.values():
+                        operation["security"] = [{"bearer": []}]
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+def _document_limits(properties: dict, server: _Server) -> None:
+    """Narrow a request model's JSON schema to what this server accepts: its model name,
+    its limits, and the single value of each parameter calm cannot vary (the request models
+    take any value there, to refuse it by name)."""
+    config = server.config
+
+    def optional(schema: dict, default=None) -> dict:
+        return {"anyOf": [schema, {"type": "null"}], "default": default}
+
+    text = {"type": "string", "minLength": 1, "maxLength": server.max_prompt_chars}
+    tokens = optional({"type": "integer", "minimum": 1, "maximum": config.max_tokens_limit})
+    properties["model"] = {"type": "string", "enum": [config.served_name]}
+    properties["n"] = optional({"type": "integer", "minimum": 1, "maximum": 1}, 1)
+    for name in ("presence_penalty", "frequency_penalty"):
+        properties[name] = optional({"type": "number", "minimum": 0, "maximum": 0}, 0.0)
+    properties["logit_bias"] = optional({"type": "object", "maxProperties": 0})
+    properties["stop"] = optional({"anyOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 4}]})
+    properties["max_tokens"] = tokens
+    if "prompt" in properties:
+        properties["prompt"] = {"anyOf": [text, {"type": "array", "items": text, "minItems": 1,
+                                                 "maxItems": config.max_queue}]}
+        properties["echo"] = optional({"type": "boolean", "enum": [False]}, False)
+        properties["best_of"] = optional({"type": "integer", "minimum": 1, "maximum": 1})
+        properties["suffix"] = optional({"type": "string", "maxLength": 0})
+    else:
+        properties["max_completion_tokens"] = tokens
 
 
 class _Server:
@@ -204,6 +479,7 @@ class _Server:
         self.created = int(time.time())
         self.max_prompt = min(config.max_prompt_tokens or lm.max_context - 1,
                               lm.max_context - 1)
+        self.max_prompt_chars = self.max_prompt * PROMPT_CHARS_PER_TOKEN
         manifest = lm.manifest
         digest = hashlib.sha256((manifest.root / ENGINE_MANIFEST_NAME).read_bytes()).hexdigest()
         self.fingerprint = f"calm-{digest[:16]}"
@@ -211,6 +487,17 @@ class _Server:
                          "engine_kind": manifest.kind, "backend": lm.backend.description,
                          "source_model": manifest.source.get("model", {}).get("name"),
                          "calibration": manifest.calibration}
+
+    @property
+    def has_key(self) -> bool:
+        return self._key is not None
+
+    def error_response(self, exc: APIError, headers: dict | None = None) -> JSONResponse:
+        self.metrics.errors.labels(exc.type).inc()
+        headers = dict(headers or {})
+        if exc.status == 429:
+            headers["Retry-After"] = "1"
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers or None)
 
     # ------------------------------------------------------------------ requests
     def authorize(self, request: Request) -> None:
@@ -224,25 +511,27 @@ class _Server:
 
     async def parse(self, request: Request, model):
         body = await request.body()
-        if len(body) > self.config.max_body_bytes:
+        if len(body) > self.config.max_body_bytes:  # _Guard refuses these before
             raise _too_large(self.config)
-        try:
-            data = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise APIError(400, "the request body is not valid JSON; send a JSON object") \
-                from None
+        data = _load_json(body)
         if not isinstance(data, dict):
             raise APIError(400, "the request body must be a JSON object")
+        if _SURROGATE_ESCAPE.search(body.decode("utf-8")):
+            where = _lone_surrogate(data)
+            if where is not None:
+                raise APIError(400, f"{_clip(where) or 'a key of the body'} holds a lone UTF-16 "
+                               "surrogate (an unpaired \\ud800-\\udfff escape), which is not "
+                               "valid Unicode; send valid text", param=_clip(where) or None)
         try:
             req = model.model_validate(data)
         except ValidationError as exc:
             first = exc.errors()[0]
-            where = ".".join(str(p) for p in first["loc"]) or None
+            where = _error_param(first, data)
             raise APIError(400, f"{where}: {first['msg']}" if where else first["msg"],
                            param=where) from None
         if req.model != self.config.served_name:
-            raise APIError(404, f"model {req.model!r} is not served here; this server serves "
-                           f"{self.config.served_name!r}", param="model",
+            raise APIError(404, f"model {_clip(req.model, 80)!r} is not served here; this server "
+                           f"serves {self.config.served_name!r}", param="model",
                            code="model_not_found")
         bad = req.unsupported()
         if bad:
@@ -265,14 +554,28 @@ class _Server:
                 "top_k": req.top_k or 0, "seed": req.seed, "stop": req.stops(),
                 "top_alternatives": top}
 
-    def encode(self, prompt: str) -> list[int]:
-        try:
-            ids = self.lm.encode_prompt(prompt, chat=False)
-        except CalmError as exc:
-            raise APIError(400, str(exc), param="prompt") from None
-        return self._check_prompt(ids)
+    def check_chars(self, count: int, what: str, param: str) -> None:
+        """Refuse a prompt too long to be worth tokenising (see PROMPT_CHARS_PER_TOKEN)."""
+        if count > self.max_prompt_chars:
+            raise APIError(400, f"{what} is {count} characters; this server takes prompts of "
+                           f"at most {self.max_prompt} tokens, so at most "
+                           f"{self.max_prompt_chars} characters ({PROMPT_CHARS_PER_TOKEN} per "
+                           "token); shorten it", param=param, code="context_length_exceeded")
+
+    def encode(self, prompts: list[str]) -> list[list[int]]:
+        """Token ids of each prompt (blocking: call it on a worker thread)."""
+        encoded = []
+        for index, prompt in enumerate(prompts):
+            label = "the prompt" if len(prompts) == 1 else f"prompt[{index}]"
+            try:
+                ids = self.lm._encode_prompt(prompt, False, label)
+            except CalmError as exc:
+                raise APIError(400, str(exc), param="prompt") from None
+            encoded.append(self._check_prompt(ids))
+        return encoded
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Token ids of the rendered conversation (blocking: call it on a worker thread)."""
         try:
             text = self.lm.tokenizer.render_chat(messages)
         except CalmError as exc:
@@ -291,7 +594,7 @@ class _Server:
                 self.batcher.submit(job)
         except QueueFull:
             for job in jobs:
-                job.future.cancel()
+                self.batcher.cancel(job)
             raise APIError(429, f"the server's queue is full ({self.batcher.max_queue} rows "
                            "waiting); retry shortly", type="rate_limit_error",
                            code="queue_full") from None
@@ -299,10 +602,20 @@ class _Server:
             raise APIError(503, "the server is shutting down; retry on another replica",
                            type="server_error", code="shutting_down") from None
 
+    def abandon(self, jobs: list[Job], client_left: bool = True) -> None:
+        """Stop the request's unfinished rows; count the request when its client left."""
+        live = [job for job in jobs if not job.future.done()]
+        for job in live:
+            self.batcher.cancel(job)
+        if live and client_left:
+            self.metrics.cancelled.inc()
+            logger.info("a client went away; stopped %d unfinished row(s) of its request",
+                        len(live))
+
     # ------------------------------------------------------------------ responses
     def _timeout(self, jobs: list[Job]) -> APIError:
         for job in jobs:
-            job.future.cancel()
+            self.batcher.cancel(job)
         return APIError(504, f"the request did not finish within "
                         f"{self.config.request_timeout_s:g} s; retry or ask for fewer tokens",
                         type="timeout_error", code="timeout")
@@ -320,14 +633,45 @@ class _Server:
         return {"id": rid, "object": obj, "created": int(time.time()),
                 "model": self.config.served_name, "system_fingerprint": self.fingerprint}
 
-    async def complete(self, jobs: list[Job], req, kind: str) -> dict:
+    async def _results(self, jobs: list[Job], request: Request):
+        """The jobs' results; ``None`` when the client disconnected first (the rows are then
+        stopped), a 504 past the timeout."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.request_timeout_s
+        waiter = asyncio.gather(*(j.future for j in jobs), return_exceptions=True)
+        gone = asyncio.ensure_future(_client_gone(request.receive))
+        waiting = {waiter, gone}
         try:
-            results = await asyncio.wait_for(asyncio.gather(*(j.future for j in jobs)),
-                                             self.config.request_timeout_s)
-        except asyncio.TimeoutError:
-            raise self._timeout(jobs) from None
-        except CalmError as exc:
-            raise APIError(400, str(exc)) from None
+            while True:
+                done, _ = await asyncio.wait(waiting, timeout=max(0.0, deadline - loop.time()),
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if waiter in done:
+                    return waiter.result()
+                if gone in done:
+                    if gone.exception() is None:
+                        self.abandon(jobs)
+                        return None
+                    waiting = {waiter}  # the connection cannot be watched: wait for the answer
+                    continue
+                raise self._timeout(jobs)
+        except asyncio.CancelledError:  # the server is stopping this request
+            self.abandon(jobs)
+            raise
+        finally:
+            gone.cancel()
+
+    async def complete(self, jobs: list[Job], req, kind: str, request: Request):
+        results = await self._results(jobs, request)
+        if results is None:  # nobody to answer
+            return Response(status_code=CLIENT_CLOSED)
+        for result in results:
+            if isinstance(result, CalmError):
+                raise APIError(400, str(result))
+            if isinstance(result, asyncio.CancelledError):
+                raise APIError(503, "the request was cancelled by the server; retry",
+                               type="server_error", code="cancelled")
+            if isinstance(result, BaseException):
+                raise result
         choices = []
         for index, result in enumerate(results):
             self._observe(result)
@@ -355,13 +699,15 @@ class _Server:
         """SSE events: one chunk per token, a final chunk per choice, usage, ``[DONE]``.
 
         The text of a chunk is released only once no stop string can still begin in it, so
-        the chunks' texts join to exactly the non-streaming text.
+        the chunks' texts join to exactly the non-streaming text. Closed early (the client
+        left), it stops the unfinished rows.
         """
         rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
         deadline = time.monotonic() + self.config.request_timeout_s
         stops = req.stops()
         hold = max((len(s) for s in stops), default=1) - 1
         usage = [0, 0]
+        ended = False  # the stream ran to its end (an error event included)
 
         def chunk(index: int, text: str | None, logprobs, finish, extension) -> dict:
             choice = {"index": index}
@@ -413,17 +759,32 @@ class _Server:
                 yield _event({**self._envelope(rid, kind, chunk=True), "choices": [],
                               "usage": {"prompt_tokens": usage[0], "completion_tokens": usage[1],
                                         "total_tokens": sum(usage)}})
+            ended = True
             yield _event("[DONE]")
         except asyncio.TimeoutError:
+            ended = True
             error = self._timeout(jobs)
             self.metrics.errors.labels(error.type).inc()
             yield _event(error.body())
+        except CalmError as exc:  # the request's input was refused while it ran (P(True))
+            ended = True
+            self.metrics.errors.labels("invalid_request_error").inc()
+            yield _event(APIError(400, str(exc)).body())
         except Exception as exc:  # headers are sent: report in-band, log the details
+            ended = True
             logger.error("a streaming request failed", exc_info=exc)
             self.metrics.errors.labels("server_error").inc()
             yield _event(APIError(500, "the server failed on this request; the details are "
                                   "in its log", type="server_error").body())
         finally:
-            for job in jobs:
-                if not job.future.done():
-                    job.future.cancel()
+            self.abandon(jobs, client_left=not ended)
+
+
+async def _client_gone(receive) -> None:
+    """Return once the client has disconnected (called after the body was read, when the
+    server's ``receive`` waits for the disconnect)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+        await asyncio.sleep(0.05)  # a server that repeats empty messages: do not spin

@@ -11,6 +11,11 @@ drops finished rows), so a batched request returns what a serial call returns.
 Rows batch together only when their sampling settings, stop strings and number of
 alternatives agree. A sampled row with a seed always runs alone: its random stream is the
 seed's first child, exactly as in a direct ``generate(prompt, seed=...)`` call.
+
+:meth:`MicroBatcher.cancel` stops a row whose request is gone (client disconnected, or
+past its timeout): a waiting row leaves the queue at once, a decoding row leaves its
+batch before the next decode step (the other rows decode on), and a batch whose rows are
+all cancelled ends, so the next batch starts.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from ..errors import CalmError
 from ..results import Generation
 
 __all__ = ["Job", "JobResult", "MicroBatcher", "QueueFull", "ShuttingDown", "END"]
@@ -59,6 +65,8 @@ class Job:
     future: asyncio.Future = None  # type: ignore[assignment]
     tokens: asyncio.Queue | None = None
     enqueued: float = field(default_factory=time.monotonic)
+    #: set (on the loop) by :meth:`MicroBatcher.cancel`; read by the decoding thread
+    cancelled: bool = False
 
     def __post_init__(self) -> None:
         self.future = self.loop.create_future()
@@ -108,6 +116,17 @@ class MicroBatcher:
         self._set_depth()
         self._wakeup.set()
 
+    def cancel(self, job: Job) -> None:
+        """Stop ``job``: out of the queue now, or out of its batch before the next step."""
+        job.cancelled = True
+        if not job.future.done():
+            job.future.cancel()
+        try:
+            self._pending.remove(job)
+        except ValueError:  # already taken into a batch (or never queued)
+            return
+        self._set_depth()
+
     async def close(self) -> None:
         """Finish every waiting and running row, then stop."""
         self._closing = True
@@ -141,7 +160,8 @@ class MicroBatcher:
                 await loop.run_in_executor(self._executor, self._run, batch)
 
     def _take(self) -> list[Job]:
-        live = [job for job in self._pending if not job.future.done()]  # drop abandoned rows
+        live = [job for job in self._pending  # drop abandoned rows
+                if not job.cancelled and not job.future.done()]
         batch, rest = [], deque()
         key = live[0].key if live else None
         for job in live:
@@ -166,24 +186,27 @@ class MicroBatcher:
                 self.metrics.queue_wait.observe(started - job.enqueued)
         try:
             run = self.lm.generation_run([j.ids for j in batch],
-                                         [j.max_new_tokens for j in batch], **batch[0].options)
+                                         [j.max_new_tokens for j in batch],
+                                         cancelled=lambda row: batch[row].cancelled,
+                                         **batch[0].options)
             for row, token in run:
                 job = batch[row]
                 if job.tokens is not None:
                     job.loop.call_soon_threadsafe(job.tokens.put_nowait, token)
             results = run.results
-            scores: list[float | None] = [None] * len(batch)
-            asking = [i for i, job in enumerate(batch) if job.p_true_question is not None]
-            if asking:
-                values = self.lm.p_true_batch([batch[i].p_true_question for i in asking],
-                                              [results[i].text for i in asking])
-                for i, value in zip(asking, values, strict=True):
-                    scores[i] = float(value)
+            scores, errors = self._p_true(batch, results)
         except Exception as exc:  # handed to each request; the batcher keeps running
-            logger.exception("a batch of %d rows failed", len(batch))
+            if isinstance(exc, CalmError):
+                logger.warning("a batch of %d rows was refused: %s", len(batch), exc)
+            else:
+                logger.exception("a batch of %d rows failed", len(batch))
             for job in batch:
                 job.loop.call_soon_threadsafe(_settle, job, None, exc)
             return
+        stopped = sum(job.cancelled for job in batch)
+        if stopped:
+            logger.info("%d of %d rows stopped early: their requests were cancelled", stopped,
+                        len(batch))
         tokens = sum(len(g.tokens) for g in results)
         if self.metrics is not None:
             self.metrics.generated_tokens.inc(tokens)
@@ -191,8 +214,30 @@ class MicroBatcher:
             elapsed = time.monotonic() - started
             if elapsed > 0:
                 self.metrics.batch_tokens_per_second.set(tokens / elapsed)
-        for job, generation, score in zip(batch, results, scores, strict=True):
-            job.loop.call_soon_threadsafe(_settle, job, JobResult(generation, score), None)
+        for job, generation, score, error in zip(batch, results, scores, errors, strict=True):
+            job.loop.call_soon_threadsafe(_settle, job, JobResult(generation, score), error)
+
+    def _p_true(self, batch: list[Job], results: list[Generation]):
+        """P(True) of the rows that ask for it; a row whose P(True) prompt is refused (say,
+        longer than the context) gets that error, the other rows their scores."""
+        scores: list[float | None] = [None] * len(batch)
+        errors: list[BaseException | None] = [None] * len(batch)
+        asking = [i for i, job in enumerate(batch)
+                  if job.p_true_question is not None and not job.cancelled]
+        if not asking:
+            return scores, errors
+        try:
+            values = self.lm.p_true_batch([batch[i].p_true_question for i in asking],
+                                          [results[i].text for i in asking])
+            for i, value in zip(asking, values, strict=True):
+                scores[i] = float(value)
+        except CalmError:  # find the rows at fault, one by one
+            for i in asking:
+                try:
+                    scores[i] = float(self.lm.p_true(batch[i].p_true_question, results[i].text))
+                except CalmError as exc:
+                    errors[i] = exc
+        return scores, errors
 
 
 def _settle(job: Job, result: JobResult | None, error: BaseException | None) -> None:

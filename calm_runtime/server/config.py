@@ -29,8 +29,11 @@ class ServeConfig:
         max_tokens_limit: the largest ``max_tokens`` a request may ask for.
         default_max_tokens: ``max_tokens`` when a completions request gives none (chat
             requests default to ``max_tokens_limit``).
-        max_prompt_tokens: the longest prompt accepted (default: the model's context - 1).
-        max_body_bytes: the largest request body accepted (HTTP 413 beyond).
+        max_prompt_tokens: the longest prompt accepted (default: the model's context - 1);
+            a prompt of more than ``PROMPT_CHARS_PER_TOKEN`` (32) characters per token of it
+            is refused before tokenising (:mod:`calm_runtime.server.app`).
+        max_body_bytes: the largest request body accepted: counted as it arrives (chunked
+            bodies too), HTTP 413 and the connection closed as soon as it is passed.
         api_key_env: name of the environment variable that holds the bearer API key
             (``None``: no key). The key itself never enters this record.
         verify_hashes: hash the engine files at load.

@@ -25,6 +25,9 @@ class ServerMetrics:
                               registry=r)
         self.queue_depth = Gauge("calm_queue_depth", "rows waiting for a batch", registry=r)
         self.in_flight = Gauge("calm_requests_in_flight", "/v1 requests being handled", registry=r)
+        self.cancelled = Counter("calm_requests_cancelled",
+                                 "requests whose client went away before the answer was "
+                                 "complete; their decoding was stopped", registry=r)
         self.batch_size = Histogram("calm_batch_size", "rows per batched decode",
                                     buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64), registry=r)
         self.prompt_tokens = Counter("calm_prompt_tokens", "prompt tokens processed", registry=r)

@@ -1,8 +1,10 @@
 """OpenAI's request and response shapes for completions and chat completions.
 
-Requests are validated strictly (unknown fields are refused, as OpenAI does); parameters
-calm cannot honour (``n > 1``, ``echo``, penalties, ``logit_bias``, ...) are refused with a
-400 that names them rather than silently ignored. Two extensions: ``top_k`` (as vLLM) and a
+Requests are validated strictly: unknown fields are refused, as OpenAI does, and no value is
+coerced (``"3"``, ``true`` or ``2.0`` is not an integer, ``1`` or ``"true"`` not a boolean;
+a number parameter takes any JSON number). Parameters calm cannot honour (``n > 1``,
+``echo``, penalties, ``logit_bias``, ...) are refused with a 400 that names them rather
+than silently ignored. Two extensions: ``top_k`` (as vLLM) and a
 ``calm`` object, ``{"p_true": true}`` to score each choice's P(True).
 
 Responses follow OpenAI's shapes, ``logprobs`` included (calibrated log-probabilities: the
@@ -21,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..results import Generation, Token
 
-__all__ = ["CompletionRequest", "ChatRequest", "APIError", "FINISH_REASONS",
+__all__ = ["CompletionRequest", "ChatRequest", "ErrorResponse", "APIError", "FINISH_REASONS",
            "completion_logprobs", "chat_logprobs", "choice_extension"]
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
@@ -42,7 +44,9 @@ class APIError(Exception):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: JSON types are taken as they are (an int where a float is asked for is the
+    # one conversion strict mode makes, as JSON has one number type)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Strict):
@@ -142,6 +146,19 @@ class ChatRequest(_Common):
 
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error object, the body of every error response."""
+
+    error: ErrorDetail
 
 
 # ---------------------------------------------------------------------- responses

@@ -242,3 +242,133 @@ def test_generation_run_takes_a_limit_per_row(lm):
         lm.generation_run([[1, 5], [1, 6]], [1, 2, 3])
     with pytest.raises(ConfigError, match="max_new_tokens must be a positive integer"):
         lm.generation_run([[1, 5]], [0])
+
+
+# ---------------------------------------------------------------------- cancellation
+def test_generation_run_drops_cancelled_rows_and_keeps_the_others(lm):
+    """A row cancelled mid-run stops at once (``finish_reason="cancelled"``) and leaves the
+    batch; the other rows decode exactly as alone."""
+    prompts = ["Question: what is red?\nAnswer:", "The cat", "One two three"]
+    alone = [lm.generate(p, max_new_tokens=12) for p in prompts]
+    assert len(alone[1].tokens) > 3  # the row to cancel would run past the cut
+    cancelled = set()
+    run = lm.generation_run([lm.encode_prompt(p) for p in prompts], 12,
+                            cancelled=lambda row: row in cancelled)
+    seen = [0, 0, 0]
+    for row, _ in run:
+        seen[row] += 1
+        if row == 1 and seen[1] == 2:
+            cancelled.add(1)
+    assert run.results[1].finish_reason == "cancelled"
+    assert len(run.results[1].tokens) == 2
+    assert run.results[1].token_ids == alone[1].token_ids[:2]
+    for row in (0, 2):
+        assert run.results[row].token_ids == alone[row].token_ids
+        assert run.results[row].finish_reason == alone[row].finish_reason
+
+
+def test_generation_run_ends_when_every_row_is_cancelled(lm):
+    calls = []
+
+    class Counting:
+        def __init__(self, backend):
+            self._backend = backend
+
+        def run(self, *args, **kwargs):
+            calls.append(1)
+            return self._backend.run(*args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(self._backend, name)
+
+    counted = CalibratedLM(lm.manifest, Counting(lm.backend), lm.tokenizer)
+    run = counted.generation_run([lm.encode_prompt("The cat"), lm.encode_prompt("Hi")], 50,
+                                 cancelled=lambda row: True)
+    events = list(run)
+    assert len(events) == 2 and len(calls) == 1  # the prefill's tokens, then no decode step
+    assert [g.finish_reason for g in run.results] == ["cancelled", "cancelled"]
+
+
+def test_a_temperature_below_float32s_range_samples_the_best_token(lm):
+    """``temperature=1e-300`` is greedy's limit; it used to divide by float32(0) = NaN."""
+    import warnings
+
+    greedy = lm.generate(PROMPTS[0], max_new_tokens=6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        for temperature in (1e-300, 1e-42):
+            tiny = lm.generate(PROMPTS[0], max_new_tokens=6, temperature=temperature, seed=3)
+            assert tiny.token_ids == greedy.token_ids, temperature
+
+
+# ---------------------------------------------------------------------- context length
+class _CountingBackend:
+    """The engine's backend, counting forward passes (no input may reach it unchecked)."""
+
+    def __init__(self, backend) -> None:
+        self._backend = backend
+        self.calls = 0
+
+    def run(self, *args, **kwargs):
+        self.calls += 1
+        return self._backend.run(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._backend, name)
+
+
+LONG = "word " * 300  # 1500 byte tokens: far past the tiny model's 256-token context
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda lm: lm.generate(["Hi", LONG]),
+     r"^prompt 2 of 2 is \d+ tokens but the model's context is 256; shorten the prompt$"),
+    (lambda lm: lm.generate("a" * 255),
+     r"^the prompt is 256 tokens and fills the model's context of 256; shorten it"),
+    (lambda lm: lm.generation_run([[1, 5], [1] * 256], 4),
+     r"^prompt 2 of 2 is 256 tokens and fills the model's context of 256"),
+    (lambda lm: lm.generation_run([[1, 5], []], 4), r"^prompt 2 of 2 has no token ids"),
+    (lambda lm: lm.generation_run([[1, 10 ** 6]], 4),
+     r"^the prompt has token id 1000000, outside this model's vocabulary of \d+"),
+    (lambda lm: lm.stream(LONG), r"^the prompt is \d+ tokens but the model's context is 256"),
+    (lambda lm: lm.choose_batch(["q", LONG], [["a", "b"], ["c", "d"]]),
+     r"^question 2 of 2 with option \d \(question and option\) is \d+ tokens but the "
+     r"model's context is 256; shorten the question or options$"),
+    (lambda lm: lm.choose("Pick one", ["a", LONG]),
+     r"^the question with option 2 \(question and option\) is \d+ tokens but the model's "
+     "context is 256"),
+    (lambda lm: lm.choose_batch(["q", LONG], [["a", "b"], ["c", "d"]], mode="letter",
+                                chat=False),
+     r"^question 2 of 2 as a letter-mode prompt is \d+ tokens but the model's context is 256"),
+    (lambda lm: lm.p_true_batch(["q", "q"], ["a", LONG]),
+     r"^the P\(True\) prompt of question 2 of 2 is \d+ tokens but the model's context is "
+     r"256; shorten the question or the answer$"),
+    (lambda lm: lm.p_true(LONG, "a"), r"^the P\(True\) prompt of the question is \d+ tokens"),
+])
+def test_every_input_is_checked_against_the_context_before_running(lm, call, message):
+    """Each over-long input raises a one-line ConfigError naming it, its token count and the
+    limit, before a single forward pass (nothing is padded or allocated by its size)."""
+    import re
+
+    counting = _CountingBackend(lm.backend)
+    guarded = CalibratedLM(lm.manifest, counting, lm.tokenizer)
+    with pytest.raises(ConfigError) as info:
+        result = call(guarded)
+        if hasattr(result, "__iter__") and not isinstance(result, list):
+            list(result)  # a run or stream raises before its first step
+    text = str(info.value)
+    assert "\n" not in text and re.search(message, text), text
+    assert counting.calls == 0
+
+
+@pytest.mark.parametrize("call", [
+    lambda lm: lm.generate("a\ud800"),
+    lambda lm: lm.generate(["ok", "\udfffb"]),
+    lambda lm: lm.choose("q\udc00", ["a", "b"]),
+    lambda lm: lm.choose("q", ["a", "b\ud800"], mode="letter"),
+    lambda lm: lm.p_true("q", "\ud800"),
+])
+def test_lone_surrogates_are_a_config_error(lm, call):
+    """Text the tokenizer cannot take is refused with a ConfigError (it was a TypeError)."""
+    with pytest.raises(ConfigError, match="lone UTF-16 surrogate"):
+        call(lm)
