@@ -52,7 +52,7 @@ from .prompts import (
     option_letters,
     p_true_template,
 )
-from .results import Choice, Generation, Token
+from .results import Alternative, Choice, Generation, PromptToken, Token
 from .sampling import SamplingParams
 
 __all__ = ["CalibratedLM", "MODES", "CLOZE_VARIANTS", "recorded_cloze_variant"]
@@ -274,6 +274,51 @@ class CalibratedLM:
                               eos_ids=frozenset(self.tokenizer.eos_token_ids))
 
     # ------------------------------------------------------------------ multiple choice
+    def prompt_logprobs(self, prompt: str, *, top: int = 0) -> list[PromptToken]:
+        """Every prompt token with its calibrated log-probability given the tokens before it
+        (the first has none), its character offset in ``prompt`` and, with ``top``, the
+        most probable tokens at its position: the prompt scoring of an ``echo`` request.
+
+        The prompt is encoded as :meth:`generate` encodes it (BOS first when the engine's
+        tokenizer adds one); one forward pass over the whole prompt.
+        """
+        _check_text(prompt, "the prompt")
+        if not prompt:
+            raise ConfigError("the prompt is empty; pass the text to score")
+        top = _non_negative(top, "top")
+        encoding = self.tokenizer._tokenizer.encode(prompt, add_special_tokens=False)
+        ids, offsets = list(encoding.ids), [start for start, _ in encoding.offsets]
+        if self.tokenizer.add_bos:
+            ids, offsets = [self.tokenizer.bos_token_id, *ids], [0, *offsets]
+        self._check_length(len(ids), f"the prompt ({len(ids)} tokens)",
+                           "shorten the prompt")
+        batch = np.asarray([ids], dtype=np.int64)
+        mask = np.ones_like(batch)
+        logits, _ = self.backend.run(batch, mask, np.arange(len(ids), dtype=np.int64)[None],
+                                     None)
+        out = [PromptToken(ids[0], self._piece(prompt, encoding, 0, ids), offsets[0], None)]
+        for t in range(1, len(ids)):
+            row = logits[0, t - 1].astype(np.float64)
+            row = row - row.max()
+            logp = row - np.log(np.exp(row).sum())
+            alternatives = None
+            if top:
+                best = np.argpartition(-logp, min(top, logp.size - 1))[:top]
+                best = best[np.argsort(-logp[best], kind="stable")]
+                alternatives = tuple(Alternative(int(i), self.tokenizer.token_text(int(i)),
+                                                 float(np.exp(logp[i]))) for i in best)
+            out.append(PromptToken(ids[t], self._piece(prompt, encoding, t, ids), offsets[t],
+                                   float(logp[ids[t]]), alternatives))
+        return out
+
+    def _piece(self, prompt: str, encoding, t: int, ids: Sequence[int]) -> str:
+        """The prompt text of token ``t`` (``""`` for the BOS the engine adds)."""
+        shift = 1 if self.tokenizer.add_bos else 0
+        if t < shift:
+            return ""
+        start, end = encoding.offsets[t - shift]
+        return prompt[start:end]
+
     def choose(self, question: str, options: Sequence[str], mode: str = "cloze", *,
                variant: str | None = None, chat: bool | None = None) -> Choice:
         """Option probabilities of one multiple-choice question (see :meth:`choose_batch`)."""
@@ -448,6 +493,12 @@ def _check_text(text: str, label: str) -> None:
 def _label(kind: str, index: int, count: int) -> str:
     """How an error names input ``index`` of ``count``: "the prompt" or "prompt 2 of 5"."""
     return f"the {kind}" if count == 1 else f"{kind} {index + 1} of {count}"
+
+
+def _non_negative(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{name} must be an integer >= 0, got {value!r}")
+    return value
 
 
 def _positive(value, name: str) -> int:

@@ -26,6 +26,27 @@ class Alternative:
 
 
 @dataclass(frozen=True)
+class PromptToken:
+    """One token of a scored prompt (what an ``echo`` request returns).
+
+    Attributes:
+        id: token id.
+        text: the token's text (``""`` for special tokens such as BOS).
+        offset: the character in the prompt where the token starts.
+        logprob: its calibrated log-probability given the tokens before it (``None`` for
+            the first token, which nothing predicts).
+        top: the most probable tokens at its position (``None`` for the first token or
+            when not asked for).
+    """
+
+    id: int
+    text: str
+    offset: int
+    logprob: float | None
+    top: tuple[Alternative, ...] | None = None
+
+
+@dataclass(frozen=True)
 class Token:
     """A generated token.
 

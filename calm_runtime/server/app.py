@@ -64,6 +64,7 @@ from .protocol import (
     chat_logprobs,
     choice_extension,
     completion_logprobs,
+    echo_logprobs,
 )
 
 __all__ = ["create_app", "app_from_environment", "CONFIG_ENV", "PROMPT_CHARS_PER_TOKEN"]
@@ -153,11 +154,13 @@ def create_app(config: ServeConfig, lm: CalibratedLM | None = None) -> FastAPI:
         if not prompts or len(prompts) > config.max_queue:
             raise APIError(400, f"prompt must be a string or a list of 1 to {config.max_queue} "
                            "strings", param="prompt")
-        limit = server.max_tokens(req.max_tokens, config.default_max_tokens)
-        options = server.options(req, top=req.logprobs or 0)
         for index, prompt in enumerate(prompts):
             server.check_chars(len(prompt), "the prompt" if single else f"prompt[{index}]",
                                "prompt")
+        if req.echo:  # prompt scoring: one forward pass per prompt, no decoding
+            return await server.echo(prompts, req)
+        limit = server.max_tokens(req.max_tokens, config.default_max_tokens)
+        options = server.options(req, top=req.logprobs or 0)
         encoded = await run_in_threadpool(server.encode, prompts)
         jobs = [Job(ids, limit, options, p if req.wants_p_true else None,
                     stream=bool(req.stream)) for ids, p in zip(encoded, prompts, strict=True)]
@@ -458,7 +461,10 @@ def _document_limits(properties: dict, server: _Server) -> None:
     if "prompt" in properties:
         properties["prompt"] = {"anyOf": [text, {"type": "array", "items": text, "minItems": 1,
                                                  "maxItems": config.max_queue}]}
-        properties["echo"] = optional({"type": "boolean", "enum": [False]}, False)
+        # max_tokens 0 with echo: prompt scoring (echo is refused with any other max_tokens)
+        properties["max_tokens"] = optional({"type": "integer", "minimum": 0,
+                                             "maximum": config.max_tokens_limit})
+        properties["echo"] = optional({"type": "boolean"}, False)
         properties["best_of"] = optional({"type": "integer", "minimum": 1, "maximum": 1})
         properties["suffix"] = optional({"type": "string", "maxLength": 0})
     else:
@@ -659,6 +665,26 @@ class _Server:
             raise
         finally:
             gone.cancel()
+
+    async def echo(self, prompts: list[str], req) -> dict:
+        """``echo`` with ``max_tokens`` 0: every prompt token's calibrated log-probability
+        (and ``logprobs`` alternatives), text offsets and no generated text."""
+        top = req.logprobs or 0
+        choices, prompt_tokens = [], 0
+        for index, prompt in enumerate(prompts):
+            try:
+                scored = await run_in_threadpool(self.lm.prompt_logprobs, prompt, top=top)
+            except CalmError as exc:
+                raise APIError(400, str(exc), param="prompt") from None
+            prompt_tokens += len(scored)
+            choices.append({"index": index, "text": prompt, "finish_reason": "length",
+                            "logprobs": echo_logprobs(scored, top) if req.logprobs is not None
+                            else None})
+        body = self._envelope(f"cmpl-{uuid.uuid4().hex}", "completion")
+        body.update(choices=choices, usage={"prompt_tokens": prompt_tokens,
+                                            "completion_tokens": 0,
+                                            "total_tokens": prompt_tokens})
+        return body
 
     async def complete(self, jobs: list[Job], req, kind: str, request: Request):
         results = await self._results(jobs, request)

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..results import Generation, Token
 
 __all__ = ["CompletionRequest", "ChatRequest", "ErrorResponse", "APIError", "FINISH_REASONS",
-           "completion_logprobs", "chat_logprobs", "choice_extension"]
+           "completion_logprobs", "chat_logprobs", "echo_logprobs", "choice_extension"]
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 
@@ -99,7 +99,8 @@ class _Common(_Strict):
 
 class CompletionRequest(_Common):
     prompt: str | list[str]
-    max_tokens: int | None = Field(None, ge=1)
+    #: 0 only with ``echo``: score the prompt, generate nothing
+    max_tokens: int | None = Field(None, ge=0)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool | None = False
     best_of: int | None = None
@@ -107,8 +108,15 @@ class CompletionRequest(_Common):
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()
-        if self.echo:
-            bad.append("echo")
+        if self.echo and self.max_tokens != 0:
+            raise APIError(400, "echo is supported for prompt scoring: send it with "
+                           "max_tokens 0 (and logprobs for the alternatives)", param="echo")
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "max_tokens 0 generates nothing; send echo: true to score "
+                           "the prompt, or ask for at least 1 token", param="max_tokens")
+        if self.echo and self.stream:
+            raise APIError(400, "echo with stream is not supported; send stream: false",
+                           param="stream")
         if self.best_of not in (None, 1):
             bad.append("best_of")
         if self.suffix:
@@ -178,6 +186,17 @@ def completion_logprobs(tokens: list[Token] | tuple[Token, ...], top: int,
             "top_logprobs": ([{a.text: _logprob(a.confidence) for a in (t.top or ())}
                               for t in tokens] if top else None),
             "text_offset": offsets}
+
+
+def echo_logprobs(tokens, top: int) -> dict:
+    """The completions ``logprobs`` object of a scored prompt (``echo`` with max_tokens 0):
+    the first token has no log-probability (nothing predicts it), as in OpenAI's API."""
+    return {"tokens": [t.text for t in tokens],
+            "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": ([None if t.top is None else
+                              {a.text: _logprob(a.confidence) for a in t.top} for t in tokens]
+                             if top else None),
+            "text_offset": [t.offset for t in tokens]}
 
 
 def chat_logprobs(tokens: list[Token] | tuple[Token, ...], top: int) -> dict:

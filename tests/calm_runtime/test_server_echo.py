@@ -1,0 +1,119 @@
+"""Prompt scoring: ``CalibratedLM.prompt_logprobs`` and ``echo`` with ``max_tokens`` 0 in
+``calm serve``, checked against the runtime's own cloze scores."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+
+from calm_runtime.lm import CalibratedLM  # noqa: E402
+from calm_runtime.prompts import cloze_context, cloze_continuation  # noqa: E402
+from calm_runtime.server import ServeConfig, create_app  # noqa: E402
+from calm_runtime.server.background import serve_in_background as running  # noqa: E402
+
+NAME = "tiny"
+QUESTIONS = [("what is red?", ("fire", "the blue sun", "dog")),
+             ("which cat is blue?", ("A dog", "moon"))]
+
+
+@pytest.fixture(scope="module")
+def direct(runtime_engine):
+    lm = CalibratedLM.load(runtime_engine[2], threads=1)
+    yield lm
+    lm.close()
+
+
+@pytest.fixture(scope="module")
+def client(runtime_engine):
+    config = ServeConfig(engine=str(runtime_engine[2]), model_name=NAME, threads=1)
+    with running(create_app(config)) as (url, _):
+        yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_prompt_logprobs_give_the_cloze_scores(direct):
+    for question, options in QUESTIONS:
+        context = cloze_context(question)
+        want = direct.choose(question, options, variant="sum").scores
+        got = []
+        for option in options:
+            prompt = context + cloze_continuation(option)
+            tokens = direct.prompt_logprobs(prompt)
+            assert "".join(t.text for t in tokens) == prompt
+            assert tokens[0].logprob is None and all(t.logprob < 0 for t in tokens[1:])
+            got.append(sum(t.logprob for t in tokens if t.offset >= len(context)))
+        np.testing.assert_allclose(got, want, atol=1e-4)
+
+
+def test_prompt_logprobs_alternatives(direct):
+    tokens = direct.prompt_logprobs("The cat sat on the", top=4)
+    for token in tokens[1:]:
+        probs = [a.confidence for a in token.top]
+        assert len(probs) == 4 and probs == sorted(probs, reverse=True)
+        assert np.log(probs[0]) >= token.logprob - 1e-6
+
+
+def test_echo_returns_the_prompt_log_probabilities(client, direct):
+    prompt = cloze_context("what is red?") + cloze_continuation("the blue sun")
+    out = client.completions.create(model=NAME, prompt=[prompt, "The cat sat"], max_tokens=0,
+                                    echo=True, logprobs=5, temperature=0)
+    assert [c.text for c in out.choices] == [prompt, "The cat sat"]
+    assert out.usage.completion_tokens == 0
+    logprobs = out.choices[0].logprobs
+    want = direct.prompt_logprobs(prompt, top=5)
+    assert logprobs.tokens == [t.text for t in want]
+    assert logprobs.text_offset == [t.offset for t in want]
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    np.testing.assert_allclose(logprobs.token_logprobs[1:], [t.logprob for t in want[1:]],
+                               atol=1e-5)
+    assert all(len(top) <= 5 for top in logprobs.top_logprobs[1:])
+
+
+@pytest.mark.parametrize(("body", "words"), [
+    ({"echo": True, "max_tokens": 3}, "echo is supported for prompt scoring"),
+    ({"max_tokens": 0}, "max_tokens 0 generates nothing"),
+    ({"echo": True, "max_tokens": 0, "stream": True}, "echo with stream"),
+])
+def test_echo_misuse_is_a_400(client, body, words):
+    with pytest.raises(openai.BadRequestError, match=words):
+        client.completions.create(model=NAME, prompt="The cat", **body)
+
+
+def test_the_remote_scorer_against_calm_serve_equals_the_engine(client, direct, tmp_path,
+                                                                monkeypatch):
+    """calm's own client for served models, in cloze and letter mode, reads the same numbers
+    the engine gives locally."""
+    from calm_runtime.data import MultipleChoiceRecord
+    from calm_training import remote
+
+    monkeypatch.setenv("CALM_CACHE", str(tmp_path / "cache"))
+    records = [MultipleChoiceRecord(q, o, 0) for q, o in QUESTIONS]
+    endpoint = remote.connect(str(client.base_url).rstrip("/"), concurrency=2)
+    cloze, _ = remote.remote_option_scores(endpoint, records, mode="cloze", progress=False)
+    for row, (question, options) in enumerate(QUESTIONS):
+        np.testing.assert_allclose(cloze.values[row, :len(options)],
+                                   direct.choose(question, options, variant="sum").scores,
+                                   atol=1e-4)
+        want_mean = direct.choose(question, options, variant="mean").scores
+        np.testing.assert_allclose(cloze.scores("mean")[row, :len(options)], want_mean,
+                                   atol=1e-4)
+    # letter mode: each letter's value is its full-vocabulary log-probability after the
+    # prompt when it is among the 20 alternatives returned (this random model rarely puts
+    # a letter there), else the documented floor, counted in the stats
+    from calm_runtime.prompts import letter_prompt, letter_tokens
+
+    letter, stats = remote.remote_option_scores(endpoint, records, mode="letter",
+                                                progress=False)
+    floored = 0
+    for row, (question, options) in enumerate(QUESTIONS):
+        prompt = letter_prompt(question, options)
+        top = direct.prompt_logprobs(prompt + " A", top=20)[-1].top
+        floor = float(np.log(min(a.confidence for a in top)))
+        present = {a.text: float(np.log(a.confidence)) for a in top}
+        for k, token in enumerate(letter_tokens(len(options), chat=False)):
+            want = present.get(token, floor)
+            assert letter.values[row, k] == pytest.approx(want, abs=1e-4), (row, token)
+        floored += any(t not in present for t in letter_tokens(len(options), chat=False))
+    assert stats.floored == floored
