@@ -19,6 +19,7 @@ from calm_runtime._fs import sha256_bytes, sha256_file
 from calm_runtime._paths import cache_dir
 from calm_runtime.artifact import MANIFEST_NAME, CalibrationAdapter
 from calm_runtime.data import MultipleChoiceRecord, dataset_hash
+from calm_runtime.errors import ConfigError
 from calm_runtime.models import load_model_and_tokenizer, model_fingerprint, resolve_model
 
 from .scoring import OptionScores, score_multiple_choice
@@ -56,6 +57,16 @@ def cached_option_scores(model: str, records: Sequence[MultipleChoiceRecord], *,
     """
     from safetensors.numpy import load_file, save_file
 
+    from .remote import Endpoint, remote_option_scores
+
+    if isinstance(model, Endpoint):  # a served model: its own per-request cache
+        if adapter_dir is not None:
+            raise ConfigError("a served model is scored as it is served; fitting on top of an "
+                              "adapter (--adapter) needs the model locally")
+        if chat:
+            raise ConfigError("a served model is scored through /v1/completions with the "
+                              "prompt as text, without a chat template; pass --no-chat")
+        return remote_option_scores(model, records, mode=mode, progress=progress)[0]
     folder = resolve_model(model)
     key_material = {"scorer": SCORER_VERSION, "model": model_fingerprint(folder),
                     "adapter": adapter_fingerprint(adapter_dir), "data": dataset_hash(records),

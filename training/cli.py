@@ -74,9 +74,10 @@ def register(sub) -> None:
 
 
 def _add_common(p, default_variant: str) -> None:
-    p.add_argument("--model", required=True, help="model to calibrate: packaged name, folder "
-                   "or .gguf file")
-    p.add_argument("--reference", help="pre-trained reference model (label-free methods)")
+    p.add_argument("--model", required=True, help="model to calibrate: packaged name, folder, "
+                   ".gguf file or the http(s) base URL of an OpenAI-compatible API (.../v1)")
+    p.add_argument("--reference", help="pre-trained reference model (label-free methods); "
+                   "the same kinds of spec")
     p.add_argument("--data", required=True, help="data set name or .jsonl file")
     p.add_argument("--mode", default="cloze", choices=["cloze", "letter", "p_true"],
                    help="cloze/letter: multiple choice; p_true: open QA judged by P(True)")
@@ -97,6 +98,14 @@ def _add_common(p, default_variant: str) -> None:
     p.add_argument("--bins", type=int, default=10, help="bins of ECE/MCE/AECE")
     p.add_argument("--limit", type=int, help="use only the first N records")
     p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--model-name", help="served model name when --model is an http(s) "
+                   "endpoint (default: the one model it lists)")
+    p.add_argument("--reference-name", help="the same for --reference")
+    p.add_argument("--api-key-env", default="OPENAI_API_KEY", metavar="VAR",
+                   help="environment variable holding the endpoints' API key (never on the "
+                        "command line; default OPENAI_API_KEY)")
+    p.add_argument("--concurrency", type=int, default=8,
+                   help="requests in flight per endpoint (default 8)")
     p.add_argument("--max-length", type=int, metavar="TOKENS",
                    help="refuse records whose scored text is longer (default: the model's "
                         "context); a too-long record is a one-line error naming it")
@@ -116,7 +125,9 @@ def _config(args):
                      seed=args.seed, n_bins=args.bins, chat=args.chat,
                      adapter=getattr(args, "adapter", None), batch_size=args.batch_size,
                      limit=args.limit, p_true_template=args.p_true_template,
-                     max_length=args.max_length)
+                     max_length=args.max_length, model_name=args.model_name,
+                     reference_name=args.reference_name, api_key_env=args.api_key_env,
+                     concurrency=args.concurrency)
 
 
 def _progress(args) -> bool:

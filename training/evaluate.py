@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -19,9 +20,11 @@ from .fit import (
     _load_records,
     _variant,
     metric_row,
+    model_source,
     option_probabilities,
     require_labels,
 )
+from .remote import Endpoint
 from .scoring import OptionScores
 
 __all__ = ["evaluate_adapter", "write_report"]
@@ -49,13 +52,17 @@ def evaluate_adapter(config: FitConfig, adapter_dir: str | os.PathLike, *,
         logger.warning("%s: answer_temperature was fitted on %r cloze scores; evaluating "
                        "with %r, not %r", adapter_dir, recorded, recorded, config.variant)
         base_config = FitConfig(**{**base_config.to_dict(), "variant": recorded})
-    vanilla = cached_option_scores(config.model, records, mode=config.mode, chat=config.chat,
+    source = model_source(config, "model")
+    vanilla = cached_option_scores(source, records, mode=config.mode, chat=config.chat,
                                    batch_size=config.batch_size, progress=progress,
                                    max_length=config.max_length)
-    calibrated = cached_option_scores(config.model, records, mode=config.mode,
-                                      adapter_dir=adapter_dir, chat=config.chat,
-                                      batch_size=config.batch_size, progress=progress,
-                                      max_length=config.max_length)
+    if isinstance(source, Endpoint):  # a served model's adapter holds temperatures only
+        calibrated = dataclasses.replace(vanilla, values=vanilla.values / adapter.temperature)
+    else:
+        calibrated = cached_option_scores(source, records, mode=config.mode,
+                                          adapter_dir=adapter_dir, chat=config.chat,
+                                          batch_size=config.batch_size, progress=progress,
+                                          max_length=config.max_length)
     _, test = split_indices(len(records), config.calibration_fraction, config.seed)
     k = int(np.bincount(vanilla.n_options).argmax())
     test = test[vanilla.n_options[test] == k]

@@ -71,6 +71,10 @@ class FitConfig:
         p_true_template: the P(True) template (``p_true`` mode, open-QA data).
         max_length: refuse (one line, naming the record) any scored sequence longer than
             this many tokens; ``None``: the model's context (``max_position_embeddings``).
+        model_name, reference_name: the served model names when ``model`` / ``reference``
+            are endpoint URLs (``None``: the single model the endpoint lists).
+        api_key_env: the environment variable holding the endpoints' API key.
+        concurrency: requests in flight per endpoint.
     """
 
     model: str
@@ -89,9 +93,15 @@ class FitConfig:
     limit: int | None = None
     p_true_template: str = "kadavath"
     max_length: int | None = None
+    model_name: str | None = None
+    reference_name: str | None = None
+    api_key_env: str = "OPENAI_API_KEY"
+    concurrency: int = 8
 
     def __post_init__(self) -> None:
         problems = []
+        if not isinstance(self.concurrency, int) or self.concurrency < 1:
+            problems.append(f"concurrency {self.concurrency!r} must be an integer >= 1")
         if self.max_length is not None and (not isinstance(self.max_length, int)
                                             or self.max_length < 2):
             problems.append(f"max_length {self.max_length!r} must be an integer >= 2")
@@ -145,7 +155,7 @@ def _load_records(config: FitConfig) -> list[MultipleChoiceRecord]:
 
 def _prepare(config: FitConfig, *, need_reference: bool, progress: bool) -> _Prepared:
     records = _load_records(config)
-    polm_scores = cached_option_scores(config.model, records, mode=config.mode,
+    polm_scores = cached_option_scores(model_source(config, "model"), records, mode=config.mode,
                                        adapter_dir=config.adapter, chat=config.chat,
                                        batch_size=config.batch_size, progress=progress,
                                        max_length=config.max_length)
@@ -154,7 +164,8 @@ def _prepare(config: FitConfig, *, need_reference: bool, progress: bool) -> _Pre
         if not config.reference:
             raise ConfigError("label-free methods need a reference (pre-trained) model; pass "
                               "--reference, e.g. gemma-3-270m")
-        plm_scores = cached_option_scores(config.reference, records, mode=config.mode,
+        plm_scores = cached_option_scores(model_source(config, "reference"), records,
+                                          mode=config.mode,
                                           chat=config.chat, batch_size=config.batch_size,
                                           max_length=config.max_length,
                                           progress=progress)
@@ -234,6 +245,18 @@ def add_selective(row: dict, conf: np.ndarray, correct: np.ndarray, config: FitC
                                                         bootstrap=config.bootstrap)))
     row["confidence"] = [float(c) for c in conf]
     row["correct"] = [int(c) for c in correct]
+
+
+def model_source(config: FitConfig, role: str):
+    """``config.model`` / ``config.reference`` as scoring takes it: the spec of a local model,
+    or a connected :class:`~calm_training.remote.Endpoint` for an http(s) URL."""
+    spec = getattr(config, role)
+    from .remote import connect, is_endpoint
+
+    if not is_endpoint(spec):
+        return spec
+    return connect(spec, model_name=getattr(config, f"{role}_name"),
+                   api_key_env=config.api_key_env, concurrency=config.concurrency)
 
 
 def _finite_or_none(value):
