@@ -28,6 +28,7 @@ from calm_runtime.prompts import p_true_template
 
 from . import daca
 from .fit import add_selective
+from .remote import is_endpoint, remote_answers, remote_p_true
 from .scoring import generate_answers, is_correct, score_p_true
 
 __all__ = ["P_TRUE_METHODS", "compare_p_true", "fit_p_true", "open_qa_judgements"]
@@ -126,6 +127,8 @@ def open_qa_judgements(config, *, progress: bool = True) -> dict:
     """PoLM answers, their correctness, and each model's two-way P(True) logits (cached)."""
     records = _records(config)
     template = p_true_template(config.p_true_template)
+    if is_endpoint(config.model) or is_endpoint(config.reference):
+        return _remote_judgements(config, records, template, progress=progress)
     polm_folder = resolve_model(config.model)
     base = {"version": ANSWER_VERSION, "data": dataset_hash(records),
             "polm": model_fingerprint(polm_folder)}
@@ -152,6 +155,28 @@ def open_qa_judgements(config, *, progress: bool = True) -> dict:
             batch_size=config.batch_size, progress=progress,
             max_length=config.max_length).tolist())
         out[role] = np.asarray(logits, dtype=float)
+    return out
+
+
+def _remote_judgements(config, records, template, *, progress: bool) -> dict:
+    """:func:`open_qa_judgements` when the model (and the reference) are served: both
+    through their endpoints (each request cached by the remote scorer)."""
+    from .fit import model_source
+
+    if not all(is_endpoint(s) for s in (config.model, config.reference) if s):
+        raise ConfigError("P(True) with a served model needs a served reference too (or "
+                          "none); pass both as endpoint URLs")
+    if config.chat:
+        raise ConfigError("served models are prompted without a chat template; pass --no-chat")
+    questions = [r.question for r in records]
+    polm = model_source(config, "model")
+    answers = remote_answers(polm, questions, progress=progress)
+    correct = [is_correct(a, r.answers) for a, r in zip(answers, records, strict=True)]
+    out = {"records": records, "answers": answers, "correct": np.array(correct, dtype=float)}
+    out["polm"] = remote_p_true(polm, questions, answers, template, progress=progress)[0]
+    if config.reference:
+        out["plm"] = remote_p_true(model_source(config, "reference"), questions, answers,
+                                   template, progress=progress)[0]
     return out
 
 

@@ -55,7 +55,7 @@ from calm_runtime.prompts import (
 from .scoring import MODES, OptionScores
 
 __all__ = ["Endpoint", "RemoteError", "TOP_LOGPROBS", "connect", "is_endpoint",
-           "remote_option_scores", "remote_p_true"]
+           "remote_answers", "remote_option_scores", "remote_p_true"]
 
 logger = logging.getLogger(__name__)
 
@@ -380,6 +380,25 @@ def remote_option_scores(endpoint: Endpoint, records: Sequence[MultipleChoiceRec
                        TOP_LOGPROBS)
     return OptionScores(mode=mode, values=values, n_tokens=n_tokens, n_chars=n_chars,
                         labels=labels), stats
+
+
+def _completion_text(payload: dict) -> str:
+    text = _first_choice(payload).get("text")
+    if not isinstance(text, str):
+        raise RemoteError("the completion has no text; is this an OpenAI-compatible "
+                          "completions API?")
+    return text
+
+
+def remote_answers(endpoint: Endpoint, questions: Sequence[str], *, max_new_tokens: int = 24,
+                   progress: bool = True) -> list[str]:
+    """Greedy answers like :func:`~calm_training.scoring.generate_answers`: the completion
+    of ``"Question: ...\nAnswer:"``, cut at the first newline."""
+    bodies = [{"prompt": cloze_context(q), "max_tokens": max_new_tokens, "temperature": 0,
+               "stop": ["\n"]} for q in questions]
+    texts = _run(endpoint, "answer", bodies, _completion_text, progress=progress,
+                 desc="generating (remote)")
+    return [t.strip().split("\n")[0].strip() for t in texts]
 
 
 def remote_p_true(endpoint: Endpoint, questions: Sequence[str], answers: Sequence[str],
