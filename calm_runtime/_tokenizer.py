@@ -19,6 +19,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ._fs import read_regular_file
+from ._manifest import MAX_MANIFEST_BYTES, parse_json
 from .errors import ArtifactError, ConfigError
 
 __all__ = ["EngineTokenizer", "IncrementalDecoder"]
@@ -31,6 +33,8 @@ _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token"
 _DECODE_CONTEXT = 6
 #: a UTF-8 character has at most 4 bytes: text held back longer than this is invalid bytes
 _MAX_HELD = 4
+#: the largest chat_template.jinja read (real templates have a few kilobytes)
+_MAX_TEMPLATE_BYTES = 16 << 20
 
 
 class EngineTokenizer:
@@ -42,8 +46,10 @@ class EngineTokenizer:
         path = manifest.path("tokenizer.json")
         try:
             tokenizer = Tokenizer.from_file(str(path))
-        except Exception as exc:  # noqa: BLE001 - the Rust parser raises plain Exceptions
-            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # noqa: BLE001 - the Rust parser raises plain Exceptions
+            reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
             raise ArtifactError(f"{path} cannot be read by the tokenizers library ({reason}); "
                                 "copy the engine again or re-export it") from None
         # a tokenizer.json may carry padding/truncation settings; calm pads and checks lengths
@@ -129,8 +135,15 @@ class EngineTokenizer:
                                          add_generation_prompt=add_generation_prompt,
                                          tools=None, documents=None, **self._special)
         except jinja2.TemplateError as exc:
-            raise ConfigError(f"the chat template refused the messages ({exc}); check the roles "
-                              "and their order") from None
+            reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+            raise ConfigError(f"the chat template refused the messages ({reason}); check the "
+                              "roles and their order") from None
+        except (RecursionError, ArithmeticError, LookupError, TypeError, ValueError) as exc:
+            # the template is the engine's data: a bug in it is reported, not raised raw
+            reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+            raise ConfigError(f"the engine's chat template failed on these messages "
+                              f"({type(exc).__name__}: {reason}); fix chat_template.jinja or "
+                              "pass chat=False") from None
 
     # ------------------------------------------------------------------ loading helpers
     def _special_tokens(self, config: dict, manifest) -> dict[str, str]:
@@ -155,10 +168,18 @@ class EngineTokenizer:
     def _find_chat_template(manifest, config: dict) -> str | None:
         name = manifest.tokenizer.get("chat_template")
         if name:
-            return manifest.path(name).read_text(encoding="utf-8")
+            path = manifest.path(name)
+            raw = read_regular_file(path, limit=_MAX_TEMPLATE_BYTES, what="chat template")
+            try:
+                return raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ArtifactError(f"{path} is not UTF-8 text ({exc.reason} at byte "
+                                    f"{exc.start}); copy the engine again or re-export "
+                                    "it") from None
         template = config.get("chat_template")
         if isinstance(template, list):  # named templates: transformers uses "default"
-            named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
+            named = {t.get("name"): t.get("template") for t in template
+                     if isinstance(t, Mapping) and isinstance(t.get("name"), str)}
             template = named.get("default")
         return template if isinstance(template, str) and template else None
 
@@ -210,14 +231,12 @@ class IncrementalDecoder:
 
 
 def _read_json(manifest, name: str) -> dict:
+    """A tokenizer JSON file of the engine (bounded in size and depth, finite numbers)."""
     if name not in manifest.tokenizer["files"]:
         return {}
     path: Path = manifest.path(name)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ArtifactError(f"{path} is not valid JSON ({exc}); copy the engine again or "
-                            "re-export it") from None
+    raw = read_regular_file(path, limit=MAX_MANIFEST_BYTES, what=f"tokenizer file {name}")
+    data = parse_json(raw, str(path), "copy the engine again or re-export it")
     return data if isinstance(data, dict) else {}
 
 
@@ -244,6 +263,9 @@ def _compile_template(source: str):
     env.globals["strftime_now"] = strftime_now
     try:
         return env.from_string(source)
-    except jinja2.TemplateSyntaxError as exc:
-        raise ArtifactError(f"the engine's chat template does not compile ({exc}); fix "
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - syntax errors, and too deep (RecursionError)
+        reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200] or type(exc).__name__
+        raise ArtifactError(f"the engine's chat template does not compile ({reason}); fix "
                             "chat_template.jinja and re-export") from None

@@ -15,6 +15,8 @@ unless the whole artifact is valid.
 from __future__ import annotations
 
 import datetime as _dt
+import json
+import math
 import os
 import shutil
 from collections.abc import Mapping
@@ -25,9 +27,35 @@ from typing import Any
 import numpy as np
 
 from . import __version__
-from ._fs import atomic_directory, resolve_inside, sha256_file
-from ._manifest import check_keys, finite_number, read_manifest, write_json
-from .calibration import apply_calibration, fused_head
+from ._fs import (
+    atomic_directory,
+    check_tree,
+    inside_copier,
+    is_dir,
+    is_file,
+    read_regular_file,
+    resolve_inside,
+    sha256_file,
+    show,
+    show_name,
+)
+from ._manifest import (
+    check_keys,
+    check_p_true_template,
+    iso_timestamp,
+    number_in_range,
+    read_manifest,
+    sha256_hex,
+    write_json,
+)
+from .calibration import (
+    SHIFT_LIMIT,
+    TAU_RANGE,
+    TEMPERATURE_RANGE,
+    apply_calibration,
+    as_float32,
+    fused_head,
+)
 from .errors import ArtifactError, IncompatibleModelError
 
 __all__ = [
@@ -53,6 +81,17 @@ _REQUIRED_TOP = {"schema_version", "kind", "created_by", "base_model", "method",
 _MODEL_KEYS = {"name", "vocab_size", "tokenizer_sha256"}
 _TENSOR_KEYS = {"tau", "shift", "temperature", "answer_temperature"}
 _REQUIRED_TENSORS = {"tau", "shift", "temperature"}
+_SCALAR_TENSORS = ("temperature", "answer_temperature")
+#: The largest ``base_model.vocab_size`` an adapter may have (2**24; real models have < 300k).
+#: It bounds what loading an adapter reads: the tensors file is at most ~8 bytes per token.
+MAX_VOCAB_SIZE = 1 << 24
+#: The largest safetensors header calm reads (calm writes a few hundred bytes).
+MAX_TENSORS_HEADER_BYTES = 1 << 20
+#: safetensors dtype names, for messages that refuse them
+_SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F64": "float64", "F32": "float32",
+                       "F8_E4M3": "float8_e4m3", "F8_E5M2": "float8_e5m2", "I8": "int8",
+                       "I16": "int16", "I32": "int32", "I64": "int64", "U8": "uint8",
+                       "U16": "uint16", "U32": "uint32", "U64": "uint64", "BOOL": "bool"}
 
 
 def tokenizer_sha256(model_dir: str | os.PathLike) -> str:
@@ -115,9 +154,7 @@ class CalibrationAdapter:
     created_at: str | None = None
 
     def __post_init__(self) -> None:
-        self.tau = np.asarray(self.tau, dtype=np.float32)
-        self.shift = np.asarray(self.shift, dtype=np.float32)
-        self.validate()
+        self.validate()  # also turns tau and shift into float32 arrays
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -128,14 +165,17 @@ class CalibrationAdapter:
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
-        """Check shapes, finiteness and positivity; raise :class:`ArtifactError`."""
+        """Check every field against the documented format; raise :class:`ArtifactError`.
+
+        ``tau`` entries lie in :data:`~calm_runtime.calibration.TAU_RANGE`, ``|shift|`` is
+        at most :data:`~calm_runtime.calibration.SHIFT_LIMIT`, the temperatures lie in
+        :data:`~calm_runtime.calibration.TEMPERATURE_RANGE` (all compared as float32).
+        """
+        _check_identity(self.base_model, "base_model")
         # re-coerce: the fields are mutable, and the file must hold what the manifest says
-        self.tau = np.asarray(self.tau, dtype=np.float32)
-        self.shift = np.asarray(self.shift, dtype=np.float32)
+        self.tau = _float32_array(self.tau, "tau")
+        self.shift = _float32_array(self.shift, "shift")
         vocab = self.base_model.vocab_size
-        if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
-            raise ArtifactError(f"base_model.vocab_size must be a positive integer, got "
-                                f"{vocab!r}; fix the manifest")
         for name, array in (("tau", self.tau), ("shift", self.shift)):
             if array.shape != (vocab,):
                 raise ArtifactError(f"{name} has shape {list(array.shape)} but the vocabulary "
@@ -149,10 +189,22 @@ class CalibrationAdapter:
             raise ArtifactError(f"tau must be positive; {bad.size} entries are <= 0 (first at "
                                 f"token id {bad[0]}: {self.tau[bad[0]]:g}); re-fit or check the "
                                 "artifact")
-        self.temperature = finite_number(self.temperature, "temperature", positive=True)
+        low, high = TAU_RANGE
+        _check_range(self.tau, "tau", as_float32(low), as_float32(high), f"[{low:g}, {high:g}]")
+        _check_range(np.abs(self.shift), "shift", -math.inf, as_float32(SHIFT_LIMIT),
+                     f"[{-SHIFT_LIMIT:g}, {SHIFT_LIMIT:g}]", values=self.shift)
+        self.temperature = number_in_range(self.temperature, "temperature", *TEMPERATURE_RANGE)
         if self.answer_temperature is not None:
-            self.answer_temperature = finite_number(self.answer_temperature,
-                                                    "answer_temperature", positive=True)
+            self.answer_temperature = number_in_range(self.answer_temperature,
+                                                      "answer_temperature", *TEMPERATURE_RANGE)
+        self.kind = _string(self.kind, "kind", "the adapter")
+        self.created_by = _string(self.created_by, "created_by", "the adapter")
+        if self.created_at is not None:
+            iso_timestamp(self.created_at, "created_at", "the adapter")
+        for name in ("method", "metrics", "provenance"):
+            setattr(self, name, _mapping(getattr(self, name), name, "the adapter"))
+        if self.p_true_template is not None:
+            check_p_true_template(self.p_true_template, "the adapter", allow_name=True)
 
     # ------------------------------------------------------------------ math
     def calibrate(self, logits):
@@ -186,9 +238,13 @@ class CalibrationAdapter:
         if self.answer_temperature is not None:
             tensors["answer_temperature"] = np.asarray(self.answer_temperature, np.float32)
         lora_source = Path(self.lora_path) if self.lora_path is not None else None
-        if lora_source is not None and not (lora_source / "adapter_config.json").is_file():
-            raise ArtifactError(f"LoRA folder {lora_source} has no adapter_config.json; save the "
-                                "peft model with save_pretrained first")
+        if lora_source is not None:
+            if not is_file(lora_source / "adapter_config.json"):
+                raise ArtifactError(f"LoRA folder {show_name(str(lora_source))} has no "
+                                    "adapter_config.json; save the peft model with "
+                                    "save_pretrained first")
+            # nothing from outside the LoRA folder may be copied into the artifact
+            check_tree(lora_source, what=f"LoRA folder {show_name(str(lora_source))}")
         created_at = self.created_at or _dt.datetime.now(_dt.timezone.utc).isoformat(
             timespec="seconds")
         manifest = {
@@ -211,7 +267,11 @@ class CalibrationAdapter:
         with atomic_directory(target, overwrite=overwrite) as staging:
             save_file(tensors, str(staging / TENSORS_NAME))
             if lora_source is not None:
-                shutil.copytree(lora_source, staging / LORA_DIR, symlinks=False)
+                # links inside the folder are copied as their files; each file is checked
+                # again as it is copied, so nothing from outside can come in
+                shutil.copytree(lora_source, staging / LORA_DIR, symlinks=False,
+                                copy_function=inside_copier(
+                                    lora_source, what=f"LoRA folder {show_name(str(lora_source))}"))
             write_json(staging / MANIFEST_NAME, manifest)
             CalibrationAdapter.from_pretrained(staging)  # verify what was written
         if lora_source is not None:
@@ -221,9 +281,9 @@ class CalibrationAdapter:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> CalibrationAdapter:
-        """Load and strictly validate an adapter directory."""
+        """Load and strictly validate an adapter directory (see docs/formats.md)."""
         root = Path(path)
-        if not root.is_dir():
+        if not is_dir(root):
             raise ArtifactError(f"adapter directory {root} does not exist; pass the folder "
                                 "written by `calm fit` or `calm train`")
         data = read_manifest(root / MANIFEST_NAME, current_version=ADAPTER_SCHEMA_VERSION,
@@ -234,47 +294,50 @@ class CalibrationAdapter:
         if not isinstance(model, dict):
             raise ArtifactError(f"{where}: base_model must be an object; re-create the adapter")
         check_keys(model, _MODEL_KEYS, {"name", "vocab_size"}, f"{where} base_model")
-        identity = ModelIdentity(str(model["name"]), model["vocab_size"],
+        identity = ModelIdentity(model["name"], model["vocab_size"],
                                  model.get("tokenizer_sha256"))
+        _check_identity(identity, f"{where} base_model")
+        kind = _string(data["kind"], "kind", where)
+        created_by = _string(data["created_by"], "created_by", where)
+        created_at = data.get("created_at")
+        if created_at is not None:
+            iso_timestamp(created_at, "created_at", where)
+        method = _mapping(data.get("method"), "method", where)
+        metrics = _mapping(data.get("metrics"), "metrics", where)
+        provenance = _mapping(data.get("provenance"), "provenance", where)
+        p_true = data.get("p_true_template")
+        if p_true is not None:
+            check_p_true_template(p_true, where, allow_name=True)
         tensors_section = data["tensors"]
         if not isinstance(tensors_section, dict):
             raise ArtifactError(f"{where}: tensors must be an object; re-create the adapter")
         check_keys(tensors_section, {"file", "entries"}, {"file"}, f"{where} tensors")
         tensor_path = resolve_inside(root, tensors_section["file"])
-        arrays = _load_tensors(tensor_path)
-        unknown = sorted(set(arrays) - _TENSOR_KEYS)
-        if unknown:
-            raise ArtifactError(f"{tensor_path} has unknown tensor(s) {unknown}; it was written "
-                                f"by another tool (allowed: {sorted(_TENSOR_KEYS)})")
-        missing = sorted(_REQUIRED_TENSORS - set(arrays))
-        if missing:
-            raise ArtifactError(f"{tensor_path} lacks tensor(s) {missing}; re-create the adapter")
-        for name in ("temperature", "answer_temperature"):
-            if name in arrays and arrays[name].size != 1:
-                raise ArtifactError(f"{name} must be a scalar, got shape "
-                                    f"{list(arrays[name].shape)}; re-create the adapter")
+        arrays = _load_tensors(tensor_path, identity.vocab_size,
+                               tensors_section.get("entries"), where)
         lora_ref = data.get("lora")
         lora_path = None
         if lora_ref is not None:
             lora_path = resolve_inside(root, lora_ref)
-            if not (lora_path / "adapter_config.json").is_file():
-                raise ArtifactError(f"{lora_path} has no adapter_config.json; the LoRA folder is "
-                                    "incomplete, re-create the adapter")
+            if not is_file(lora_path / "adapter_config.json"):
+                raise ArtifactError(f"{show_name(str(lora_path))} has no adapter_config.json; the "
+                                    "LoRA folder is incomplete, re-create the adapter")
+            check_tree(lora_path, what=f"{where}: the LoRA folder {show(lora_ref)}")
         answer_t = arrays.get("answer_temperature")
         return cls(
             base_model=identity,
-            tau=arrays["tau"].astype(np.float32, copy=False),
-            shift=arrays["shift"].astype(np.float32, copy=False),
+            tau=arrays["tau"],
+            shift=arrays["shift"],
             temperature=float(arrays["temperature"].reshape(())),
             answer_temperature=None if answer_t is None else float(answer_t.reshape(())),
-            kind=_string(data["kind"], "kind", where),
-            method=_mapping(data.get("method"), "method", where),
-            metrics=_mapping(data.get("metrics"), "metrics", where),
-            provenance=_mapping(data.get("provenance"), "provenance", where),
-            p_true_template=data.get("p_true_template"),
+            kind=kind,
+            method=method,
+            metrics=metrics,
+            provenance=provenance,
+            p_true_template=p_true,
             lora_path=lora_path,
-            created_by=_string(data["created_by"], "created_by", where),
-            created_at=data.get("created_at"),
+            created_by=created_by,
+            created_at=created_at,
         )
 
     # ------------------------------------------------------------------ reporting
@@ -289,25 +352,174 @@ class CalibrationAdapter:
         }
 
 
-def _load_tensors(path: Path) -> dict[str, np.ndarray]:
-    from safetensors import SafetensorError
-    from safetensors.numpy import load_file
+def _load_tensors(path: Path, vocab: int, entries: Any, where: str) -> dict[str, np.ndarray]:
+    """Read the tensors file, checking its header before any tensor data is touched.
 
-    if not path.is_file():
-        raise ArtifactError(f"{path} is missing; the artifact is incomplete, re-create it")
-    try:
-        arrays = load_file(str(path))
-    except (SafetensorError, ValueError, OSError, TypeError, AttributeError) as exc:
-        # TypeError/AttributeError: a dtype numpy cannot hold (BF16, F8_*) in the header
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ArtifactError(f"{path} is not a readable safetensors file ({reason}); it is "
-                            "truncated or corrupted, re-create the artifact") from None
-    for name, array in arrays.items():
-        # checked here, not left to numpy: with some libraries loaded numpy reads bf16 too
-        if array.dtype != np.float32:
-            raise ArtifactError(f"tensor {name!r} in {path} is {array.dtype}, not float32; "
+    The file may hold at most what a valid adapter of ``vocab`` tokens holds (plus a header
+    of at most :data:`MAX_TENSORS_HEADER_BYTES`), so a huge or sparse file is refused by its
+    size. The header's names, dtypes, shapes and byte offsets must describe exactly the
+    bytes that follow it, and match ``tensors.entries`` of the manifest when that is given.
+    """
+    shown = show_name(str(path))
+    limit = 8 + MAX_TENSORS_HEADER_BYTES + 4 * (2 * vocab + len(_SCALAR_TENSORS))
+    raw = read_regular_file(path, limit=limit, what="calibration tensors file")
+    header = _safetensors_header(raw, path)
+    names = set(header)
+    unknown = sorted(names - _TENSOR_KEYS)
+    if unknown:
+        raise ArtifactError(f"{shown} has unknown tensor(s) {show(unknown)}; it was "
+                            f"written by another tool (allowed: {sorted(_TENSOR_KEYS)})")
+    for name in sorted(names):
+        dtype = header[name]["dtype"]
+        if dtype != "F32":
+            raise ArtifactError(f"tensor {name!r} in {shown} is "
+                                f"{_SAFETENSORS_DTYPES.get(dtype, show(dtype))}, not float32; "
                                 "re-create the artifact with float32 tensors")
-    return arrays
+    missing = sorted(_REQUIRED_TENSORS - names)
+    if missing:
+        raise ArtifactError(f"{shown} lacks tensor(s) {missing}; re-create the adapter")
+    for name in ("tau", "shift"):
+        shape = header[name]["shape"]
+        if shape != [vocab]:
+            raise ArtifactError(f"{name} has shape {show(shape)} but the vocabulary has {vocab} "
+                                "tokens; re-fit for this model")
+    for name in _SCALAR_TENSORS:
+        if name in header and math.prod(header[name]["shape"]) != 1:
+            raise ArtifactError(f"{name} must be a scalar, got shape "
+                                f"{show(header[name]['shape'])}; re-create the adapter")
+    if entries is not None:
+        _check_entries(entries, header, path, where)
+    from safetensors.numpy import load
+
+    try:
+        arrays = load(raw)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - the Rust reader may also panic
+        reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200] or type(exc).__name__
+        raise ArtifactError(f"{shown} is not a readable safetensors file ({reason}); "
+                            "it is truncated or corrupted, re-create the artifact") from None
+    if set(arrays) != names or any(a.dtype != np.float32 for a in arrays.values()):
+        raise ArtifactError(f"{shown} is not a readable safetensors file (its "
+                            "tensors differ from its header); re-create the artifact")
+    return {name: np.array(array, dtype=np.float32) for name, array in arrays.items()}
+
+
+def _safetensors_header(raw: bytes, path: Path) -> dict[str, dict]:
+    """The tensor entries of a safetensors header, checked against the file's real size."""
+    shown = show_name(str(path))
+
+    def refuse(reason: str) -> ArtifactError:
+        return ArtifactError(f"{shown} is not a readable safetensors file ({reason}); "
+                             "it is truncated or corrupted, re-create the artifact")
+
+    if len(raw) < 8:
+        raise refuse(f"{len(raw)} bytes, shorter than the 8-byte header length")
+    size = int.from_bytes(raw[:8], "little")
+    if size > MAX_TENSORS_HEADER_BYTES or 8 + size > len(raw):
+        raise refuse(f"the header claims {size} bytes but the file has {len(raw) - 8} after "
+                     "the length")
+    try:
+        header = json.loads(raw[8:8 + size].decode("utf-8"))
+    except (ValueError, RecursionError, MemoryError):
+        raise refuse("the header is not valid JSON") from None
+    if not isinstance(header, dict):
+        raise refuse("the header is not a JSON object")
+    data_size = len(raw) - 8 - size
+    tensors: dict[str, dict] = {}
+    spans = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            if not isinstance(entry, dict) or not all(isinstance(v, str)
+                                                       for v in entry.values()):
+                raise refuse("__metadata__ is not a map of strings")
+            continue
+        if (not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}
+                or not isinstance(entry["dtype"], str)
+                or not _int_list(entry["shape"]) or not _int_list(entry["data_offsets"])
+                or len(entry["data_offsets"]) != 2):
+            raise refuse(f"the entry of tensor {show(name)} is malformed")
+        begin, end = entry["data_offsets"]
+        if not begin <= end <= data_size:
+            raise refuse(f"tensor {show(name)} spans bytes {begin}..{end}, past the "
+                         f"{data_size} bytes of data")
+        if entry["dtype"] == "F32" and end - begin != 4 * math.prod(entry["shape"]):
+            raise refuse(f"tensor {show(name)} of shape {show(entry['shape'])} needs "
+                         f"{4 * math.prod(entry['shape'])} bytes, its offsets give "
+                         f"{end - begin}")
+        tensors[name] = entry
+        spans.append((begin, end))
+    position = 0
+    for begin, end in sorted(spans):
+        if begin != position:
+            raise refuse("the tensors' byte ranges overlap or leave gaps")
+        position = end
+    if position != data_size:
+        raise refuse(f"the tensors cover {position} of the {data_size} data bytes")
+    return tensors
+
+
+def _int_list(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+
+
+def _check_entries(entries: Any, header: dict[str, dict], path: Path, where: str) -> None:
+    """``tensors.entries`` must name exactly the file's tensors, with their shapes and dtypes."""
+    def mismatch(detail: str) -> ArtifactError:
+        return ArtifactError(f"{where}: tensors.entries does not match {show_name(str(path))} "
+                             f"({detail}); re-create the adapter")
+
+    if not isinstance(entries, dict):
+        raise ArtifactError(f"{where}: tensors.entries must be an object, got "
+                            f"{type(entries).__name__}; re-create the adapter")
+    if set(entries) != set(header):
+        raise mismatch(f"entries name {show(sorted(entries))}, the file holds "
+                       f"{sorted(header)}")
+    for name in sorted(header):
+        entry, shape = entries[name], header[name]["shape"]
+        if not isinstance(entry, dict) or set(entry) != {"shape", "dtype"}:
+            raise mismatch(f"{name!r} must be {{\"shape\": [...], \"dtype\": \"float32\"}}, "
+                           f"got {show(entry)}")
+        if not isinstance(entry["dtype"], str) or entry["dtype"] != "float32":
+            raise mismatch(f"{name!r} has dtype {show(entry['dtype'])} in the manifest, "
+                           "float32 in the file")
+        if not _int_list(entry["shape"]) or entry["shape"] != shape:
+            raise mismatch(f"{name!r} has shape {show(entry['shape'])} in the manifest, "
+                           f"{shape} in the file")
+
+
+def _check_identity(identity: Any, where: str) -> None:
+    if not isinstance(identity, ModelIdentity):
+        raise ArtifactError(f"{where} must be a ModelIdentity, got {type(identity).__name__}")
+    if not isinstance(identity.name, str) or not identity.name:
+        raise ArtifactError(f"{where}: name must be a non-empty string, got "
+                            f"{show(identity.name)}; fix the manifest")
+    vocab = identity.vocab_size
+    if isinstance(vocab, bool) or not isinstance(vocab, int) or not 1 <= vocab <= MAX_VOCAB_SIZE:
+        raise ArtifactError(f"base_model.vocab_size must be a positive integer of at most "
+                            f"{MAX_VOCAB_SIZE}, got {show(vocab)}; fix the manifest")
+    sha256_hex(identity.tokenizer_sha256, "tokenizer_sha256", where, optional=True)
+
+
+def _float32_array(value: Any, name: str) -> np.ndarray:
+    try:
+        with np.errstate(all="ignore"):  # too large for float32: inf, refused below
+            return np.asarray(value, dtype=np.float32)
+    except (TypeError, ValueError, OverflowError):
+        raise ArtifactError(f"{name} must be an array of numbers, got "
+                            f"{type(value).__name__}; pass a float32 vector") from None
+
+
+def _check_range(checked: np.ndarray, name: str, low: float, high: float, shown: str, *,
+                 values: np.ndarray | None = None) -> None:
+    """Refuse entries of ``checked`` outside ``[low, high]``, naming the first one."""
+    bad = np.flatnonzero((checked < low) | (checked > high))
+    if bad.size:
+        value = (checked if values is None else values)[bad[0]]
+        raise ArtifactError(f"{name} has {bad.size} entries outside the allowed range {shown} "
+                            f"(first at token id {bad[0]}: {name}[{bad[0]}] = {value:g}); "
+                            "re-fit the calibration")
 
 
 def _mapping(value: Any, name: str, where: str) -> dict:
@@ -320,5 +532,5 @@ def _mapping(value: Any, name: str, where: str) -> dict:
 
 def _string(value: Any, name: str, where: str) -> str:
     if not isinstance(value, str) or not value:
-        raise ArtifactError(f"{where}: {name} must be a non-empty string, got {value!r}")
+        raise ArtifactError(f"{where}: {name} must be a non-empty string, got {show(value)}")
     return value

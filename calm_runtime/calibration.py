@@ -11,9 +11,29 @@ module instead of writing the formula again. Nothing here imports torch.
 
 from __future__ import annotations
 
+import struct
 from typing import Any
 
-__all__ = ["apply_calibration", "fused_head", "is_identity"]
+__all__ = ["apply_calibration", "fused_head", "is_identity", "TAU_RANGE", "TEMPERATURE_RANGE",
+           "SHIFT_LIMIT", "as_float32"]
+
+#: The documented range of every tau entry (docs/formats.md): inside these ranges the
+#: calibrated logits of float32 logits stay finite. Checked by the adapter and the engine
+#: loaders, in float32 (see :func:`as_float32`).
+TAU_RANGE = (1e-4, 1e4)
+#: The documented range of ``temperature`` and ``answer_temperature``.
+TEMPERATURE_RANGE = (1e-4, 1e4)
+#: ``|shift| <= SHIFT_LIMIT`` for every shift entry.
+SHIFT_LIMIT = 1e4
+
+
+def as_float32(value: float) -> float:
+    """``value`` rounded to the nearest float32 (``1e-4`` becomes ``9.9999997e-05``).
+
+    Every range check compares against the float32 form of its bounds, so a value the
+    range admits still passes after it was stored as float32 and read back.
+    """
+    return struct.unpack("<f", struct.pack("<f", value))[0]
 
 
 def apply_calibration(logits: Any, tau: Any = None, shift: Any = None, temperature: float = 1.0):

@@ -54,6 +54,7 @@ import json
 import logging
 import math
 import os
+import stat
 import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -63,7 +64,7 @@ from typing import Any, ClassVar, NamedTuple
 import numpy as np
 
 from . import _olmo_eval
-from ._fs import sha256_bytes
+from ._fs import sha256_bytes, show
 from ._paths import cache_dir
 from .errors import ConfigError, DataError
 
@@ -99,16 +100,27 @@ _HASH_PREFIX = b"calm-data-v1\n"  # bump if the canonical serialisation ever cha
 
 def _text(value: Any, what: str, fix: str) -> str:
     if not isinstance(value, str):
-        raise DataError(f"{what} is not a string ({type(value).__name__}: {value!r}); {fix}")
+        raise DataError(f"{what} is not a string ({type(value).__name__}: {show(value)}); {fix}")
     if not value.strip():
         raise DataError(f"{what} is blank; {fix}")
+    _encodable(value, what)
     return value
+
+
+def _encodable(value: str, what: str) -> None:
+    """Refuse text that cannot be written back as UTF-8 (a lone surrogate such as \\ud800)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise DataError(f"{what} holds an unpaired surrogate ({show(value[exc.start:exc.end])} "
+                        f"at character {exc.start}), which is not text; write the character "
+                        "itself or its full surrogate pair") from None
 
 
 def _texts(value: Any, key: str, minimum: int, noun: str) -> tuple[str, ...]:
     if not isinstance(value, (list, tuple)):
-        raise DataError(f"'{key}' is not a list ({type(value).__name__}); write it as a JSON "
-                        f"list of strings")
+        raise DataError(f"'{key}' is not a list ({type(value).__name__}: {show(value)}); write "
+                        "it as a JSON list of strings")
     if len(value) < minimum:
         raise DataError(f"'{key}' has {len(value)} entries, fewer than {minimum}; give at "
                         f"least {minimum} {noun}")
@@ -117,10 +129,13 @@ def _texts(value: Any, key: str, minimum: int, noun: str) -> tuple[str, ...]:
 
 
 def _optional_text(value: Any, key: str) -> str | None:
-    if value is None or isinstance(value, str):
+    if value is None:
         return value
-    raise DataError(f"'{key}' is not a string ({type(value).__name__}: {value!r}); write it "
-                    "as a JSON string or leave it out")
+    if isinstance(value, str):
+        _encodable(value, f"'{key}'")
+        return value
+    raise DataError(f"'{key}' is not a string ({type(value).__name__}: {show(value)}); write "
+                    "it as a JSON string or leave it out")
 
 
 @dataclass(frozen=True)
@@ -141,11 +156,11 @@ class MultipleChoiceRecord:
         if answer is not None:
             if isinstance(answer, bool) or not isinstance(answer, (int, np.integer)):
                 raise DataError(f"'answer' is not an integer ({type(answer).__name__}: "
-                                f"{answer!r}); write the 0-based index of the correct choice "
-                                "as a JSON integer, or null if unknown")
+                                f"{show(answer)}); write the 0-based index of the correct "
+                                "choice as a JSON integer, or null if unknown")
             if not 0 <= answer < n:
-                raise DataError(f"'answer' {answer} is out of range for {n} choices; it is "
-                                f"a 0-based index, so use 0..{n - 1}")
+                raise DataError(f"'answer' {show(answer)} is out of range for {n} choices; it "
+                                f"is a 0-based index, so use 0..{n - 1}")
             object.__setattr__(self, "answer", int(answer))
         _optional_text(self.subject, "subject")
         _optional_text(self.id, "id")
@@ -214,14 +229,7 @@ def parse_record(obj: Any) -> Record:
 def read_jsonl(path: str | os.PathLike) -> list[Record]:
     """Read and validate a JSONL data file; the first bad line raises :class:`DataError`."""
     path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise DataError(f"{path}: no such file; check the path, or use a named data set "
-                        f"({', '.join(_olmo_eval.SOURCES)})") from None
-    except OSError as exc:
-        raise DataError(f"{path}: cannot be read ({exc.strerror}); check the path and its "
-                        "permissions") from None
+    raw = _read_data_file(path)
     if raw.startswith(codecs.BOM_UTF8):
         raw = raw[len(codecs.BOM_UTF8):]
     records: list[Record] = []
@@ -237,6 +245,13 @@ def read_jsonl(path: str | os.PathLike) -> list[Record]:
         except json.JSONDecodeError as exc:
             raise DataError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno}); write "
                             "exactly one JSON object per line") from None
+        except RecursionError:
+            raise DataError(f"{where}: invalid JSON (nested too deeply); write one flat JSON "
+                            "object per line") from None
+        except (ValueError, MemoryError) as exc:  # e.g. an integer of more than 4300 digits
+            reason = (str(exc).splitlines() or [type(exc).__name__])[0].split(";")[0][:120]
+            raise DataError(f"{where}: invalid JSON ({reason}); write exactly one JSON object "
+                            "per line") from None
         try:
             record = parse_record(obj)
         except DataError as exc:
@@ -252,6 +267,30 @@ def read_jsonl(path: str | os.PathLike) -> list[Record]:
         raise DataError(f"{path}: no records (the file is empty or only has blank lines); "
                         "write one JSON object per line")
     return records
+
+
+def _read_data_file(path: Path) -> bytes:
+    """The bytes of a data file; a FIFO, device or folder is refused, never read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        raise DataError(f"{path}: no such file; check the path, or use a named data set "
+                        f"({', '.join(_olmo_eval.SOURCES)})") from None
+    except (OSError, ValueError) as exc:  # ValueError: a NUL character in the path
+        reason = getattr(exc, "strerror", None) or str(exc)
+        raise DataError(f"{show(str(path))}: cannot be read ({reason}); check the path and its "
+                        "permissions") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise DataError(f"{path}: not a regular file (a folder, FIFO or device); give the "
+                            "path of a .jsonl file")
+        with os.fdopen(os.dup(fd), "rb") as handle:
+            return handle.read()
+    except OSError as exc:
+        raise DataError(f"{path}: cannot be read ({exc.strerror}); check the path and its "
+                        "permissions") from None
+    finally:
+        os.close(fd)
 
 
 def write_jsonl(path: str | os.PathLike, records: Iterable[Record]) -> Path:

@@ -21,15 +21,24 @@ sha256 (``verify_hashes=True``). This module imports neither torch nor onnx.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._fs import resolve_inside, sha256_file
-from ._manifest import check_keys, finite_number, read_manifest, write_json
-from .errors import ArtifactError, CalmError
+from ._fs import is_dir, is_file, resolve_inside, sha256_file, show, show_name
+from ._manifest import (
+    check_keys,
+    check_p_true_template,
+    finite_number,
+    iso_timestamp,
+    number_in_range,
+    read_manifest,
+    sha256_hex,
+    write_json,
+)
+from .calibration import SHIFT_LIMIT, TAU_RANGE, TEMPERATURE_RANGE
+from .errors import ArtifactError
 from .prompts import PTrueTemplate
 
 __all__ = [
@@ -65,7 +74,6 @@ _OPTION_KEYS = {"plain", "chat"}
 _VALIDATION_REQUIRED = {"passed", "max_abs_diff", "tolerance", "greedy_steps", "greedy_match",
                         "batch2_max_abs_diff"}
 _DTYPES = ("float32", "float16")
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
 def engine_io_names(num_layers: int) -> tuple[list[str], list[str]]:
@@ -106,7 +114,7 @@ class EngineManifest:
     def load(cls, path: str | Path, *, verify_hashes: bool = True) -> EngineManifest:
         """Read and check an engine directory; with ``verify_hashes`` every file is hashed."""
         root = Path(path)
-        if not root.is_dir():
+        if not is_dir(root):
             raise ArtifactError(f"engine directory {root} does not exist; pass the folder "
                                 "written by calm-export")
         data = read_manifest(root / ENGINE_MANIFEST_NAME, current_version=ENGINE_SCHEMA_VERSION,
@@ -121,12 +129,14 @@ class EngineManifest:
         """Check a manifest dict (already migrated to the current schema) and wrap it."""
         check_keys(data, _TOP_KEYS, _TOP_KEYS, where)
         if data["schema_version"] != ENGINE_SCHEMA_VERSION:
-            raise ArtifactError(f"{where}: schema_version {data['schema_version']!r} is not "
+            raise ArtifactError(f"{where}: schema_version {show(data['schema_version'])} is not "
                                 f"{ENGINE_SCHEMA_VERSION}; re-export the engine")
         kind = data["kind"]
-        if kind not in ENGINE_KINDS:
-            raise ArtifactError(f"{where}: kind {kind!r} is not one of {list(ENGINE_KINDS)}; "
-                                "it was not written by calm-export")
+        if not isinstance(kind, str) or kind not in ENGINE_KINDS:
+            raise ArtifactError(f"{where}: kind {show(kind)} is not one of "
+                                f"{list(ENGINE_KINDS)}; it was not written by calm-export")
+        created_by = _text(data["created_by"], "created_by", where)
+        created_at = iso_timestamp(data["created_at"], "created_at", where)
         sections = {name: _section(data, name, where) for name in
                     ("source", "calibration", "model", "io", "tokenizer", "option_tokens",
                      "p_true_template", "export", "validation")}
@@ -137,13 +147,10 @@ class EngineManifest:
         _check_tokenizer(sections["tokenizer"], f"{where} tokenizer")
         _check_option_tokens(sections["option_tokens"], sections["model"]["vocab_size"],
                              f"{where} option_tokens")
-        try:
-            PTrueTemplate.from_dict(sections["p_true_template"])
-        except CalmError as exc:
-            raise ArtifactError(f"{where} p_true_template: {exc}") from None
+        check_p_true_template(sections["p_true_template"], where, allow_name=False)
+        _check_export(sections["export"], f"{where} export")
         _check_validation(sections["validation"], f"{where} validation")
-        return cls(kind=kind, created_by=_text(data["created_by"], "created_by", where),
-                   created_at=_text(data["created_at"], "created_at", where), root=root,
+        return cls(kind=kind, created_by=created_by, created_at=created_at, root=root,
                    **sections)
 
     def verify_files(self, *, verify_hashes: bool = True) -> None:
@@ -153,11 +160,20 @@ class EngineManifest:
                                 "EngineManifest.load(path)")
         for name, digest in self.listed_files().items():
             path = resolve_inside(self.root, name)
-            if not path.is_file():
-                raise ArtifactError(f"{self.root}: {name} is missing; the engine is incomplete "
-                                    "(partly copied?), copy the whole folder or re-export it")
-            if verify_hashes and sha256_file(path) != digest:
-                raise ArtifactError(f"{self.root}: {name} does not match its sha256 in "
+            if not is_file(path):
+                raise ArtifactError(f"{self.root}: {show_name(name)} is missing (or not a regular "
+                                    "file); the engine is incomplete (partly copied?), copy the "
+                                    "whole folder or re-export it")
+            if not verify_hashes:
+                continue
+            try:
+                actual = sha256_file(path)
+            except OSError as exc:
+                raise ArtifactError(f"{self.root}: {show_name(name)} cannot be read "
+                                    f"({exc.strerror or type(exc).__name__}); check its "
+                                    "permissions, or copy the engine again") from None
+            if actual != digest:
+                raise ArtifactError(f"{self.root}: {show_name(name)} does not match its sha256 in "
                                     f"{ENGINE_MANIFEST_NAME}; the file is truncated or corrupted, "
                                     "copy the engine again or re-export it with calm-export")
 
@@ -166,8 +182,8 @@ class EngineManifest:
         files = dict(self.model["files"])
         files.update(self.tokenizer["files"])
         genai = self.export.get("genai_config")
-        if isinstance(genai, Mapping):
-            files[str(genai.get("file"))] = str(genai.get("sha256"))
+        if isinstance(genai, Mapping):  # checked by from_dict: a file name and its sha256
+            files[genai["file"]] = genai["sha256"]
         return files
 
     # ------------------------------------------------------------------ writing
@@ -234,7 +250,7 @@ def _check_source(section: dict, where: str) -> None:
     _text(model["name"], "name", f"{where} model")
     _positive_int(model["vocab_size"], "vocab_size", f"{where} model")
     for key in ("tokenizer_sha256", "weights_sha256"):
-        _sha256(model[key], key, f"{where} model", optional=True)
+        sha256_hex(model[key], key, f"{where} model", optional=True)
     adapter = section["adapter"]
     if adapter is None:
         return
@@ -242,8 +258,10 @@ def _check_source(section: dict, where: str) -> None:
         raise ArtifactError(f"{where}: adapter must be an object or null; re-export the engine")
     check_keys(adapter, _SOURCE_ADAPTER_KEYS, _SOURCE_ADAPTER_KEYS, f"{where} adapter")
     _text(adapter["kind"], "kind", f"{where} adapter")
+    if adapter["path_name"] is not None:
+        _text(adapter["path_name"], "path_name", f"{where} adapter")
     for key in ("tensors_sha256", "manifest_sha256"):
-        _sha256(adapter[key], key, f"{where} adapter", optional=True)
+        sha256_hex(adapter[key], key, f"{where} adapter", optional=True)
 
 
 def _check_calibration(section: dict, where: str) -> None:
@@ -251,12 +269,17 @@ def _check_calibration(section: dict, where: str) -> None:
     if section["fused"] is not True:
         raise ArtifactError(f"{where}: fused must be true (the engine's logits are calibrated); "
                             "re-export the engine")
-    for key in ("temperature", "tau_min", "tau_max"):
-        _number(section[key], key, where, positive=True)
-    for key in ("shift_min", "shift_max"):
-        _number(section[key], key, where)
+    _number(section["temperature"], "temperature", where, bounds=TEMPERATURE_RANGE)
     if section["answer_temperature"] is not None:
-        _number(section["answer_temperature"], "answer_temperature", where, positive=True)
+        _number(section["answer_temperature"], "answer_temperature", where,
+                bounds=TEMPERATURE_RANGE)
+    for low_key, high_key, bounds in (("tau_min", "tau_max", TAU_RANGE),
+                                      ("shift_min", "shift_max", (-SHIFT_LIMIT, SHIFT_LIMIT))):
+        low = _number(section[low_key], low_key, where, bounds=bounds)
+        high = _number(section[high_key], high_key, where, bounds=bounds)
+        if low > high:
+            raise ArtifactError(f"{where}: {low_key} {low:g} is above {high_key} {high:g}; "
+                                "re-export the engine")
 
 
 def _check_model(section: dict, kind: str, where: str) -> None:
@@ -266,16 +289,17 @@ def _check_model(section: dict, kind: str, where: str) -> None:
         _positive_int(section[key], key, where)
     if "num_attention_heads" in section:
         _positive_int(section["num_attention_heads"], "num_attention_heads", where)
-    if section["dtype"] not in _DTYPES:
-        raise ArtifactError(f"{where}: dtype {section['dtype']!r} is not one of {list(_DTYPES)}")
+    if not isinstance(section["dtype"], str) or section["dtype"] not in _DTYPES:
+        raise ArtifactError(f"{where}: dtype {show(section['dtype'])} is not one of "
+                            f"{list(_DTYPES)}")
     files = _file_map(section["files"], "files", where)
-    if section["file"] not in files:
-        raise ArtifactError(f"{where}: file {section['file']!r} is not listed in files; "
+    if not isinstance(section["file"], str) or section["file"] not in files:
+        raise ArtifactError(f"{where}: file {show(section['file'])} is not listed in files; "
                             "re-export the engine")
     expected = "model.onnx" if kind == "onnx" else None
     if expected and section["file"] != expected:
         raise ArtifactError(f"{where}: an onnx engine's file must be {expected!r}, got "
-                            f"{section['file']!r}")
+                            f"{show(section['file'])}")
     if "model.onnx" not in files:
         raise ArtifactError(f"{where}: files must list model.onnx; re-export the engine")
     vocab = section["vocab_size"]
@@ -284,11 +308,13 @@ def _check_model(section: dict, kind: str, where: str) -> None:
             _token_id(section[key], key, vocab, where)
     eos = section["eos_token_ids"]
     if not isinstance(eos, list):
-        raise ArtifactError(f"{where}: eos_token_ids must be a list of token ids, got {eos!r}")
+        raise ArtifactError(f"{where}: eos_token_ids must be a list of token ids, got "
+                            f"{show(eos)}")
     for value in eos:
         _token_id(value, "eos_token_ids", vocab, where)
     if not isinstance(section["add_bos"], bool):
-        raise ArtifactError(f"{where}: add_bos must be true or false, got {section['add_bos']!r}")
+        raise ArtifactError(f"{where}: add_bos must be true or false, got "
+                            f"{show(section['add_bos'])}")
 
 
 def _check_io(section: dict, num_layers: int, where: str) -> None:
@@ -307,8 +333,8 @@ def _check_tokenizer(section: dict, where: str) -> None:
     if "tokenizer.json" not in files:
         raise ArtifactError(f"{where}: files must list tokenizer.json; re-export the engine")
     template = section["chat_template"]
-    if template is not None and template not in files:
-        raise ArtifactError(f"{where}: chat_template {template!r} is not listed in files")
+    if template is not None and (not isinstance(template, str) or template not in files):
+        raise ArtifactError(f"{where}: chat_template {show(template)} is not listed in files")
 
 
 def _check_option_tokens(section: dict, vocab: int, where: str) -> None:
@@ -318,7 +344,7 @@ def _check_option_tokens(section: dict, vocab: int, where: str) -> None:
         if not isinstance(mapping, Mapping):
             raise ArtifactError(f"{where}: {style} must map option text to a token id")
         for text, token in mapping.items():
-            _token_id(token, f"{style}[{text!r}]", vocab, where)
+            _token_id(token, f"{style}[{show(text, 40)}]", vocab, where)
 
 
 def _check_validation(section: dict, where: str) -> None:
@@ -327,9 +353,27 @@ def _check_validation(section: dict, where: str) -> None:
         raise ArtifactError(f"{where} lacks required key(s) {missing}; re-export the engine")
     if section["passed"] is not True:
         raise ArtifactError(f"{where}: the engine did not pass validation; re-export it")
+    if section["greedy_match"] is not True:
+        raise ArtifactError(f"{where}: greedy_match is {show(section['greedy_match'])}, not "
+                            "true: the engine's greedy tokens differ from the reference model's; "
+                            "re-export it")
     for key in ("max_abs_diff", "tolerance", "batch2_max_abs_diff"):
         _number(section[key], key, where)
     _positive_int(section["greedy_steps"], "greedy_steps", where)
+
+
+def _check_export(section: dict, where: str) -> None:
+    """The open export section; only ``genai_config`` is read (it names a hashed file)."""
+    genai = section.get("genai_config")
+    if genai is None:
+        return
+    if not isinstance(genai, Mapping) or set(genai) != {"file", "sha256"}:
+        raise ArtifactError(f"{where}: genai_config must be {{\"file\": NAME, \"sha256\": "
+                            f"DIGEST}} or null, got {show(genai)}; re-export the engine")
+    if not isinstance(genai["file"], str) or not genai["file"]:
+        raise ArtifactError(f"{where}: genai_config.file must be a file name, got "
+                            f"{show(genai['file'])}")
+    sha256_hex(genai["sha256"], "genai_config.sha256", where)
 
 
 # ---------------------------------------------------------------------- value checks
@@ -338,38 +382,36 @@ def _file_map(value: Any, name: str, where: str) -> dict[str, str]:
         raise ArtifactError(f"{where}: {name} must map file names to sha256 digests")
     for key, digest in value.items():
         if not isinstance(key, str) or not key:
-            raise ArtifactError(f"{where}: {name} has a file name {key!r} that is not a string")
-        _sha256(digest, f"{name}[{key!r}]", where)
+            raise ArtifactError(f"{where}: {name} has a file name {show(key)} that is not a "
+                                "non-empty string")
+        sha256_hex(digest, f"{name}[{show(key, 60)}]", where)
     return dict(value)
-
-
-def _sha256(value: Any, name: str, where: str, *, optional: bool = False) -> None:
-    if value is None and optional:
-        return
-    if not isinstance(value, str) or not _SHA256.match(value):
-        raise ArtifactError(f"{where}: {name} must be a sha256 hex digest, got {value!r}")
 
 
 def _positive_int(value: Any, name: str, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ArtifactError(f"{where}: {name} must be a positive integer, got {value!r}")
+        raise ArtifactError(f"{where}: {name} must be a positive integer, got {show(value)}")
     return value
 
 
 def _token_id(value: Any, name: str, vocab: int, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab:
-        raise ArtifactError(f"{where}: {name} must be a token id in [0, {vocab}), got {value!r}")
+        raise ArtifactError(f"{where}: {name} must be a token id in [0, {vocab}), got "
+                            f"{show(value)}")
     return value
 
 
-def _number(value: Any, name: str, where: str, *, positive: bool = False) -> float:
+def _number(value: Any, name: str, where: str, *,
+            bounds: tuple[float, float] | None = None) -> float:
     try:
-        return finite_number(value, name, positive=positive)
+        if bounds is None:
+            return finite_number(value, name)
+        return number_in_range(value, name, *bounds)
     except ArtifactError as exc:
         raise ArtifactError(f"{where}: {exc}") from None
 
 
 def _text(value: Any, name: str, where: str) -> str:
     if not isinstance(value, str) or not value:
-        raise ArtifactError(f"{where}: {name} must be a non-empty string, got {value!r}")
+        raise ArtifactError(f"{where}: {name} must be a non-empty string, got {show(value)}")
     return value
