@@ -78,7 +78,8 @@ MIGRATIONS: dict[int, Any] = {}
 _TOP_KEYS = {"schema_version", "kind", "created_by", "created_at", "base_model", "method",
              "summary", "tensors", "lora", "metrics", "provenance", "p_true_template"}
 _REQUIRED_TOP = {"schema_version", "kind", "created_by", "base_model", "method", "tensors"}
-_MODEL_KEYS = {"name", "vocab_size", "tokenizer_sha256"}
+_MODEL_KEYS = {"name", "vocab_size", "tokenizer_sha256", "served"}
+_SERVED_KEYS = {"endpoint", "served_model"}
 _TENSOR_KEYS = {"tau", "shift", "temperature", "answer_temperature"}
 _REQUIRED_TENSORS = {"tau", "shift", "temperature"}
 _SCALAR_TENSORS = ("temperature", "answer_temperature")
@@ -105,18 +106,38 @@ def tokenizer_sha256(model_dir: str | os.PathLike) -> str:
 
 @dataclass(frozen=True)
 class ModelIdentity:
-    """Which base model an artifact belongs to."""
+    """Which base model an artifact belongs to.
+
+    ``served`` marks a model calibrated through an OpenAI-compatible API
+    (``{"endpoint": base URL, "served_model": name}``, never a key): its vocabulary is
+    unknown, so ``vocab_size`` is 0 and the adapter holds temperatures only (empty ``tau``
+    and ``shift``), applied to the log-probabilities the server returns.
+    """
 
     name: str
     vocab_size: int
     tokenizer_sha256: str | None = None
+    served: dict | None = None
+
+    @classmethod
+    def served_model(cls, endpoint: str, served_model: str) -> ModelIdentity:
+        return cls(name=served_model, vocab_size=0, served={"endpoint": endpoint,
+                                                            "served_model": served_model})
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "vocab_size": self.vocab_size,
-                "tokenizer_sha256": self.tokenizer_sha256}
+        out = {"name": self.name, "vocab_size": self.vocab_size,
+               "tokenizer_sha256": self.tokenizer_sha256}
+        if self.served is not None:
+            out["served"] = dict(self.served)
+        return out
 
     def check_compatible(self, other: ModelIdentity, what: str = "adapter") -> None:
         """Raise :class:`IncompatibleModelError` unless ``other`` is the same model family."""
+        if (self.served is None) != (other.served is None):
+            raise IncompatibleModelError(
+                f"the {what} is for {'a served' if self.served else 'a local'} model "
+                f"({self.name}) but the model is {'served' if other.served else 'local'} "
+                f"({other.name}); use an {what} made for this model")
         if self.vocab_size != other.vocab_size:
             raise IncompatibleModelError(
                 f"the {what} is for a vocabulary of {self.vocab_size} tokens ({self.name}) but "
@@ -208,7 +229,12 @@ class CalibrationAdapter:
 
     # ------------------------------------------------------------------ math
     def calibrate(self, logits):
-        """Calibrated logits ``(z / tau + shift) / temperature`` (numpy or torch input)."""
+        """Calibrated logits ``(z / tau + shift) / temperature`` (numpy or torch input).
+
+        For a served model's adapter (no per-token part) ``z / temperature`` of whatever
+        logits or log-probabilities are given."""
+        if self.base_model.served is not None:
+            return logits / self.temperature
         tau, shift = self.tau, self.shift
         if not isinstance(logits, np.ndarray):  # torch tensor: move the vectors alongside
             import torch
@@ -219,6 +245,11 @@ class CalibrationAdapter:
 
     def fused_head(self, weight, bias=None):
         """``(W', b')`` for an LM head ``[V, d]`` (numpy or torch), see calibration.fused_head."""
+        if self.base_model.served is not None:
+            raise IncompatibleModelError(
+                f"this adapter calibrates the served model {self.base_model.name} through its "
+                "API; it has no LM head to fuse into (fit on a local copy of the model to "
+                "export an engine)")
         tau, shift = self.tau, self.shift
         if not isinstance(weight, np.ndarray):
             import torch
@@ -295,7 +326,7 @@ class CalibrationAdapter:
             raise ArtifactError(f"{where}: base_model must be an object; re-create the adapter")
         check_keys(model, _MODEL_KEYS, {"name", "vocab_size"}, f"{where} base_model")
         identity = ModelIdentity(model["name"], model["vocab_size"],
-                                 model.get("tokenizer_sha256"))
+                                 model.get("tokenizer_sha256"), model.get("served"))
         _check_identity(identity, f"{where} base_model")
         kind = _string(data["kind"], "kind", where)
         created_by = _string(data["created_by"], "created_by", where)
@@ -346,8 +377,11 @@ class CalibrationAdapter:
         return {
             "temperature": self.temperature,
             "answer_temperature": self.answer_temperature,
-            "tau_min": float(self.tau.min()), "tau_max": float(self.tau.max()),
-            "shift_min": float(self.shift.min()), "shift_max": float(self.shift.max()),
+            # a served model's adapter has no per-token part: the identity's ranges
+            "tau_min": float(self.tau.min()) if self.tau.size else 1.0,
+            "tau_max": float(self.tau.max()) if self.tau.size else 1.0,
+            "shift_min": float(self.shift.min()) if self.shift.size else 0.0,
+            "shift_max": float(self.shift.max()) if self.shift.size else 0.0,
             "has_lora": self.lora_path is not None,
         }
 
@@ -496,6 +530,20 @@ def _check_identity(identity: Any, where: str) -> None:
         raise ArtifactError(f"{where}: name must be a non-empty string, got "
                             f"{show(identity.name)}; fix the manifest")
     vocab = identity.vocab_size
+    served = identity.served
+    if served is not None:
+        if not isinstance(served, Mapping) or set(served) != _SERVED_KEYS or not all(
+                isinstance(served[k], str) and served[k] for k in _SERVED_KEYS):
+            raise ArtifactError(f"{where}: served must be an object with the strings "
+                                f"{sorted(_SERVED_KEYS)}, got {show(served)}; fix the manifest")
+        if not served["endpoint"].startswith(("http://", "https://")):
+            raise ArtifactError(f"{where}: served.endpoint must be an http(s) URL, got "
+                                f"{show(served['endpoint'])}; fix the manifest")
+        if vocab != 0 or identity.tokenizer_sha256 is not None:
+            raise ArtifactError(f"{where}: a served model's vocab_size is 0 and its "
+                                f"tokenizer_sha256 null, got {show(vocab)} and "
+                                f"{show(identity.tokenizer_sha256)}; fix the manifest")
+        return
     if isinstance(vocab, bool) or not isinstance(vocab, int) or not 1 <= vocab <= MAX_VOCAB_SIZE:
         raise ArtifactError(f"base_model.vocab_size must be a positive integer of at most "
                             f"{MAX_VOCAB_SIZE}, got {show(vocab)}; fix the manifest")

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from calm_runtime import metrics
-from calm_runtime.artifact import CalibrationAdapter
+from calm_runtime.artifact import CalibrationAdapter, ModelIdentity
 from calm_runtime.calibration import apply_calibration
 from calm_runtime.data import MultipleChoiceRecord, dataset_hash, load_dataset, split_indices
 from calm_runtime.errors import ConfigError, DataError, FitError
@@ -31,6 +31,7 @@ from calm_runtime.prompts import DEFAULT_CLOZE_VARIANT, letter_tokens
 
 from . import daca
 from .cache import cached_option_scores
+from .remote import Endpoint, is_endpoint
 from .scoring import CLOZE_VARIANTS, MODES, OptionScores
 
 __all__ = ["FitConfig", "METHODS", "LABEL_FREE", "compare_methods", "fit_adapter",
@@ -329,14 +330,17 @@ def fit_adapter(config: FitConfig, method: str, out: str | Path, *, overwrite: b
         raise ConfigError(f"{out} already exists; choose another --out or pass --overwrite")
     if config.mode == "p_true":
         return _fit_p_true_adapter(config, method, out, overwrite=overwrite)
+    if method.endswith("-vector") and any(
+            is_endpoint(s) for s in (config.model, config.reference) if s):
+        raise ConfigError(f"{method} writes per-token weights, which need the model's token "
+                          "ids; a served model takes daca, naive or ts")
     prep = _prepare(config, need_reference=method in LABEL_FREE, progress=progress)
     fit = _fit(method, prep)
     _check_finite_temperature(fit)
     base, identity = _base_adapter(config)
-    folder = resolve_model(config.model)
     adapter = dataclasses.replace(base, kind=_kind(base, method), created_at=None)
     if isinstance(fit, daca.VectorFit):
-        _write_vector(adapter, fit, config, folder)
+        _write_vector(adapter, fit, config, resolve_model(config.model))
     elif config.mode == "cloze":
         adapter.answer_temperature = fit.temperature
     else:
@@ -355,7 +359,7 @@ def fit_adapter(config: FitConfig, method: str, out: str | Path, *, overwrite: b
     adapter.metrics = {"calibration_split": cal_metrics}
     adapter.provenance = {
         "model": identity.to_dict(),
-        "reference": (model_identity(resolve_model(config.reference)).to_dict()
+        "reference": (_identity(config, "reference").to_dict()
                       if method in LABEL_FREE else None),
         "data": config.data, "data_hash": dataset_hash(prep.records),
         "split": {"part": "calibration", "fraction": config.calibration_fraction,
@@ -367,10 +371,21 @@ def fit_adapter(config: FitConfig, method: str, out: str | Path, *, overwrite: b
     return adapter, {"fit": fit.to_dict(), "calibration_split": cal_metrics}
 
 
+def _identity(config: FitConfig, role: str) -> ModelIdentity:
+    """The identity an adapter records for ``config.model`` / ``config.reference``: a local
+    model's (vocabulary, tokenizer hash) or a served model's (endpoint, served name)."""
+    source = model_source(config, role)
+    if isinstance(source, Endpoint):
+        return ModelIdentity.served_model(source.base_url, source.model)
+    spec = getattr(config, role)
+    return model_identity(resolve_model(spec), name=spec if not Path(spec).exists() else None)
+
+
 def _base_adapter(config: FitConfig):
-    folder = resolve_model(config.model)
-    identity = model_identity(folder, name=config.model if not Path(config.model).exists()
-                              else None)
+    identity = _identity(config, "model")
+    if identity.served is not None and config.adapter:
+        raise ConfigError("fitting on top of an adapter (--adapter) needs the model locally; "
+                          "a served model is calibrated as it is served")
     base = (CalibrationAdapter.from_pretrained(config.adapter) if config.adapter
             else CalibrationAdapter.identity(identity))
     base.base_model.check_compatible(identity)
@@ -395,7 +410,7 @@ def _fit_p_true_adapter(config: FitConfig, method: str, out, *, overwrite: bool)
                       "settings": config.to_dict()}
     adapter.provenance = {
         "model": identity.to_dict(),
-        "reference": (model_identity(resolve_model(config.reference)).to_dict()
+        "reference": (_identity(config, "reference").to_dict()
                       if method in LABEL_FREE else None),
         "data": config.data, "data_hash": data_hash,
         "split": {"part": "calibration", "fraction": config.calibration_fraction,
