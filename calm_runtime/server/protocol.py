@@ -4,8 +4,9 @@ Requests are validated strictly: unknown fields are refused, as OpenAI does, and
 coerced (``"3"``, ``true`` or ``2.0`` is not an integer, ``1`` or ``"true"`` not a boolean;
 a number parameter takes any JSON number). Parameters calm cannot honour (``n > 1``,
 penalties, ``logit_bias``, ``echo`` except for prompt scoring with ``max_tokens`` 0, ...)
-are refused with a 400 that names them rather than silently ignored. Two extensions: ``top_k`` (as vLLM) and a
-``calm`` object, ``{"p_true": true}`` to score each choice's P(True).
+are refused with a 400 that names them rather than silently ignored. Two extensions:
+``top_k`` (as vLLM) and a ``calm`` object, ``{"p_true": true}`` to score each choice's
+P(True).
 
 Responses follow OpenAI's shapes, ``logprobs`` included (calibrated log-probabilities: the
 engine's logits are calibrated). Each choice carries one extension object ``calm`` with the
