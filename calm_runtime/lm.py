@@ -378,6 +378,35 @@ class CalibratedLM:
             choices.append(_choice(scores, "cloze", variant, self.answer_temperature))
         return choices
 
+    def choose_continuation(self, prompt_ids: Sequence[int], options: Sequence[str], *,
+                            variant: str | None = None) -> Choice:
+        """Calibrated probabilities of ``options`` as continuations of an encoded prompt, each
+        option's text appended exactly as given (a constrained choice: the answer is one of
+        the options). Cloze scoring by ``variant`` with the engine's answer temperature, as
+        :meth:`choose` does for ``"Question: ...\nAnswer:"`` and ``" " + option``."""
+        _check_question("the prompt", options)
+        variant = variant or self.default_variant
+        if variant not in CLOZE_VARIANTS:
+            raise ConfigError(f"unknown cloze variant {variant!r}; choose one of "
+                              f"{', '.join(CLOZE_VARIANTS)}")
+        context = [int(i) for i in prompt_ids]
+        if not context:
+            raise ConfigError("the prompt is empty; a choice needs a context to continue")
+        encoded = [self.tokenizer.encode(o, add_bos=False) for o in options]
+        empty = [k for k, c in enumerate(encoded) if not c]
+        if empty:
+            raise ConfigError(f"choice {empty[0]} ({options[empty[0]][:40]!r}) encodes to no "
+                              "tokens; give non-empty choices")
+        longest = max(len(c) for c in encoded)
+        self._check_length(len(context) + longest - 1,
+                           f"the prompt with its longest choice ({len(context)} + {longest} "
+                           "tokens)", "shorten the prompt or the choices")
+        sums = _scoring.cloze_logprobs(self.backend, [context], [encoded],
+                                       self.tokenizer.pad_token_id, 1)[0]
+        scores = cloze_option_scores(sums, [len(c) for c in encoded],
+                                     [option_char_count(o) for o in options], variant)
+        return _choice(scores, "cloze", variant, self.answer_temperature)
+
     def _choose_letters(self, questions, options, chat, size) -> list[Choice]:
         use_chat = self.tokenizer.use_chat(chat)
         table = self.manifest.option_tokens["chat" if use_chat else "plain"]

@@ -58,6 +58,7 @@ from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from .protocol import (
     FINISH_REASONS,
     APIError,
+    CalmOptions,
     ChatRequest,
     CompletionRequest,
     ErrorResponse,
@@ -159,6 +160,10 @@ def create_app(config: ServeConfig, lm: CalibratedLM | None = None) -> FastAPI:
                                "prompt")
         if req.echo:  # prompt scoring: one forward pass per prompt, no decoding
             return await server.echo(prompts, req)
+        constrained = req.choices()
+        if constrained is not None:
+            encoded = await run_in_threadpool(server.encode, prompts)
+            return await server.constrained(encoded, prompts, constrained, req, "completion")
         limit = server.max_tokens(req.max_tokens, config.default_max_tokens)
         options = server.options(req, top=req.logprobs or 0)
         encoded = await run_in_threadpool(server.encode, prompts)
@@ -186,7 +191,11 @@ def create_app(config: ServeConfig, lm: CalibratedLM | None = None) -> FastAPI:
         server.check_chars(sum(len(m["content"]) for m in messages), "the messages' text",
                            "messages")
         top = (req.top_logprobs or 0) if req.logprobs else 0
+        constrained = req.choices()
         ids = await run_in_threadpool(server.encode_chat, messages)
+        if constrained is not None:
+            return await server.constrained([ids], [users[-1] if users else ""], constrained,
+                                            req, "chat")
         job = Job(ids, limit, server.options(req, top=top),
                   users[-1] if req.wants_p_true else None, stream=bool(req.stream))
         server.submit([job])
@@ -665,6 +674,49 @@ class _Server:
             raise
         finally:
             gone.cancel()
+
+    async def constrained(self, encoded: list[list[int]], questions: list[str],
+                          choices: list[str], req, kind: str) -> dict:
+        """A constrained choice: the answer is the most probable of ``choices``; the
+        ``calm`` object carries the calibrated ``option_probabilities`` (in the given order).
+        Cloze: each choice's text continues the prompt as given; letter: the choices are
+        listed as ``A. ...`` after the question (the prompt, or the last user message)."""
+        options = req.calm or CalmOptions()
+        mode = options.choice_mode or "cloze"
+        out = []
+        for index, (ids, question) in enumerate(zip(encoded, questions, strict=True)):
+            try:
+                if mode == "cloze":
+                    picked = await run_in_threadpool(self.lm.choose_continuation, ids, choices)
+                else:
+                    if not question.strip():
+                        raise APIError(400, "letter-mode choice needs a question: a non-empty "
+                                       "prompt or user message", param="calm.choice_mode")
+                    picked = await run_in_threadpool(self.lm.choose, question, choices,
+                                                     "letter", chat=False)
+            except CalmError as exc:
+                raise APIError(400, str(exc)) from None
+            text = choices[picked.prediction]
+            extension = {"option_probabilities": [float(p) for p in picked.probabilities],
+                         "confidence": picked.confidence, "choice_mode": mode,
+                         "variant": picked.variant,
+                         "answer_temperature": picked.answer_temperature}
+            if options.abstain_below is not None:
+                extension["abstained"] = picked.confidence < options.abstain_below
+                extension["abstain_below"] = options.abstain_below
+            choice = {"index": index, "finish_reason": "stop", "logprobs": None,
+                      "calm": extension}
+            if kind == "completion":
+                choice["text"] = text
+            else:
+                choice["message"] = {"role": "assistant", "content": text}
+            out.append(choice)
+        prefix = "cmpl" if kind == "completion" else "chatcmpl"
+        body = self._envelope(f"{prefix}-{uuid.uuid4().hex}", kind)
+        prompt_tokens = sum(len(ids) for ids in encoded)
+        body.update(choices=out, usage={"prompt_tokens": prompt_tokens, "completion_tokens": 0,
+                                        "total_tokens": prompt_tokens})
+        return body
 
     async def echo(self, prompts: list[str], req) -> dict:
         """``echo`` with ``max_tokens`` 0: every prompt token's calibrated log-probability

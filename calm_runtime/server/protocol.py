@@ -30,6 +30,10 @@ __all__ = ["CompletionRequest", "ChatRequest", "ErrorResponse", "APIError", "FIN
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 
 
+#: limits of a constrained choice (``structured_outputs.choice`` / ``guided_choice``)
+MIN_CHOICES, MAX_CHOICES, MAX_CHOICE_CHARS = 2, 64, 1000
+
+
 class APIError(Exception):
     """An error answered with OpenAI's error object and an HTTP status."""
 
@@ -56,6 +60,17 @@ class StreamOptions(_Strict):
 
 class CalmOptions(_Strict):
     p_true: bool = False
+    #: how a constrained choice is scored: "cloze" (each choice's text as the continuation
+    #: of the prompt) or "letter" (the choices listed as A. B. ... after the prompt)
+    choice_mode: Literal["cloze", "letter"] | None = None
+    #: report ``abstained: true`` for a constrained choice whose confidence is below this
+    abstain_below: float | None = Field(None, ge=0, le=1)
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's constrained-output parameter; calm takes its ``choice`` form."""
+
+    choice: list[str] | None = None
 
 
 class _Common(_Strict):
@@ -73,6 +88,37 @@ class _Common(_Strict):
     frequency_penalty: float | None = 0.0
     logit_bias: dict | None = None
     calm: CalmOptions | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_choice: list[str] | None = None
+
+    def choices(self) -> list[str] | None:
+        """The constrained choice list (``structured_outputs.choice`` or the older
+        ``guided_choice``), checked; ``None`` when the request is unconstrained."""
+        given = [c for c in (self.structured_outputs and self.structured_outputs.choice,
+                             self.guided_choice) if c is not None]
+        if self.structured_outputs is not None and self.structured_outputs.choice is None:
+            raise APIError(400, "structured_outputs takes only 'choice' in calm serve",
+                           param="structured_outputs")
+        if not given:
+            return None
+        if len(given) == 2:
+            raise APIError(400, "send structured_outputs.choice or guided_choice, not both",
+                           param="guided_choice")
+        choices, param = given[0], ("structured_outputs.choice" if self.structured_outputs
+                                    else "guided_choice")
+        if not MIN_CHOICES <= len(choices) <= MAX_CHOICES:
+            raise APIError(400, f"a constrained choice takes {MIN_CHOICES} to {MAX_CHOICES} "
+                           f"choices, got {len(choices)}", param=param)
+        for index, choice in enumerate(choices):
+            if not choice.strip() or len(choice) > MAX_CHOICE_CHARS:
+                raise APIError(400, f"choice {index} must be non-empty text of at most "
+                               f"{MAX_CHOICE_CHARS} characters", param=param)
+        if len(set(choices)) != len(choices):
+            raise APIError(400, "the choices must be distinct", param=param)
+        if self.stream:
+            raise APIError(400, "a constrained choice is answered whole; send stream: false",
+                           param="stream")
+        return list(choices)
 
     def unsupported(self) -> list[str]:
         """Parameters set to something calm cannot honour."""

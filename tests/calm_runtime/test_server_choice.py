@@ -1,0 +1,95 @@
+"""Calibrated constrained choices in ``calm serve`` (vLLM's ``structured_outputs.choice`` and
+``guided_choice``), through the official ``openai`` client, against the runtime."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+
+from calm_runtime.lm import CalibratedLM  # noqa: E402
+from calm_runtime.prompts import cloze_context  # noqa: E402
+from calm_runtime.server import ServeConfig, create_app  # noqa: E402
+from calm_runtime.server.background import serve_in_background as running  # noqa: E402
+
+NAME = "tiny"
+QUESTION, OPTIONS = "what is red?", ["fire", "the blue sun", "dog"]
+
+
+@pytest.fixture(scope="module")
+def direct(runtime_engine):
+    lm = CalibratedLM.load(runtime_engine[2], threads=1)
+    yield lm
+    lm.close()
+
+
+@pytest.fixture(scope="module")
+def client(runtime_engine):
+    config = ServeConfig(engine=str(runtime_engine[2]), model_name=NAME, threads=1)
+    with running(create_app(config)) as (url, _):
+        yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.mark.parametrize("parameter", ["structured_outputs", "guided_choice"])
+def test_cloze_choice_equals_choose(client, direct, parameter):
+    choices = [" " + o for o in OPTIONS]  # choose() scores " option" after the context
+    body = ({"structured_outputs": {"choice": choices}} if parameter == "structured_outputs"
+            else {"guided_choice": choices})
+    out = client.completions.create(model=NAME, prompt=cloze_context(QUESTION), max_tokens=8,
+                                    extra_body=body)
+    calm = out.choices[0].model_extra["calm"]
+    probs = np.array(calm["option_probabilities"])
+    want = direct.choose(QUESTION, OPTIONS)
+    assert abs(probs.sum() - 1) < 1e-6
+    np.testing.assert_allclose(probs, want.probabilities, atol=1e-4)
+    assert out.choices[0].text == choices[int(np.argmax(probs))]
+    assert calm["confidence"] == pytest.approx(want.confidence, abs=1e-4)
+    assert "abstained" not in calm
+
+
+def test_letter_choice_and_abstention(client, direct):
+    body = {"guided_choice": OPTIONS, "calm": {"choice_mode": "letter", "abstain_below": 0.99}}
+    out = client.completions.create(model=NAME, prompt=QUESTION, max_tokens=4,
+                                    extra_body=body)
+    calm = out.choices[0].model_extra["calm"]
+    want = direct.choose(QUESTION, OPTIONS, mode="letter", chat=False)
+    np.testing.assert_allclose(calm["option_probabilities"], want.probabilities, atol=1e-4)
+    assert calm["abstained"] is True and calm["choice_mode"] == "letter"
+    assert out.choices[0].text == OPTIONS[want.prediction]  # the answer is still given
+    body["calm"]["abstain_below"] = 0.0
+    out = client.completions.create(model=NAME, prompt=QUESTION, max_tokens=4,
+                                    extra_body=body)
+    assert out.choices[0].model_extra["calm"]["abstained"] is False
+
+
+def test_chat_choice(client, direct):
+    out = client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": QUESTION}],
+        extra_body={"structured_outputs": {"choice": OPTIONS}})
+    calm = out.choices[0].model_extra["calm"]
+    ids = direct.tokenizer.encode(direct.tokenizer.render_chat(QUESTION), add_bos=False)
+    want = direct.choose_continuation(ids, OPTIONS)
+    np.testing.assert_allclose(calm["option_probabilities"], want.probabilities, atol=1e-4)
+    assert out.choices[0].message.content == OPTIONS[want.prediction]
+
+
+@pytest.mark.parametrize(("choices", "words"), [
+    ([], "2 to 64 choices"), (["only"], "2 to 64 choices"), (["a", "a"], "distinct"),
+    ([f"c{i}" for i in range(1000)], "2 to 64 choices"), (["a", "b" * 5000], "at most 1000"),
+    (["a", " "], "non-empty"),
+])
+def test_bad_choices_are_400(client, choices, words):
+    with pytest.raises(openai.BadRequestError, match=words):
+        client.completions.create(model=NAME, prompt="The cat", max_tokens=4,
+                                  extra_body={"guided_choice": choices})
+
+
+def test_other_structured_outputs_and_stream_are_400(client):
+    with pytest.raises(openai.BadRequestError, match="only 'choice'"):
+        client.completions.create(model=NAME, prompt="x", max_tokens=4,
+                                  extra_body={"structured_outputs": {}})
+    with pytest.raises(openai.BadRequestError, match="answered whole"):
+        client.completions.create(model=NAME, prompt="x", max_tokens=4, stream=True,
+                                  extra_body={"guided_choice": ["a", "b"]})
