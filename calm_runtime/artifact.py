@@ -76,7 +76,8 @@ LORA_DIR = "lora"
 MIGRATIONS: dict[int, Any] = {}
 
 _TOP_KEYS = {"schema_version", "kind", "created_by", "created_at", "base_model", "method",
-             "summary", "tensors", "lora", "metrics", "provenance", "p_true_template"}
+             "summary", "tensors", "lora", "metrics", "provenance", "p_true_template",
+             "abstention"}
 _REQUIRED_TOP = {"schema_version", "kind", "created_by", "base_model", "method", "tensors"}
 _MODEL_KEYS = {"name", "vocab_size", "tokenizer_sha256", "served"}
 _SERVED_KEYS = {"endpoint", "served_model"}
@@ -169,6 +170,9 @@ class CalibrationAdapter:
     metrics: dict = field(default_factory=dict)
     provenance: dict = field(default_factory=dict)
     p_true_template: dict | None = None
+    #: ``calm fit threshold``: ``{"threshold": t, ...}``; answers below ``t`` are marked
+    #: abstained by the runtime and the server (the rest is provenance of the choice)
+    abstention: dict | None = None
     #: a peft LoRA folder (inside a loaded artifact, or a source folder to copy on save)
     lora_path: Path | None = None
     created_by: str = f"calm {__version__}"
@@ -226,6 +230,7 @@ class CalibrationAdapter:
             setattr(self, name, _mapping(getattr(self, name), name, "the adapter"))
         if self.p_true_template is not None:
             check_p_true_template(self.p_true_template, "the adapter", allow_name=True)
+        self.abstention = check_abstention(self.abstention, "the adapter")
 
     # ------------------------------------------------------------------ math
     def calibrate(self, logits):
@@ -294,6 +299,8 @@ class CalibrationAdapter:
             "provenance": dict(self.provenance),
             "p_true_template": self.p_true_template,
         }
+        if self.abstention is not None:
+            manifest["abstention"] = dict(self.abstention)
         target = Path(path)
         with atomic_directory(target, overwrite=overwrite) as staging:
             save_file(tensors, str(staging / TENSORS_NAME))
@@ -366,6 +373,7 @@ class CalibrationAdapter:
             metrics=metrics,
             provenance=provenance,
             p_true_template=p_true,
+            abstention=check_abstention(data.get("abstention"), where),
             lora_path=lora_path,
             created_by=created_by,
             created_at=created_at,
@@ -521,6 +529,22 @@ def _check_entries(entries: Any, header: dict[str, dict], path: Path, where: str
         if not _int_list(entry["shape"]) or entry["shape"] != shape:
             raise mismatch(f"{name!r} has shape {show(entry['shape'])} in the manifest, "
                            f"{shape} in the file")
+
+
+def check_abstention(value: Any, where: str) -> dict | None:
+    """``None``, or an object whose ``threshold`` is a number in [0, 1] (other keys: how it
+    was chosen)."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or "threshold" not in value:
+        raise ArtifactError(f"{where}: abstention must be an object with a threshold, got "
+                            f"{show(value)}; re-run calm fit threshold")
+    threshold = value["threshold"]
+    if (isinstance(threshold, bool) or not isinstance(threshold, int | float)
+            or not 0.0 <= threshold <= 1.0):
+        raise ArtifactError(f"{where}: abstention.threshold must be a number in [0, 1], got "
+                            f"{show(threshold)}; re-run calm fit threshold")
+    return dict(value)
 
 
 def _check_identity(identity: Any, where: str) -> None:

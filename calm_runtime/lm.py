@@ -77,6 +77,16 @@ def recorded_cloze_variant(manifest: EngineManifest) -> str | None:
     return value if value in CLOZE_VARIANTS else None
 
 
+def recorded_threshold(manifest: EngineManifest) -> float | None:
+    """The abstention threshold ``calm fit threshold`` chose, if the engine records one."""
+    abstention = (manifest.export or {}).get("abstention")
+    if isinstance(abstention, Mapping):
+        value = abstention.get("threshold")
+        if isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value <= 1:
+            return float(value)
+    return None
+
+
 class CalibratedLM:
     """A calibrated engine ready to generate and score; build it with :meth:`load`."""
 
@@ -88,6 +98,9 @@ class CalibratedLM:
         self.max_context: int = manifest.model["max_position_embeddings"]
         recorded = recorded_cloze_variant(manifest)
         self.default_variant: str = recorded or DEFAULT_CLOZE_VARIANT
+        #: answers with a confidence below this are marked abstained (calm fit threshold,
+        #: recorded in the engine by calm-export); None: never
+        self.abstain_below: float | None = recorded_threshold(manifest)
         if recorded is None and manifest.answer_temperature is not None:
             logger.warning("%s has an answer_temperature but does not record the cloze variant "
                            "it was fitted on; cloze scores use %r unless variant= says "
@@ -375,7 +388,8 @@ class CalibratedLM:
         for total, cont, opts in zip(sums, conts, options, strict=True):
             scores = cloze_option_scores(total, [len(c) for c in cont],
                                          [option_char_count(o) for o in opts], variant)
-            choices.append(_choice(scores, "cloze", variant, self.answer_temperature))
+            choices.append(_choice(scores, "cloze", variant, self.answer_temperature,
+                                   self.abstain_below))
         return choices
 
     def choose_continuation(self, prompt_ids: Sequence[int], options: Sequence[str], *,
@@ -405,7 +419,7 @@ class CalibratedLM:
                                        self.tokenizer.pad_token_id, 1)[0]
         scores = cloze_option_scores(sums, [len(c) for c in encoded],
                                      [option_char_count(o) for o in options], variant)
-        return _choice(scores, "cloze", variant, self.answer_temperature)
+        return _choice(scores, "cloze", variant, self.answer_temperature, self.abstain_below)
 
     def _choose_letters(self, questions, options, chat, size) -> list[Choice]:
         use_chat = self.tokenizer.use_chat(chat)
@@ -425,7 +439,8 @@ class CalibratedLM:
             ids.append([table[t] for t in texts])
         logits = _scoring.next_token_logits(self.backend, prompts, self.tokenizer.pad_token_id,
                                             size)
-        return [_choice(logits[n, token_ids].astype(np.float64), "letter", None, 1.0)
+        return [_choice(logits[n, token_ids].astype(np.float64), "letter", None, 1.0,
+                        self.abstain_below)
                 for n, token_ids in enumerate(ids)]
 
     # ------------------------------------------------------------------ P(True)
@@ -487,14 +502,16 @@ class CalibratedLM:
                               f"{self.max_context}; {fix}")
 
 
-def _choice(scores: np.ndarray, mode: str, variant: str | None, temperature: float) -> Choice:
+def _choice(scores: np.ndarray, mode: str, variant: str | None, temperature: float,
+            abstain_below: float | None = None) -> Choice:
     z = apply_calibration(np.asarray(scores, dtype=np.float64), temperature=temperature)
     e = np.exp(z - z.max())
     probs = e / e.sum()
     best = int(np.argmax(probs))
     return Choice(probabilities=probs, prediction=best, confidence=float(probs[best]),
                   scores=np.asarray(scores, dtype=np.float64), mode=mode, variant=variant,
-                  answer_temperature=temperature)
+                  answer_temperature=temperature,
+                  abstained=None if abstain_below is None else bool(probs[best] < abstain_below))
 
 
 def _check_question(question, options) -> None:

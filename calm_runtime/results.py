@@ -163,6 +163,8 @@ class Choice:
         mode: ``"letter"`` or ``"cloze"``.
         variant: cloze scoring variant (``"sum"``, ``"mean"``, ``"char"``; None in letter mode).
         answer_temperature: the temperature applied to the scores (1.0 when none).
+        abstained: whether the confidence is below the engine's abstention threshold
+            (``calm fit threshold``); ``None`` when the engine has none.
     """
 
     probabilities: np.ndarray
@@ -172,9 +174,10 @@ class Choice:
     mode: str
     variant: str | None
     answer_temperature: float
+    abstained: bool | None = None
 
     def to_dict(self) -> dict:
         return {"probabilities": self.probabilities.tolist(), "prediction": self.prediction,
                 "confidence": self.confidence, "scores": self.scores.tolist(),
                 "mode": self.mode, "variant": self.variant,
-                "answer_temperature": self.answer_temperature}
+                "answer_temperature": self.answer_temperature, "abstained": self.abstained}

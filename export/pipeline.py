@@ -233,7 +233,9 @@ def _export(model_spec, out: Path, adapter_arg, config: ExportConfig,
                            "source_head_tied": was_tied, "genai_config": genai,
                            "tensorrt": trt_settings,
                            # the cloze score answer_temperature was fitted on (runtime reads it)
-                           "cloze_variant": _cloze_variant(adapter)}
+                           "cloze_variant": _cloze_variant(adapter),
+                           # calm fit threshold: the runtime marks answers below it abstained
+                           "abstention": adapter.abstention}
         if config.variant:  # "int8" / "fp16": scheme, excluded nodes, sizes, drift
             export_settings[config.variant] = variant_facts
 

@@ -6,6 +6,7 @@ Importing this module is cheap (no torch); each handler imports what it needs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -18,6 +19,8 @@ __all__ = ["register"]
 logger = logging.getLogger(__name__)
 
 FIT_EPILOG = """examples:
+  calm fit threshold --model smollm2-135m-instruct --adapter adapters/daca-smollm2 \\
+      --data arc-easy --risk 0.3 --out adapters/daca-abstain
   calm fit daca --model smollm2-135m-instruct --reference gemma-3-270m --data arc-easy \\
       --mode cloze --out adapters/daca-smollm2
   calm fit ts --model smollm2-135m-instruct --data arc-easy --mode letter --out adapters/ts
@@ -33,11 +36,18 @@ def register(sub) -> None:
 
     fit = sub.add_parser("fit", help="fit a post-hoc calibration adapter", epilog=FIT_EPILOG,
                          formatter_class=argparse.RawDescriptionHelpFormatter)
-    fit.add_argument("method", choices=[m for m in METHODS if m != "vanilla"],
+    fit.add_argument("method", choices=[*(m for m in METHODS if m != "vanilla"), "threshold"],
                      help="daca/naive/daca-vector are label-free (need --reference); "
-                          "ts/ts-vector use the labels of the calibration split")
+                          "ts/ts-vector use the labels of the calibration split; threshold "
+                          "picks an abstention threshold for --adapter (see --risk)")
     _add_common(fit, DEFAULT_VARIANT)
     fit.add_argument("--adapter", help="fit on top of this adapter (e.g. a CALM adapter)")
+    fit.add_argument("--risk", type=float, default=0.1,
+                     help="threshold: the selective risk (share of wrong answers kept) to stay "
+                          "at or below (default 0.1)")
+    fit.add_argument("--risk-confidence", type=float, default=0.95,
+                     help="threshold: the probability of staying below --risk, by a "
+                          "Clopper-Pearson bound on the calibration split (default 0.95)")
     fit.add_argument("--out", required=True, help="adapter directory to write")
     fit.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     fit.set_defaults(handler=_fit)
@@ -137,9 +147,24 @@ def _progress(args) -> bool:
 def _fit(args) -> int:
     from calm_training.fit import fit_adapter
 
-    adapter, report = fit_adapter(_config(args), args.method, args.out,
+    config = dataclasses.replace(_config(args), risk=args.risk,
+                                 risk_confidence=args.risk_confidence)
+    adapter, report = fit_adapter(config, args.method, args.out,
                                   overwrite=args.overwrite, progress=_progress(args))
     fit = report["fit"]
+    if args.method == "threshold":
+        test = report["test_split"]
+        print(f"wrote {args.out}: abstain below confidence {fit['threshold']:.4f} (risk "
+              f"<= {fit['risk']:g} with probability {fit['confidence']:g}; calibration "
+              f"split: coverage {fit['coverage']:.3f}, selective risk "
+              f"{fit['selective_risk']:.3f}, bound {fit['risk_upper_bound']:.3f}, "
+              f"n={fit['n']})")
+        if test:
+            risk = test["selective_risk"]
+            print(f"test split: coverage {test['coverage']:.3f}, selective risk "
+                  f"{'-' if risk is None else f'{risk:.3f}'} (without abstention "
+                  f"{test['risk_without_abstention']:.3f}, n={test['n']})")
+        return 0
     print(f"wrote {args.out} (kind {adapter.kind})")
     print(_fit_line(fit))
     split = report["calibration_split"]

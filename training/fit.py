@@ -76,6 +76,8 @@ class FitConfig:
             are endpoint URLs (``None``: the single model the endpoint lists).
         api_key_env: the environment variable holding the endpoints' API key.
         concurrency: requests in flight per endpoint.
+        risk, risk_confidence: ``calm fit threshold``: the selective risk to stay at or
+            below, and the probability with which (see :mod:`calm_training.threshold`).
     """
 
     model: str
@@ -98,9 +100,15 @@ class FitConfig:
     reference_name: str | None = None
     api_key_env: str = "OPENAI_API_KEY"
     concurrency: int = 8
+    risk: float = 0.1
+    risk_confidence: float = 0.95
 
     def __post_init__(self) -> None:
         problems = []
+        if not 0 < self.risk < 1:
+            problems.append(f"risk {self.risk!r} must lie strictly between 0 and 1")
+        if not 0.5 <= self.risk_confidence < 1:
+            problems.append(f"risk_confidence {self.risk_confidence!r} must lie in [0.5, 1)")
         if not isinstance(self.concurrency, int) or self.concurrency < 1:
             problems.append(f"concurrency {self.concurrency!r} must be an integer >= 1")
         if self.max_length is not None and (not isinstance(self.max_length, int)
@@ -328,6 +336,8 @@ def fit_adapter(config: FitConfig, method: str, out: str | Path, *, overwrite: b
                           f"{', '.join(m for m in METHODS if m != 'vanilla')}")
     if Path(out).exists() and not overwrite:
         raise ConfigError(f"{out} already exists; choose another --out or pass --overwrite")
+    if method == "threshold":
+        return _fit_threshold_adapter(config, out, overwrite=overwrite, progress=progress)
     if config.mode == "p_true":
         return _fit_p_true_adapter(config, method, out, overwrite=overwrite)
     if method.endswith("-vector") and any(
@@ -369,6 +379,46 @@ def fit_adapter(config: FitConfig, method: str, out: str | Path, *, overwrite: b
     adapter.validate()
     adapter.save_pretrained(out, overwrite=overwrite)
     return adapter, {"fit": fit.to_dict(), "calibration_split": cal_metrics}
+
+
+def _fit_threshold_adapter(config: FitConfig, out, *, overwrite: bool, progress: bool):
+    """``calm fit threshold``: the base adapter (``config.adapter``, else the identity) with
+    the abstention threshold chosen on the calibration split; the test split's coverage and
+    selective risk at that threshold are reported (and recorded) beside it."""
+    from .threshold import fit_threshold
+
+    if config.mode == "p_true":
+        raise ConfigError("calm fit threshold works on multiple-choice answers; use cloze or "
+                          "letter mode")
+    prep = _prepare(config, need_reference=False, progress=progress)
+    base, identity = _base_adapter(config)
+    scores = prep.polm
+    if identity.served is not None and config.mode == "letter":  # no engine to fuse T into
+        scores = scores / base.temperature
+    t_ans = (base.answer_temperature or 1.0) if config.mode == "cloze" else 1.0
+    probs = option_probabilities(scores, t_ans)
+    conf = probs.max(axis=1)
+    labels = _labeled(prep, prep.cal, "calibration")
+    fit = fit_threshold(conf[prep.cal], (probs[prep.cal].argmax(1) == labels).astype(float),
+                        risk=config.risk, confidence=config.risk_confidence)
+    test = {}
+    if (prep.labels[prep.test] >= 0).all() and prep.test.size:
+        kept = conf[prep.test] >= fit.threshold
+        right = probs[prep.test].argmax(1) == prep.labels[prep.test]
+        test = {"n": int(prep.test.size), "coverage": float(kept.mean()),
+                "selective_risk": (float(1 - right[kept].mean()) if kept.any() else None),
+                "risk_without_abstention": float(1 - right.mean())}
+    adapter = dataclasses.replace(
+        base, created_at=None,
+        abstention={**fit.to_dict(), "mode": config.mode,
+                    "variant": config.variant if config.mode == "cloze" else None,
+                    "data": config.data, "test_split": test})
+    if not config.adapter:
+        adapter.method = {"name": "threshold", "mode": config.mode,
+                          "variant": config.variant if config.mode == "cloze" else None,
+                          "settings": config.to_dict()}
+    adapter.save_pretrained(out, overwrite=overwrite)
+    return adapter, {"fit": fit.to_dict(), "test_split": test}
 
 
 def _identity(config: FitConfig, role: str) -> ModelIdentity:

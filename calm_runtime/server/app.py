@@ -701,9 +701,11 @@ class _Server:
                          "confidence": picked.confidence, "choice_mode": mode,
                          "variant": picked.variant,
                          "answer_temperature": picked.answer_temperature}
-            if options.abstain_below is not None:
-                extension["abstained"] = picked.confidence < options.abstain_below
-                extension["abstain_below"] = options.abstain_below
+            below = (options.abstain_below if options.abstain_below is not None
+                     else self.lm.abstain_below)  # the request's, else the engine's
+            if below is not None:
+                extension["abstained"] = picked.confidence < below
+                extension["abstain_below"] = below
             choice = {"index": index, "finish_reason": "stop", "logprobs": None,
                       "calm": extension}
             if kind == "completion":

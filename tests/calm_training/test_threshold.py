@@ -1,0 +1,78 @@
+"""Abstention: the threshold's risk bound, its choice, and its way from the adapter through the
+engine to the runtime's choices."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from calm_runtime.errors import ArtifactError, FitError
+from calm_training.threshold import binomial_upper_bound, fit_threshold
+
+
+def test_clopper_pearson_upper_bound_matches_the_beta_quantile():
+    stats = pytest.importorskip("scipy.stats")
+    for errors, n in [(0, 10), (1, 100), (5, 50), (30, 40), (0, 1), (7, 7)]:
+        want = 1.0 if errors >= n else stats.beta.ppf(0.95, errors + 1, n - errors)
+        assert binomial_upper_bound(errors, n, 0.95) == pytest.approx(want, abs=1e-9)
+    assert binomial_upper_bound(0, 10, 0.95) == pytest.approx(1 - 0.05 ** (1 / 10))
+
+
+def test_threshold_is_the_last_passing_one_scanning_down():
+    # 60 confident right answers, then a band where half are wrong, then mostly wrong
+    conf = np.r_[np.linspace(0.99, 0.80, 60), np.linspace(0.79, 0.60, 40),
+                 np.linspace(0.59, 0.30, 50)]
+    correct = np.r_[np.ones(60), np.tile([1.0, 0.0], 20), np.r_[np.ones(5), np.zeros(45)]]
+    fit = fit_threshold(conf, correct, risk=0.1, confidence=0.95)
+    kept = conf >= fit.threshold
+    errors = int(kept.sum() - correct[kept].sum())
+    assert fit.n_kept == kept.sum() and fit.selective_risk == errors / kept.sum()
+    assert fit.risk_upper_bound <= 0.1
+    below = conf[conf < fit.threshold].max()  # the next candidate fails the bound
+    kept_next = conf >= below
+    assert binomial_upper_bound(int(kept_next.sum() - correct[kept_next].sum()),
+                                int(kept_next.sum()), 0.95) > 0.1
+    assert fit.risk_upper_bound == pytest.approx(binomial_upper_bound(errors, int(kept.sum()),
+                                                                      0.95))
+    assert 0.7 < fit.threshold <= 0.80  # past the clean band, before the 50/50 band bites
+    looser = fit_threshold(conf, correct, risk=0.3, confidence=0.95)
+    assert looser.threshold < fit.threshold and looser.coverage > fit.coverage
+    with pytest.raises(FitError, match="no threshold keeps the selective risk"):
+        fit_threshold(conf[60:], correct[60:], risk=0.05)
+
+
+def test_the_adapter_keeps_the_threshold(tmp_path):
+    from calm_runtime import CalibrationAdapter, ModelIdentity
+
+    adapter = CalibrationAdapter.identity(ModelIdentity("m", 8),
+                                          abstention={"threshold": 0.7, "risk": 0.1})
+    adapter.save_pretrained(tmp_path / "a")
+    assert CalibrationAdapter.from_pretrained(tmp_path / "a").abstention == {
+        "threshold": 0.7, "risk": 0.1}
+    with pytest.raises(ArtifactError, match="abstention.threshold must be a number in"):
+        CalibrationAdapter.identity(ModelIdentity("m", 8), abstention={"threshold": 1.5})
+
+
+def test_fit_threshold_to_engine_to_choices(tiny_llama_tied, mc_file, tmp_path):
+    """calm fit threshold writes it, calm-export carries it, the runtime marks choices."""
+    pytest.importorskip("onnxruntime")
+    from calm_export.config import ExportConfig
+    from calm_export.pipeline import export_engine
+    from calm_runtime import CalibratedLM
+    from calm_runtime.data import load_dataset
+    from calm_training.fit import FitConfig, fit_adapter
+
+    config = FitConfig(model=str(tiny_llama_tied), data=str(mc_file), mode="cloze",
+                       risk=0.9, risk_confidence=0.6, bootstrap=0)
+    adapter, report = fit_adapter(config, "threshold", tmp_path / "adapter", progress=False)
+    threshold = adapter.abstention["threshold"]
+    assert report["fit"]["threshold"] == threshold and report["test_split"]["n"] > 0
+    export_engine(tiny_llama_tied, tmp_path / "engine", adapter=tmp_path / "adapter",
+                  config=ExportConfig(greedy_steps=2, progress=False, exporter="torchscript"))
+    lm = CalibratedLM.load(tmp_path / "engine", threads=1)
+    assert lm.abstain_below == pytest.approx(threshold)
+    records = load_dataset(str(mc_file))[:8]
+    choices = lm.choose_batch([r.question for r in records], [r.choices for r in records])
+    for choice in choices:
+        assert choice.abstained == (choice.confidence < threshold)
+    lm.close()
