@@ -31,7 +31,13 @@ from _common import git_commit
 
 from calm_runtime.cli import install_named
 from calm_runtime.models import resolve_model
-from calm_training.fit import FitConfig, compare_methods, format_table, model_source
+from calm_training.fit import (
+    FitConfig,
+    compare_methods,
+    format_selective_table,
+    format_table,
+    model_source,
+)
 
 HERE = Path(__file__).resolve().parent
 METHODS = ("vanilla", "naive", "daca", "ts")
@@ -71,6 +77,33 @@ def _serve(engine: Path, name: str, workers: int) -> tuple[subprocess.Popen, str
             time.sleep(1)
 
 
+def markdown(payload: dict) -> str:
+    """served.md from served.json."""
+    provenance, local, remote = payload["provenance"], payload["local"], payload["remote"]
+    cfg = local["config"]
+    worst = {k: max((d.get(k, 0.0) for d in payload["differences"].values()), default=0.0)
+             for k in ("accuracy", "ece", "nll", "temperature_rel")}
+    timings = payload["model_scoring_s_by_concurrency"]
+    lines = [f"# Calibrating a served model\n\nProduced by `{provenance['command']}` at commit "
+             f"{provenance['commit']} on {provenance['date']}"
+             + (f"; rendered by `{provenance['rendered']['command']}` at commit "
+                f"{provenance['rendered']['commit']}" if "rendered" in provenance else "")
+             + f". The model and the reference as uncalibrated engines behind `calm serve` "
+             "(the model with `--workers 2`), against the same models loaded locally; "
+             f"{cfg['mode']} mode, no chat template, {local['n_test']} test questions.\n",
+             "## Local\n", format_table(local), "",
+             "Selective accuracy (local; accuracy of the answers kept at each confidence "
+             "threshold, share kept in parentheses):\n", format_selective_table(local), "",
+             "## Through the endpoints\n", format_table(remote), "",
+             f"Largest local-vs-served difference over the methods: accuracy "
+             f"{worst['accuracy']:.2g}, ECE {worst['ece']:.2g}, NLL {worst['nll']:.2g}, "
+             f"fitted temperature (relative) {worst['temperature_rel']:.2g}.", "",
+             f"Scoring the model's {local['n_records']} questions through its endpoint from an "
+             "empty request cache: "
+             + ", ".join(f"concurrency {c}: {s} s" for c, s in timings.items()) + "."]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -82,8 +115,19 @@ def main(argv=None) -> int:
     parser.add_argument("--engines", default=str(Path(tempfile.gettempdir()) / "calm-served"),
                         help="where the engines are exported (reused when present)")
     parser.add_argument("--out", default=str(HERE / "results"))
+    parser.add_argument("--render", action="store_true",
+                        help="no scoring: rewrite OUT/served.md from OUT/served.json")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if args.render:
+        path = Path(args.out) / "served.json"
+        payload = json.loads(path.read_text())
+        payload["provenance"]["rendered"] = {
+            "command": "python benchmarks/served.py --render", "commit": git_commit(),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+        path.write_text(json.dumps(payload, indent=1, allow_nan=False) + "\n")
+        (Path(args.out) / "served.md").write_text(markdown(payload))
+        return 0
     install_named([args.model, args.reference], [args.data])  # a command line: it may install
     command = "python benchmarks/served.py " + " ".join(argv if argv is not None
                                                         else sys.argv[1:])
@@ -146,23 +190,9 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "served.json").write_text(json.dumps(payload, indent=1, allow_nan=False) + "\n")
-    worst = {k: max((d.get(k, 0.0) for d in diffs.values()), default=0.0)
-             for k in ("accuracy", "ece", "nll", "temperature_rel")}
-    lines = [f"# Calibrating a served model\n\nProduced by `{provenance['command']}` at commit "
-             f"{provenance['commit']} on {provenance['date']}. The model ({args.model}) and "
-             f"the reference ({args.reference}) as uncalibrated engines behind `calm serve` "
-             "(the model with `--workers 2`), against the same models loaded locally; "
-             f"{args.mode} mode, no chat template.\n",
-             "## Local\n", format_table(local_report), "", "## Through the endpoints\n",
-             format_table(remote_report), "",
-             f"Largest local-vs-served difference over the methods: accuracy "
-             f"{worst['accuracy']:.2g}, ECE {worst['ece']:.2g}, NLL {worst['nll']:.2g}, "
-             f"fitted temperature (relative) {worst['temperature_rel']:.2g}.", "",
-             "Scoring the model's "
-             f"{len(records)} questions through its endpoint from an empty request cache: "
-             + ", ".join(f"concurrency {c}: {s} s" for c, s in timings.items()) + "."]
-    (out / "served.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    text = markdown(payload)
+    (out / "served.md").write_text(text)
+    print(text)
     return 0
 
 
