@@ -216,3 +216,26 @@ def private_calm_cache(tmp_path_factory):
 def mc_file(tmp_path_factory):
     """A 40-record multiple-choice JSONL file (:func:`write_mc_jsonl`)."""
     return write_mc_jsonl(tmp_path_factory.mktemp("data") / "mc.jsonl")
+
+
+@pytest.fixture(scope="module")
+def runtime_lm(runtime_engine):
+    """The runtime engine loaded with calm_runtime (one thread)."""
+    from calm_runtime.lm import CalibratedLM
+
+    lm = CalibratedLM.load(runtime_engine[2], threads=1)
+    yield lm
+    lm.close()
+
+
+@pytest.fixture(scope="module")
+def runtime_openai(runtime_engine):
+    """An ``openai`` client of ``calm serve`` on the runtime engine (served as ``tiny``)."""
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    from calm_runtime.server import ServeConfig, create_app
+    from calm_runtime.server.background import serve_in_background
+
+    config = ServeConfig(engine=str(runtime_engine[2]), model_name="tiny", threads=1)
+    with serve_in_background(create_app(config)) as (url, _):
+        yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)

@@ -9,10 +9,7 @@ import pytest
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
-from calm_runtime.lm import CalibratedLM  # noqa: E402
 from calm_runtime.prompts import cloze_context, cloze_continuation  # noqa: E402
-from calm_runtime.server import ServeConfig, create_app  # noqa: E402
-from calm_runtime.server.background import serve_in_background as running  # noqa: E402
 
 NAME = "tiny"
 QUESTIONS = [("what is red?", ("fire", "the blue sun", "dog")),
@@ -20,17 +17,13 @@ QUESTIONS = [("what is red?", ("fire", "the blue sun", "dog")),
 
 
 @pytest.fixture(scope="module")
-def direct(runtime_engine):
-    lm = CalibratedLM.load(runtime_engine[2], threads=1)
-    yield lm
-    lm.close()
+def direct(runtime_lm):
+    return runtime_lm
 
 
 @pytest.fixture(scope="module")
-def client(runtime_engine):
-    config = ServeConfig(engine=str(runtime_engine[2]), model_name=NAME, threads=1)
-    with running(create_app(config)) as (url, _):
-        yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+def client(runtime_openai):
+    return runtime_openai
 
 
 def test_prompt_logprobs_give_the_cloze_scores(direct):
