@@ -112,9 +112,11 @@ def test_daca_through_served_models_equals_the_local_path(served, questions, tmp
     local = FitConfig(model=str(smol), reference=str(tiny), **common)
     remote = FitConfig(model=urls["model"], reference=urls["reference"], concurrency=4,
                        **common)
-    # DACA, and labeled TS (in letter mode the random reference has no signal, so DACA has
-    # no finite optimum there: both paths must then refuse alike)
-    for method in ("daca", "ts"):
+    # DACA and labeled TS. In letter mode the random tiny reference rarely has a letter among
+    # the 20 alternatives a server returns, so its served scores are floored (the documented
+    # approximation, counted in the log) and only the model's own path (TS) can be exact.
+    methods = ("daca", "ts") if mode == "cloze" else ("ts",)
+    for method in methods:
         outcomes = []
         for name, config in (("local", local), ("remote", remote)):
             try:
@@ -136,9 +138,9 @@ def test_daca_through_served_models_equals_the_local_path(served, questions, tmp
     assert adapter.base_model.vocab_size == 0 and adapter.tau.size == 0
     assert "key" not in json.dumps(adapter.provenance).lower()
 
-    tables = [compare_methods(config, ("vanilla", "naive", "daca", "ts"), progress=False)
-              for config in (local, remote)]
-    for name in ("vanilla", "naive", "daca", "ts"):
+    compared = ("vanilla", "naive", "daca", "ts") if mode == "cloze" else ("vanilla", "ts")
+    tables = [compare_methods(config, compared, progress=False) for config in (local, remote)]
+    for name in compared:
         a, b = tables[0]["methods"][name], tables[1]["methods"][name]
         if "error" in a:
             assert b == a, name
