@@ -7,16 +7,14 @@ Below the threshold the runtime still returns the probabilities but marks the an
 
 * For a candidate threshold ``t`` keeping ``n`` answers with ``e`` errors, the risk's upper
   bound is the one-sided Clopper–Pearson bound: the ``p`` with ``P(Binomial(n, p) <= e) =
-  1 - confidence``.
-* Candidates are the distinct confidences, tested from the highest down (fixed-sequence
-  testing); the scan stops at the first candidate whose bound exceeds ``risk``. Testing in a
-  fixed order and stopping at the first failure keeps the overall error probability at
-  ``1 - confidence`` without a multiple-testing correction, so the guarantee holds for the
-  threshold chosen, not only for each candidate alone (on new questions drawn like the
-  calibration split). The scan starts at the first candidate that keeps at least
-  ``n_min = ceil(log(1 - confidence) / log(1 - risk))`` answers — the fewest with which even
-  zero errors can pass — a starting point fixed by ``risk`` and ``confidence`` alone, so the
-  order of the tests does not depend on the labels.
+  delta``.
+* The candidates are a grid fixed in advance, :data:`GRID` (0.05, 0.10, ..., 0.95), and each
+  is tested at ``delta = (1 - confidence) / len(GRID)`` (Bonferroni), so the chance that any
+  accepted candidate's true risk exceeds ``risk`` is at most ``1 - confidence``: the
+  guarantee holds for the threshold chosen (the lowest accepted), on new questions drawn like
+  the calibration split. (Scanning down from the most confident answers and stopping at the
+  first failure needs no correction, but one badly ranked answer at the top stops it; the
+  fixed grid does not depend on how the top few are ranked.)
 """
 
 from __future__ import annotations
@@ -28,7 +26,10 @@ import numpy as np
 
 from calm_runtime.errors import ConfigError, FitError
 
-__all__ = ["ThresholdFit", "binomial_upper_bound", "fit_threshold"]
+__all__ = ["GRID", "ThresholdFit", "binomial_upper_bound", "fit_threshold"]
+
+#: The candidate thresholds, fixed before the data is seen.
+GRID = tuple(round(0.05 * i, 2) for i in range(1, 20))
 
 
 @dataclass(frozen=True)
@@ -88,28 +89,29 @@ def fit_threshold(confidences, correct, *, risk: float, confidence: float = 0.95
     ok = np.asarray(correct, dtype=np.float64)
     if conf.ndim != 1 or conf.shape != ok.shape or conf.size == 0:
         raise ConfigError("confidences and correct must be equal-length non-empty vectors")
-    order = np.argsort(-conf, kind="stable")
-    conf, ok = conf[order], ok[order]
     best = None
-    n_min = math.ceil(math.log(1.0 - confidence) / math.log(1.0 - risk))
-    for t in np.unique(conf)[::-1]:  # highest first
+    delta = (1.0 - confidence) / len(GRID)
+    for t in GRID[::-1]:  # every candidate is tested; the lowest accepted one is kept
         kept = conf >= t
         n_kept = int(kept.sum())
-        if n_kept < n_min:
+        if not n_kept:
             continue
         errors = int(n_kept - ok[kept].sum())
-        bound = binomial_upper_bound(errors, n_kept, confidence)
-        if bound > risk:
-            break
-        best = ThresholdFit(threshold=float(t), risk=risk, confidence=confidence,
-                            coverage=n_kept / conf.size, selective_risk=errors / n_kept,
-                            risk_upper_bound=bound, n=int(conf.size), n_kept=n_kept)
+        bound = binomial_upper_bound(errors, n_kept, 1.0 - delta)
+        if bound <= risk:
+            best = ThresholdFit(threshold=float(t), risk=risk, confidence=confidence,
+                                coverage=n_kept / conf.size, selective_risk=errors / n_kept,
+                                risk_upper_bound=bound, n=int(conf.size), n_kept=n_kept)
     if best is None:
-        kept = conf >= conf[min(n_min, conf.size) - 1]
-        n_top = int(kept.sum())
-        bound = binomial_upper_bound(int(n_top - ok[kept].sum()), n_top, confidence)
-        raise FitError(f"no threshold keeps the selective risk at or below {risk:g} with "
-                       f"probability {confidence:g} on these {conf.size} answers (even the "
-                       f"{n_top} most confident have a risk bound of {bound:.3f}); allow a "
-                       "higher --risk or use more calibration data")
+        bounds = []
+        for t in GRID:
+            kept = conf >= t
+            if kept.any():
+                n_kept = int(kept.sum())
+                bounds.append(binomial_upper_bound(int(n_kept - ok[kept].sum()), n_kept,
+                                                   1.0 - delta))
+        raise FitError(f"no threshold of the grid keeps the selective risk at or below "
+                       f"{risk:g} with probability {confidence:g} on these {conf.size} answers "
+                       f"(the lowest bound is {min(bounds, default=1.0):.3f}); allow a higher "
+                       "--risk or use more calibration data")
     return best

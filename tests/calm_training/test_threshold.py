@@ -18,27 +18,31 @@ def test_clopper_pearson_upper_bound_matches_the_beta_quantile():
     assert binomial_upper_bound(0, 10, 0.95) == pytest.approx(1 - 0.05 ** (1 / 10))
 
 
-def test_threshold_is_the_last_passing_one_scanning_down():
-    # 60 confident right answers, then a band where half are wrong, then mostly wrong
-    conf = np.r_[np.linspace(0.99, 0.80, 60), np.linspace(0.79, 0.60, 40),
+def test_threshold_is_the_lowest_grid_point_whose_bonferroni_bound_passes():
+    from calm_training.threshold import GRID
+
+    # 60 confident right answers (one wrong at the very top), a band where half are wrong,
+    # then mostly wrong: one bad answer at the top must not stop the choice
+    conf = np.r_[0.995, np.linspace(0.99, 0.80, 60), np.linspace(0.79, 0.60, 40),
                  np.linspace(0.59, 0.30, 50)]
-    correct = np.r_[np.ones(60), np.tile([1.0, 0.0], 20), np.r_[np.ones(5), np.zeros(45)]]
-    fit = fit_threshold(conf, correct, risk=0.1, confidence=0.95)
+    correct = np.r_[0.0, np.ones(60), np.tile([1.0, 0.0], 20), np.r_[np.ones(5), np.zeros(45)]]
+    fit = fit_threshold(conf, correct, risk=0.15, confidence=0.95)
+    delta = 0.05 / len(GRID)
+    assert fit.threshold in GRID and fit.risk_upper_bound <= 0.15
     kept = conf >= fit.threshold
     errors = int(kept.sum() - correct[kept].sum())
-    assert fit.n_kept == kept.sum() and fit.selective_risk == errors / kept.sum()
-    assert fit.risk_upper_bound <= 0.1
-    below = conf[conf < fit.threshold].max()  # the next candidate fails the bound
-    kept_next = conf >= below
-    assert binomial_upper_bound(int(kept_next.sum() - correct[kept_next].sum()),
-                                int(kept_next.sum()), 0.95) > 0.1
-    assert fit.risk_upper_bound == pytest.approx(binomial_upper_bound(errors, int(kept.sum()),
-                                                                      0.95))
-    assert 0.7 < fit.threshold <= 0.80  # past the clean band, before the 50/50 band bites
+    assert (fit.n_kept, fit.selective_risk) == (kept.sum(), errors / kept.sum())
+    assert fit.risk_upper_bound == pytest.approx(
+        binomial_upper_bound(errors, int(kept.sum()), 1 - delta))
+    for lower in (g for g in GRID if g < fit.threshold):  # every lower grid point fails
+        kept = conf >= lower
+        assert binomial_upper_bound(int(kept.sum() - correct[kept].sum()), int(kept.sum()),
+                                    1 - delta) > 0.15
+    assert fit.threshold == 0.8
     looser = fit_threshold(conf, correct, risk=0.3, confidence=0.95)
     assert looser.threshold < fit.threshold and looser.coverage > fit.coverage
-    with pytest.raises(FitError, match="no threshold keeps the selective risk"):
-        fit_threshold(conf[60:], correct[60:], risk=0.05)
+    with pytest.raises(FitError, match="no threshold of the grid keeps the selective risk"):
+        fit_threshold(conf[61:], correct[61:], risk=0.05)
 
 
 def test_the_adapter_keeps_the_threshold(tmp_path):
@@ -63,7 +67,7 @@ def test_fit_threshold_to_engine_to_choices(tiny_llama_tied, mc_file, tmp_path):
     from calm_training.fit import FitConfig, fit_adapter
 
     config = FitConfig(model=str(tiny_llama_tied), data=str(mc_file), mode="cloze",
-                       risk=0.9, risk_confidence=0.6, bootstrap=0)
+                       risk=0.99, risk_confidence=0.5, bootstrap=0)
     adapter, report = fit_adapter(config, "threshold", tmp_path / "adapter", progress=False)
     threshold = adapter.abstention["threshold"]
     assert report["fit"]["threshold"] == threshold and report["test_split"]["n"] > 0
