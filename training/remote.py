@@ -331,6 +331,15 @@ class RemoteStats:
         return self.floored / self.total if self.total else 0.0
 
 
+def _read_tokens(top: dict[str, float], tokens: Sequence[str], stats: RemoteStats
+                 ) -> list[float]:
+    """The log-probabilities of ``tokens`` among the returned alternatives; one missing gets
+    the smallest returned value (an upper bound on its own), counted in ``stats``."""
+    floor = min(top.values())
+    stats.floored += any(t not in top for t in tokens)
+    return [top.get(t, floor) for t in tokens]
+
+
 def remote_option_scores(endpoint: Endpoint, records: Sequence[MultipleChoiceRecord], *,
                          mode: str, progress: bool = True) -> tuple[OptionScores, RemoteStats]:
     """Option scores like :func:`calm_training.scoring.score_multiple_choice` (``chat=False``:
@@ -350,10 +359,8 @@ def remote_option_scores(endpoint: Endpoint, records: Sequence[MultipleChoiceRec
         answers = _run(endpoint, "letter", bodies, _top_alternatives, progress=progress,
                        desc="letter scoring (remote)")
         for row, (record, top) in enumerate(zip(records, answers, strict=True)):
-            floor = min(top.values())
             letters = letter_tokens(len(record.choices), chat=False)
-            stats.floored += any(t not in top for t in letters)
-            values[row, :len(letters)] = [top.get(t, floor) for t in letters]
+            values[row, :len(letters)] = _read_tokens(top, letters, stats)
     else:
         bodies, owners = [], []
         for row, record in enumerate(records):
@@ -413,8 +420,5 @@ def remote_p_true(endpoint: Endpoint, questions: Sequence[str], answers: Sequenc
     out = np.zeros((len(bodies), 2))
     stats = RemoteStats(total=len(bodies))
     for i, top in enumerate(tops):
-        floor = min(top.values())
-        pair = (template.true_token, template.false_token)
-        stats.floored += any(t not in top for t in pair)
-        out[i] = [top.get(t, floor) for t in pair]
+        out[i] = _read_tokens(top, (template.true_token, template.false_token), stats)
     return out, stats
