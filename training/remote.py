@@ -7,14 +7,15 @@ model, else from ``model_name``; the key from an environment variable, never an 
 
 * **letter**: one completion token with ``logprobs=20``; an option letter's logit is its
   log-probability among the returned alternatives (softmax over the K letters is the same
-  as over the logits). A letter that is not among them gets the smallest returned
-  log-probability (an upper bound on its own), and the share of questions where that
-  happened is logged and returned.
+  as over the logits). A letter that is not among them is scored exactly by echoing the
+  prompt followed by the letter (as cloze reads prompts); where the endpoint cannot echo, it
+  gets the smallest returned log-probability (an upper bound on its own), and the share of
+  questions where that happened is logged and returned.
 * **cloze**: the log-probabilities of the prompt itself (``echo=true``, ``max_tokens=0``);
   the option's tokens are the echoed tokens at or after the character where the option
   text starts.
 * **P(True)**: the true and false tokens' log-probabilities of the judging prompt's next
-  token, with the same floor as letter mode.
+  token, read the same way as the letters.
 
 Requests run ``concurrency`` at a time, are retried with exponential backoff on 429, 5xx,
 time-outs and connection errors, and every answer is appended to a cache file keyed by the
@@ -331,13 +332,49 @@ class RemoteStats:
         return self.floored / self.total if self.total else 0.0
 
 
-def _read_tokens(top: dict[str, float], tokens: Sequence[str], stats: RemoteStats
-                 ) -> list[float]:
-    """The log-probabilities of ``tokens`` among the returned alternatives; one missing gets
-    the smallest returned value (an upper bound on its own), counted in ``stats``."""
-    floor = min(top.values())
-    stats.floored += any(t not in top for t in tokens)
-    return [top.get(t, floor) for t in tokens]
+def _next_token_logprobs(endpoint: Endpoint, prompts: Sequence[str],
+                         tokens: Sequence[Sequence[str]], stats: RemoteStats, *,
+                         progress: bool, desc: str) -> list[list[float]]:
+    """The log-probability of each of ``tokens[i]`` as the next token after ``prompts[i]``.
+
+    One request per prompt reads the top alternatives; a token not among them is then
+    scored exactly by echoing ``prompt + token`` (``max_tokens`` 0) and reading the last
+    token. Where that is not possible (no echo support, or the token does not come back as
+    one token after the prompt) it gets the smallest returned log-probability (an upper
+    bound) and the prompt is counted in ``stats.floored``."""
+    bodies = [{"prompt": p, "max_tokens": 1, "temperature": 0, "logprobs": TOP_LOGPROBS}
+              for p in prompts]
+    tops = _run(endpoint, "next", bodies, _top_alternatives, progress=progress, desc=desc)
+    missing = [(i, token) for i, top in enumerate(tops) for token in tokens[i]
+               if token not in top]
+    exact: dict[tuple[int, str], float | None] = {}
+    if missing:
+        echo = [{"prompt": prompts[i] + token, "max_tokens": 0, "temperature": 0,
+                 "logprobs": 0, "echo": True} for i, token in missing]
+        try:
+            echoed = _run(endpoint, "echo", echo, _echo_fields, progress=progress,
+                          desc=f"{desc}, tokens outside the top {TOP_LOGPROBS}")
+        except RemoteError as exc:
+            logger.warning("exact scores of tokens outside the top %d need echo: %s",
+                           TOP_LOGPROBS, exc)
+            echoed = [None] * len(missing)
+        for (i, token), fields in zip(missing, echoed, strict=True):
+            exact[i, token] = None
+            if fields is None:
+                continue
+            offsets, values = fields["text_offset"], fields["token_logprobs"]
+            if offsets and offsets[-1] == len(prompts[i]) and isinstance(values[-1], int | float):
+                exact[i, token] = float(values[-1])
+    out = []
+    for i, top in enumerate(tops):
+        floor = min(top.values())
+        row = []
+        for token in tokens[i]:
+            value = top.get(token, exact.get((i, token)))
+            row.append(floor if value is None else value)
+        stats.floored += any(top.get(t, exact.get((i, t))) is None for t in tokens[i])
+        out.append(row)
+    return out
 
 
 def remote_option_scores(endpoint: Endpoint, records: Sequence[MultipleChoiceRecord], *,
@@ -354,13 +391,12 @@ def remote_option_scores(endpoint: Endpoint, records: Sequence[MultipleChoiceRec
     labels = np.array([-1 if r.answer is None else r.answer for r in records], dtype=np.int64)
     stats = RemoteStats(total=n)
     if mode == "letter":
-        bodies = [{"prompt": letter_prompt(r.question, r.choices), "max_tokens": 1,
-                   "temperature": 0, "logprobs": TOP_LOGPROBS} for r in records]
-        answers = _run(endpoint, "letter", bodies, _top_alternatives, progress=progress,
-                       desc="letter scoring (remote)")
-        for row, (record, top) in enumerate(zip(records, answers, strict=True)):
-            letters = letter_tokens(len(record.choices), chat=False)
-            values[row, :len(letters)] = _read_tokens(top, letters, stats)
+        letters = [letter_tokens(len(r.choices), chat=False) for r in records]
+        scored = _next_token_logprobs(endpoint, [letter_prompt(r.question, r.choices)
+                                                 for r in records], letters, stats,
+                                      progress=progress, desc="letter scoring (remote)")
+        for row, row_values in enumerate(scored):
+            values[row, :len(row_values)] = row_values
     else:
         bodies, owners = [], []
         for row, record in enumerate(records):
@@ -381,10 +417,10 @@ def remote_option_scores(endpoint: Endpoint, records: Sequence[MultipleChoiceRec
             values[row, k] = sum(picked)
             n_tokens[row, k] = len(picked)
     if stats.floored:
-        logger.warning("%d of %d questions (%.1f%%) had an option letter outside the top %d "
-                       "alternatives; those got the smallest returned log-probability (an "
-                       "upper bound)", stats.floored, n, 100 * stats.floored_share,
-                       TOP_LOGPROBS)
+        logger.warning("%d of %d questions (%.1f%%) had an option letter that was neither "
+                       "among the top %d alternatives nor scorable by echo; it got the "
+                       "smallest returned log-probability (an upper bound)", stats.floored, n,
+                       100 * stats.floored_share, TOP_LOGPROBS)
     return OptionScores(mode=mode, values=values, n_tokens=n_tokens, n_chars=n_chars,
                         labels=labels), stats
 
@@ -413,12 +449,10 @@ def remote_p_true(endpoint: Endpoint, questions: Sequence[str], answers: Sequenc
                   ) -> tuple[np.ndarray, RemoteStats]:
     """Two-way logits ``[N, 2]`` (true, false) like :func:`~calm_training.scoring.score_p_true`
     (``chat=False``)."""
-    bodies = [{"prompt": template.render(q, a), "max_tokens": 1, "temperature": 0,
-               "logprobs": TOP_LOGPROBS} for q, a in zip(questions, answers, strict=True)]
-    tops = _run(endpoint, "p_true", bodies, _top_alternatives, progress=progress,
-                desc="P(True) (remote)")
-    out = np.zeros((len(bodies), 2))
-    stats = RemoteStats(total=len(bodies))
-    for i, top in enumerate(tops):
-        out[i] = _read_tokens(top, (template.true_token, template.false_token), stats)
+    stats = RemoteStats(total=len(questions))
+    pair = (template.true_token, template.false_token)
+    out = np.asarray(_next_token_logprobs(
+        endpoint, [template.render(q, a) for q, a in zip(questions, answers, strict=True)],
+        [pair] * len(questions), stats, progress=progress, desc="P(True) (remote)"),
+        dtype=float).reshape(len(questions), 2)
     return out, stats
