@@ -398,7 +398,12 @@ class CalibratedLM:
         option's text appended exactly as given (a constrained choice: the answer is one of
         the options). Cloze scoring by ``variant`` with the engine's answer temperature, as
         :meth:`choose` does for ``"Question: ...\nAnswer:"`` and ``" " + option``."""
-        _check_question("the prompt", options)
+        if isinstance(options, str) or not isinstance(options, Sequence) or len(options) < 2:
+            raise ConfigError("options must be a list of at least 2 strings")
+        for option in options:  # any number of choices: no letters are needed here
+            if not isinstance(option, str) or not option.strip():
+                raise ConfigError(f"every option must be a non-empty string, got {option!r}")
+            _check_text(option, "an option")
         variant = variant or self.default_variant
         if variant not in CLOZE_VARIANTS:
             raise ConfigError(f"unknown cloze variant {variant!r}; choose one of "

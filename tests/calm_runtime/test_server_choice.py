@@ -1,5 +1,5 @@
 """Calibrated constrained choices in ``calm serve`` (vLLM's ``structured_outputs.choice`` and
-``guided_choice``), through the official ``openai`` client, against the runtime."""
+``guided_choice``), through the official ``openai`` runtime_openai, against the runtime."""
 
 from __future__ import annotations
 
@@ -15,26 +15,16 @@ NAME = "tiny"
 QUESTION, OPTIONS = "what is red?", ["fire", "the blue sun", "dog"]
 
 
-@pytest.fixture(scope="module")
-def direct(runtime_lm):
-    return runtime_lm
-
-
-@pytest.fixture(scope="module")
-def client(runtime_openai):
-    return runtime_openai
-
-
 @pytest.mark.parametrize("parameter", ["structured_outputs", "guided_choice"])
-def test_cloze_choice_equals_choose(client, direct, parameter):
+def test_cloze_choice_equals_choose(runtime_openai, runtime_lm, parameter):
     choices = [" " + o for o in OPTIONS]  # choose() scores " option" after the context
     body = ({"structured_outputs": {"choice": choices}} if parameter == "structured_outputs"
             else {"guided_choice": choices})
-    out = client.completions.create(model=NAME, prompt=cloze_context(QUESTION), max_tokens=8,
-                                    extra_body=body)
+    out = runtime_openai.completions.create(model=NAME, prompt=cloze_context(QUESTION),
+                                            max_tokens=8, extra_body=body)
     calm = out.choices[0].model_extra["calm"]
     probs = np.array(calm["option_probabilities"])
-    want = direct.choose(QUESTION, OPTIONS)
+    want = runtime_lm.choose(QUESTION, OPTIONS)
     assert abs(probs.sum() - 1) < 1e-6
     np.testing.assert_allclose(probs, want.probabilities, atol=1e-4)
     assert out.choices[0].text == choices[int(np.argmax(probs))]
@@ -42,28 +32,28 @@ def test_cloze_choice_equals_choose(client, direct, parameter):
     assert "abstained" not in calm
 
 
-def test_letter_choice_and_abstention(client, direct):
+def test_letter_choice_and_abstention(runtime_openai, runtime_lm):
     body = {"guided_choice": OPTIONS, "calm": {"choice_mode": "letter", "abstain_below": 0.99}}
-    out = client.completions.create(model=NAME, prompt=QUESTION, max_tokens=4,
+    out = runtime_openai.completions.create(model=NAME, prompt=QUESTION, max_tokens=4,
                                     extra_body=body)
     calm = out.choices[0].model_extra["calm"]
-    want = direct.choose(QUESTION, OPTIONS, mode="letter", chat=False)
+    want = runtime_lm.choose(QUESTION, OPTIONS, mode="letter", chat=False)
     np.testing.assert_allclose(calm["option_probabilities"], want.probabilities, atol=1e-4)
     assert calm["abstained"] is True and calm["choice_mode"] == "letter"
     assert out.choices[0].text == OPTIONS[want.prediction]  # the answer is still given
     body["calm"]["abstain_below"] = 0.0
-    out = client.completions.create(model=NAME, prompt=QUESTION, max_tokens=4,
+    out = runtime_openai.completions.create(model=NAME, prompt=QUESTION, max_tokens=4,
                                     extra_body=body)
     assert out.choices[0].model_extra["calm"]["abstained"] is False
 
 
-def test_chat_choice(client, direct):
-    out = client.chat.completions.create(
+def test_chat_choice(runtime_openai, runtime_lm):
+    out = runtime_openai.chat.completions.create(
         model=NAME, messages=[{"role": "user", "content": QUESTION}],
         extra_body={"structured_outputs": {"choice": OPTIONS}})
     calm = out.choices[0].model_extra["calm"]
-    ids = direct.tokenizer.encode(direct.tokenizer.render_chat(QUESTION), add_bos=False)
-    want = direct.choose_continuation(ids, OPTIONS)
+    ids = runtime_lm.tokenizer.encode(runtime_lm.tokenizer.render_chat(QUESTION), add_bos=False)
+    want = runtime_lm.choose_continuation(ids, OPTIONS)
     np.testing.assert_allclose(calm["option_probabilities"], want.probabilities, atol=1e-4)
     assert out.choices[0].message.content == OPTIONS[want.prediction]
 
@@ -73,16 +63,27 @@ def test_chat_choice(client, direct):
     ([f"c{i}" for i in range(1000)], "2 to 64 choices"), (["a", "b" * 5000], "at most 1000"),
     (["a", " "], "non-empty"),
 ])
-def test_bad_choices_are_400(client, choices, words):
+def test_bad_choices_are_400(runtime_openai, choices, words):
     with pytest.raises(openai.BadRequestError, match=words):
-        client.completions.create(model=NAME, prompt="The cat", max_tokens=4,
+        runtime_openai.completions.create(model=NAME, prompt="The cat", max_tokens=4,
                                   extra_body={"guided_choice": choices})
 
 
-def test_other_structured_outputs_and_stream_are_400(client):
+def test_other_structured_outputs_and_stream_are_400(runtime_openai):
     with pytest.raises(openai.BadRequestError, match="only 'choice'"):
-        client.completions.create(model=NAME, prompt="x", max_tokens=4,
+        runtime_openai.completions.create(model=NAME, prompt="x", max_tokens=4,
                                   extra_body={"structured_outputs": {}})
     with pytest.raises(openai.BadRequestError, match="answered whole"):
-        client.completions.create(model=NAME, prompt="x", max_tokens=4, stream=True,
+        runtime_openai.completions.create(model=NAME, prompt="x", max_tokens=4, stream=True,
                                   extra_body={"guided_choice": ["a", "b"]})
+
+
+def test_more_choices_than_letters(runtime_openai, runtime_lm):
+    """Cloze choices need no letters: 40 choices (more than A..Z) are scored."""
+    choices = [f" word{i}" for i in range(40)]
+    out = runtime_openai.completions.create(model=NAME, prompt="The cat", max_tokens=4,
+                                            extra_body={"guided_choice": choices})
+    probs = out.choices[0].model_extra["calm"]["option_probabilities"]
+    ids = runtime_lm.tokenizer.encode("The cat")
+    np.testing.assert_allclose(probs, runtime_lm.choose_continuation(ids, choices).probabilities,
+                               atol=1e-4)

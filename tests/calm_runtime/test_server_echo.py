@@ -16,46 +16,37 @@ QUESTIONS = [("what is red?", ("fire", "the blue sun", "dog")),
              ("which cat is blue?", ("A dog", "moon"))]
 
 
-@pytest.fixture(scope="module")
-def direct(runtime_lm):
-    return runtime_lm
-
-
-@pytest.fixture(scope="module")
-def client(runtime_openai):
-    return runtime_openai
-
-
-def test_prompt_logprobs_give_the_cloze_scores(direct):
+def test_prompt_logprobs_give_the_cloze_scores(runtime_lm):
     for question, options in QUESTIONS:
         context = cloze_context(question)
-        want = direct.choose(question, options, variant="sum").scores
+        want = runtime_lm.choose(question, options, variant="sum").scores
         got = []
         for option in options:
             prompt = context + cloze_continuation(option)
-            tokens = direct.prompt_logprobs(prompt)
+            tokens = runtime_lm.prompt_logprobs(prompt)
             assert "".join(t.text for t in tokens) == prompt
             assert tokens[0].logprob is None and all(t.logprob < 0 for t in tokens[1:])
             got.append(sum(t.logprob for t in tokens if t.offset >= len(context)))
         np.testing.assert_allclose(got, want, atol=1e-4)
 
 
-def test_prompt_logprobs_alternatives(direct):
-    tokens = direct.prompt_logprobs("The cat sat on the", top=4)
+def test_prompt_logprobs_alternatives(runtime_lm):
+    tokens = runtime_lm.prompt_logprobs("The cat sat on the", top=4)
     for token in tokens[1:]:
         probs = [a.confidence for a in token.top]
         assert len(probs) == 4 and probs == sorted(probs, reverse=True)
         assert np.log(probs[0]) >= token.logprob - 1e-6
 
 
-def test_echo_returns_the_prompt_log_probabilities(client, direct):
+def test_echo_returns_the_prompt_log_probabilities(runtime_openai, runtime_lm):
     prompt = cloze_context("what is red?") + cloze_continuation("the blue sun")
-    out = client.completions.create(model=NAME, prompt=[prompt, "The cat sat"], max_tokens=0,
-                                    echo=True, logprobs=5, temperature=0)
+    out = runtime_openai.completions.create(model=NAME, prompt=[prompt, "The cat sat"],
+                                            max_tokens=0, echo=True, logprobs=5,
+                                            temperature=0)
     assert [c.text for c in out.choices] == [prompt, "The cat sat"]
     assert out.usage.completion_tokens == 0
     logprobs = out.choices[0].logprobs
-    want = direct.prompt_logprobs(prompt, top=5)
+    want = runtime_lm.prompt_logprobs(prompt, top=5)
     assert logprobs.tokens == [t.text for t in want]
     assert logprobs.text_offset == [t.offset for t in want]
     assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
@@ -69,13 +60,13 @@ def test_echo_returns_the_prompt_log_probabilities(client, direct):
     ({"max_tokens": 0}, "max_tokens 0 generates nothing"),
     ({"echo": True, "max_tokens": 0, "stream": True}, "echo with stream"),
 ])
-def test_echo_misuse_is_a_400(client, body, words):
+def test_echo_misuse_is_a_400(runtime_openai, body, words):
     with pytest.raises(openai.BadRequestError, match=words):
-        client.completions.create(model=NAME, prompt="The cat", **body)
+        runtime_openai.completions.create(model=NAME, prompt="The cat", **body)
 
 
-def test_the_remote_scorer_against_calm_serve_equals_the_engine(client, direct, tmp_path,
-                                                                monkeypatch):
+def test_the_remote_scorer_against_calm_serve_equals_the_engine(runtime_openai, runtime_lm,
+                                                                tmp_path, monkeypatch):
     """calm's own client for served models, in cloze and letter mode, reads the same numbers
     the engine gives locally."""
     from calm_runtime.data import MultipleChoiceRecord
@@ -83,13 +74,13 @@ def test_the_remote_scorer_against_calm_serve_equals_the_engine(client, direct, 
 
     monkeypatch.setenv("CALM_CACHE", str(tmp_path / "cache"))
     records = [MultipleChoiceRecord(q, o, 0) for q, o in QUESTIONS]
-    endpoint = remote.connect(str(client.base_url).rstrip("/"), concurrency=2)
+    endpoint = remote.connect(str(runtime_openai.base_url).rstrip("/"), concurrency=2)
     cloze, _ = remote.remote_option_scores(endpoint, records, mode="cloze", progress=False)
     for row, (question, options) in enumerate(QUESTIONS):
         np.testing.assert_allclose(cloze.values[row, :len(options)],
-                                   direct.choose(question, options, variant="sum").scores,
+                                   runtime_lm.choose(question, options, variant="sum").scores,
                                    atol=1e-4)
-        want_mean = direct.choose(question, options, variant="mean").scores
+        want_mean = runtime_lm.choose(question, options, variant="mean").scores
         np.testing.assert_allclose(cloze.scores("mean")[row, :len(options)], want_mean,
                                    atol=1e-4)
     # letter mode: each letter's value is its full-vocabulary log-probability after the
@@ -102,6 +93,6 @@ def test_the_remote_scorer_against_calm_serve_equals_the_engine(client, direct, 
     for row, (question, options) in enumerate(QUESTIONS):
         prompt = letter_prompt(question, options)
         for k, token in enumerate(letter_tokens(len(options), chat=False)):
-            scored = direct.prompt_logprobs(prompt + token)
+            scored = runtime_lm.prompt_logprobs(prompt + token)
             assert scored[-1].offset == len(prompt) and scored[-1].text == token
             assert letter.values[row, k] == pytest.approx(scored[-1].logprob, abs=1e-4)
