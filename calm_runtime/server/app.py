@@ -159,6 +159,7 @@ def create_app(config: ServeConfig, lm: CalibratedLM | None = None) -> FastAPI:
             server.check_chars(len(prompt), "the prompt" if single else f"prompt[{index}]",
                                "prompt")
         if req.echo:  # prompt scoring: one forward pass per prompt, no decoding
+            await run_in_threadpool(server.encode, prompts)  # --max-prompt-tokens applies too
             return await server.echo(prompts, req)
         constrained = req.choices()
         if constrained is not None:
