@@ -25,6 +25,8 @@ EPILOG = """examples:
   calm-export --model smollm2-135m-instruct --adapter runs/daca-adapter --out engines/smol
   calm-export --model smollm2-135m-instruct --quantize int8 \\
       --recalibrate arc-easy:calibration --out engines/smol-int8
+  calm-export --model smollm2-135m-instruct --adapter runs/daca-adapter --format hf \\
+      --out checkpoints/smol-calibrated     # a transformers folder vLLM & co. serve
 
 The engine is validated before it is written (logits and greedy KV-cache tokens against
 the unfused model with the calibration applied in torch); a failed validation writes
@@ -58,7 +60,11 @@ def add_arguments(parser: argparse.ArgumentParser, *, quiet: bool = True) -> Non
     parser.add_argument("--adapter", default=None,
                         help="calibration adapter directory (default: identity calibration)")
     parser.add_argument("--out", required=True, help="engine directory to create")
-    parser.add_argument("--format", choices=("onnx", "tensorrt"), default="onnx")
+    parser.add_argument("--format", choices=("onnx", "tensorrt", "hf"), default="onnx",
+                        help="onnx: ONNX engine with KV cache (default); tensorrt: a TensorRT "
+                        "plan (GPU); hf: a transformers checkpoint whose LM head computes the "
+                        "calibrated logits, for vLLM, SGLang and other servers (a per-token "
+                        "shift needs a family with a head bias; see docs/formats.md)")
     parser.add_argument("--dtype", choices=("fp32", "fp16"), default="fp32",
                         help="engine precision (fp16: for GPU providers / TensorRT)")
     parser.add_argument("--quantize", choices=("int8",), default=None,
@@ -139,6 +145,11 @@ def run(args: argparse.Namespace) -> int:
         require_tensorrt()
     from tqdm.contrib.logging import logging_redirect_tqdm
 
+    if args.quiet:  # transformers' own weight-loading bars too
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+
     from calm_export.pipeline import export_engine
 
     with logging_redirect_tqdm():  # log lines above the progress bar, not through it
@@ -149,6 +160,8 @@ def run(args: argparse.Namespace) -> int:
 
 def summary(result) -> str:
     """A one-screen summary: files and sizes, parity numbers, time per stage."""
+    if isinstance(result.manifest, dict):
+        return _checkpoint_summary(result)
     manifest = result.manifest
     report = manifest.validation
     lines = [f"engine: {result.path} ({manifest.kind}, {manifest.model['dtype']}, "
@@ -166,6 +179,24 @@ def summary(result) -> str:
                  f"[{calibration['tau_min']:.3g}, {calibration['tau_max']:.3g}], shift in "
                  f"[{calibration['shift_min']:.3g}, {calibration['shift_max']:.3g}]")
     lines += _variant_lines(manifest)
+    stages = ", ".join(f"{k} {v:.1f}s" for k, v in result.seconds.items() if k != "total")
+    lines.append(f"time: {result.seconds.get('total', 0.0):.1f} s ({stages})")
+    return "\n".join(lines)
+
+
+def _checkpoint_summary(result) -> str:
+    manifest, report = result.manifest, result.manifest["validation"]
+    folded = manifest["calibration"]["folded"]
+    lines = [f"calibrated checkpoint: {result.path} (transformers, float32)"]
+    for name, size in result.file_sizes.items():
+        lines.append(f"  {name:<28} {size / 1e6:10.2f} MB")
+    lines.append(f"  {'total':<28} {result.total_bytes / 1e6:10.2f} MB")
+    lines.append(f"folded into the LM head: tau {folded['tau']}, T={folded['temperature']:.4g}, "
+                 f"shift {folded['shift']}; post-head {folded['post_head']['kind']}")
+    lines.append(f"parity (reloaded with transformers): max |logit diff| "
+                 f"{report['max_abs_diff']:.3g} (batch 2: {report['batch2_max_abs_diff']:.3g}), "
+                 f"tolerance {report['tolerance']:.3g}; greedy {report['greedy_steps']} steps "
+                 f"match ({report['greedy_ties']} ties)")
     stages = ", ".join(f"{k} {v:.1f}s" for k, v in result.seconds.items() if k != "total")
     lines.append(f"time: {result.seconds.get('total', 0.0):.1f} s ({stages})")
     return "\n".join(lines)

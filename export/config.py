@@ -11,7 +11,7 @@ from calm_runtime.prompts import CLOZE_VARIANTS, p_true_template
 
 __all__ = ["ExportConfig"]
 
-FORMATS = ("onnx", "tensorrt")
+FORMATS = ("onnx", "tensorrt", "hf")
 DTYPES = ("fp32", "fp16")
 QUANTIZE = ("int8",)
 INT8_SCHEMES = ("blockwise", "dynamic")
@@ -53,7 +53,9 @@ class ExportConfig:
                     "self_attn.v_proj"),
     }
 
-    #: "onnx" (ONNX Runtime, onnxruntime-genai) or "tensorrt" (needs the tensorrt extra + GPU).
+    #: "onnx" (ONNX Runtime, onnxruntime-genai), "tensorrt" (needs the tensorrt extra + GPU)
+    #: or "hf" (a transformers checkpoint with the calibration in its LM head, for servers
+    #: such as vLLM; export/checkpoint.py says what folds).
     format: str = "onnx"
     #: Weight and activation precision of the engine. "fp16" with ONNX: the validated fp32
     #: graph is converted (weights, activations and KV cache in float16, logits float32) for
@@ -132,6 +134,13 @@ class ExportConfig:
             elif self.dtype != "fp32":
                 problems.append("quantize int8 starts from the fp32 graph; use --dtype fp32 "
                                 "with --quantize int8")
+        if self.format == "hf":
+            if self.dtype != "fp32" or self.quantize is not None:
+                problems.append("--format hf writes the model's own float32 weights; drop "
+                                "--dtype/--quantize (the serving engine picks its precision)")
+            if self.head_layout != "untied":
+                problems.append("--format hf unties the head (the embedding must keep its "
+                                "weights); drop --head-layout tied-scale")
         problems += self._variant_problems()
         if isinstance(self.opset, bool) or not isinstance(self.opset, int) \
                 or not 14 <= self.opset <= 23:

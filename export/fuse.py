@@ -42,10 +42,12 @@ from calm_runtime.artifact import CalibrationAdapter
 from calm_runtime.errors import ArtifactError
 
 __all__ = [
+    "LogitsAffine",
     "ScaledHead",
     "apply_lora",
     "fuse_into_lm_head",
     "head_is_tied",
+    "logits_affine",
     "merge_lora",
     "untie_lm_head",
 ]
@@ -68,6 +70,26 @@ class ScaledHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.linear(hidden) * self.scale + self.shift
+
+
+class LogitsAffine(nn.Module):
+    """``logits * scale + shift`` after the model's own logits: the calibration of a family
+    whose head is followed by a non-linear transform (soft-capping, export/heads.py)."""
+
+    def __init__(self, scale: torch.Tensor, shift: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("scale", scale.detach().clone())
+        self.register_buffer("shift", shift.detach().clone())
+
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits * self.scale + self.shift
+
+
+def logits_affine(adapter: CalibrationAdapter, vocab_size: int) -> LogitsAffine:
+    """The calibration as elementwise ops on finished logits: ``(z / tau + l) / T``."""
+    ones = torch.ones(vocab_size, 1)
+    scale, shift = adapter.fused_head(ones, torch.zeros(vocab_size))
+    return LogitsAffine(scale[:, 0], shift)
 
 
 def head_is_tied(model) -> bool:
@@ -130,8 +152,12 @@ def merge_lora(peft_model):
     return merged
 
 
-def fuse_into_lm_head(model, adapter: CalibrationAdapter, *, layout: str = "untied") -> None:
+def fuse_into_lm_head(model, adapter: CalibrationAdapter, *, layout: str = "untied",
+                      multiplier: float = 1.0) -> None:
     """Replace the LM head in place so that it outputs calibrated logits.
+
+    ``multiplier`` is a family's scaling of the head output (export/heads.py, ``scale``):
+    it is folded in too, and the caller sets the family's own scaling to 1.
 
     ``layout="untied"`` needs an untied head (call :func:`untie_lm_head` first); it becomes
     ``nn.Linear(d, V, bias=True)`` with ``(W', b') = adapter.fused_head(W, b)``.
@@ -143,8 +169,9 @@ def fuse_into_lm_head(model, adapter: CalibrationAdapter, *, layout: str = "unti
     if not isinstance(head, nn.Linear):
         raise ArtifactError(f"the model's LM head is a {type(head).__name__}, not a Linear "
                             "layer; calm-export can only fuse into a linear head")
-    weight = head.weight.detach()
-    bias = None if head.bias is None else head.bias.detach()
+    raw_weight = head.weight.detach()
+    weight = raw_weight if multiplier == 1.0 else raw_weight * multiplier
+    bias = None if head.bias is None else head.bias.detach() * multiplier
     if weight.shape[0] != adapter.base_model.vocab_size:
         from calm_runtime.errors import IncompatibleModelError
 
@@ -163,7 +190,8 @@ def fuse_into_lm_head(model, adapter: CalibrationAdapter, *, layout: str = "unti
             fused.bias = nn.Parameter(new_bias.contiguous(), requires_grad=False)
             model.set_output_embeddings(fused)
         elif layout == "tied-scale":
-            ones = torch.ones(weight.shape[0], 1, dtype=weight.dtype, device=weight.device)
+            ones = torch.full((weight.shape[0], 1), multiplier, dtype=weight.dtype,
+                              device=weight.device)
             scale, shift = adapter.fused_head(ones, bias)
             plain = nn.Linear(weight.shape[1], weight.shape[0], bias=False,
                               dtype=weight.dtype, device=weight.device)

@@ -64,13 +64,17 @@ class KVCacheDecoder(nn.Module):
 
     ``past`` is a tuple ``(key_0, value_0, key_1, value_1, ...)`` of
     ``[batch, num_kv_heads, past_len, head_dim]`` tensors (``past_len`` may be 0);
-    ``attention_mask`` covers past and current tokens. The logits are float32.
+    ``attention_mask`` covers past and current tokens. The logits are float32;
+    ``logits_affine`` (export/fuse.py) is applied to them when the calibration cannot live
+    in the head (a soft-capped family).
     """
 
-    def __init__(self, model: nn.Module, num_layers: int) -> None:
+    def __init__(self, model: nn.Module, num_layers: int,
+                 logits_affine: nn.Module | None = None) -> None:
         super().__init__()
         self.model = model
         self.num_layers = num_layers
+        self.logits_affine = logits_affine
 
     def forward(self, input_ids, attention_mask, position_ids, past):
         from transformers import DynamicCache
@@ -82,7 +86,10 @@ class KVCacheDecoder(nn.Module):
         present = []
         for layer in out.cache.layers:
             present += [layer.keys, layer.values]
-        return (out.logits.float(), *present)
+        logits = out.logits.float()
+        if self.logits_affine is not None:
+            logits = self.logits_affine(logits)
+        return (logits, *present)
 
 
 def example_inputs(shape: DecoderShape, *, batch: int = 2, seq: int = 3, past: int = 4,
@@ -97,12 +104,13 @@ def example_inputs(shape: DecoderShape, *, batch: int = 2, seq: int = 3, past: i
 
 
 def export_onnx(model: nn.Module, shape: DecoderShape, directory: Path, *, opset: int = 18,
-                exporter: str = "auto", external_data: bool = False) -> dict:
+                exporter: str = "auto", external_data: bool = False,
+                logits_affine: nn.Module | None = None) -> dict:
     """Export ``model`` to ``directory/model.onnx``; returns the export facts for the manifest.
 
     ``exporter`` is ``"dynamo"``, ``"torchscript"`` or ``"auto"`` (dynamo, then TorchScript).
     """
-    wrapper = KVCacheDecoder(model, shape.num_layers).eval()
+    wrapper = KVCacheDecoder(model, shape.num_layers, logits_affine).eval()
     path = Path(directory) / ONNX_FILE
     order = {"auto": ("dynamo", "torchscript"), "dynamo": ("dynamo",),
              "torchscript": ("torchscript",)}[exporter]

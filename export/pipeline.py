@@ -29,7 +29,8 @@ from calm_runtime.models import (
 )
 from calm_runtime.prompts import CLOZE_VARIANTS
 
-from . import engine_writer, fuse, quantize, recalibrate, validate
+from . import engine_writer, fuse, heads, quantize, recalibrate, validate
+from .checkpoint import CHECKPOINT_MANIFEST
 from .config import ExportConfig
 from .onnx import ONNX_FILE, KVCacheDecoder, decoder_shape, export_onnx
 
@@ -43,10 +44,13 @@ STAGES = ("resolve", "load", "reference", "fuse", "export", "validate", "quantiz
 
 @dataclass
 class ExportResult:
-    """What ``export_engine`` produced: where, the manifest, file sizes and stage timings."""
+    """What ``export_engine`` produced: where, the manifest, file sizes and stage timings.
+
+    ``manifest`` is the engine's :class:`EngineManifest`, or for ``format="hf"`` the
+    checkpoint's ``calm_checkpoint.json`` as a dict."""
 
     path: Path
-    manifest: EngineManifest
+    manifest: EngineManifest | dict
     file_sizes: dict[str, int]
     seconds: dict[str, float] = field(default_factory=dict)
 
@@ -114,8 +118,10 @@ def _export(model_spec, out: Path, adapter_arg, config: ExportConfig,
                             "to replace it (the old engine stays until the new one is valid)")
     if out.exists() and not out.is_dir():
         raise ArtifactError(f"{out} exists and is not a folder; choose another --out")
-    if out.exists() and not (out / "calm_engine.json").is_file() and any(out.iterdir()):
-        raise ArtifactError(f"{out} exists and is not a calm engine; refusing to replace it "
+    marker = CHECKPOINT_MANIFEST if config.format == "hf" else "calm_engine.json"
+    if out.exists() and not (out / marker).is_file() and any(out.iterdir()):
+        what = "calibrated checkpoint" if config.format == "hf" else "engine"
+        raise ArtifactError(f"{out} exists and is not a calm {what}; refusing to replace it "
                             "even with --overwrite, choose another --out")
     _check_writable_parent(out)
     trt_facts = None
@@ -131,6 +137,10 @@ def _export(model_spec, out: Path, adapter_arg, config: ExportConfig,
         adapter = CalibrationAdapter.identity(identity)
     else:  # vocabulary and tokenizer sha256, before anything heavy is loaded
         adapter.base_model.check_compatible(identity)
+    if config.format == "hf":  # what the checkpoint cannot hold fails before the weights load
+        from .checkpoint import check_foldable
+
+        check_foldable(folder, adapter)
     calibration = None  # read the data and settle the scoring mode before the heavy work
     if config.calibration_data:
         calibration = recalibrate.CalibrationRun(
@@ -156,6 +166,8 @@ def _export(model_spec, out: Path, adapter_arg, config: ExportConfig,
     tokens = engine_writer.special_tokens(folder, model.config, tokenizer, shape.vocab_size)
     pad_id = tokens["pad_token_id"] if tokens["pad_token_id"] is not None else 0
     cases = validate.build_cases(tokenizer, validate.default_prompts(template), pad_id)
+    post = heads.post_head(model)
+    heads.check_post_head(model, post, cases[0].input_ids)
     references = validate.run_cases(validate.torch_reference_runner(reference_model, adapter),
                                      cases, config.greedy_steps)
     scale = validate.reference_scale(references)
@@ -165,8 +177,20 @@ def _export(model_spec, out: Path, adapter_arg, config: ExportConfig,
     if adapter.lora_path is not None:
         model = fuse.merge_lora(reference_model)
     del reference_model
-    fuse.fuse_into_lm_head(model, adapter, layout=config.head_layout)
-    decoder = KVCacheDecoder(model, shape.num_layers).eval()
+    if config.format == "hf":
+        return _export_checkpoint(model, tokenizer, out, folder, identity, adapter, adapter_arg,
+                                  adapter_dir, post, cases, references, tolerance, scale,
+                                  config, stages, started)
+    affine = None
+    if post.kind == "softcap":  # non-linear after the head: the calibration goes after it
+        affine = fuse.logits_affine(adapter, shape.vocab_size)
+        logger.info("%s: the calibration is applied after it, as elementwise ops",
+                    post.describe())
+    else:
+        fuse.fuse_into_lm_head(model, adapter, layout=config.head_layout,
+                               multiplier=post.value)
+        heads.neutralise(model, post)
+    decoder = KVCacheDecoder(model, shape.num_layers, affine).eval()
     fused = validate.run_cases(validate.torch_decoder_runner(decoder, shape), cases,
                                config.greedy_steps, references)
     fused_single, fused_double = validate.compare_all(cases, references, fused, tolerance)
@@ -178,7 +202,8 @@ def _export(model_spec, out: Path, adapter_arg, config: ExportConfig,
     with atomic_directory(out, overwrite=config.overwrite) as staging:
         stages.start("export")
         facts = export_onnx(model, shape, staging, opset=config.opset,
-                            exporter=config.exporter, external_data=external)
+                            exporter=config.exporter, external_data=external,
+                            logits_affine=affine)
         del model, decoder, fused
         gc.collect()
 
@@ -231,6 +256,8 @@ def _export(model_spec, out: Path, adapter_arg, config: ExportConfig,
         export_settings = {**config.to_dict(), **_versions(),
                            "exporter_used": facts["exporter"], "external_data": external,
                            "source_head_tied": was_tied, "genai_config": genai,
+                           # what the family does after its head (export/heads.py)
+                           "post_head": post.to_dict(),
                            "tensorrt": trt_settings,
                            # the cloze score answer_temperature was fitted on (runtime reads it)
                            "cloze_variant": _cloze_variant(adapter),
@@ -278,6 +305,56 @@ def _export(model_spec, out: Path, adapter_arg, config: ExportConfig,
     logger.info("engine written to %s (%.1f MB, max |logit diff| %.3g, %.1f s)", out,
                 sum(sizes.values()) / 1e6, report["max_abs_diff"], stages.seconds["total"])
     return ExportResult(path=out, manifest=final, file_sizes=sizes, seconds=stages.seconds)
+
+
+def _export_checkpoint(model, tokenizer, out: Path, folder: Path, identity, adapter,
+                       adapter_arg, adapter_dir, post, cases, references, tolerance: float,
+                       scale: float, config: ExportConfig, stages: _Stages,
+                       started: float) -> ExportResult:
+    """``--format hf``: fold into the head, save, reload with transformers, compare, rename."""
+    from . import checkpoint
+
+    folded = checkpoint.fold_into_checkpoint(model, adapter, post)
+    folded["lora_merged"] = adapter.lora_path is not None
+    with atomic_directory(out, overwrite=config.overwrite) as staging:
+        stages.start("export")
+        checkpoint.write_checkpoint(model, staging)
+        engine_writer.copy_tokenizer(folder, tokenizer, staging)
+        del model
+        gc.collect()
+
+        stages.start("validate")
+        got = validate.run_cases(checkpoint.reload_runner(staging), cases, config.greedy_steps,
+                                 references)
+        single, double = validate.compare_all(cases, references, got, tolerance)
+        overall = single.merge(double)
+        validate.check("the transformers checkpoint reloaded from disk", overall, tolerance)
+        report = {
+            "passed": True, "max_abs_diff": overall.max_abs_diff, "worst_at": overall.where,
+            "batch1_max_abs_diff": single.max_abs_diff,
+            "batch2_max_abs_diff": double.max_abs_diff, "tolerance": tolerance,
+            "reference_scale": scale, "greedy_steps": config.greedy_steps, "greedy_match": True,
+            "greedy_ties": single.greedy_ties + double.greedy_ties,
+            "cases": [c.name for c in cases],
+            "runtime": "transformers AutoModelForCausalLM.from_pretrained (float32, CPU)",
+            "reference": "unfused model (+LoRA) with calm_runtime.calibration applied in torch",
+        }
+        stages.start("write")
+        source = {"name": identity.name, "vocab_size": identity.vocab_size,
+                  "tokenizer_sha256": identity.tokenizer_sha256,
+                  "weights_sha256": engine_writer.weights_sha256(folder)}
+        settings = {"format": "hf", "greedy_steps": config.greedy_steps, **_versions()}
+        manifest = checkpoint.write_manifest(
+            staging, source=source,
+            adapter_info=engine_writer.adapter_source(
+                adapter if adapter_arg is not None else None, adapter_dir),
+            adapter=adapter, folded=folded, validation=report, settings=settings)
+        sizes = {p.name: p.stat().st_size for p in sorted(staging.iterdir()) if p.is_file()}
+    stages.finish()
+    stages.seconds["total"] = round(time.perf_counter() - started, 3)
+    logger.info("calibrated checkpoint written to %s (%.1f MB, max |logit diff| %.3g, %.1f s)",
+                out, sum(sizes.values()) / 1e6, report["max_abs_diff"], stages.seconds["total"])
+    return ExportResult(path=out, manifest=manifest, file_sizes=sizes, seconds=stages.seconds)
 
 
 def _build_variant(staging: Path, shape, config: ExportConfig, cases, references, got,

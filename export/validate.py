@@ -173,7 +173,8 @@ def check(what: str, comparison: Comparison, tolerance: float) -> None:
 
 # ---------------------------------------------------------------------- runners
 def torch_reference_runner(model, adapter) -> Runner:
-    """The unfused model with its KV cache; calibration applied by the formula module."""
+    """The unfused model with its KV cache; calibration applied by the formula module
+    (``adapter=None``: the model's own logits, for a checkpoint with the calibration in it)."""
     import torch
     from transformers import DynamicCache
 
@@ -183,7 +184,9 @@ def torch_reference_runner(model, adapter) -> Runner:
             out = model(input_ids=torch.from_numpy(input_ids),
                         attention_mask=torch.from_numpy(attention_mask),
                         position_ids=torch.from_numpy(position_ids), cache=cache, use_cache=True)
-            logits = adapter.calibrate(out.logits.float())
+            logits = out.logits.float()
+            if adapter is not None:
+                logits = adapter.calibrate(logits)
         return logits.numpy(), out.cache
 
     return run

@@ -83,3 +83,20 @@ def test_cli_reference_lists_every_command_and_option():
                 if not re.search(rf"(?<![\w-]){re.escape(option)}(?![\w-])", block):
                     stale.append(f"{prefix}: {option}")
     assert not stale, f"docs/cli.md is stale ({stale}); run python docs/render_cli.py"
+
+
+def test_architecture_table_is_generated_from_the_conformance_matrix():
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("render_families",
+                                                  ROOT / "docs" / "render_families.py")
+    renderer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(renderer)
+    text = (ROOT / "docs" / "architectures.md").read_text(encoding="utf-8")
+    assert renderer.render() in text, ("docs/architectures.md is stale; run python "
+                                       "docs/render_families.py")
+    from calm_export.families import FAMILIES
+
+    assert len(FAMILIES) >= 10 and all(f"| {f.name} |" in text for f in FAMILIES)

@@ -12,8 +12,10 @@ import torch
 
 from calm_runtime.calibration import apply_calibration
 from calm_runtime.errors import ConfigError
+from calm_runtime.post_head import post_head
 
-__all__ = ["AnswerHead", "CalmModel", "Ranks", "pick_device"]
+__all__ = ["ATTENTION_PROJECTIONS", "AnswerHead", "CalmModel", "Ranks", "default_lora_targets",
+           "pick_device"]
 
 
 class AnswerHead(torch.nn.Module):
@@ -22,7 +24,7 @@ class AnswerHead(torch.nn.Module):
     def __init__(self, lm) -> None:
         super().__init__()
         self.lm = lm
-        self.softcap = getattr(lm.config, "final_logit_softcapping", None)
+        self.post = post_head(lm)  # soft cap or logit scaling after the head, as the model does
 
     def forward(self, input_ids, attention_mask, flat_positions):
         return self.project(self.hidden(input_ids, attention_mask, flat_positions))
@@ -35,14 +37,33 @@ class AnswerHead(torch.nn.Module):
         return hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat_positions)
 
     def project(self, hidden):
-        """Logits ``[P, V]`` of hidden states through the LM head (and soft cap), at least in
-        float32 (half precision is upcast; float64 stays, for gradient checks)."""
+        """Logits ``[P, V]`` of hidden states through the LM head and the family's soft cap
+        or logit scaling (calm_runtime.post_head), at least in float32 (half precision is
+        upcast; float64 stays, for gradient checks)."""
         z = self.lm.get_output_embeddings()(hidden)
         if z.dtype != torch.float64:
             z = z.float()
-        if self.softcap:
-            z = (z / self.softcap).tanh() * self.softcap
-        return z
+        return self.post.apply(z)
+
+
+#: Attention projections by naming scheme, tried in order: Llama-style (Llama, Mistral, Qwen,
+#: Gemma, OLMo, Granite, Cohere), fused q/k/v (Phi-3), GPT-NeoX, GPT-2-style, MPT-style.
+ATTENTION_PROJECTIONS = (("q_proj", "k_proj", "v_proj", "o_proj"), ("qkv_proj", "o_proj"),
+                         ("query_key_value", "dense"), ("c_attn", "c_proj"),
+                         ("Wqkv", "out_proj"))
+
+
+def default_lora_targets(lm) -> list[str]:
+    """The LoRA targets when none are given: the model's attention projections."""
+    present = {name.rsplit(".", 1)[-1] for name, module in lm.named_modules()
+               if isinstance(module, torch.nn.Linear)}
+    for scheme in ATTENTION_PROJECTIONS:
+        chosen = [name for name in scheme if name in present]
+        if len(chosen) == len(scheme):
+            return chosen
+    kind = getattr(lm.config, "model_type", type(lm).__name__)
+    raise ConfigError(f"cannot tell the attention projections of a {kind} model; pass "
+                      "--lora-targets with its module names (e.g. q_proj,v_proj)")
 
 
 class CalmModel:
@@ -56,8 +77,9 @@ class CalmModel:
         lm, self.tokenizer, self.identity = load_model_and_tokenizer(config.model)
         self.folder = resolve_model(config.model)
         torch.manual_seed(config.seed)
+        targets = list(config.lora_targets) or default_lora_targets(lm)
         lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=0.0,
-                          target_modules=list(config.lora_targets), bias="none")
+                          target_modules=targets, bias="none")
         try:
             self.peft = get_peft_model(lm, lora)
         except ValueError as exc:

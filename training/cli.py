@@ -406,8 +406,10 @@ def _register_train(sub) -> None:
                         "where the answer starts (answer, K times cheaper)")
     t.add_argument("--phi", default=d["phi"].default, choices=["grad", "value"],
                    help="phi = eta*|grad q|^2 (grad) or eta*q (value) (default grad)")
-    t.add_argument("--lora-targets", default=",".join(d["lora_targets"].default),
-                   help="comma-separated module names to adapt")
+    t.add_argument("--lora-targets", default="",
+                   help="comma-separated module names to adapt (default: the model's attention "
+                        "projections: q_proj,k_proj,v_proj,o_proj; qkv_proj,o_proj for Phi-3; "
+                        "query_key_value,dense for GPT-NeoX)")
     t.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
     t.add_argument("--checkpoint-dir", help="default: OUT.checkpoints")
     t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")

@@ -150,7 +150,9 @@ class CalmConfig:
     beta: float = 1.0
     lora_rank: int = 8
     lora_alpha: float = 16.0
-    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    #: empty: the model's attention projections (q/k/v/o_proj, Phi-3's qkv_proj/o_proj,
+    #: GPT-NeoX's query_key_value/dense; _calm_model.default_lora_targets)
+    lora_targets: tuple[str, ...] = ()
     max_length: int = 256
     calibration_positions: str = "options"
     seed: int = 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import numpy as np
@@ -130,8 +131,8 @@ def test_negative_tolerance_fails_validation_and_keeps_the_old_engine(
 def test_corrupted_fused_head_is_caught(tmp_path, tiny_llama_tied, monkeypatch):
     real = fuse.fuse_into_lm_head
 
-    def corrupted(model, adapter, *, layout="untied"):
-        real(model, adapter, layout=layout)
+    def corrupted(model, adapter, *, layout="untied", multiplier=1.0):
+        real(model, adapter, layout=layout, multiplier=multiplier)
         with torch.no_grad():
             model.get_output_embeddings().weight[17] *= 1.5
     monkeypatch.setattr(fuse, "fuse_into_lm_head", corrupted)
@@ -188,3 +189,83 @@ def test_dynamo_failure_falls_back_to_torchscript(tmp_path, tiny_llama_untied, m
                       config=ExportConfig(progress=False, greedy_steps=4))
     _one_line(info)
     _nothing_written(tmp_path, "engine2")
+
+
+# ------------------------------------------------- post-head transforms and --format hf
+def test_an_unknown_transform_after_the_head_is_named(tmp_path, tiny_llama_untied,
+                                                      monkeypatch):
+    """A family that changes its logits after the head in a way calm does not know gets a
+    one-line error that says so (not a parity mismatch), and nothing is written."""
+    from transformers import LlamaForCausalLM
+
+    real = LlamaForCausalLM.forward
+
+    def squared(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        out.logits = out.logits * out.logits.abs()
+        return out
+    monkeypatch.setattr(LlamaForCausalLM, "forward", squared)
+    adapter = random_calibration_adapter(tiny_llama_untied)
+    adapter = dataclasses.replace(adapter, shift=np.zeros_like(adapter.shift))  # hf holds it
+    for fmt in ("onnx", "hf"):
+        with pytest.raises(ExportValidationError, match="transforms its logits after the LM "
+                           "head") as info:
+            export_engine(tiny_llama_untied, tmp_path / "engine", adapter=adapter,
+                          config=ExportConfig(**FAST, format=fmt))
+        assert "llama" in _one_line(info)
+        _nothing_written(tmp_path)
+
+
+def _tiny_phi_dir(tmp_path):
+    from conftest import tiny_tokenizer
+    from transformers import PhiConfig, PhiForCausalLM
+
+    torch.manual_seed(0)
+    config = PhiConfig(vocab_size=300, hidden_size=64, intermediate_size=128,
+                       num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256,
+                       bos_token_id=1, eos_token_id=2, pad_token_id=3)
+    model = PhiForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.bias.normal_(0.0, 0.5)
+    model.save_pretrained(tmp_path / "phi")
+    tiny_tokenizer().save_pretrained(tmp_path / "phi")
+    return tmp_path / "phi"
+
+
+def test_hf_checkpoint_holds_the_shift_where_the_head_has_a_bias(tmp_path):
+    """Phi's head has a bias in transformers: b' = (b / tau + l) / T is loaded back."""
+    from transformers import AutoModelForCausalLM
+
+    folder = _tiny_phi_dir(tmp_path)
+    adapter = random_calibration_adapter(folder)
+    result = export_engine(folder, tmp_path / "hf", adapter=adapter,
+                           config=ExportConfig(**FAST, format="hf"))
+    assert result.manifest["calibration"]["folded"]["shift"] == "head bias"
+    ids = torch.tensor([[1, 40, 41, 42, 43, 44, 45, 46, 47]])
+    source = AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+    reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    with torch.inference_mode():
+        want = adapter.calibrate(source(input_ids=ids).logits.float())
+        got = reloaded(input_ids=ids).logits.float()
+    np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-4, rtol=0)
+
+
+def test_cli_gives_one_line_where_the_checkpoint_cannot_hold_the_shift(tmp_path,
+                                                                       tiny_llama_untied,
+                                                                       capsys):
+    from calm_export.cli import main
+
+    adapter_dir = tmp_path / "adapter"
+    random_calibration_adapter(tiny_llama_untied).save_pretrained(adapter_dir)
+    rc = main(["--model", str(tiny_llama_untied), "--adapter", str(adapter_dir), "--format",
+               "hf", "--out", str(tmp_path / "engine"), "--quiet"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and len(err) == 1, err
+    assert err[0].startswith("IncompatibleModelError: ") and "no bias" in err[0]
+    _nothing_written(tmp_path)
+
+
+def test_hf_format_refuses_settings_it_cannot_honour():
+    for bad in ({"dtype": "fp16"}, {"quantize": "int8"}, {"head_layout": "tied-scale"}):
+        with pytest.raises(ConfigError, match="--format hf"):
+            ExportConfig(format="hf", **bad)

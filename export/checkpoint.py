@@ -1,0 +1,197 @@
+"""``--format hf``: a transformers checkpoint whose LM head computes the calibrated logits.
+
+Any server that loads a transformers folder (vLLM, SGLang, TensorRT-LLM's converter,
+llama.cpp's converter, transformers itself) then serves calibrated logits with no calm
+code. What folds (docs/methods.md §1, docs/formats.md "Calibrated checkpoint"):
+
+* tau and T: always, into the head's rows ``W' = W / (tau T)``; the head is untied from
+  the embedding first (``tie_word_embeddings`` becomes false).
+* the shift l: as the head's bias ``b' = (b / tau + l) / T``, only where the family's
+  transformers class has a head bias (it would be dropped on load otherwise). Where it
+  has none and l != 0: a one-line error (fit tau and T only, or export ONNX).
+* a family's logit scaling (Granite, Cohere): folded, the config's factor set to 1.
+* soft-capping (Gemma-2): only a single tau and l = 0, by rescaling the cap
+  (export/heads.py); otherwise a one-line error.
+
+``answer_temperature`` (the cloze option temperature) acts on option scores, which other
+servers do not compute: it is recorded in the manifest, not folded.
+
+The checkpoint is validated like an engine: reloaded with ``AutoModelForCausalLM`` from the
+staging folder, its logits and greedy KV-cache tokens compared with the unfused reference,
+and only then renamed into place.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from calm_runtime import __version__
+from calm_runtime._fs import sha256_file
+from calm_runtime._manifest import write_json
+from calm_runtime.artifact import CalibrationAdapter
+from calm_runtime.calibration import fused_head
+from calm_runtime.errors import ArtifactError, IncompatibleModelError
+from calm_runtime.post_head import model_configs
+
+from .heads import PostHead
+
+__all__ = ["CHECKPOINT_MANIFEST", "SCHEMA_VERSION", "check_foldable", "fold_into_checkpoint", "head_loads_bias",
+           "reload_runner", "write_checkpoint", "write_manifest"]
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_MANIFEST = "calm_checkpoint.json"
+SCHEMA_VERSION = 1
+
+
+def head_loads_bias(model) -> bool:
+    """Whether the model's transformers class builds its LM head with a bias (so a saved
+    ``lm_head.bias`` is loaded, not dropped)."""
+    with torch.device("meta"):
+        fresh = type(model)(model.config)
+    head = fresh.get_output_embeddings()
+    return getattr(head, "bias", None) is not None
+
+
+def check_foldable(model_dir: Path, adapter: CalibrationAdapter) -> None:
+    """Refuse at once, before the weights are loaded, an adapter the family's checkpoint
+    cannot hold (the same rules as :func:`fold_into_checkpoint`, on an empty model)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from calm_runtime.post_head import post_head
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    with torch.device("meta"):
+        empty = AutoModelForCausalLM.from_config(config)
+    _refuse_unfoldable(empty, adapter, post_head(empty))
+
+
+def _refuse_unfoldable(model, adapter: CalibrationAdapter, post: PostHead) -> None:
+    tau = np.asarray(adapter.tau)
+    has_shift = bool(np.any(np.asarray(adapter.shift) != 0))
+    model_type = getattr(model.config, "model_type", type(model).__name__)
+    if post.kind == "softcap":
+        if has_shift or not bool(np.all(tau == tau[0])):
+            raise IncompatibleModelError(
+                f"{model_type} soft-caps its logits ({post.describe()}): a transformers "
+                "checkpoint can hold one temperature there, not a per-token tau or a shift; "
+                "export --format onnx (which applies them after the cap) or fit a temperature "
+                "only (calm fit daca / ts)")
+        return
+    head = model.get_output_embeddings()
+    if (has_shift or getattr(head, "bias", None) is not None) and not head_loads_bias(model):
+        raise IncompatibleModelError(
+            f"the adapter has a per-token shift l, but {model_type}'s LM head has no bias in "
+            "transformers (a saved bias would be dropped on load), so the checkpoint cannot "
+            "hold it; export --format onnx, or use an adapter without a shift (tau and T fold "
+            "exactly)")
+
+
+def fold_into_checkpoint(model, adapter: CalibrationAdapter, post: PostHead) -> dict:
+    """Fold the calibration into ``model``'s (untied) head in place; returns what was folded.
+
+    Raises :class:`IncompatibleModelError` (one line, nothing changed) where the family's
+    checkpoint cannot hold it.
+    """
+    from .fuse import head_is_tied
+
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear):
+        raise ArtifactError(f"the model's LM head is a {type(head).__name__}, not a Linear "
+                            "layer; --format hf can only fold into a linear head")
+    if head_is_tied(model):
+        raise ArtifactError("the LM head is still tied to the embedding; untie it first")
+    tau = np.asarray(adapter.tau, dtype=np.float32)
+    shift = np.asarray(adapter.shift, dtype=np.float32)
+    has_shift = bool(np.any(shift != 0))
+    scalar_tau = bool(np.all(tau == tau[0]))
+    weight = head.weight.detach()
+    bias = None if head.bias is None else head.bias.detach()
+    folded = {"tau": "scalar" if scalar_tau else "per-vocabulary",
+              "tau_value": float(tau[0]) if scalar_tau else None,
+              "temperature": float(adapter.temperature), "shift": "none",
+              "post_head": post.to_dict(), "head_untied": True}
+
+    _refuse_unfoldable(model, adapter, post)
+    if post.kind == "softcap":
+        k = float(tau[0]) * float(adapter.temperature)
+        with torch.no_grad():
+            head.weight = torch.nn.Parameter((weight / k).contiguous(), requires_grad=False)
+            if bias is not None:
+                head.bias = torch.nn.Parameter((bias / k).contiguous(), requires_grad=False)
+        cap = post.value / k
+        for config in model_configs(model):
+            if hasattr(config, post.field):
+                setattr(config, post.field, cap)
+        folded["post_head_after"] = {"kind": "softcap", "value": cap, "field": post.field}
+        logger.info("folded 1/(tau T) = %.6g into the head and the soft cap (%g -> %g)",
+                    1 / k, post.value, cap)
+        return folded
+
+    multiplier = post.value if post.kind == "scale" else 1.0
+    scaled_bias = None if bias is None else bias * multiplier
+    new_weight, new_bias = fused_head(
+        weight * multiplier, scaled_bias, torch.from_numpy(tau).to(weight.dtype),
+        torch.from_numpy(shift).to(weight.dtype) if has_shift else None,
+        float(adapter.temperature))
+    with torch.no_grad():
+        head.weight = torch.nn.Parameter(new_weight.contiguous(), requires_grad=False)
+        if new_bias is not None:
+            head.bias = torch.nn.Parameter(new_bias.contiguous(), requires_grad=False)
+    if has_shift:
+        folded["shift"] = "head bias"
+    if post.kind == "scale":
+        from .heads import neutralise
+
+        neutralise(model, post)
+        folded["post_head_after"] = {"kind": "scale", "value": 1.0, "field": post.field}
+    return folded
+
+
+def write_checkpoint(model, staging: Path) -> None:
+    """Save the folded model (config, safetensors weights, generation config) in ``staging``."""
+    model.save_pretrained(staging)
+    generation = getattr(model, "generation_config", None)
+    if generation is not None and not (staging / "generation_config.json").is_file():
+        generation.save_pretrained(staging)
+
+
+def reload_runner(staging: Path):
+    """The checkpoint as another server would load it: ``AutoModelForCausalLM`` from the
+    folder, float32, no calm code; a validation runner over its raw logits."""
+    from transformers import AutoModelForCausalLM
+
+    from .validate import torch_reference_runner
+
+    reloaded = AutoModelForCausalLM.from_pretrained(str(staging), dtype=torch.float32).eval()
+    return torch_reference_runner(reloaded, None)
+
+
+def write_manifest(staging: Path, *, source: dict, adapter_info: dict | None,
+                   adapter: CalibrationAdapter, folded: dict, validation: dict,
+                   settings: dict) -> dict:
+    """``calm_checkpoint.json``: where the checkpoint came from, what was folded, its parity,
+    and the sha256 of every file next to it."""
+    files = {p.name: sha256_file(p) for p in sorted(staging.iterdir())
+             if p.is_file() and p.name != CHECKPOINT_MANIFEST}
+    manifest = {
+        "schema_version": SCHEMA_VERSION,
+        "kind": "hf-checkpoint",
+        "created_by": f"calm-export {__version__}",
+        "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "source": {"model": source, "adapter": adapter_info},
+        "calibration": {"adapter_kind": adapter.kind, "folded": folded,
+                        "not_folded": {"answer_temperature": adapter.answer_temperature},
+                        **{k: v for k, v in adapter.summary().items()
+                           if k in ("tau_min", "tau_max", "shift_min", "shift_max")}},
+        "export": settings,
+        "validation": validation,
+        "files": files,
+    }
+    write_json(staging / CHECKPOINT_MANIFEST, manifest)
+    return manifest
