@@ -9,7 +9,8 @@ LoRA on the family's attention projections. Then:
   sliding windows equals the torch reference computed here;
 * the runtime's ``generate`` and ``choose`` equal the torch reference (tokens, confidences,
   option probabilities), and onnxruntime-genai generates the same tokens;
-* ``calm fit daca`` and ``calm train`` (2 steps, default LoRA targets) run on the family;
+* ``calm fit daca`` and ``calm train`` (2 steps, default LoRA targets) run on the family,
+  and training's answer head computes the family's own logits;
 * ``--format hf`` folds tau and T into a checkpoint that transformers reloads with the same
   logits; the shift gets the one-line error where the family's head has no bias.
 
@@ -255,3 +256,16 @@ def test_hf_checkpoint_reloads_with_the_calibrated_logits(case):
         export_engine(case.model_dir, case.root / "hf-shift", adapter=case.adapter,
                       config=ExportConfig(progress=False, format="hf"))
     assert not (case.root / "hf-shift").exists()
+
+
+def test_training_computes_the_family_logits(case):
+    """calm train's answer head (decoder, head, then the family's post-head op) gives the
+    model's own logits: soft cap and logit scaling included."""
+    from calm_training._calm_model import AnswerHead
+
+    ids = torch.tensor([case.tokenizer(LONG_PROMPT)["input_ids"]])
+    positions = torch.tensor([3, 10, ids.shape[1] - 1])
+    with torch.inference_mode():
+        want = case.reference(input_ids=ids).logits[0, positions].float()
+        got = AnswerHead(case.reference)(ids, torch.ones_like(ids), positions)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
