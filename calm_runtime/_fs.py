@@ -22,7 +22,8 @@ from .errors import ArtifactError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["atomic_directory", "install_lock", "resolve_inside", "sha256_file", "sha256_bytes", "show",
+__all__ = ["atomic_directory", "install_lock", "resolve_inside", "sha256_file", "sha256_bytes",
+           "show",
            "show_name",
            "is_dir", "is_file", "read_regular_file", "check_tree", "inside_copier",
            "MAX_NAME_BYTES"]

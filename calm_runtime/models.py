@@ -14,12 +14,14 @@ torch and transformers are imported only by the functions that convert or load w
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
 import os
 import subprocess
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -142,6 +144,17 @@ def resolve_model(spec: str | os.PathLike, *, install: bool = False) -> Path:
         f"unknown model {text!r}: not a local folder, a .gguf file or a packaged name "
         f"({', '.join(sorted(PACKAGED_MODELS))}); calm never downloads from a model hub, so "
         "download hub models to a folder first")
+
+
+@contextlib.contextmanager
+def quiet_peft():
+    """Silence the deprecation warning peft 0.21 triggers in transformers 5
+    (``is_gradient_checkpointing``): nothing a calm user can act on, and it would break
+    the one-screen output of the commands."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*",
+                                category=FutureWarning)
+        yield
 
 
 def install_model(name: str, *, reinstall: bool = False) -> Path:
@@ -294,7 +307,8 @@ def load_model_and_tokenizer(spec: str | os.PathLike, *, dtype: str = "float32",
         except ImportError:
             raise ModelSourceError("peft is not installed; a LoRA adapter needs the train "
                                    "extra: pip install 'calm-llm[train]'") from None
-        model = PeftModel.from_pretrained(model, str(lora_path)).merge_and_unload()
+        with quiet_peft():
+            model = PeftModel.from_pretrained(model, str(lora_path)).merge_and_unload()
     model.eval()
     name = str(spec) if str(spec) in PACKAGED_MODELS else None
     return model, tokenizer, model_identity(folder, name=name)

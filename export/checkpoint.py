@@ -40,7 +40,8 @@ from calm_runtime.post_head import model_configs
 
 from .heads import PostHead
 
-__all__ = ["CHECKPOINT_MANIFEST", "SCHEMA_VERSION", "check_foldable", "fold_into_checkpoint", "head_loads_bias",
+__all__ = ["CHECKPOINT_MANIFEST", "SCHEMA_VERSION", "check_foldable", "fold_into_checkpoint",
+           "head_loads_bias",
            "reload_runner", "write_checkpoint", "write_manifest"]
 
 logger = logging.getLogger(__name__)

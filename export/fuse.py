@@ -40,6 +40,7 @@ from torch import nn
 
 from calm_runtime.artifact import CalibrationAdapter
 from calm_runtime.errors import ArtifactError
+from calm_runtime.models import quiet_peft
 
 __all__ = [
     "LogitsAffine",
@@ -135,7 +136,8 @@ def apply_lora(model, lora_path: str | Path):
         raise BackendUnavailableError("peft is not installed; the adapter has a LoRA, install "
                                       "the export extra: pip install 'calm-llm[export]'") from None
     try:
-        wrapped = PeftModel.from_pretrained(model, str(lora_path), is_trainable=False)
+        with quiet_peft():
+            wrapped = PeftModel.from_pretrained(model, str(lora_path), is_trainable=False)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ArtifactError(f"cannot apply the LoRA in {lora_path} to this model ({reason}); "

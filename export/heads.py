@@ -50,8 +50,8 @@ def neutralise(model, post: PostHead) -> None:
     logger.info("folded the family's %s into the LM head", post.describe())
 
 
-def check_post_head(model, post: PostHead, input_ids: np.ndarray) -> None:
-    """Run ``model`` on ``input_ids`` and check ``logits == post(head(hidden))``.
+def check_post_head(model, post: PostHead, input_ids) -> None:
+    """Run ``model`` on ``input_ids`` (int64 numpy) and check ``logits == post(head(hidden))``.
 
     Raises :class:`ExportValidationError` naming the model type when the logits come out of
     something calm does not know (nothing has been written at this point).

@@ -72,7 +72,7 @@ class CalmModel:
     def __init__(self, config, device) -> None:
         from peft import LoraConfig, get_peft_model
 
-        from calm_runtime.models import load_model_and_tokenizer, resolve_model
+        from calm_runtime.models import load_model_and_tokenizer, quiet_peft, resolve_model
 
         lm, self.tokenizer, self.identity = load_model_and_tokenizer(config.model)
         self.folder = resolve_model(config.model)
@@ -81,7 +81,8 @@ class CalmModel:
         lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=0.0,
                           target_modules=targets, bias="none")
         try:
-            self.peft = get_peft_model(lm, lora)
+            with quiet_peft():
+                self.peft = get_peft_model(lm, lora)
         except ValueError as exc:
             raise ConfigError(f"cannot attach LoRA to {config.model} ({exc}); check "
                               "--lora-targets against the model's module names") from None
