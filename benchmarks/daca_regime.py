@@ -24,7 +24,7 @@ other half (``NAME:unlabeled``, labels kept for TS), so no method is fitted on a
 the PoLM trained on. A set is in domain when the adapter trained on it.
 
 Letter mode runs only for a (PoLM, set) whose letter accuracy on the first
-``--letter-probe`` test questions is above chance (one-sided binomial test at 5%); the
+``--letter-probe`` (evaluated) test questions is above chance (one-sided binomial test at 5%); the
 probe is reported either way. Scores are cached (``$CALM_CACHE/scores``); a rerun with the
 same adapters and limits only refits. Writes ``results/daca_regime.json`` and
 ``results/daca_regime.md``, both naming the command and the commit.
@@ -74,8 +74,11 @@ def main(argv=None) -> int:
     parser.add_argument("--variant", default=DEFAULT_VARIANT, choices=["sum", "mean", "char"],
                         help="cloze option score of both models (default %(default)s)")
     parser.add_argument("--test-limit", action="append", default=[], metavar="NAME=N",
-                        help="evaluate on the first N records of NAME's test part only "
-                        "(repeatable; the fit part is never cut)")
+                        help="evaluate on N records of NAME's test part only (drawn at random, "
+                        "seed 0; repeatable)")
+    parser.add_argument("--fit-limit", action="append", default=[], metavar="NAME=N",
+                        help="fit on N records of NAME's fit part only (at random, seed 0; "
+                        "repeatable; for large out-of-domain sets on a small CPU budget)")
     parser.add_argument("--letter-probe", type=int, default=200,
                         help="test questions on which letter accuracy is measured before "
                         "letter mode is run (default %(default)s)")
@@ -103,14 +106,15 @@ def main(argv=None) -> int:
     if not polms:
         parser.error("give at least one --polm NAME=ADAPTER (or --render)")
     limits = _pairs(args.test_limit, "--test-limit", int)
+    fit_limits = _pairs(args.fit_limit, "--fit-limit", int)
     install_named([args.model, args.reference], args.data)
     start = time.perf_counter()
     payload = {"command": command.strip(), "commit": git_commit(),
                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                "model": args.model, "reference": args.reference, "variant": args.variant,
                "bins": args.bins, "bootstrap": args.bootstrap,
-               "test_limits": limits, "polms": {}, "letter_probe": [], "groups": [],
-               "rows": []}
+               "test_limits": limits, "fit_limits": fit_limits, "polms": {},
+               "letter_probe": [], "groups": [], "rows": []}
     if args.note:
         payload["note"] = args.note
     for name, adapter in polms.items():
@@ -118,7 +122,7 @@ def main(argv=None) -> int:
         payload["polms"][name] = {"adapter": adapter, "trained_on": sorted(trained),
                                   **_training_summary(adapter)}
         for data in args.data:
-            split = _split(data, trained, limits.get(data))
+            split = _split(data, trained, limits.get(data), fit_limits.get(data))
             for mode in args.modes:
                 if mode == "letter":
                     probe = _letter_probe(args, name, adapter, data, split)
@@ -178,25 +182,34 @@ def _training_summary(adapter: str) -> dict:
     return {"training": summary}
 
 
-def _split(data: str, trained: set[str], test_limit: int | None) -> dict:
-    """Indices into the full set: ``fit`` (the calibration part, without the PoLM's
-    training half on a set it trained on) and ``test`` (the test part, first ``test_limit``),
-    plus ``records``, the records to score (all of them unless the test part is cut)."""
+def _split(data: str, trained: set[str], test_limit: int | None = None,
+           fit_limit: int | None = None) -> dict:
+    """Indices into the scored records: ``fit`` (the calibration part, without the PoLM's
+    training half on a set it trained on; ``fit_limit`` of them) and ``test`` (the test
+    part; ``test_limit`` of it), plus ``records``, the records to score: all of them
+    unless a part is cut, else the two parts (so the cache key changes with the cuts)."""
     records = load_dataset(data)
     cal, test = split_indices(len(records))
     in_domain = data in trained
     if in_domain:
         train_half, _ = split_indices(len(cal), TRAIN_SPLIT_FRACTION, TRAIN_SPLIT_SEED)
         cal = np.setdiff1d(cal, cal[train_half])
-    if test_limit is not None:
-        test = test[:test_limit]
-    scored = (np.arange(len(records)) if test_limit is None
-              else np.union1d(split_indices(len(records))[0], test))
+    cal, test = _cut(cal, fit_limit), _cut(test, test_limit)
+    cut = test_limit is not None or fit_limit is not None
+    scored = np.union1d(cal, test) if cut else np.arange(len(records))
     position = {int(i): j for j, i in enumerate(scored)}
     return {"records": [records[i] for i in scored], "in_domain": in_domain,
             "fit": np.array([position[int(i)] for i in cal]),
             "test": np.array([position[int(i)] for i in test]),
             "n_total": len(records)}
+
+
+def _cut(part: np.ndarray, limit: int | None) -> np.ndarray:
+    """``limit`` indices of ``part`` drawn at random (seed 0), in file order: a named set may
+    be sorted (MMLU by subject), so its first records would be a few subjects only."""
+    if limit is None or limit >= part.size:
+        return part
+    return np.sort(np.random.default_rng(0).choice(part, limit, replace=False))
 
 
 def _scores(args, spec: str, adapter: str | None, records, mode: str) -> np.ndarray:
@@ -337,6 +350,7 @@ def _metrics(probs: np.ndarray, labels: np.ndarray, args) -> dict:
 
 def markdown(payload: dict) -> str:
     limits = payload.get("test_limits") or {}
+    fit_limits = payload.get("fit_limits") or {}
     lines = ["# DACA in its own regime", "",
              f"Generated by `{payload['command']}` at commit {payload['commit']} on "
              f"{payload['date']} ({payload['wall_s']} s); do not edit by hand."]
@@ -347,8 +361,11 @@ def markdown(payload: dict) -> str:
         lines.append(payload["note"].strip())
     lines += ["", f"PoLMs: LoRA adapters on {payload['model']}; reference (PLM): "
               f"{payload['reference']}. Fit on the calibration part (30%, seed 0) minus the "
-              "PoLM's training half on in-domain sets; metrics on the test part"
-              + (" (cut to the first " + ", ".join(f"{n} of {d}" for d, n in limits.items())
+              "PoLM's training half on in-domain sets"
+              + (" (cut to a random " + ", ".join(f"{n} of {d}" for d, n in fit_limits.items())
+                 + ")" if fit_limits else "")
+              + "; metrics on the test part"
+              + (" (cut to a random " + ", ".join(f"{n} of {d}" for d, n in limits.items())
                  + ")" if limits else "")
               + f"; cloze {payload['variant']} scores for both models; ECE with "
               f"{payload['bins']} bins and a 95% bootstrap interval ({payload['bootstrap']} "
