@@ -186,6 +186,21 @@ def torch_single_thread():
     torch.set_num_threads(before)
 
 
+def genai_greedy(engine_dir, prompt_ids, new_tokens: int) -> list[int]:
+    """Greedy tokens onnxruntime-genai generates from an engine (it stops at EOS)."""
+    og = pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed")
+    model = og.Model(str(engine_dir))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(prompt_ids) + new_tokens, do_sample=False)
+    generator = og.Generator(model, params)
+    generator.append_tokens(np.asarray([prompt_ids], dtype=np.int32))
+    generated = []
+    while not generator.is_done():
+        generator.generate_next_token()
+        generated.append(int(generator.get_next_tokens()[0]))
+    return generated
+
+
 MC_WORDS = "red blue green cat dog sun moon water fire earth stone tree river cloud".split()
 
 

@@ -33,7 +33,12 @@ pytest.importorskip("peft")
 pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 
-from conftest import random_calibration_adapter, tiny_tokenizer, write_mc_jsonl  # noqa: E402
+from conftest import (  # noqa: E402
+    genai_greedy,
+    random_calibration_adapter,
+    tiny_tokenizer,
+    write_mc_jsonl,
+)
 
 from calm_export import ExportConfig, export_engine  # noqa: E402
 from calm_export.families import FAMILIES  # noqa: E402
@@ -187,19 +192,10 @@ def test_runtime_choose_equals_the_reference(case):
 
 
 def test_onnxruntime_genai_generates_the_reference_tokens(case):
-    og = pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed")
     if not case.family.genai:
         pytest.skip(f"onnxruntime-genai does not run {case.family.name} engines")
     ids = case.tokenizer(LONG_PROMPT)["input_ids"]
-    model = og.Model(str(case.engine))
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=len(ids) + 10, do_sample=False)
-    generator = og.Generator(model, params)
-    generator.append_tokens(np.asarray([ids], dtype=np.int32))
-    generated = []
-    while not generator.is_done():
-        generator.generate_next_token()
-        generated.append(int(generator.get_next_tokens()[0]))
+    generated = genai_greedy(case.engine, ids, 10)
     expected = []
     for token, _ in _reference_greedy(case, ids, 10):
         expected.append(token)

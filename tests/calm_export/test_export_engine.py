@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 
-from conftest import random_calibration_adapter  # noqa: E402
+from conftest import genai_greedy, random_calibration_adapter  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache  # noqa: E402
 
 from calm_export import ExportConfig, export_engine  # noqa: E402
@@ -212,21 +212,12 @@ def test_head_layouts_in_the_graph(tied_lora_engine, tied_scale_engine):
 
 # ---------------------------------------------------------------------- onnxruntime-genai
 def test_onnxruntime_genai_runs_the_engine(tied_lora_engine):
-    og = pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed")
     result, adapter, model_dir = tied_lora_engine
     config = json.loads((result.path / "genai_config.json").read_text())
     assert config["model"]["decoder"]["num_hidden_layers"] == result.manifest.num_layers
     tokenizer = AutoTokenizer.from_pretrained(str(result.path))
     prompt = tokenizer(PROMPTS[0])["input_ids"]
-    model = og.Model(str(result.path))
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=len(prompt) + 10, do_sample=False)
-    generator = og.Generator(model, params)
-    generator.append_tokens(np.asarray([prompt], dtype=np.int32))
-    generated = []
-    while not generator.is_done():
-        generator.generate_next_token()
-        generated.append(int(generator.get_next_tokens()[0]))
+    generated = genai_greedy(result.path, prompt, 10)
     ids, mask = _left_pad([prompt], 3)
     _, _, ref_tokens = _reference(model_dir, adapter, ids, mask)
     expected = []
