@@ -201,6 +201,45 @@ def genai_greedy(engine_dir, prompt_ids, new_tokens: int) -> list[int]:
     return generated
 
 
+def synthetic_engine_manifest(root, *, adapter: dict | None = None, adapter_kind="identity",
+                              model_files=("model.onnx",), export: dict | None = None) -> dict:
+    """A complete engine manifest for a synthetic engine folder ``root`` (a placeholder
+    graph, a real tokenizer, ``genai_config.json``): 1 layer, vocab 300, hashes of the files
+    that are there. For loader tests that never run the graph."""
+    from calm_runtime._fs import sha256_file
+    from calm_runtime.engine import engine_io_names
+
+    inputs, outputs = engine_io_names(1)
+    return {
+        "schema_version": 1, "kind": "onnx", "created_by": "calm-export test",
+        "created_at": "2026-01-01T00:00:00+00:00",
+        "source": {"model": {"name": "tiny", "vocab_size": 300, "tokenizer_sha256": None,
+                             "weights_sha256": None}, "adapter": adapter},
+        "calibration": {"fused": True, "temperature": 1.3, "answer_temperature": 0.9,
+                        "tau_min": 0.5, "tau_max": 2.0, "shift_min": -1.0, "shift_max": 1.0,
+                        "adapter_kind": adapter_kind},
+        "model": {"file": "model.onnx",
+                  "files": {name: sha256_file(root / name) for name in model_files},
+                  "num_layers": 1, "num_attention_heads": 2, "num_kv_heads": 1, "head_dim": 4,
+                  "hidden_size": 8, "vocab_size": 300, "max_position_embeddings": 64,
+                  "dtype": "float32", "opset": 18, "bos_token_id": 1, "eos_token_ids": [2],
+                  "pad_token_id": 3, "add_bos": True},
+        "io": {"inputs": inputs, "outputs": outputs},
+        "tokenizer": {"files": {name: sha256_file(root / name) for name in
+                                ("tokenizer.json", "tokenizer_config.json",
+                                 "chat_template.jinja")},
+                      "chat_template": "chat_template.jinja"},
+        "option_tokens": {"plain": {" A": 4}, "chat": {"A": 4}},
+        "p_true_template": {"name": "kadavath", "template": "Q: {question} A: {answer}",
+                            "true_token": " A", "false_token": " B", "description": ""},
+        "export": {"genai_config": {"file": "genai_config.json",
+                                    "sha256": sha256_file(root / "genai_config.json")},
+                   **(export or {})},
+        "validation": {"passed": True, "max_abs_diff": 1e-6, "tolerance": 1e-4,
+                       "greedy_steps": 4, "greedy_match": True, "batch2_max_abs_diff": 1e-6},
+    }
+
+
 MC_WORDS = "red blue green cat dog sun moon water fire earth stone tree river cloud".split()
 
 

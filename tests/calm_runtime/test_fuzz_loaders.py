@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import synthetic_engine_manifest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import save_file
@@ -40,7 +41,7 @@ from calm_runtime._fs import sha256_file
 from calm_runtime._tokenizer import EngineTokenizer
 from calm_runtime.artifact import MANIFEST_NAME, TENSORS_NAME, CalibrationAdapter, ModelIdentity
 from calm_runtime.data import dataset_hash, read_jsonl, write_jsonl
-from calm_runtime.engine import ENGINE_MANIFEST_NAME, EngineManifest, engine_io_names
+from calm_runtime.engine import ENGINE_MANIFEST_NAME, EngineManifest
 from calm_runtime.errors import CalmError
 
 VOCAB = 8
@@ -520,36 +521,10 @@ def engine_template(box: Path) -> Path:
     (root / "chat_template.jinja").write_text(
         "{% for m in messages %}{{ bos_token }}{{ m['content'] }}{% endfor %}")
     (root / "genai_config.json").write_text("{}")
-    inputs, outputs = engine_io_names(1)
-    manifest = {
-        "schema_version": 1, "kind": "onnx", "created_by": "calm-export test",
-        "created_at": "2026-01-01T00:00:00+00:00",
-        "source": {"model": {"name": "tiny", "vocab_size": 300, "tokenizer_sha256": None,
-                             "weights_sha256": None},
-                   "adapter": {"kind": "daca", "path_name": "adapter", "tensors_sha256": None,
-                               "manifest_sha256": None}},
-        "calibration": {"fused": True, "temperature": 1.3, "answer_temperature": 0.9,
-                        "tau_min": 0.5, "tau_max": 2.0, "shift_min": -1.0, "shift_max": 1.0,
-                        "adapter_kind": "daca"},
-        "model": {"file": "model.onnx", "files": {"model.onnx": sha256_file(root / "model.onnx")},
-                  "num_layers": 1, "num_attention_heads": 2, "num_kv_heads": 1, "head_dim": 4,
-                  "hidden_size": 8, "vocab_size": 300, "max_position_embeddings": 64,
-                  "dtype": "float32", "opset": 18, "bos_token_id": 1, "eos_token_ids": [2],
-                  "pad_token_id": 3, "add_bos": True},
-        "io": {"inputs": inputs, "outputs": outputs},
-        "tokenizer": {"files": {n: sha256_file(root / n) for n in
-                                ("tokenizer.json", "tokenizer_config.json",
-                                 "chat_template.jinja")},
-                      "chat_template": "chat_template.jinja"},
-        "option_tokens": {"plain": {" A": 4}, "chat": {"A": 4}},
-        "p_true_template": {"name": "kadavath", "template": "Q: {question} A: {answer}",
-                            "true_token": " A", "false_token": " B", "description": ""},
-        "export": {"genai_config": {"file": "genai_config.json",
-                                    "sha256": sha256_file(root / "genai_config.json")},
-                   "cloze_variant": "mean"},
-        "validation": {"passed": True, "max_abs_diff": 1e-6, "tolerance": 1e-4,
-                       "greedy_steps": 4, "greedy_match": True, "batch2_max_abs_diff": 1e-6},
-    }
+    manifest = synthetic_engine_manifest(
+        root, adapter_kind="daca", export={"cloze_variant": "mean"},
+        adapter={"kind": "daca", "path_name": "adapter", "tensors_sha256": None,
+                 "manifest_sha256": None})
     (root / ENGINE_MANIFEST_NAME).write_text(json.dumps(manifest))
     tokenizer = EngineTokenizer(EngineManifest.load(root))
     assert tokenizer.has_chat_template and tokenizer.encode("hello") == [1, 6]
