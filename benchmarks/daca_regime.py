@@ -139,7 +139,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{STEM}.json").write_text(json.dumps(payload, indent=1) + "\n")
     (out / f"{STEM}.md").write_text(markdown(payload))
-    logger.info("wrote %s and %s.md in %.0f s", out / f"{STEM}.json", STEM, payload["wall_s"])
+    logger.info("wrote %s and its .md in %.0f s", out / f"{STEM}.json", payload["wall_s"])
     return 0
 
 
