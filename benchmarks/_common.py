@@ -15,3 +15,11 @@ def git_commit() -> str:
                               capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def command_line(script: str, argv) -> str:
+    """The command a result file names: ``python benchmarks/SCRIPT ARGS``."""
+    import sys
+
+    args = argv if argv is not None else sys.argv[1:]
+    return f"python benchmarks/{script} {' '.join(args)}".strip()

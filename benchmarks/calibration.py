@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import git_commit
+from _common import command_line, git_commit
 
 from calm_runtime.cli import install_named
 from calm_training.evaluate import write_report
@@ -59,8 +59,7 @@ def main(argv=None) -> int:
                         help="no scoring: rewrite OUT/calibration.md from OUT/calibration.json")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    command = "python benchmarks/calibration.py " + " ".join(argv if argv is not None
-                                                             else sys.argv[1:])
+    command = command_line("calibration.py", argv)
     stamp = {"command": command.strip(), "commit": git_commit(),
              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     out = Path(args.out)

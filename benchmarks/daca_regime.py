@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _common import git_commit
+from _common import command_line, git_commit
 
 from calm_runtime import metrics
 from calm_runtime.artifact import CalibrationAdapter
@@ -51,7 +51,7 @@ from calm_runtime.errors import ConfigError, FitError
 from calm_training import daca
 from calm_training.cache import cached_option_scores
 from calm_training.calm_data import TRAIN_PART, TRAIN_SPLIT_FRACTION, TRAIN_SPLIT_SEED
-from calm_training.fit import DEFAULT_VARIANT, option_probabilities
+from calm_training.fit import DEFAULT_VARIANT, apply_fit, option_probabilities
 
 HERE = Path(__file__).resolve().parent
 METHODS = ("vanilla", "naive", "daca", "daca-vector", "ts")
@@ -91,8 +91,7 @@ def main(argv=None) -> int:
                         help="no scoring: rewrite OUT/daca_regime.md from OUT/daca_regime.json")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    command = "python benchmarks/daca_regime.py " + " ".join(argv if argv is not None
-                                                             else sys.argv[1:])
+    command = command_line("daca_regime.py", argv)
     out = Path(args.out)
     if args.render:
         payload = json.loads((out / f"{STEM}.json").read_text())
@@ -274,7 +273,7 @@ def _evaluate(args, name: str, adapter: str, data: str, mode: str, split: dict):
         except FitError as exc:
             logger.warning("%s / %s / %s / %s: %s", name, data, mode, method, exc)
             continue
-        probs = _apply(fit, g[test_idx])
+        probs = apply_fit(fit, g[test_idx])
         m = _metrics(probs, labels[test_idx], args)
         row = {"polm": name, "eval_set": data, "in_domain": split["in_domain"], "mode": mode,
                "method": method, "accuracy": m["accuracy"], "ece": m["ece"],
@@ -314,14 +313,6 @@ def _fit(method: str, f, g, labels):
     if method == "daca-vector":
         return daca.fit_daca_vector_scaling(f, g)
     return daca.fit_temperature_scaling(g, labels)
-
-
-def _apply(fit, g: np.ndarray) -> np.ndarray:
-    if fit is None:
-        return option_probabilities(g)
-    if isinstance(fit, daca.VectorFit):
-        return option_probabilities(g * np.asarray(fit.weights) + np.asarray(fit.bias))
-    return option_probabilities(g, fit.temperature)
 
 
 def _temperature(fit) -> float | None:

@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import git_commit
+from _common import command_line, git_commit
 
 from calm_runtime.cli import install_named
 from calm_training.evaluate import write_report
@@ -48,8 +48,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     install_named([args.model, args.reference], [args.data])  # a command line: it may install
-    command = "python benchmarks/p_true.py " + " ".join(argv if argv is not None
-                                                        else sys.argv[1:])
+    command = command_line("p_true.py", argv)
     provenance = {"command": command.strip(), "commit": git_commit(),
                   "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     out = Path(args.out)

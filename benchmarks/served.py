@@ -27,7 +27,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from _common import git_commit
+from _common import command_line, git_commit
 
 from calm_runtime.cli import install_named
 from calm_runtime.models import resolve_model
@@ -129,8 +129,7 @@ def main(argv=None) -> int:
         (Path(args.out) / "served.md").write_text(markdown(payload))
         return 0
     install_named([args.model, args.reference], [args.data])  # a command line: it may install
-    command = "python benchmarks/served.py " + " ".join(argv if argv is not None
-                                                        else sys.argv[1:])
+    command = command_line("served.py", argv)
     provenance = {"command": command.strip(), "commit": git_commit(),
                   "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     engines = Path(args.engines)

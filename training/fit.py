@@ -226,7 +226,9 @@ def _fit(method: str, prep: _Prepared):
     raise ConfigError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
 
 
-def _apply(fit, scores: np.ndarray) -> np.ndarray:
+def apply_fit(fit, scores: np.ndarray) -> np.ndarray:
+    """Option probabilities of ``scores`` [N, K] under a fitted temperature or vector
+    scaling (``None``: plain softmax)."""
     if fit is None:
         return option_probabilities(scores)
     if isinstance(fit, daca.VectorFit):
@@ -306,7 +308,7 @@ def compare_methods(config: FitConfig, methods: Sequence[str] = METHODS, *,
             logger.warning("%s: %s", method, exc)
             rows[method] = {"error": str(exc)}
             continue
-        row, panels[method] = metric_row(_apply(fit, prep.polm[prep.test]), labels, config)
+        row, panels[method] = metric_row(apply_fit(fit, prep.polm[prep.test]), labels, config)
         row["fit"] = None if fit is None else fit.to_dict()
         rows[method] = row
     report = {
@@ -359,9 +361,9 @@ def fit_adapter(config: FitConfig, method: str, out: str | Path, *, overwrite: b
     if (prep.labels[prep.cal] >= 0).all():
         labels = prep.labels[prep.cal]
         g = prep.polm[prep.cal]
-        cal_metrics = {"before": metrics.calibration_report(_apply(None, g), labels,
+        cal_metrics = {"before": metrics.calibration_report(apply_fit(None, g), labels,
                                                             config.n_bins),
-                       "after": metrics.calibration_report(_apply(fit, g), labels,
+                       "after": metrics.calibration_report(apply_fit(fit, g), labels,
                                                            config.n_bins)}
     adapter.method = {"name": method, "mode": config.mode,
                       "variant": config.variant if config.mode == "cloze" else None,
