@@ -2,7 +2,7 @@
 
     python benchmarks/latency.py --engine ENGINE [--identity-engine ENGINE] [--int8-engine ENGINE]
         [--adapter ADAPTER] [--threads 1] [--batches 1 8] [--tokens 32] [--rounds 3]
-        [--device cpu|cuda]
+        [--device cpu|cuda] [--prefill-engine ENGINE --prefill-model MODEL --prefill-tokens 512]
 
 Contenders run in a fresh random order (seeded) every round, so machine noise and
 after-effects of the previous contender (torch's spinning threads, evicted caches) hit all
@@ -32,7 +32,15 @@ engine's weight bytes (read once per step) divided by the measured copy bandwidt
 thread; every per-token time is also given as a multiple of it. Thread count fixed (ONNX
 Runtime intra-op threads, torch threads) and reported. ``--device cuda`` runs the ONNX
 contenders on the CUDA provider and torch on the GPU (onnxruntime-genai when its CUDA build
-is installed). Writes ``results/latency.json`` and ``results/latency.md``.
+is installed). The calm / onnxruntime-genai ratio is also given per round (both ran in the
+same round, shuffled) as the median of those paired ratios.
+
+``--prefill-engine`` adds a prefill table: one ``--prefill-tokens`` prompt (batch 1) through
+that engine with only the last position projected (``logits_to_keep``, what calm does
+now), through the same session projecting every position in chunks (what calm did before,
+and still does for engines exported without that input), and through transformers'
+forward with ``logits_to_keep=1`` on ``--prefill-model``, alternated per round.
+Writes ``results/latency.json`` and ``results/latency.md``.
 """
 
 from __future__ import annotations
@@ -248,6 +256,10 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--skip", nargs="*", default=[], help="contenders to leave out")
+    parser.add_argument("--prefill-engine", type=Path,
+                        help="engine for the long-prompt prefill table (e.g. Gemma-3-270M's)")
+    parser.add_argument("--prefill-model", help="that engine's source model (transformers)")
+    parser.add_argument("--prefill-tokens", type=int, default=512)
     parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -399,7 +411,20 @@ def main(argv=None) -> int:
                           per_token("ort-loop-fused", batch))
         if unfused and fused:
             ratios[batch]["unfused_numpy_over_fused"] = unfused / fused
+    for batch in args.batches:
+        calm, genai = (samples.get(("calm-onnxruntime", batch)),
+                       samples.get(("onnxruntime-genai", batch)))
+        if calm and genai and calm["per_token"] and len(calm["per_token"]) == len(
+                genai["per_token"]):
+            ratios[batch]["calm_over_genai_paired (median of per-round ratios)"] = \
+                statistics.median(c / g for c, g in zip(calm["per_token"], genai["per_token"],
+                                                        strict=True))
     confidence_ms = _confidence_cost(lm, prompt_ids, args.batches)
+    prefill = None
+    if args.prefill_engine:
+        del runners, model, lm
+        prefill = prefill_table(args.prefill_engine, args.prefill_model, args.prefill_tokens,
+                                args.threads, args.rounds)
     payload = {"command": command.strip(), "commit": git_commit(),
                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                "device": args.device, "threads": args.threads, "tokens": args.tokens,
@@ -407,7 +432,8 @@ def main(argv=None) -> int:
                "weight_bytes": weights,
                "copy_bandwidth_gb_s": None if bandwidth is None else bandwidth / 1e9,
                "confidence_ms_per_step": confidence_ms, "results": results,
-               "ratios": {str(k): v for k, v in ratios.items()}, "notes": notes}
+               "ratios": {str(k): v for k, v in ratios.items()}, "notes": notes,
+               "prefill": prefill}
     args.out.mkdir(parents=True, exist_ok=True)
     stem = "latency" if args.device == "cpu" else f"latency-{args.device}"
     (args.out / f"{stem}.json").write_text(json.dumps(payload, indent=1) + "\n")
@@ -415,6 +441,66 @@ def main(argv=None) -> int:
     (args.out / f"{stem}.md").write_text(text)
     print(text)
     return 0
+
+
+def prefill_table(engine: Path, model_spec: str | None, tokens: int, threads: int,
+                  rounds: int) -> dict:
+    """Milliseconds to prefill one ``tokens``-long prompt: last position only vs every
+    position (chunked) on the same session, and transformers with ``logits_to_keep=1``."""
+    from calm_runtime import CalibratedLM
+    from calm_runtime._generation import initial_positions
+
+    lm = CalibratedLM.load(engine, threads=threads)
+    text = " ".join([PROMPT] * (4 * tokens // max(1, len(lm.tokenizer.encode(PROMPT))) + 4))
+    ids = np.asarray([lm.tokenizer.encode(text)[:tokens]], dtype=np.int64)
+    if ids.shape[1] < tokens:
+        raise RuntimeError(f"the prompt has only {ids.shape[1]} tokens")
+    mask = np.ones_like(ids)
+    positions = initial_positions(mask)
+    backend = lm.backend
+    keeps = getattr(backend, "keeps_logits", False)
+
+    def calm(last: bool):
+        def run():
+            backend.keeps_logits = keeps and last
+            try:
+                start = time.perf_counter()
+                backend.run(ids, mask, positions, None, last_only=True)
+                return time.perf_counter() - start
+            finally:
+                backend.keeps_logits = keeps
+        return run
+
+    runners = {"calm-last-position": calm(True), "calm-every-position": calm(False)}
+    if model_spec:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from calm_runtime.models import resolve_model
+
+        model = AutoModelForCausalLM.from_pretrained(
+            str(resolve_model(model_spec, install=True)), dtype=torch.float32).eval()
+
+        def transformers_forward():
+            with torch.inference_mode():
+                start = time.perf_counter()
+                model(input_ids=torch.as_tensor(ids), logits_to_keep=1)
+                return time.perf_counter() - start
+        runners["transformers-logits_to_keep=1"] = transformers_forward
+    for run in runners.values():
+        run()  # warm-up
+    seconds = {name: [] for name in runners}
+    order = np.random.default_rng(1)
+    for _ in range(rounds):
+        names = list(runners)
+        order.shuffle(names)
+        for name in names:
+            seconds[name].append(runners[name]())
+    ms = {name: 1e3 * statistics.median(s) for name, s in seconds.items()}
+    return {"engine": str(engine), "model": model_spec, "tokens": tokens,
+            "logits_to_keep_in_graph": keeps, "vocab_size": lm.manifest.vocab_size,
+            "ms_median": ms, "ms_all": {k: [1e3 * x for x in v] for k, v in seconds.items()},
+            "every_over_last": ms["calm-every-position"] / ms["calm-last-position"]}
 
 
 def _confidence_cost(lm, prompt_ids, batches) -> dict:
@@ -460,6 +546,14 @@ def format_markdown(p: dict) -> str:
             lines.append(f"* batch {batch}: {k} = {v:.3f}")
     lines += ["", "confidences alone (step_stats on real logits): " + ", ".join(
         f"batch {b}: {ms:.3f} ms/step" for b, ms in p["confidence_ms_per_step"].items())]
+    pre = p.get("prefill")
+    if pre:
+        lines += ["", f"prefill of one {pre['tokens']}-token prompt on `{pre['engine']}` "
+                  f"(vocabulary {pre['vocab_size']:,}; median of {p['rounds']} rounds, "
+                  "alternated):", "", "| path | ms |", "|---|---|"]
+        lines += [f"| {k} | {v:.0f} |" for k, v in sorted(pre["ms_median"].items(),
+                                                           key=lambda kv: kv[1])]
+        lines += ["", f"every position / last position = {pre['every_over_last']:.2f}"]
     if p["notes"]:
         lines += ["", "notes: " + "; ".join(f"{k}: {v}" for k, v in p["notes"].items())]
     return "\n".join(lines) + "\n"

@@ -12,7 +12,9 @@ Graph I/O (optimum's names, so other ONNX LLM runtimes load it too): inputs ``in
 ``attention_mask`` (covers past + current tokens), ``position_ids`` (given explicitly),
 ``past_key_values.{i}.key`` / ``.value`` ``[batch, num_kv_heads, past, head_dim]``;
 outputs ``logits`` ``[batch, seq, vocab]`` float32 (already calibrated) and
-``present.{i}.key`` / ``.value`` ``[batch, num_kv_heads, past + seq, head_dim]``.
+``present.{i}.key`` / ``.value`` ``[batch, num_kv_heads, past + seq, head_dim]``. An
+optional ``logits_to_keep`` (int64 ``[1]``, an overridable initializer, default 0 = all)
+projects only the last positions (docs/formats.md).
 
 Reading is strict, like the adapter's: unknown keys and newer schemas are refused, file
 references may not leave the directory, and every listed file is checked against its

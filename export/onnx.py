@@ -16,18 +16,24 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
 from calm_runtime.engine import engine_io_names
 from calm_runtime.errors import CalmError
 
-__all__ = ["DecoderShape", "KVCacheDecoder", "OnnxExportError", "decoder_shape", "export_onnx"]
+__all__ = ["DecoderShape", "KVCacheDecoder", "OnnxExportError", "LOGITS_TO_KEEP",
+           "add_logits_to_keep", "decoder_shape", "export_onnx"]
 
 logger = logging.getLogger(__name__)
 
 ONNX_FILE = "model.onnx"
 EXTERNAL_DATA_FILE = "model.onnx.data"
+#: the optional graph input naming how many trailing positions the LM head projects
+LOGITS_TO_KEEP = "logits_to_keep"
+#: ops that may sit between the head's MatMul and the ``logits`` output, position by position
+_ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Tanh", "Cast", "Identity"}
 
 
 class OnnxExportError(CalmError):
@@ -131,9 +137,67 @@ def export_onnx(model: nn.Module, shape: DecoderShape, directory: Path, *, opset
                 leftover.unlink()
             continue
         logger.info("exported %s with the %s exporter", path.name, name)
-        return {"exporter": name, "opset": _graph_opset(path), "external_data": external_data}
+        add_logits_to_keep(path, shape.vocab_size)
+        return {"exporter": name, "opset": _graph_opset(path), "external_data": external_data,
+                "logits_to_keep": True}
     raise OnnxExportError("could not export the model to ONNX (" + " | ".join(failures) + "); "
                           "check that transformers supports torch.export for this architecture")
+
+
+def add_logits_to_keep(path: Path, vocab_size: int) -> None:
+    """Give the graph an optional input ``logits_to_keep`` (int64 ``[1]``, default 0).
+
+    A ``Slice`` before the LM head keeps the last ``logits_to_keep`` positions of the final
+    hidden states (0, the default: all of them), so a prefill that needs only the last
+    position never builds ``[B, S, V]``. The input is an initializer as well, which makes it
+    optional: ONNX Runtime lists it among the overridable initializers, not the inputs, so
+    runtimes that feed only the optimum inputs (onnxruntime-genai) run the graph unchanged.
+    Only the graph proto is rewritten; external weights are left where they are.
+    """
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    model = onnx.load(str(path), load_external_data=False)
+    graph = model.graph
+    producer = {out: node for node in graph.node for out in node.output}
+    weights = {init.name: init for init in graph.initializer}
+    head, name, chain = None, "logits", set()
+    while name in producer:
+        node = producer[name]
+        chain.update(node.output)
+        if node.op_type in ("MatMul", "Gemm") and any(
+                i in weights and vocab_size in weights[i].dims for i in node.input[1:2]):
+            head = node
+            break
+        if node.op_type not in _ELEMENTWISE:
+            break
+        name = next((i for i in node.input if i not in weights), "")
+    if head is None:
+        raise OnnxExportError(f"cannot find the LM head (a MatMul by a [*, {vocab_size}] weight "
+                              "followed by elementwise ops only) in the exported graph; "
+                              "report the model type")
+    hidden = head.input[0]
+    kept = f"{hidden}_kept"
+    start, ends, axes = (f"{LOGITS_TO_KEEP}_start", f"{LOGITS_TO_KEEP}_ends",
+                         f"{LOGITS_TO_KEEP}_axes")
+    graph.initializer.extend([
+        numpy_helper.from_array(np.zeros(1, np.int64), LOGITS_TO_KEEP),
+        numpy_helper.from_array(np.array([np.iinfo(np.int64).max], np.int64), ends),
+        numpy_helper.from_array(np.ones(1, np.int64), axes)])
+    graph.input.append(helper.make_tensor_value_info(LOGITS_TO_KEEP, TensorProto.INT64, [1]))
+    position = list(graph.node).index(head)
+    graph.node.insert(position, helper.make_node("Slice", [hidden, start, ends, axes], [kept],
+                                                 name=f"{LOGITS_TO_KEEP}_slice"))
+    graph.node.insert(position, helper.make_node("Neg", [LOGITS_TO_KEEP], [start],
+                                                 name=f"{LOGITS_TO_KEEP}_neg"))
+    head.input[0] = kept
+    for value in graph.output:
+        if value.name == "logits":
+            value.type.tensor_type.shape.dim[1].dim_param = "logits_sequence_length"
+    stale = [v for v in graph.value_info if v.name in chain]  # [B, S, V] no longer holds
+    for value in stale:
+        graph.value_info.remove(value)
+    onnx.save_model(model, str(path))
 
 
 def _dynamic_shapes(shape: DecoderShape):

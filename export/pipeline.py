@@ -258,6 +258,8 @@ def _export(model_spec, out: Path, adapter_arg, config: ExportConfig,
                            "source_head_tied": was_tied, "genai_config": genai,
                            # what the family does after its head (export/heads.py)
                            "post_head": post.to_dict(),
+                           # optional graph input: project only the last positions
+                           "logits_to_keep": facts["logits_to_keep"],
                            "tensorrt": trt_settings,
                            # the cloze score answer_temperature was fitted on (runtime reads it)
                            "cloze_variant": _cloze_variant(adapter),

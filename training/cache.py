@@ -22,6 +22,7 @@ from calm_runtime.data import MultipleChoiceRecord, dataset_hash
 from calm_runtime.errors import ConfigError
 from calm_runtime.models import load_model_and_tokenizer, model_fingerprint, resolve_model
 
+from .engine_model import engine_fingerprint, is_engine, load_engine
 from .scoring import OptionScores, score_multiple_choice
 
 __all__ = ["SCORER_VERSION", "cached_option_scores", "adapter_fingerprint"]
@@ -67,8 +68,14 @@ def cached_option_scores(model: str, records: Sequence[MultipleChoiceRecord], *,
             raise ConfigError("a served model is scored through /v1/completions with the "
                               "prompt as text, without a chat template; pass --no-chat")
         return remote_option_scores(model, records, mode=mode, progress=progress)[0]
-    folder = resolve_model(model)
-    key_material = {"scorer": SCORER_VERSION, "model": model_fingerprint(folder),
+    engine = is_engine(model)
+    if engine and adapter_dir is not None:
+        raise ConfigError(f"{model} is an engine: it scores with the calibration it was exported "
+                          "with; pass the source model with --adapter, or export the engine "
+                          "with that adapter")
+    folder = None if engine else resolve_model(model)
+    key_material = {"scorer": SCORER_VERSION,
+                    "model": engine_fingerprint(model) if engine else model_fingerprint(folder),
                     "adapter": adapter_fingerprint(adapter_dir), "data": dataset_hash(records),
                     "mode": mode, "chat": chat}
     key = sha256_bytes(json.dumps(key_material, sort_keys=True).encode())
@@ -82,7 +89,9 @@ def cached_option_scores(model: str, records: Sequence[MultipleChoiceRecord], *,
         except Exception as exc:  # noqa: BLE001 - a broken cache entry is recomputed
             logger.warning("ignoring unreadable score cache %s (%s)", path, exc)
     adapter = CalibrationAdapter.from_pretrained(adapter_dir) if adapter_dir else None
-    if loaded is None:
+    if loaded is None and engine:
+        lm, tokenizer, _ = load_engine(model)
+    elif loaded is None:
         lm, tokenizer, identity = load_model_and_tokenizer(
             folder, lora_path=adapter.lora_path if adapter else None)
         if adapter is not None:

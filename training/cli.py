@@ -85,7 +85,8 @@ def register(sub) -> None:
 
 def _add_common(p, default_variant: str) -> None:
     p.add_argument("--model", required=True, help="model to calibrate: packaged name, folder, "
-                   ".gguf file or the http(s) base URL of an OpenAI-compatible API (.../v1)")
+                   ".gguf file, engine folder (calm-export; scored with ONNX Runtime) or the "
+                   "http(s) base URL of an OpenAI-compatible API (.../v1)")
     p.add_argument("--reference", help="pre-trained reference model (label-free methods); "
                    "the same kinds of spec")
     p.add_argument("--data", required=True, help="data set name or .jsonl file")

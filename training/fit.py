@@ -31,6 +31,7 @@ from calm_runtime.prompts import DEFAULT_CLOZE_VARIANT, letter_tokens
 
 from . import daca
 from .cache import cached_option_scores
+from .engine_model import engine_identity, is_engine, require_uncalibrated
 from .remote import Endpoint, is_endpoint
 from .scoring import CLOZE_VARIANTS, MODES, OptionScores
 
@@ -51,7 +52,8 @@ class FitConfig:
     """What to fit and evaluate.
 
     Attributes:
-        model: the post-trained model to calibrate (a spec for ``resolve_model``).
+        model: the post-trained model to calibrate (a spec for ``resolve_model``, an engine
+            folder, or a served model's URL).
         reference: the pre-trained reference model for DACA / naive alignment.
         data: a data spec (``arc-easy``, ``sciq``, a ``.jsonl`` path, ...).
         mode: ``cloze`` or ``letter`` for multiple choice, ``p_true`` for open QA
@@ -338,6 +340,8 @@ def fit_adapter(config: FitConfig, method: str, out: str | Path, *, overwrite: b
                           f"{', '.join(m for m in METHODS if m != 'vanilla')}")
     if Path(out).exists() and not overwrite:
         raise ConfigError(f"{out} already exists; choose another --out or pass --overwrite")
+    if is_engine(config.model):
+        require_uncalibrated(config.model, "an adapter fitted on its scores")
     if method == "threshold":
         return _fit_threshold_adapter(config, out, overwrite=overwrite, progress=progress)
     if config.mode == "p_true":
@@ -352,7 +356,8 @@ def fit_adapter(config: FitConfig, method: str, out: str | Path, *, overwrite: b
     base, identity = _base_adapter(config)
     adapter = dataclasses.replace(base, kind=_kind(base, method), created_at=None)
     if isinstance(fit, daca.VectorFit):
-        _write_vector(adapter, fit, config, resolve_model(config.model))
+        _write_vector(adapter, fit, config, Path(config.model) if is_engine(config.model)
+                      else resolve_model(config.model))
     elif config.mode == "cloze":
         adapter.answer_temperature = fit.temperature
     else:
@@ -430,6 +435,8 @@ def _identity(config: FitConfig, role: str) -> ModelIdentity:
     if isinstance(source, Endpoint):
         return ModelIdentity.served_model(source.base_url, source.model)
     spec = getattr(config, role)
+    if is_engine(spec):
+        return engine_identity(spec)
     return model_identity(resolve_model(spec), name=spec if not Path(spec).exists() else None)
 
 

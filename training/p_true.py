@@ -28,6 +28,7 @@ from calm_runtime.prompts import p_true_template
 
 from . import daca
 from .fit import add_selective
+from .engine_model import engine_fingerprint, is_engine, load_engine
 from .remote import is_endpoint, remote_answers, remote_p_true
 from .scoring import generate_answers, is_correct, score_p_true
 
@@ -129,14 +130,14 @@ def open_qa_judgements(config, *, progress: bool = True) -> dict:
     template = p_true_template(config.p_true_template)
     if is_endpoint(config.model) or is_endpoint(config.reference):
         return _remote_judgements(config, records, template, progress=progress)
-    polm_folder = resolve_model(config.model)
     base = {"version": ANSWER_VERSION, "data": dataset_hash(records),
-            "polm": model_fingerprint(polm_folder)}
+            "polm": _fingerprint(config.model)}
     loaded = {}
 
     def model(spec):
         if spec not in loaded:
-            loaded[spec] = load_model_and_tokenizer(spec)[:2]
+            loaded[spec] = (load_engine(spec) if is_engine(spec)
+                            else load_model_and_tokenizer(spec))[:2]
         return loaded[spec]
 
     answers = _load_or(_cache_path("answers", base), lambda: generate_answers(
@@ -148,7 +149,7 @@ def open_qa_judgements(config, *, progress: bool = True) -> dict:
     if config.reference:
         judges["plm"] = config.reference
     for role, spec in judges.items():
-        material = {**base, "judge": model_fingerprint(resolve_model(spec)),
+        material = {**base, "judge": _fingerprint(spec),
                     "template": template.to_dict(), "chat": config.chat}
         logits = _load_or(_cache_path("ptrue", material), lambda spec=spec: score_p_true(
             *model(spec), [r.question for r in records], answers, template, chat=config.chat,
@@ -156,6 +157,11 @@ def open_qa_judgements(config, *, progress: bool = True) -> dict:
             max_length=config.max_length).tolist())
         out[role] = np.asarray(logits, dtype=float)
     return out
+
+
+def _fingerprint(spec) -> str:
+    """The score-cache key of a local model folder or an engine."""
+    return engine_fingerprint(spec) if is_engine(spec) else model_fingerprint(resolve_model(spec))
 
 
 def _remote_judgements(config, records, template, *, progress: bool) -> dict:

@@ -13,6 +13,10 @@ Open QA: greedy answers, correctness by normalised alias match, and P(True) from
 templates. Sequences are left-padded with explicit position ids and only the needed
 positions are projected through the LM head (``logits_to_keep``), so batching and padding
 do not change a score (tested against an unbatched computation).
+
+``model`` may also be an :class:`~calm_training.engine_model.EngineModel` (an exported
+engine): the same token ids then run through ONNX Runtime with the runtime's scoring
+passes (``calm_runtime._scoring``), and the scores equal the torch path's to export parity.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from calm_runtime import _scoring
 from calm_runtime.data import MultipleChoiceRecord
 from calm_runtime.errors import ConfigError, DataError
 from calm_runtime.prompts import (
@@ -37,6 +42,8 @@ from calm_runtime.prompts import (
     option_char_count,
 )
 from calm_runtime.score import is_correct, normalize_answer
+
+from .engine_model import EngineModel
 
 __all__ = [
     "MODES",
@@ -201,6 +208,11 @@ def _batched_logits(model, sequences: Sequence[Sequence[int]], keep: int, pad_id
     """Float32 logits of the last ``keep`` positions of left-padded ``sequences`` [B, keep, V]."""
     import torch
 
+    if isinstance(model, EngineModel):
+        if keep != 1:
+            raise ValueError("an engine scores the last position only here")
+        logits = _scoring.next_token_logits(model.backend, sequences, pad_id, len(sequences))
+        return torch.from_numpy(logits)[:, None]
     ids, mask, positions = left_pad(sequences, pad_id)
     with torch.inference_mode():
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions,
@@ -299,6 +311,13 @@ def _score_cloze(model, tokenizer, records, values, n_tokens, n_chars, batch_siz
                for i in range(len(records))]
     bar = tqdm(total=len(records), desc="cloze scoring", unit="question", disable=not progress)
     for chunk in _batches(order, batch_size, lengths):
+        if isinstance(model, EngineModel):  # calibration: the engine's own, in its graph
+            sums = _scoring.cloze_logprobs(model.backend, [contexts[i] for i in chunk],
+                                           [continuations[i] for i in chunk], pad, len(chunk))
+            for i, row_sums in zip(chunk, sums, strict=True):
+                values[i, :len(row_sums)] = row_sums
+            bar.update(len(chunk))
+            continue
         first, cache, ctx_mask = _run_contexts(model, [contexts[i] for i in chunk], pad)
         owners = [b for b, i in enumerate(chunk) for _ in continuations[i]]
         conts = [c for i in chunk for c in continuations[i]]
@@ -376,6 +395,23 @@ def _score_letters(model, tokenizer, records, values, batch_size, pad, chat, cal
     bar.close()
 
 
+def _engine_answers(model, tokenizer, prompts, max_new_tokens, batch_size, progress):
+    """:func:`generate_answers` on an engine: greedy decoding with the runtime's KV loop."""
+    from tqdm.auto import tqdm
+
+    answers = [""] * len(prompts)
+    size = min(batch_size, model.backend.max_batch or batch_size)
+    for start in tqdm(range(0, len(prompts), size), desc="generating", disable=not progress):
+        run = model.lm.generation_run(prompts[start:start + size], max_new_tokens)
+        for _ in run:
+            pass
+        for offset, generation in enumerate(run.results):
+            ids = [token.id for token in generation.tokens]
+            text = tokenizer.decode(ids, skip_special_tokens=True)
+            answers[start + offset] = text.strip().split("\n")[0].strip()
+    return answers
+
+
 def _long(ids):
     import torch
 
@@ -428,6 +464,8 @@ def generate_answers(model, tokenizer, questions: Sequence[str], *, max_new_toke
     prompts = [encode_within(tokenizer, cloze_context(q), limit, f"question {i} ({q[:40]!r})",
                              special=True, reserve=max_new_tokens)
                for i, q in enumerate(questions)]
+    if isinstance(model, EngineModel):
+        return _engine_answers(model, tokenizer, prompts, max_new_tokens, batch_size, progress)
     for chunk in tqdm(list(_batches(list(range(len(prompts))), batch_size,
                                     [len(p) for p in prompts])),
                       desc="generating", disable=not progress):

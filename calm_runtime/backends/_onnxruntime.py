@@ -5,6 +5,11 @@ memory for the CPU, the GPU for CUDA/TensorRT) as ``OrtValue``s that are bound a
 step's inputs, never converted to numpy; only the logits come back as a numpy array.
 Running a session is thread-safe; every call builds its own binding.
 
+Engines exported by this version take an optional input ``logits_to_keep`` (an overridable
+initializer, default 0 = every position): a forward pass that needs only the last position
+binds 1, so a prefill never builds ``[B, S, V]``. Older engines without it are prefilled
+in chunks that bound the logits array instead.
+
 onnxruntime-gpu silently falls back to the CPU when it cannot load CUDA; calm checks
 ``session.get_providers()`` after creating the session and raises instead.
 """
@@ -33,6 +38,7 @@ PROVIDER_ALIASES = {
 }
 _GPU_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider")
 _ORT_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+_ONE = np.ones(1, dtype=np.int64)
 
 
 def _import_onnxruntime():
@@ -131,6 +137,9 @@ class OnnxRuntimeBackend(Backend):
                 "libraries onnxruntime-gpu needs, or pass providers=['CPUExecutionProvider']")
         self._check_io(session, manifest, path)
         self._session = session
+        #: the graph projects only the last positions when asked (``logits_to_keep``)
+        self.keeps_logits = any(i.name == "logits_to_keep"
+                                for i in session.get_overridable_initializers())
         self._inputs, self._outputs = engine_io_names(manifest.num_layers)
         self._past_names = self._inputs[3:]
         past_type = next(i.type for i in session.get_inputs() if i.name == self._past_names[0])
@@ -167,7 +176,7 @@ class OnnxRuntimeBackend(Backend):
             state = self._empty(input_ids.shape[0])
         batch, seq = input_ids.shape
         step = max(1, self.max_logits_bytes // (4 * batch * self._vocab))
-        if not last_only or seq <= step:
+        if not last_only or seq <= 1 or self.keeps_logits or seq <= step:
             return self._run(input_ids, attention_mask, position_ids, state, last_only)
         # the graph returns logits for every position: a long prompt over a large vocabulary
         # is run in chunks on top of the growing cache, keeping only the last logits
@@ -179,6 +188,8 @@ class OnnxRuntimeBackend(Backend):
         return logits, state
 
     def _run(self, input_ids, attention_mask, position_ids, state, last_only):
+        if last_only and self.keeps_logits and input_ids.shape[1] > 1:
+            return self._run_last(input_ids, attention_mask, position_ids, state)
         binding = self._session.io_binding()
         binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids))
         binding.bind_cpu_input("attention_mask", np.ascontiguousarray(attention_mask))
@@ -197,6 +208,27 @@ class OnnxRuntimeBackend(Backend):
         if last_only:
             logits = logits[:, -1:]
         return logits, present
+
+    def _run_last(self, input_ids, attention_mask, position_ids, state):
+        """A multi-token pass that projects only the last position (``logits_to_keep`` = 1).
+
+        IO binding cannot bind an overridable initializer, so this pass feeds ``OrtValue``s
+        through ``run_with_ort_values``; ONNX Runtime returns its outputs in host memory,
+        and on a GPU the new cache is uploaded once so that decode steps bind it in place.
+        """
+        ortvalue = self._ort.OrtValue.ortvalue_from_numpy
+        feeds = {"input_ids": ortvalue(np.ascontiguousarray(input_ids)),
+                 "attention_mask": ortvalue(np.ascontiguousarray(attention_mask)),
+                 "position_ids": ortvalue(np.ascontiguousarray(position_ids)),
+                 "logits_to_keep": ortvalue(_ONE)}
+        for name, value in zip(self._past_names, state, strict=True):
+            feeds[name] = ortvalue(value) if isinstance(value, np.ndarray) else value
+        logits, *present = self._session.run_with_ort_values(self._outputs, feeds)
+        if self._kv_device != "cpu":
+            present = [value if value.device_name() != "cpu" else
+                       ortvalue(value.numpy(), self._kv_device, self._device_id)
+                       for value in present]
+        return logits.numpy(), present
 
     def select(self, state, rows):
         rows = np.asarray(rows, dtype=np.int64)

@@ -170,3 +170,55 @@ def test_cuda_provider_agrees_with_cpu(runtime_engine, baseline):
         assert got.token_ids == want.token_ids
         _close("cuda", [t.confidence for t in got.tokens],
                [t.confidence for t in want.tokens], 1e-3, "confidence")
+
+
+def test_last_position_logits_equal_the_full_projection(runtime_engine, tmp_path):
+    """The engine's optional ``logits_to_keep`` input: a prefill that needs only the last
+    position projects only it, and its logits equal the last row of the full projection;
+    an engine without the input (exported before it existed) prefills the same."""
+    import onnx
+    import onnxruntime as ort
+
+    from calm_runtime.backends._onnxruntime import OnnxRuntimeBackend
+    from calm_runtime.engine import EngineManifest
+
+    manifest = EngineManifest.load(runtime_engine[2])
+    backend = OnnxRuntimeBackend(manifest, threads=1)
+    assert backend.keeps_logits and manifest.export["logits_to_keep"] is True
+    session = ort.InferenceSession(str(manifest.path("model.onnx")),
+                                   providers=["CPUExecutionProvider"])
+    assert "logits_to_keep" not in {i.name for i in session.get_inputs()}  # optional for peers
+    rng = np.random.default_rng(0)
+    ids = rng.integers(3, manifest.vocab_size, size=(2, 9))
+    mask = np.ones_like(ids)
+    mask[1, :3] = 0
+    positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
+    full, full_state = backend.run(ids, mask, positions)
+    last, last_state = backend.run(ids, mask, positions, last_only=True)
+    assert full.shape[1] == 9 and last.shape[1] == 1
+    np.testing.assert_allclose(last[:, 0], full[:, -1], atol=1e-5, rtol=0)
+    for a, b in zip(full_state, last_state, strict=True):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    # a decode step on the cache of the keep-1 prefill equals one on the full prefill's
+    step = (ids[:, :1], np.concatenate([mask, np.ones((2, 1), np.int64)], axis=1),
+            positions[:, -1:] + 1)
+    np.testing.assert_array_equal(backend.run(*step, last_state)[0],
+                                  backend.run(*step, full_state)[0])
+
+    old = onnx.load(str(manifest.path("model.onnx")))
+    keep_nodes = [n for n in old.graph.node if n.name.startswith("logits_to_keep")]
+    assert [n.op_type for n in keep_nodes] == ["Neg", "Slice"]
+    head = next(n for n in old.graph.node if keep_nodes[1].output[0] in n.input)
+    head.input[0] = keep_nodes[1].input[0]
+    for node in keep_nodes:
+        old.graph.node.remove(node)
+    for container in (old.graph.input, old.graph.initializer):
+        for value in [v for v in container if v.name.startswith("logits_to_keep")]:
+            container.remove(value)
+    onnx.save_model(old, str(tmp_path / "model.onnx"))
+    plain = ort.InferenceSession(str(tmp_path / "model.onnx"), providers=["CPUExecutionProvider"])
+    backend._session = plain
+    backend.keeps_logits = False
+    backend.max_logits_bytes = 4 * 2 * manifest.vocab_size * 4  # chunks of 4 positions
+    chunked, _ = backend.run(ids, mask, positions, last_only=True)
+    np.testing.assert_allclose(chunked, last, atol=1e-5, rtol=0)
