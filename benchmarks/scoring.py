@@ -73,15 +73,15 @@ def main(argv=None) -> int:
         paths = {"torch": load_model_and_tokenizer(model_spec)[:2],
                  "engine": load_engine(engine_dir, threads=args.threads)[:2]}
         for mode in args.modes:
-            def score(path, mode=mode):
+            def score(path, mode=mode, paths=paths, subset=records):
                 model, tokenizer = paths[path]
                 start = time.perf_counter()
-                scores = score_multiple_choice(model, tokenizer, records, mode=mode,
+                scores = score_multiple_choice(model, tokenizer, subset, mode=mode,
                                                batch_size=args.batch_size, progress=False)
                 return time.perf_counter() - start, scores
 
             for path in paths:  # warm-up (first-call allocations, lazy initialisation)
-                score(path)
+                score(path, subset=records[:2 * args.batch_size])
             seconds = {path: [] for path in paths}
             values = {}
             for r in range(args.rounds):
@@ -102,7 +102,6 @@ def main(argv=None) -> int:
                          "seconds": seconds})
             logger.info("%s %s: torch %.2f q/s, engine %.2f q/s (%.2fx), max |diff| %.2e",
                         model_spec, mode, qps["torch"], qps["engine"], ratio, diff)
-        del paths
     payload = {"command": command_line("scoring.py", argv), "commit": git_commit(),
                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                "data": args.data, "limit": args.limit, "threads": args.threads,

@@ -27,8 +27,8 @@ from calm_runtime.models import load_model_and_tokenizer, model_fingerprint, res
 from calm_runtime.prompts import p_true_template
 
 from . import daca
-from .fit import add_selective
 from .engine_model import engine_fingerprint, is_engine, load_engine
+from .fit import add_selective
 from .remote import is_endpoint, remote_answers, remote_p_true
 from .scoring import generate_answers, is_correct, score_p_true
 

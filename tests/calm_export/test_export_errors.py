@@ -269,3 +269,25 @@ def test_hf_format_refuses_settings_it_cannot_honour():
     for bad in ({"dtype": "fp16"}, {"quantize": "int8"}, {"head_layout": "tied-scale"}):
         with pytest.raises(ConfigError, match="--format hf"):
             ExportConfig(format="hf", **bad)
+
+
+def test_logits_to_keep_needs_a_recognisable_head(tmp_path):
+    """A graph whose logits do not come from a MatMul by a [*, vocab] weight (through
+    elementwise ops only) is refused with one line, and the file is left as it was."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from calm_export.onnx import OnnxExportError, add_logits_to_keep
+
+    weight = numpy_helper.from_array(np.ones((4, 10), np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Relu", ["h"],
+                                                                           ["logits"])],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 4])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 3, 10])], [weight])
+    path = tmp_path / "model.onnx"
+    onnx.save_model(helper.make_model(graph), str(path))
+    before = path.read_bytes()
+    with pytest.raises(OnnxExportError, match="cannot find the LM head") as info:
+        add_logits_to_keep(path, 10)
+    assert "\n" not in str(info.value) and path.read_bytes() == before
