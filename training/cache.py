@@ -20,9 +20,9 @@ from calm_runtime._paths import cache_dir
 from calm_runtime.artifact import MANIFEST_NAME, CalibrationAdapter
 from calm_runtime.data import MultipleChoiceRecord, dataset_hash
 from calm_runtime.errors import ConfigError
-from calm_runtime.models import load_model_and_tokenizer, model_fingerprint, resolve_model
+from calm_runtime.models import load_model_and_tokenizer, resolve_model
 
-from .engine_model import engine_fingerprint, is_engine, load_engine
+from .engine_model import is_engine, load_engine, scorer_fingerprint
 from .scoring import OptionScores, score_multiple_choice
 
 __all__ = ["SCORER_VERSION", "cached_option_scores", "adapter_fingerprint"]
@@ -73,9 +73,7 @@ def cached_option_scores(model: str, records: Sequence[MultipleChoiceRecord], *,
         raise ConfigError(f"{model} is an engine: it scores with the calibration it was exported "
                           "with; pass the source model with --adapter, or export the engine "
                           "with that adapter")
-    folder = None if engine else resolve_model(model)
-    key_material = {"scorer": SCORER_VERSION,
-                    "model": engine_fingerprint(model) if engine else model_fingerprint(folder),
+    key_material = {"scorer": SCORER_VERSION, "model": scorer_fingerprint(model),
                     "adapter": adapter_fingerprint(adapter_dir), "data": dataset_hash(records),
                     "mode": mode, "chat": chat}
     key = sha256_bytes(json.dumps(key_material, sort_keys=True).encode())
@@ -93,7 +91,7 @@ def cached_option_scores(model: str, records: Sequence[MultipleChoiceRecord], *,
         lm, tokenizer, _ = load_engine(model)
     elif loaded is None:
         lm, tokenizer, identity = load_model_and_tokenizer(
-            folder, lora_path=adapter.lora_path if adapter else None)
+            resolve_model(model), lora_path=adapter.lora_path if adapter else None)
         if adapter is not None:
             adapter.base_model.check_compatible(identity)
     else:

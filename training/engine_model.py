@@ -22,7 +22,7 @@ from calm_runtime.engine import ENGINE_MANIFEST_NAME, EngineManifest
 from calm_runtime.errors import ConfigError
 
 __all__ = ["EngineModel", "is_engine", "load_engine", "engine_fingerprint", "engine_identity",
-           "require_uncalibrated"]
+           "require_uncalibrated", "scorer_fingerprint"]
 
 
 def is_engine(spec: object) -> bool:
@@ -80,6 +80,13 @@ def engine_fingerprint(spec: str | os.PathLike) -> str:
     files = _manifest(spec).listed_files()
     return "engine:" + sha256_bytes("\n".join(f"{name}:{files[name]}"
                                               for name in sorted(files)).encode())
+
+
+def scorer_fingerprint(spec: str | os.PathLike) -> str:
+    """The score-cache key of what scores: an engine folder or a local model spec."""
+    from calm_runtime.models import model_fingerprint, resolve_model
+
+    return engine_fingerprint(spec) if is_engine(spec) else model_fingerprint(resolve_model(spec))
 
 
 def engine_identity(spec: str | os.PathLike, manifest: EngineManifest | None = None

@@ -23,11 +23,11 @@ from calm_runtime._fs import sha256_bytes
 from calm_runtime._paths import cache_dir
 from calm_runtime.data import OpenQARecord, dataset_hash, load_dataset, split_indices
 from calm_runtime.errors import ConfigError, DataError, FitError
-from calm_runtime.models import load_model_and_tokenizer, model_fingerprint, resolve_model
+from calm_runtime.models import load_model_and_tokenizer
 from calm_runtime.prompts import p_true_template
 
 from . import daca
-from .engine_model import engine_fingerprint, is_engine, load_engine
+from .engine_model import is_engine, load_engine, scorer_fingerprint
 from .fit import add_selective
 from .remote import is_endpoint, remote_answers, remote_p_true
 from .scoring import generate_answers, is_correct, score_p_true
@@ -131,7 +131,7 @@ def open_qa_judgements(config, *, progress: bool = True) -> dict:
     if is_endpoint(config.model) or is_endpoint(config.reference):
         return _remote_judgements(config, records, template, progress=progress)
     base = {"version": ANSWER_VERSION, "data": dataset_hash(records),
-            "polm": _fingerprint(config.model)}
+            "polm": scorer_fingerprint(config.model)}
     loaded = {}
 
     def model(spec):
@@ -149,7 +149,7 @@ def open_qa_judgements(config, *, progress: bool = True) -> dict:
     if config.reference:
         judges["plm"] = config.reference
     for role, spec in judges.items():
-        material = {**base, "judge": _fingerprint(spec),
+        material = {**base, "judge": scorer_fingerprint(spec),
                     "template": template.to_dict(), "chat": config.chat}
         logits = _load_or(_cache_path("ptrue", material), lambda spec=spec: score_p_true(
             *model(spec), [r.question for r in records], answers, template, chat=config.chat,
@@ -157,11 +157,6 @@ def open_qa_judgements(config, *, progress: bool = True) -> dict:
             max_length=config.max_length).tolist())
         out[role] = np.asarray(logits, dtype=float)
     return out
-
-
-def _fingerprint(spec) -> str:
-    """The score-cache key of a local model folder or an engine."""
-    return engine_fingerprint(spec) if is_engine(spec) else model_fingerprint(resolve_model(spec))
 
 
 def _remote_judgements(config, records, template, *, progress: bool) -> dict:

@@ -176,7 +176,7 @@ class OnnxRuntimeBackend(Backend):
             state = self._empty(input_ids.shape[0])
         batch, seq = input_ids.shape
         step = max(1, self.max_logits_bytes // (4 * batch * self._vocab))
-        if not last_only or seq <= 1 or self.keeps_logits or seq <= step:
+        if not last_only or self.keeps_logits or seq <= step:
             return self._run(input_ids, attention_mask, position_ids, state, last_only)
         # the graph returns logits for every position: a long prompt over a large vocabulary
         # is run in chunks on top of the growing cache, keeping only the last logits
