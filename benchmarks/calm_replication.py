@@ -12,19 +12,27 @@ data: ``DIR:train`` (labeled, CE) and ``DIR:unlabeled`` (calibration set, no lab
 halves of DIR's 30% calibration part; test parts are never trained on. Nothing selects
 checkpoints: every arm is read after its last step. η of the SGD arms is chosen on the
 training split (``--eta-grid``): a short warm-started probe per value, keeping the η with
-the lowest option NLL on ``DIR:train`` (labels of the training split only).
+the lowest option NLL on ``DIR:train`` (labels of the training split only). The learning
+rate of the plain-SGD arm is chosen the same way (``--plain-lr-grid``, at the chosen η).
 
 Arms, all with the same step budget (``--steps``; a warm start counts against it):
 
 * ``lora`` — plain LoRA fine-tuning (Adam), no α;
 * ``calm-adam-vocab`` — CALM as it was first built: Adam, full-vocabulary entropy at the
   answer position, θ and α both moved by f, no warm start;
-* ``calm-sgd-vocab`` — plain SGD (BOME's step), warm start, η from the probe;
+* ``calm-sgd-vocab`` — SGD with momentum 0.9 (heavy ball), warm start, η from the probe;
 * ``calm-sgd-options`` — the same with the entropy of the K-option distribution;
 * ``calm-sgd-options-alpha`` — and f's gradient on α only (θ moves through λ∇q);
 * ``calm-sgd-options-alpha-tok`` — and α only on the option tokens, with an L2 penalty;
 * ``calm-adam-options-alpha`` — the options entropy with f on α only, warm start, but Adam
-  (not BOME's step: a combination the SGD arms suggest, not a candidate for the default).
+  (not BOME's step: a combination the SGD arms suggest);
+* ``calm-bome-options-alpha`` — BOME's own step: plain SGD without momentum
+  (``u ← u − lr·d``, the update whose first-order decrease of q λ guarantees; momentum
+  carries earlier directions into the step and voids it), options entropy, f on α only,
+  warm start, η and the learning rate probed on the training split.
+
+The arms eligible as the BOME-faithful default are the momentum-free SGD ones
+(:data:`FAITHFUL`).
 
 Evaluation (cloze, per-token mean scores, questions with four options, ``--eval-limit``
 test questions per set): every arm with and without its α, the base model with the arm's
@@ -82,9 +90,18 @@ ARMS = {
     "calm-adam-options-alpha": {"method": "bilevel", "optimizer": "adam", "outer_lr": 1e-3,
                                 "alpha_lr": 5e-3, "entropy": "options", "upper_params": "alpha",
                                 "calibration_positions": "answer"},
+    "calm-bome-options-alpha": {**SGD, "momentum": 0.0, "entropy": "options",
+                                "upper_params": "alpha"},
 }
 WARM = ("calm-sgd-vocab", "calm-sgd-options", "calm-sgd-options-alpha",
-        "calm-sgd-options-alpha-tok", "calm-adam-options-alpha")
+        "calm-sgd-options-alpha-tok", "calm-adam-options-alpha", "calm-bome-options-alpha")
+#: arms whose learning rate is probed on the training split (``--plain-lr-grid``); α's
+#: learning rate keeps the ratio of the SGD defaults (0.02 / 0.1)
+PROBE_LR = ("calm-bome-options-alpha",)
+ALPHA_LR_RATIO = SGD["alpha_lr"] / SGD["outer_lr"]
+#: BOME's step: plain SGD, no momentum
+FAITHFUL = tuple(a for a, s in ARMS.items() if s.get("optimizer") == "sgd"
+                 and s.get("momentum", 0.9) == 0)
 
 
 def _config(args, direction: str, arm: str, **extra) -> CalmConfig:
@@ -95,6 +112,9 @@ def _config(args, direction: str, arm: str, **extra) -> CalmConfig:
         settings.setdefault("warm_start_steps", args.warm_start_steps)
         if "eta" not in settings:
             settings["eta"] = args.eta
+    if arm in PROBE_LR and "outer_lr" not in extra and getattr(args, "plain_lr", None):
+        settings["outer_lr"] = args.plain_lr[arm]
+        settings["alpha_lr"] = args.plain_lr[arm] * ALPHA_LR_RATIO
     return CalmConfig(model=args.model, train=(f"{direction}:train",),
                       calibration=(f"{direction}:unlabeled",), seed=args.seed, **settings)
 
@@ -126,31 +146,46 @@ def _device():
     return torch.device("cpu")
 
 
+def _probe(args, direction: str, arm: str, **settings) -> dict:
+    """Train ``arm`` for the warm start + ``--probe-steps`` bilevel steps with ``settings``;
+    its option NLL on ``DIR:train`` (labels of the training split only) and its last q."""
+    from calm_training.option_eval import OptionEvaluator
+
+    train = _four(calm_data.resolve_records(f"{direction}:train"))
+    config = _config(args, direction, arm, steps=args.warm_start_steps + args.probe_steps,
+                     **settings)
+    result = train_calm(config, None, progress=False)
+    tau, shift = result.model.tau_shift()
+    evaluator = OptionEvaluator(result.model, mode="cloze", variant=VARIANT,
+                                max_length=COMMON["max_length"], batch_size=args.eval_batch_size)
+    hidden = evaluator.hidden(train)
+    scores, _ = evaluator.scores(hidden, tau, shift)
+    nll = metrics.nll(option_probabilities(scores), hidden.labels)
+    logger.info("probe %s %s: option NLL on %s:train %.4f", arm, settings, direction, nll)
+    return {"train_option_nll": nll, "q_last": result.history[-1]["q"]}
+
+
 def choose_eta(args, direction: str) -> dict:
     """η of the SGD arms: the probe (warm start + ``--probe-steps`` bilevel steps) whose
     option NLL on ``DIR:train`` is lowest."""
     if len(args.eta_grid) == 1:
         return {"eta": args.eta_grid[0], "probe": []}
-    train = _four(calm_data.resolve_records(f"{direction}:train"))
-    probe = []
-    for eta in args.eta_grid:
-        from calm_training.option_eval import OptionEvaluator
-
-        config = _config(args, direction, "calm-sgd-vocab", eta=eta,
-                         steps=args.warm_start_steps + args.probe_steps)
-        result = train_calm(config, None, progress=False)
-        tau, shift = result.model.tau_shift()
-        evaluator = OptionEvaluator(result.model, mode="cloze", variant=VARIANT,
-                                    max_length=COMMON["max_length"],
-                                    batch_size=args.eval_batch_size)
-        hidden = evaluator.hidden(train)
-        scores, _ = evaluator.scores(hidden, tau, shift)
-        nll = metrics.nll(option_probabilities(scores), hidden.labels)
-        probe.append({"eta": eta, "train_option_nll": nll,
-                      "q_last": result.history[-1]["q"]})
-        logger.info("probe eta=%g: option NLL on %s:train %.4f", eta, direction, nll)
+    probe = [{"eta": eta, **_probe(args, direction, "calm-sgd-vocab", eta=eta)}
+             for eta in args.eta_grid]
     best = min(probe, key=lambda r: r["train_option_nll"])
     return {"eta": best["eta"], "probe": probe}
+
+
+def choose_lr(args, direction: str, arm: str) -> dict:
+    """The learning rate of a plain-SGD arm (:data:`PROBE_LR`), probed like η, at the chosen
+    η: the value of ``--plain-lr-grid`` with the lowest option NLL on ``DIR:train``."""
+    if len(args.plain_lr_grid) == 1:
+        return {"lr": args.plain_lr_grid[0], "probe": []}
+    probe = [{"lr": lr, **_probe(args, direction, arm, outer_lr=lr,
+                                 alpha_lr=lr * ALPHA_LR_RATIO)}
+             for lr in args.plain_lr_grid]
+    best = min(probe, key=lambda r: r["train_option_nll"])
+    return {"lr": best["lr"], "probe": probe}
 
 
 def train_arms(args, direction: str) -> dict:
@@ -188,11 +223,11 @@ def _row(direction, method, eval_set, with_alpha, probs, labels, entropy, args) 
             "n": int(labels.size)}
 
 
-def evaluate(args, direction: str, runs: dict, evaluator) -> list[dict]:
+def evaluate(args, direction: str, runs: dict, evaluator, vanilla: bool = True) -> list[dict]:
     sets = {name: _four(load_dataset(f"{name}:test"))[:args.eval_limit] for name in SETS}
     ts_set = _four(_labeled_unlabeled_half(direction))
     rows = []
-    states = [("vanilla", None)] + [(arm, run) for arm, run in runs.items()]
+    states = [("vanilla", None)] * vanilla + [(arm, run) for arm, run in runs.items()]
     for arm, run in states:
         if run is None:
             evaluator.reset_lora()
@@ -239,24 +274,56 @@ def run_direction(args) -> int:
     direction = args.direction
     started = time.perf_counter()
     commit = git_commit()  # the code that runs (later commits do not change this process)
-    chosen = choose_eta(args, direction)
+    folder = Path(args.out) / ("calm_replication_smoke.parts" if args.smoke
+                               else "calm_replication.parts")
+    path = folder / f"{direction}.json"
+    previous = None
+    if args.add:
+        if not path.is_file():
+            raise SystemExit(f"--add: no earlier results in {path}; run the direction without "
+                             "--add first")
+        previous = json.loads(path.read_text())
+        chosen = previous["eta"]  # the arms added share the direction's probed η
+    else:
+        chosen = choose_eta(args, direction)
     args.eta = chosen["eta"]
+    lr_probes = {arm: choose_lr(args, direction, arm) for arm in args.arms if arm in PROBE_LR}
+    args.plain_lr = {arm: probe["lr"] for arm, probe in lr_probes.items()}
     runs = train_arms(args, direction)
-    rows = evaluate(args, direction, runs, _evaluator(args))
+    rows = evaluate(args, direction, runs, _evaluator(args), vanilla=previous is None)
     part = {"command": args.command, "commit": commit, "direction": direction,
-            "eta": chosen, "runs": runs, "rows": rows,
+            "eta": chosen, "lr_probes": lr_probes, "runs": runs, "rows": rows,
             "wall_s": round(time.perf_counter() - started, 1),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "settings": {k: v for k, v in vars(args).items() if k != "command"}}
-    folder = Path(args.out) / ("calm_replication_smoke.parts" if args.smoke
-                               else "calm_replication.parts")
+    if previous is not None:
+        part = merge_parts(previous, part)
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{direction}.json"
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(part, indent=1, default=str) + "\n")
     tmp.replace(path)
-    print(f"wrote {path}")
+    logger.warning("wrote %s", path)
     return 0
+
+
+def _arm_of(method: str) -> str:
+    """The arm a row belongs to (``vanilla`` for the base model's own rows)."""
+    name = method.removeprefix("base+alpha-of-").split("/")[0].split("+")[0]
+    return name
+
+
+def merge_parts(previous: dict, added: dict) -> dict:
+    """``previous`` with the arms of ``added`` (an ``--add`` run) replacing or joining its own:
+    runs, rows and learning-rate probes; commands, commits and wall times of both runs kept
+    (joined with `` && `` and ``,``)."""
+    arms = set(added["runs"])
+    rows = [r for r in previous["rows"] if _arm_of(r["method"]) not in arms] + added["rows"]
+    runs = {a: r for a, r in previous["runs"].items() if a not in arms} | added["runs"]
+    commits = list(dict.fromkeys(previous["commit"].split(",") + [added["commit"]]))
+    return {**previous, "command": previous["command"] + " && " + added["command"],
+            "commit": ",".join(commits), "runs": runs, "rows": rows,
+            "lr_probes": {**previous.get("lr_probes", {}), **added["lr_probes"]},
+            "wall_s": round(previous["wall_s"] + added["wall_s"], 1), "date": added["date"]}
 
 
 #: CALM arms not eligible as the default: the first-built arm the experiment re-examines
@@ -288,16 +355,16 @@ def pick_default(rows: list[dict], runs: dict) -> tuple[str, str]:
         return float(np.mean([in_domain(d, arm)["ece"] for d in directions]))
 
     keeps = [a for a in arms if gap(a) <= 0.02]
-    faithful = [a for a in keeps if ARMS.get(a, {}).get("optimizer") == "sgd"]
+    faithful = [a for a in keeps if a in FAITHFUL]
     if faithful:
         arm = min(faithful, key=ece)
-        return arm, "the BOME-faithful (SGD) arm that keeps plain LoRA's accuracy (within 2 " \
-            "points in every direction) with the lowest in-domain ECE"
+        return arm, "the BOME-faithful arm (plain SGD, no momentum) that keeps plain LoRA's " \
+            "accuracy (within 2 points in every direction) with the lowest in-domain ECE"
     if keeps:
         arm = min(keeps, key=ece)
-        return arm, "no BOME-faithful (SGD) arm kept plain LoRA's accuracy; of the arms " \
-            "that did (within 2 points in every direction), the one with the lowest " \
-            "in-domain ECE"
+        return arm, "no BOME-faithful arm (plain SGD, no momentum) kept plain LoRA's " \
+            "accuracy; of the arms that did (within 2 points in every direction), the one " \
+            "with the lowest in-domain ECE"
     arm = min(arms, key=lambda a: (gap(a), ece(a)))
     return arm, "no arm kept plain LoRA's accuracy; the one with the smallest worst " \
         "in-domain accuracy gap"
@@ -310,11 +377,14 @@ def report(args) -> int:
         print(f"no direction results in {folder}; run --direction first", file=sys.stderr)
         return 1
     rows = [r for p in parts for r in p["rows"]]
-    default, reason = pick_default(rows, parts[0]["runs"])
+    default, reason = pick_default(rows, {a: r for p in parts for a, r in p["runs"].items()
+                                          if all(a in q["runs"] for q in parts)})
     payload = {"command": " && ".join(p["command"] for p in parts) + " && " + args.command,
-               "commit": ",".join(sorted({p["commit"] for p in parts})),
+               "commit": ",".join(dict.fromkeys(c for p in parts
+                                                for c in p["commit"].split(","))),
                "default_method": default, "default_reason": reason, "rows": rows,
                "directions": {p["direction"]: {"eta": p["eta"], "wall_s": p["wall_s"],
+                                               "lr_probes": p.get("lr_probes", {}),
                                                "runs": p["runs"]} for p in parts}}
     out = Path(args.out)
     (out / "calm_replication.json").write_text(json.dumps(payload, indent=1, default=str) + "\n")
@@ -424,7 +494,10 @@ def render(payload: dict) -> str:
              f"({payload.get('default_reason', '')}).", ""]
     for direction, info in payload["directions"].items():
         lines += [f"## trained on {direction}", "",
-                  f"η = {info['eta']['eta']} (probe: {info['eta']['probe']})", "",
+                  f"η = {info['eta']['eta']} (probe: {info['eta']['probe']})", ""]
+        for arm, probe in (info.get("lr_probes") or {}).items():
+            lines += [f"{arm}: learning rate {probe['lr']} (probe: {probe['probe']})", ""]
+        lines += [
                   "| arm | steps | train s | last f | last g | last g (α=identity) | last q |"
                   " q-growth warnings |", "|---|---|---|---|---|---|---|---|"]
         for arm, run in info["runs"].items():
@@ -471,6 +544,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warm-start-steps", type=int, default=20)
     parser.add_argument("--eta-grid", type=float, nargs="+", default=[0.5, 2.0])
+    parser.add_argument("--plain-lr-grid", type=float, nargs="+", default=[0.1, 0.5],
+                        help="learning rates probed for the plain-SGD (no momentum) arm")
     parser.add_argument("--probe-steps", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-limit", type=int, default=150)
@@ -479,6 +554,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--bootstrap", type=int, default=1000)
     parser.add_argument("--smoke", action="store_true", help="3 steps, 16 questions per set")
     parser.add_argument("--retrain", action="store_true")
+    parser.add_argument("--add", action="store_true",
+                        help="train and evaluate only --arms and merge them into the "
+                        "direction's earlier results (same η; vanilla rows kept)")
     parser.add_argument("--adapters", default="calm-out/calm-replication/adapters")
     parser.add_argument("--out", default=str(HERE / "results"))
     parser.add_argument("--readme", default=str(HERE.parent / "README.md"),

@@ -53,7 +53,8 @@ def _part(bench, direction, arms):
 def test_report_schema_default_and_readme_block(bench, tmp_path):
     arms = {"vanilla": (0.45, 0.7), "vanilla+ts": (0.45, 0.5), "lora": (0.70, 0.9),
             "lora+ts": (0.70, 0.72), "calm-adam-vocab": (0.55, 0.6),
-            "calm-sgd-options": (0.69, 0.74), "calm-sgd-vocab": (0.71, 0.95)}
+            "calm-sgd-options": (0.69, 0.74), "calm-sgd-vocab": (0.71, 0.95),
+            "calm-bome-options-alpha": (0.69, 0.78)}
     parts = tmp_path / "calm_replication.parts"
     parts.mkdir()
     for direction in ("arc-easy", "sciq"):
@@ -67,9 +68,10 @@ def test_report_schema_default_and_readme_block(bench, tmp_path):
     keys = {"direction", "method", "eval_set", "in_domain", "with_alpha", "accuracy", "ece",
             "ece_ci", "mean_confidence", "near_chance", "answer_vocab_entropy"}
     assert all(keys <= set(r) for r in payload["rows"])
-    # both SGD arms are within 2 points of LoRA's accuracy; the better-calibrated one wins
-    assert payload["default_method"] == "calm-sgd-options"
-    assert "BOME-faithful" in payload["default_reason"]
+    # calm-sgd-options is better calibrated, but SGD with momentum is not BOME's step: the
+    # momentum-free arm that keeps LoRA's accuracy wins
+    assert payload["default_method"] == "calm-bome-options-alpha"
+    assert payload["default_reason"].startswith("the BOME-faithful arm (plain SGD, no momentum)")
     mmlu = [r for r in payload["rows"] if r["eval_set"] == "mmlu"]
     assert all(r["near_chance"] for r in mmlu)  # 0.26 accuracy over 4 options
     assert not any(r["near_chance"] for r in payload["rows"] if r["eval_set"] != "mmlu")
@@ -80,7 +82,7 @@ def test_report_schema_default_and_readme_block(bench, tmp_path):
     text = readme.read_text()
     assert text.startswith("intro\n") and text.endswith("outro\n") and "stale text" not in text
     block = text.split(bench.README_START)[1].split(bench.README_END)[0]
-    assert "calm-sgd-options" in block and "mmlu" not in block.split("claims")[0]
+    assert "calm-bome-options-alpha" in block and "mmlu" not in block.split("claims")[0]
     assert "keeps accuracy: holds" in block
     assert (tmp_path / "calm_replication.md").read_text().count("trained on") >= 2
 
@@ -107,3 +109,28 @@ def test_default_falls_back_to_an_arm_that_keeps_accuracy(bench):
     runs.pop("calm-adam-options-alpha")
     arm, reason = bench.pick_default(rows, runs)
     assert arm == "calm-sgd-options" and reason.startswith("no arm kept")
+
+
+def test_add_merges_arms_into_a_direction(bench):
+    """``--add`` replaces the added arms' runs and rows (every row kind of the arm) and keeps
+    the others, the vanilla rows, both commands and both commits."""
+    old = _part(bench, "sciq", {"vanilla": (0.45, 0.7), "vanilla+ts": (0.45, 0.5),
+                                "lora": (0.7, 0.9), "calm-bome-options-alpha": (0.3, 0.9),
+                                "calm-bome-options-alpha/no-alpha+ts": (0.3, 0.9),
+                                "base+alpha-of-calm-bome-options-alpha": (0.4, 0.7)})
+    new = _part(bench, "sciq", {"calm-bome-options-alpha": (0.69, 0.75)})
+    new.update(commit="def5678", command="python benchmarks/calm_replication.py --add",
+               lr_probes={"calm-bome-options-alpha": {"lr": 0.1, "probe": []}},
+               date="today")
+    merged = bench.merge_parts(old, new)
+    methods = [r["method"] for r in merged["rows"]]
+    assert methods.count("calm-bome-options-alpha") == len(bench.SETS)
+    assert "calm-bome-options-alpha/no-alpha+ts" not in methods
+    assert "base+alpha-of-calm-bome-options-alpha" not in methods
+    assert {"vanilla", "vanilla+ts", "lora"} <= set(methods)
+    accs = {r["accuracy"] for r in merged["rows"] if r["method"] == "calm-bome-options-alpha"
+            and r["in_domain"]}
+    assert accs == {0.69}
+    assert merged["commit"] == "abc1234,def5678" and " && " in merged["command"]
+    assert set(merged["runs"]) == {"lora", "calm-bome-options-alpha"}
+    assert merged["lr_probes"]["calm-bome-options-alpha"]["lr"] == 0.1
