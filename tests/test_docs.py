@@ -100,3 +100,14 @@ def test_architecture_table_is_generated_from_the_conformance_matrix():
     from calm_export.families import FAMILIES
 
     assert len(FAMILIES) >= 10 and all(f"| {f.name} |" in text for f in FAMILIES)
+
+
+def test_formats_lists_every_fit_setting():
+    """docs/formats.md's ``method.settings`` row names every field of ``FitConfig`` (what
+    ``calm fit`` writes there)."""
+    dataclasses = pytest.importorskip("dataclasses")
+    fit = pytest.importorskip("calm_training.fit")
+    row = next(line for line in (ROOT / "docs" / "formats.md").read_text().splitlines()
+               if line.startswith("| `method.settings` | all the fit settings"))
+    listed = set(re.findall(r"`(\w+)`", row.split("|")[2]))
+    assert {f.name for f in dataclasses.fields(fit.FitConfig)} <= listed

@@ -88,3 +88,24 @@ def test_import_without_onnxruntime_then_a_clear_error(runtime_engine):
     assert report["import_attempts"] == []
     assert report["load_error"].startswith("onnxruntime is not installed")
     assert "\n" not in report["load_error"]
+
+
+def test_server_package_without_the_serve_extra_names_it():
+    """``import calm_runtime.server`` without FastAPI: one line naming the extra to install."""
+    child = (
+        "import importlib.abc, sys\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, fullname, path=None, target=None):\n"
+        "        if fullname.split('.')[0] == 'fastapi':\n"
+        "            raise ModuleNotFoundError(fullname, name=fullname)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "from calm_runtime import BackendUnavailableError\n"
+        "try:\n"
+        "    import calm_runtime.server\n"
+        "except BackendUnavailableError as exc:\n"
+        "    print(exc)\n")
+    proc = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == ("calm_runtime.server needs the serve extra (fastapi not "
+                                   "installed); install it with pip install 'calm-llm[serve]'")
