@@ -87,6 +87,18 @@ def recorded_threshold(manifest: EngineManifest) -> float | None:
     return None
 
 
+def recorded_choice_mode(manifest: EngineManifest) -> str | None:
+    """The scoring mode (``cloze`` or ``letter``) whose confidences the engine's calibration
+    was fitted on: ``export.choice_mode`` (written by calm-export), else the mode of the
+    recorded abstention threshold; ``None`` when the manifest says neither."""
+    export = manifest.export or {}
+    value = export.get("choice_mode")
+    abstention = export.get("abstention")
+    if value is None and isinstance(abstention, Mapping):
+        value = abstention.get("mode")
+    return value if value in MODES else None
+
+
 class CalibratedLM:
     """A calibrated engine ready to generate and score; build it with :meth:`load`."""
 
@@ -101,6 +113,9 @@ class CalibratedLM:
         #: answers with a confidence below this are marked abstained (calm fit threshold,
         #: recorded in the engine by calm-export); None: never
         self.abstain_below: float | None = recorded_threshold(manifest)
+        #: the mode a constrained choice is scored in when the request does not say (the
+        #: server's ``choice_mode`` default): the one the calibration was fitted on, else cloze
+        self.choice_mode: str = recorded_choice_mode(manifest) or "cloze"
         if recorded is None and manifest.answer_temperature is not None:
             logger.warning("%s has an answer_temperature but does not record the cloze variant "
                            "it was fitted on; cloze scores use %r unless variant= says "

@@ -263,6 +263,9 @@ def _export(model_spec, out: Path, adapter_arg, config: ExportConfig,
                            "tensorrt": trt_settings,
                            # the cloze score answer_temperature was fitted on (runtime reads it)
                            "cloze_variant": _cloze_variant(adapter),
+                           # the mode (cloze/letter) the calibration was fitted on: the
+                           # server's default for constrained choices
+                           "choice_mode": _choice_mode(adapter),
                            # calm fit threshold: the runtime marks answers below it abstained
                            "abstention": adapter.abstention}
         if config.variant:  # "int8" / "fp16": scheme, excluded nodes, sizes, drift
@@ -466,6 +469,16 @@ def _check_writable_parent(out: Path) -> None:
 def _cloze_variant(adapter: CalibrationAdapter) -> str | None:
     value = (adapter.method or {}).get("variant")
     return value if value in CLOZE_VARIANTS else None
+
+
+def _choice_mode(adapter: CalibrationAdapter) -> str | None:
+    """``cloze`` or ``letter``: the mode of the adapter's abstention threshold, else of its
+    fit; ``None`` when neither records one (e.g. a P(True) fit or a CALM adapter)."""
+    for section in (adapter.abstention, adapter.method):
+        mode = (section or {}).get("mode")
+        if mode in ("cloze", "letter"):
+            return mode
+    return None
 
 
 def _versions() -> dict:

@@ -683,7 +683,7 @@ class _Server:
         Cloze: each choice's text continues the prompt as given; letter: the choices are
         listed as ``A. ...`` after the question (the prompt, or the last user message)."""
         options = req.calm or CalmOptions()
-        mode = options.choice_mode or "cloze"
+        mode = options.choice_mode or self.lm.choice_mode  # the request's, else the engine's
         out = []
         for index, (ids, question) in enumerate(zip(encoded, questions, strict=True)):
             try:

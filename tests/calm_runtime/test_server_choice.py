@@ -87,3 +87,41 @@ def test_more_choices_than_letters(runtime_openai, runtime_lm):
     ids = runtime_lm.tokenizer.encode("The cat")
     np.testing.assert_allclose(probs, runtime_lm.choose_continuation(ids, choices).probabilities,
                                atol=1e-4)
+
+
+def test_engine_recorded_mode_and_threshold_are_the_defaults(runtime_engine, runtime_lm,
+                                                            tmp_path):
+    """An engine whose manifest records a letter-mode threshold: a request that names neither
+    mode nor threshold gets letter scoring and the engine's threshold; a request's own
+    settings still win."""
+    import json
+    import shutil
+
+    from calm_runtime.server import ServeConfig, create_app
+    from calm_runtime.server.background import serve_in_background
+
+    engine = tmp_path / "engine"
+    shutil.copytree(runtime_engine[2], engine)
+    path = engine / "calm_engine.json"
+    manifest = json.loads(path.read_text())
+    manifest["export"]["choice_mode"] = "letter"
+    manifest["export"]["abstention"] = {"threshold": 0.99, "mode": "letter"}
+    path.write_text(json.dumps(manifest))
+    config = ServeConfig(engine=str(engine), model_name=NAME, threads=1)
+    with serve_in_background(create_app(config)) as (url, _):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        out = client.completions.create(model=NAME, prompt=QUESTION, max_tokens=4,
+                                        extra_body={"guided_choice": OPTIONS})
+        calm = out.choices[0].model_extra["calm"]
+        want = runtime_lm.choose(QUESTION, OPTIONS, mode="letter", chat=False)
+        assert calm["choice_mode"] == "letter" and calm["abstain_below"] == 0.99
+        np.testing.assert_allclose(calm["option_probabilities"], want.probabilities, atol=1e-4)
+        assert calm["abstained"] is (want.confidence < 0.99)
+        out = client.completions.create(
+            model=NAME, prompt=cloze_context(QUESTION), max_tokens=4,
+            extra_body={"guided_choice": [" " + o for o in OPTIONS],
+                        "calm": {"choice_mode": "cloze", "abstain_below": 0.0}})
+        calm = out.choices[0].model_extra["calm"]
+        assert calm["choice_mode"] == "cloze" and calm["abstained"] is False
+        np.testing.assert_allclose(calm["option_probabilities"],
+                                   runtime_lm.choose(QUESTION, OPTIONS).probabilities, atol=1e-4)

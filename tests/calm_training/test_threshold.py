@@ -58,7 +58,8 @@ def test_the_adapter_keeps_the_threshold(tmp_path):
 
 
 def test_fit_threshold_to_engine_to_choices(tiny_llama_tied, mc_file, tmp_path):
-    """calm fit threshold writes it, calm-export carries it, the runtime marks choices."""
+    """calm fit threshold writes it, calm-export carries it and the mode it was fitted in,
+    the runtime marks choices."""
     pytest.importorskip("onnxruntime")
     from calm_export.config import ExportConfig
     from calm_export.pipeline import export_engine
@@ -75,8 +76,31 @@ def test_fit_threshold_to_engine_to_choices(tiny_llama_tied, mc_file, tmp_path):
                   config=ExportConfig(greedy_steps=2, progress=False, exporter="torchscript"))
     lm = CalibratedLM.load(tmp_path / "engine", threads=1)
     assert lm.abstain_below == pytest.approx(threshold)
+    assert lm.manifest.export["choice_mode"] == lm.choice_mode == "cloze"
     records = load_dataset(str(mc_file))[:8]
-    choices = lm.choose_batch([r.question for r in records], [r.choices for r in records])
+    choices = lm.choose_batch([r.question for r in records], [r.choices for r in records],
+                              lm.choice_mode)
     for choice in choices:
         assert choice.abstained == (choice.confidence < threshold)
     lm.close()
+
+
+def test_the_engine_records_the_mode_its_calibration_was_fitted_in():
+    """calm-export's ``choice_mode``: the threshold's mode, else the fit's; the runtime reads
+    it, and falls back to the abstention's mode (older engines), else cloze."""
+    from types import SimpleNamespace
+
+    from calm_export.pipeline import _choice_mode
+    from calm_runtime.lm import recorded_choice_mode
+
+    adapter = SimpleNamespace
+    assert _choice_mode(adapter(abstention={"mode": "letter"}, method={"mode": "cloze"})) \
+        == "letter"
+    assert _choice_mode(adapter(abstention=None, method={"mode": "letter"})) == "letter"
+    assert _choice_mode(adapter(abstention=None, method={"mode": "p_true"})) is None
+    assert _choice_mode(adapter(abstention=None, method=None)) is None
+    manifest = SimpleNamespace
+    assert recorded_choice_mode(manifest(export={"choice_mode": "letter"})) == "letter"
+    assert recorded_choice_mode(manifest(export={"abstention": {"mode": "letter"}})) == "letter"
+    assert recorded_choice_mode(manifest(export={"choice_mode": None})) is None
+    assert recorded_choice_mode(manifest(export=None)) is None
