@@ -57,6 +57,9 @@ class EngineTokenizer:
         tokenizer.no_padding()
         tokenizer.no_truncation()
         self._tokenizer = tokenizer
+        #: texts longer than this many characters are refused before tokenising (set by the
+        #: runtime from the model's context; None: no cap)
+        self.max_chars: int | None = None
         model = manifest.model
         self.bos_token_id: int | None = model["bos_token_id"]
         self.eos_token_ids: tuple[int, ...] = tuple(model["eos_token_ids"])
@@ -77,6 +80,10 @@ class EngineTokenizer:
         ``add_bos=None`` follows the manifest (a context, as training encoded it);
         ``False`` is for continuations and chat-rendered prompts.
         """
+        if self.max_chars is not None and len(text) > self.max_chars:
+            raise ConfigError(f"a text of {len(text):,} characters cannot fit the model's "
+                              f"context (at most {self.max_chars:,} characters are tokenised); "
+                              "shorten it")
         ids = self._tokenizer.encode(text, add_special_tokens=False).ids
         if (self.add_bos if add_bos is None else add_bos) and self.bos_token_id is not None:
             return [self.bos_token_id, *ids]
@@ -99,6 +106,11 @@ class EngineTokenizer:
     def token_text(self, token_id: int) -> str:
         """A token's text as it reads in a sentence (special tokens by name)."""
         return self._tokenizer.decode([int(token_id)], skip_special_tokens=False)
+
+    def longest_token_chars(self) -> int:
+        """Characters of the longest token string in the vocabulary."""
+        return max((len(t) for t in self._tokenizer.get_vocab(with_added_tokens=True)),
+                   default=1) or 1
 
     @property
     def vocab_size(self) -> int:

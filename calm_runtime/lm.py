@@ -60,6 +60,8 @@ __all__ = ["CalibratedLM", "MODES", "CLOZE_VARIANTS", "recorded_cloze_variant"]
 logger = logging.getLogger(__name__)
 
 MODES = ("cloze", "letter")
+#: a token covers at most this many times the longest token string of the vocabulary
+CHARS_PER_TOKEN_MARGIN = 4
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -108,6 +110,11 @@ class CalibratedLM:
         self.backend = backend
         self.tokenizer = tokenizer
         self.max_context: int = manifest.model["max_position_embeddings"]
+        # text that cannot fit the context by its length alone is refused before it is
+        # tokenised: no allocation is sized by the input (a token covers at most the longest
+        # token string of the vocabulary; 4x margin for normalisers that compose characters)
+        tokenizer.max_chars = (self.max_context * tokenizer.longest_token_chars()
+                               * CHARS_PER_TOKEN_MARGIN)
         recorded = recorded_cloze_variant(manifest)
         self.default_variant: str = recorded or DEFAULT_CLOZE_VARIANT
         #: answers with a confidence below this are marked abstained (calm fit threshold,
@@ -175,6 +182,7 @@ class CalibratedLM:
             raise ConfigError(f"the prompt is empty{which}; pass some text to generate from or "
                               "score")
         _check_text(prompt, label)
+        self._check_chars(prompt, label, "shorten the prompt")
         if self.tokenizer.use_chat(chat):
             ids = self.tokenizer.encode(self.tokenizer.render_chat(prompt), add_bos=False)
         else:
@@ -314,6 +322,7 @@ class CalibratedLM:
         if not prompt:
             raise ConfigError("the prompt is empty; pass the text to score")
         top = _non_negative(top, "top")
+        self._check_chars(prompt, "the prompt", "shorten the prompt")
         encoding = self.tokenizer._tokenizer.encode(prompt, add_special_tokens=False)
         ids, offsets = list(encoding.ids), [start for start, _ in encoding.offsets]
         if self.tokenizer.add_bos:
@@ -386,6 +395,9 @@ class CalibratedLM:
                            "fitted with %r", variant, recorded)
         contexts, conts = [], []
         for n, (q, opts) in enumerate(zip(questions, options, strict=True)):
+            self._check_chars(q + max(opts, key=len, default=""),
+                              f"{_label('question', n, len(questions))} with its longest option",
+                              "shorten the question or options")
             ids = self.tokenizer.encode(cloze_context(q))
             encoded = [self.tokenizer.encode(cloze_continuation(o), add_bos=False) for o in opts]
             if any(not c for c in encoded):
@@ -426,6 +438,8 @@ class CalibratedLM:
         context = [int(i) for i in prompt_ids]
         if not context:
             raise ConfigError("the prompt is empty; a choice needs a context to continue")
+        self._check_chars(max(options, key=len, default=""), "the longest choice",
+                          "shorten the choices")
         encoded = [self.tokenizer.encode(o, add_bos=False) for o in options]
         empty = [k for k, c in enumerate(encoded) if not c]
         if empty:
@@ -509,12 +523,20 @@ class CalibratedLM:
 
     # ------------------------------------------------------------------ helpers
     def _prompt_ids(self, text: str, use_chat: bool, label: str, fix: str) -> list[int]:
+        self._check_chars(text, label, fix)
         if use_chat:
             ids = self.tokenizer.encode(self.tokenizer.render_chat(text), add_bos=False)
         else:
             ids = self.tokenizer.encode(text)
         self._check_length(len(ids), label, fix)
         return ids
+
+    def _check_chars(self, text: str, label: str, fix: str) -> None:
+        """Refuse, before tokenising, a text too long in characters for the context."""
+        cap = self.tokenizer.max_chars
+        if cap is not None and len(text) > cap:
+            raise ConfigError(f"{label} is {len(text):,} characters, more than the model's "
+                              f"{self.max_context}-token context can hold; {fix}")
 
     def _check_length(self, n: int, label: str, fix: str) -> None:
         if n > self.max_context:

@@ -114,3 +114,53 @@ def test_bad_backend_arguments(runtime_engine):
     with pytest.raises(ConfigError) as info:
         CalibratedLM.load(runtime_engine[2], providers=[])
     assert "providers is empty" in _one_line(info)
+
+
+def test_a_10mb_text_is_refused_before_tokenising(runtime_lm):
+    """Text that cannot fit the context by its length is refused before the tokenizer sees it,
+    naming the input: choose (cloze and letter), generate, P(True), prompt scoring."""
+    huge = "water " * 1_750_000
+    with pytest.raises(ConfigError, match=r"question 2 of 2 with its longest option is "
+                       r"10,500,003 characters, more than the model's \d+-token context"):
+        runtime_lm.choose_batch(["ok?", huge], [["yes", "no"], ["yes", "no"]])
+    for call in (lambda: runtime_lm.choose(huge, ["a", "b"], mode="letter", chat=False),
+                 lambda: runtime_lm.generate(huge, max_new_tokens=1),
+                 lambda: runtime_lm.p_true(huge, "4"),
+                 lambda: runtime_lm.prompt_logprobs(huge)):
+        with pytest.raises(ConfigError, match="characters, more than the model's"):
+            call()
+    assert runtime_lm.choose("ok?", ["yes", "no"]).probabilities.sum() == pytest.approx(1)
+
+
+def test_calm_score_on_a_10mb_record_stops_in_one_line_with_bounded_memory(runtime_engine,
+                                                                          tmp_path):
+    """`calm score ENGINE` on 40 good records and one ~10 MB question: one line naming the
+    question, peak RSS under 2 GB (it reached 2.5 GB when the runtime tokenised it first)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    rss = ("import json, resource, subprocess, sys\n"
+           "proc = subprocess.run(sys.argv[1:], capture_output=True, text=True)\n"
+           "print(json.dumps({'code': proc.returncode, 'stderr': proc.stderr,\n"
+           "    'max_rss_kb': resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}))\n")
+    records = [{"question": f"Question {i}?", "choices": ["fire", "dog"], "answer": i % 2}
+               for i in range(40)]
+    records.append({"question": "water " * 1_750_000, "choices": ["fire", "dog"], "answer": 0,
+                    "id": "huge"})
+    data = tmp_path / "with-huge.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    command = [sys.executable, "-m", "calm_runtime.cli", "-q", "score", str(runtime_engine[2]),
+               "--data", str(data), "--part", "all", "--out", str(tmp_path / "score.json")]
+    env = dict(os.environ, CALM_CACHE=str(tmp_path / "cache"))
+    result = json.loads(subprocess.run([sys.executable, "-c", rss, *command], env=env,
+                                       capture_output=True, text=True, check=True,
+                                       timeout=600).stdout)
+    # the test engine's own warning (no recorded cloze variant) aside, one line
+    lines = [line for line in result["stderr"].strip().splitlines()
+             if not line.startswith("WARNING ")]
+    assert result["code"] == 1 and len(lines) == 1, result["stderr"][-2000:]
+    assert lines[0].startswith("ConfigError: question 41 of 41") and "characters" in lines[0]
+    assert result["max_rss_kb"] < 2 * 1024 * 1024, f"peak RSS {result['max_rss_kb']} kB"
+    assert not (tmp_path / "score.json").exists()
