@@ -13,6 +13,7 @@ import gc
 import logging
 import os
 import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -464,6 +465,14 @@ def _check_writable_parent(out: Path) -> None:
     if not os.access(ancestor, os.W_OK | os.X_OK):
         raise ArtifactError(f"cannot create {out}: {ancestor} is not writable; choose another "
                             "--out or fix its permissions")
+    # os.access says yes to root everywhere; a read-only or virtual file system only tells
+    # when something is created there: try it (an empty folder, removed at once)
+    try:
+        probe = tempfile.mkdtemp(prefix=".calm-write-check-", dir=ancestor)
+    except OSError as exc:
+        raise ArtifactError(f"cannot create {out}: {ancestor} refuses new files "
+                            f"({exc.strerror or exc}); choose another --out") from None
+    os.rmdir(probe)
 
 
 def _cloze_variant(adapter: CalibrationAdapter) -> str | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 
@@ -161,6 +162,14 @@ def test_a_read_only_parent_is_refused_before_any_work(tmp_path, capsys):
         assert "is not writable" in _error_line(capsys)
     finally:
         locked.chmod(0o700)
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_a_parent_that_refuses_new_files_is_refused_before_any_work(capsys):
+    """/proc takes no new folders, not even root's (whom os.access always allows)."""
+    assert main(["--model", "no-such-model", "--out", "/proc/calm-engine", "--quiet"]) == 1
+    line = _error_line(capsys)
+    assert line.startswith("ArtifactError: cannot create /proc/calm-engine: /proc ")
 
 
 def test_ctrl_c_is_one_line_and_exit_130(tmp_path, capsys, monkeypatch):
