@@ -7,9 +7,12 @@
 For each data set, mode and cloze scoring variant it fits vanilla, naive alignment, DACA
 (scalar and vector), labeled temperature scaling (scalar and vector) on the calibration
 split and evaluates them on the held-out split (accuracy, ECE with a 95% bootstrap
-interval, MCE, AECE, Brier, NLL; the bin count is named in every table). Writes
-``results/calibration.json``, ``results/calibration.md`` and one reliability-diagram PNG
-per (data set, mode, variant), each naming the command and the commit that produced it.
+interval, MCE, AECE, Brier, NLL; the bin count is named in every table) and for selective
+prediction (AUROC, AURC, PRR with intervals, selective accuracy and coverage at thresholds
+0.5-0.95; the per-question confidence and correctness arrays are kept in the JSON). Writes
+``results/calibration.json``, ``results/calibration.md`` and, per (data set, mode,
+variant), a reliability diagram and a risk-coverage plot (PNG), each naming the command
+and the commit that produced it.
 
 Training-time calibration (CALM) has its own benchmark, ``benchmarks/calm_replication.py``.
 """

@@ -247,8 +247,9 @@ def metric_row(probs: np.ndarray, labels: np.ndarray, config: FitConfig):
 
 
 def add_selective(row: dict, conf: np.ndarray, correct: np.ndarray, config: FitConfig) -> None:
-    """The ECE's bootstrap interval, the selective-prediction metrics (AUROC, AURC, PRR,
-    selective accuracy, with intervals) and the per-question ``confidence`` and ``correct``
+    """The ECE's bootstrap interval, the selective-prediction metrics (AUROC, AURC and PRR
+    with bootstrap intervals; selective accuracy and coverage per threshold) and the
+    per-question ``confidence`` and ``correct``
     arrays, so that every figure of a report can be recomputed from it."""
     if config.bootstrap:
         row["ece_ci95"] = list(metrics.bootstrap_interval(
