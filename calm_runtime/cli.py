@@ -382,7 +382,8 @@ def _serve(args) -> int:
     return serve(args)
 
 
-BENCHMARKS = ("calibration", "latency", "scoring", "calm_replication", "serve_load", "p_true")
+BENCHMARKS = ("calibration", "latency", "scoring", "calm_replication", "serve_load", "p_true",
+              "threshold")
 
 
 def _add_bench(sub) -> None:
