@@ -83,7 +83,18 @@ def build_parser() -> argparse.ArgumentParser:
         from calm_export.cli import register as register_export
 
         register_export(sub)
+    no_abbreviations(parser)
     return parser
+
+
+def no_abbreviations(parser: argparse.ArgumentParser) -> None:
+    """Only whole option names, in ``parser`` and every subcommand's parser: argparse would
+    otherwise take ``--api-key sk-...`` for ``--api-key-env`` and record the key itself."""
+    parser.allow_abbrev = False
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                no_abbreviations(child)
 
 
 def _register_missing(sub, extra: str, names: Sequence[str]) -> None:

@@ -39,7 +39,8 @@ DESCRIPTION = ("Fuse a calibration adapter into a model and export a validated i
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="calm-export", description=DESCRIPTION, epilog=EPILOG,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     add_arguments(parser)
     return parser
 

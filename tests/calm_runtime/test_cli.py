@@ -109,3 +109,19 @@ def test_unknown_options_are_still_refused(capsys):
         main(["data", "list", "--no-such-option"])
     assert info.value.code == 2
     assert "unrecognized arguments: --no-such-option" in capsys.readouterr().err
+
+
+def test_option_names_are_never_abbreviated(capsys):
+    """``--api-key sk-...`` is not taken for ``--api-key-env`` (the key would be recorded in
+    the adapter): every parser of ``calm`` and ``calm-export`` wants whole option names."""
+    from calm_runtime.cli import main
+
+    pytest.importorskip("calm_training.cli")
+    with pytest.raises(SystemExit) as exc:
+        main(["fit", "daca", "--model", "http://127.0.0.1:9/v1", "--reference", "m",
+              "--data", "arc-easy", "--out", "x", "--api-key", "sk-secret"])
+    assert exc.value.code == 2
+    assert "unrecognized arguments: --api-key sk-secret" in capsys.readouterr().err
+    from calm_export.cli import build_parser
+
+    assert build_parser().allow_abbrev is False
