@@ -67,7 +67,17 @@ REMOTE_SCORER_VERSION = 1
 
 
 class RemoteError(CalmError):
-    """The endpoint could not be used: unreachable, refusing, or answering out of protocol."""
+    """The endpoint could not be used: unreachable, refusing, or answering out of protocol.
+    ``status``: the HTTP status of a refused request, else ``None``."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+#: appended to an echo request's refusal: what the refusal most likely means
+NO_ECHO = ("; the endpoint does not seem to score prompts (echo with logprobs and "
+           "max_tokens 0) — use --mode letter")
 
 
 def is_endpoint(spec: object) -> bool:
@@ -126,7 +136,8 @@ class Endpoint:
                     last = f"HTTP {exc.code}{detail}"
                     continue
                 raise RemoteError(f"{url} answered HTTP {exc.code}{detail}; check the model "
-                                  "name, the key and the request settings") from None
+                                  "name, the key and the request settings",
+                                  status=exc.code) from None
             except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as exc:
                 reason = getattr(exc, "reason", exc)
                 last = f"{type(reason).__name__}: {reason}"
@@ -216,8 +227,9 @@ def _key(kind: str, body: dict) -> str:
 
 
 def _run(endpoint: Endpoint, kind: str, bodies: Sequence[dict],
-         parse: Callable[[dict], object], *, progress: bool, desc: str) -> list:
-    """Every body's parsed answer, from the cache or the endpoint (``concurrency`` at once)."""
+         parse: Callable[[dict, dict], object], *, progress: bool, desc: str) -> list:
+    """Every body's parsed answer, from the cache or the endpoint (``concurrency`` at once);
+    ``parse(payload, body)`` checks an answer against its request before it is kept."""
     from tqdm.auto import tqdm
 
     cache = _Cache(endpoint)
@@ -234,7 +246,7 @@ def _run(endpoint: Endpoint, kind: str, bodies: Sequence[dict],
                                {**bodies[i], "model": endpoint.model}): i for i in todo}
         for future in concurrent.futures.as_completed(futures):
             i = futures[future]
-            cache.add(keys[i], parse(future.result()))
+            cache.add(keys[i], parse(future.result(), bodies[i]))
             bar.update(1)
     except CalmError:
         # queued requests are dropped; those in flight finish, and what they got is kept
@@ -244,7 +256,7 @@ def _run(endpoint: Endpoint, kind: str, bodies: Sequence[dict],
             if keys[i] in cache.values or future.cancelled() or future.exception() is not None:
                 continue
             try:
-                cache.add(keys[i], parse(future.result()))
+                cache.add(keys[i], parse(future.result(), bodies[i]))
             except CalmError:
                 pass
         raise
@@ -271,7 +283,7 @@ def _logprobs(payload: dict) -> dict:
     return logprobs
 
 
-def _top_alternatives(payload: dict) -> dict[str, float]:
+def _top_alternatives(payload: dict, body: dict | None = None) -> dict[str, float]:
     """``{token text: logprob}`` at the first generated position."""
     top = _logprobs(payload).get("top_logprobs")
     if not isinstance(top, list) or not top or not isinstance(top[0], dict) or not top[0]:
@@ -286,15 +298,22 @@ def _top_alternatives(payload: dict) -> dict[str, float]:
     return out
 
 
-def _echo_fields(payload: dict) -> dict:
-    """What the cache keeps of an echoed prompt, checked before it is kept."""
+def _echo_fields(payload: dict, body: dict) -> dict:
+    """What the cache keeps of an echoed prompt, checked before it is kept: per-token
+    logprobs and text offsets that cover the prompt and nothing after it (an endpoint that
+    ignores ``echo`` or ``max_tokens=0`` returns generated tokens instead)."""
     logprobs = _logprobs(payload)
     fields = {k: logprobs.get(k) for k in ("tokens", "token_logprobs", "text_offset")}
     lists = [v for v in fields.values() if isinstance(v, list)]
     if len(lists) != 3 or len({len(v) for v in lists}) != 1 or not all(
-            isinstance(o, int) for o in fields["text_offset"]):
+            isinstance(o, int) and not isinstance(o, bool) for o in fields["text_offset"]):
         raise RemoteError("the echoed prompt has no per-token logprobs and text offsets; the "
                           "endpoint does not support echo with logprobs — use --mode letter")
+    offsets, length = fields["text_offset"], len(body["prompt"])
+    if not offsets or offsets[0] != 0 or max(offsets) >= length:
+        raise RemoteError("the answer's tokens do not cover the prompt (text offsets "
+                          f"{offsets[:1]}..{offsets[-1:]} for a prompt of {length} characters): "
+                          "the endpoint ignored echo or max_tokens 0 — use --mode letter")
     return fields
 
 
@@ -406,8 +425,14 @@ def remote_option_scores(endpoint: Endpoint, records: Sequence[MultipleChoiceRec
                                "temperature": 0, "logprobs": 0, "echo": True})
                 owners.append((row, k, len(context)))
                 n_chars[row, k] = option_char_count(option)
-        answers = _run(endpoint, "cloze", bodies, _echo_fields, progress=progress,
-                       desc="cloze scoring (remote)")
+        try:
+            answers = _run(endpoint, "cloze", bodies, _echo_fields, progress=progress,
+                           desc="cloze scoring (remote)")
+        except RemoteError as exc:
+            if exc.status is not None and 400 <= exc.status < 500 and exc.status not in (
+                    401, 403, 404, 429):
+                raise RemoteError(str(exc) + NO_ECHO, status=exc.status) from None
+            raise
         for (row, k, start), echoed in zip(owners, answers, strict=True):
             picked = _echoed_continuation({"choices": [{"logprobs": echoed}]}, start)
             if not picked:
@@ -425,7 +450,7 @@ def remote_option_scores(endpoint: Endpoint, records: Sequence[MultipleChoiceRec
                         labels=labels), stats
 
 
-def _completion_text(payload: dict) -> str:
+def _completion_text(payload: dict, body: dict | None = None) -> str:
     text = _first_choice(payload).get("text")
     if not isinstance(text, str):
         raise RemoteError("the completion has no text; is this an OpenAI-compatible "
@@ -436,9 +461,11 @@ def _completion_text(payload: dict) -> str:
 def remote_answers(endpoint: Endpoint, questions: Sequence[str], *, max_new_tokens: int = 24,
                    progress: bool = True) -> list[str]:
     """Greedy answers like :func:`~calm_training.scoring.generate_answers`: the completion
-    of ``"Question: ...\nAnswer:"``, cut at the first newline."""
-    bodies = [{"prompt": cloze_context(q), "max_tokens": max_new_tokens, "temperature": 0,
-               "stop": ["\n"]} for q in questions]
+    of ``"Question: ...\nAnswer:"`` (``max_new_tokens`` of it, no stop sequence: a stop at
+    ``"\n"`` would end an answer that starts with a newline, which the local path strips),
+    stripped and cut at the first newline."""
+    bodies = [{"prompt": cloze_context(q), "max_tokens": max_new_tokens, "temperature": 0}
+              for q in questions]
     texts = _run(endpoint, "answer", bodies, _completion_text, progress=progress,
                  desc="generating (remote)")
     return [t.strip().split("\n")[0].strip() for t in texts]

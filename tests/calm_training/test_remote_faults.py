@@ -76,6 +76,13 @@ def server(tmp_path, monkeypatch):
                 return self._send(200, json.dumps({"choices": [{"text": " A"}]}).encode())
             if action == "unknown-model":
                 return self._send(404, b'{"error": {"message": "model not found"}}')
+            if action == "echo-refused":
+                return self._send(400, b'{"error": {"message": "echo is not supported"}}')
+            if action == "echo-ignored":  # a completion's logprobs, after the prompt
+                prompt = body["prompt"]
+                return self._send(200, json.dumps({"choices": [{"text": " x", "logprobs": {
+                    "tokens": [" x"], "token_logprobs": [-1.0],
+                    "text_offset": [len(prompt)]}}]}).encode())
             self._send(200, json.dumps(_letter_answer(body["prompt"])).encode())
 
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -192,3 +199,20 @@ def test_errors_are_calm_errors():
     assert issubclass(remote.RemoteError, CalmError)
     with pytest.raises(ConfigError, match="not an http"):
         remote.connect("ftp://x")
+
+
+@pytest.mark.parametrize(("action", "words"), [
+    ("echo-refused", r"HTTP 400 \(echo is not supported\).*does not seem to score prompts.*"
+                     r"use --mode letter"),
+    ("echo-ignored", r"do not cover the prompt.*ignored echo or max_tokens 0 — use --mode "
+                     r"letter")])
+def test_cloze_without_prompt_scoring_names_letter_mode(server, action, words):
+    """An endpoint that refuses echo, or answers as if it were not asked, stops cloze scoring
+    with one line naming letter mode, and nothing wrong is cached or returned."""
+    url, script = server
+    script.plan = [action] * 50
+    endpoint = _endpoint(url, concurrency=1)
+    with pytest.raises(remote.RemoteError, match=words) as info:
+        remote.remote_option_scores(endpoint, RECORDS[:2], mode="cloze", progress=False)
+    assert "\n" not in str(info.value)
+    assert not any(remote._Cache(endpoint).values)
