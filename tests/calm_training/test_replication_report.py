@@ -134,3 +134,25 @@ def test_add_merges_arms_into_a_direction(bench):
     assert merged["commit"] == "abc1234,def5678" and " && " in merged["command"]
     assert set(merged["runs"]) == {"lora", "calm-bome-options-alpha"}
     assert merged["lr_probes"]["calm-bome-options-alpha"]["lr"] == 0.1
+
+
+def test_calm_train_defaults_are_the_committed_default_arm(bench):
+    """``calm train``'s defaults are the settings of the arm the committed replication chose
+    (its learning rate: the smallest the probes chose), and plain ``lora`` keeps Adam."""
+    from calm_training.trainer import CalmConfig
+
+    result = json.loads((BENCHMARKS / "results" / "calm_replication.json").read_text())
+    arm = result["default_method"]
+    settings = {**bench.COMMON, **bench.ARMS[arm]}
+    config = CalmConfig(model="m", train=("arc-easy:train",), calibration=("arc-easy:unlabeled",))
+    for name in ("method", "optimizer", "momentum", "entropy", "upper_params", "alpha_tokens",
+                 "inner_steps", "inner_lr", "cloze_variant", "lora_rank", "batch_size"):
+        if name in settings:
+            assert getattr(config, name) == settings[name], name
+    if arm in bench.PROBE_LR:
+        chosen = [d["lr_probes"][arm]["lr"] for d in result["directions"].values()]
+        assert config.theta_lr == min(chosen)
+        assert config.alpha_step_lr == pytest.approx(min(chosen) * bench.ALPHA_LR_RATIO)
+    assert config.warm_steps == config.steps // 2
+    assert CalmConfig(model="m", train=("a:train",), calibration=("a:unlabeled",),
+                      method="lora").optimizer == "adam"
