@@ -67,7 +67,9 @@ def cached_option_scores(model: str, records: Sequence[MultipleChoiceRecord], *,
         if chat:
             raise ConfigError("a served model is scored through /v1/completions with the "
                               "prompt as text, without a chat template; pass --no-chat")
-        return remote_option_scores(model, records, mode=mode, progress=progress)[0]
+        scores, stats = remote_option_scores(model, records, mode=mode, progress=progress)
+        scores.floored = stats.floored
+        return scores
     engine = is_engine(model)
     if engine and adapter_dir is not None:
         raise ConfigError(f"{model} is an engine: it scores with the calibration it was exported "

@@ -154,6 +154,8 @@ class _Prepared:
     polm: np.ndarray  # [N, K] option scores of the chosen variant
     plm: np.ndarray | None
     labels: np.ndarray
+    #: {"model"/"reference": floored count} of served letter scoring (see served_floor)
+    floored: dict = dataclasses.field(default_factory=dict)
 
 
 def _load_records(config: FitConfig) -> list[MultipleChoiceRecord]:
@@ -192,7 +194,22 @@ def _prepare(config: FitConfig, *, need_reference: bool, progress: bool) -> _Pre
                      polm=_variant(polm_scores, config)[:, :k],
                      plm=None if plm_scores is None else _variant(
                          plm_scores, config, config.reference_variant)[:, :k],
-                     labels=polm_scores.labels)
+                     labels=polm_scores.labels,
+                     floored={role: scores.floored for role, scores in
+                              (("model", polm_scores), ("reference", plm_scores))
+                              if scores is not None and scores.floored is not None})
+
+
+def served_floor(prep: _Prepared) -> dict | None:
+    """``{"model"/"reference": {"floored", "n", "share"}}`` for served models scored in letter
+    mode: how many questions had an option letter that got the floor (the smallest returned
+    log-probability, an upper bound); it bounds the error of those scores. ``None`` when no
+    served model was scored in letter mode."""
+    if not prep.floored:
+        return None
+    n = len(prep.records)
+    return {role: {"floored": int(count), "n": n, "share": count / n if n else 0.0}
+            for role, count in prep.floored.items()}
 
 
 def _variant(scores: OptionScores, config: FitConfig, variant: str | None = None) -> np.ndarray:
@@ -284,6 +301,22 @@ def _finite_or_none(value):
     return value
 
 
+def _not_for_served(method: str, config: FitConfig) -> str | None:
+    """Why ``method`` is not fitted for a served model, else ``None``. Letter-mode vector
+    scaling is not invariant to a shift of a question's scores, and an endpoint returns
+    log-probabilities (logits minus a per-question constant) where the local path reads
+    logits: the fit would depend on which one it saw (and a served model's adapter holds
+    temperatures only)."""
+    from .remote import is_endpoint
+
+    served = is_endpoint(config.model) or (method == "daca-vector"
+                                           and is_endpoint(config.reference))
+    if config.mode == "letter" and method.endswith("-vector") and served:
+        return ("not fitted for a served model: vector scaling is not shift-invariant and an "
+                "endpoint returns log-probabilities, not logits; use daca, naive or ts")
+    return None
+
+
 def compare_methods(config: FitConfig, methods: Sequence[str] = METHODS, *,
                     progress: bool = True) -> dict:
     """Fit ``methods`` on the calibration split, evaluate all on the test split.
@@ -305,6 +338,11 @@ def compare_methods(config: FitConfig, methods: Sequence[str] = METHODS, *,
     labels = _labeled(prep, prep.test, "test")
     rows, panels = {}, {}
     for method in methods:
+        reason = _not_for_served(method, config)
+        if reason:
+            logger.warning("%s: %s", method, reason)
+            rows[method] = {"error": reason}
+            continue
         try:
             fit = _fit(method, prep)
         except FitError as exc:  # e.g. DACA without agreement: a result, not a crash
@@ -321,6 +359,8 @@ def compare_methods(config: FitConfig, methods: Sequence[str] = METHODS, *,
         "n_calibration": int(prep.cal.size), "n_test": int(prep.test.size),
         "methods": rows,
     }
+    if served_floor(prep):
+        report["served_floor"] = served_floor(prep)
     if prep.plm is not None:
         plm_probs = option_probabilities(prep.plm[prep.test])
         report["reference_on_test"] = metrics.calibration_report(plm_probs, labels, config.n_bins)
@@ -384,6 +424,8 @@ def fit_adapter(config: FitConfig, method: str, out: str | Path, *, overwrite: b
                   "seed": config.seed, "n": int(prep.cal.size)},
         "base_adapter": base.kind if config.adapter else None,
     }
+    if served_floor(prep):
+        adapter.provenance["served_floor"] = served_floor(prep)
     adapter.validate()
     adapter.save_pretrained(out, overwrite=overwrite)
     return adapter, {"fit": fit.to_dict(), "calibration_split": cal_metrics}
@@ -526,12 +568,16 @@ def format_table(report: dict) -> str:
                  f"own ECE {ref['ece']:.3f}")
     if "answer_accuracy" in report:
         head += f"; answer accuracy {report['answer_accuracy']:.3f}"
+    for role, floor in report.get("served_floor", {}).items():
+        head += (f"; served {role}: {floor['floored']} of {floor['n']} questions with a token "
+                 "at the floor (an upper bound)")
     lines = [head, "",
              "| method | T | acc | ECE [95% CI] | MCE | AECE | Brier | NLL | AUROC | AURC |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for name, row in report["methods"].items():
         if "error" in row:
-            lines.append(f"| {name} | - | fit failed: {row['error']} | - | - | - | - | - | - "
+            failed = "" if row["error"].startswith("not fitted") else "fit failed: "
+            lines.append(f"| {name} | - | {failed}{row['error']} | - | - | - | - | - | - "
                          "| - |")
             continue
         fit = row.get("fit") or {}

@@ -174,10 +174,12 @@ def _remote_judgements(config, records, template, *, progress: bool) -> dict:
     answers = remote_answers(polm, questions, progress=progress)
     correct = [is_correct(a, r.answers) for a, r in zip(answers, records, strict=True)]
     out = {"records": records, "answers": answers, "correct": np.array(correct, dtype=float)}
-    out["polm"] = remote_p_true(polm, questions, answers, template, progress=progress)[0]
+    out["polm"], stats = remote_p_true(polm, questions, answers, template, progress=progress)
+    out["floored"] = {"model": stats.floored}
     if config.reference:
-        out["plm"] = remote_p_true(model_source(config, "reference"), questions, answers,
-                                   template, progress=progress)[0]
+        out["plm"], stats = remote_p_true(model_source(config, "reference"), questions,
+                                          answers, template, progress=progress)
+        out["floored"]["reference"] = stats.floored
     return out
 
 
@@ -231,6 +233,9 @@ def compare_p_true(config, methods=P_TRUE_METHODS, *, progress: bool = True) -> 
               "n_records": n, "n_calibration": int(cal.size), "n_test": int(test.size),
               "answer_accuracy": float(judged["correct"].mean()), "methods": rows,
               "_panels": panels}
+    if "floored" in judged:  # served models: True/False tokens that got the floor
+        report["served_floor"] = {role: {"floored": int(c), "n": n, "share": c / n if n else 0.0}
+                                  for role, c in judged["floored"].items()}
     if "plm" in judged:
         p_plm = _p(judged["plm"][test])
         report["reference_on_test"] = metrics.binary_report(p_plm, judged["correct"][test],

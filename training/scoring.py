@@ -76,6 +76,9 @@ class OptionScores:
     n_tokens: np.ndarray  # [N, K_max] int64 (ones in letter mode)
     n_chars: np.ndarray  # [N, K_max] int64
     labels: np.ndarray  # [N] int64
+    #: served models, letter mode: questions where an option token was neither among the
+    #: returned alternatives nor scorable by echo (it got the floor); None when local
+    floored: int | None = None
 
     @property
     def n_options(self) -> np.ndarray:

@@ -216,3 +216,26 @@ def test_cloze_without_prompt_scoring_names_letter_mode(server, action, words):
         remote.remote_option_scores(endpoint, RECORDS[:2], mode="cloze", progress=False)
     assert "\n" not in str(info.value)
     assert not any(remote._Cache(endpoint).values)
+
+
+def test_served_letter_floor_is_reported_and_vector_scaling_is_not_fitted(server, tmp_path):
+    """A served model scored in letter mode: the report says how many questions had an
+    option letter at the floor, and vector scaling (not shift-invariant, while an endpoint
+    returns log-probabilities, not logits) is a reasoned row, not a fit."""
+    from calm_training.fit import FitConfig, compare_methods
+
+    url, _ = server
+    data = tmp_path / "mc.jsonl"
+    data.write_text("".join(json.dumps({"question": f"question {i}?", "choices": list("abcd"),
+                                        "answer": i % 4}) + "\n" for i in range(20)))
+    config = FitConfig(model=url, data=str(data), mode="letter", chat=False, bootstrap=0,
+                       calibration_fraction=0.5)
+    report = compare_methods(config, ("ts", "ts-vector"), progress=False)
+    assert report["served_floor"] == {"model": {"floored": 20, "n": 20, "share": 1.0}}
+    assert "not fitted for a served model" in report["methods"]["ts-vector"]["error"]
+    assert "error" not in report["methods"]["ts"], report["methods"]["ts"]
+    from calm_training.fit import format_table
+
+    table = format_table(report)
+    assert "served model: 20 of 20 questions with a token at the floor" in table
+    assert "| ts-vector | - | not fitted for a served model" in table
