@@ -18,7 +18,14 @@ import numpy as np
 
 from ._tokenizer import EngineTokenizer, IncrementalDecoder
 from .results import Alternative, Generation, Timing, Token
-from .sampling import SamplingParams, choose_tokens, row_generators, step_stats, top_alternatives
+from .sampling import (
+    SamplingParams,
+    choose_tokens,
+    raw_log_softmax,
+    row_generators,
+    step_stats,
+    top_alternatives,
+)
 
 __all__ = ["GenerationRun", "left_pad", "initial_positions"]
 
@@ -48,6 +55,9 @@ class DecodeSettings:
     top_alternatives: int
     eos_ids: frozenset[int]
     row_offset: int = 0  # index of the first row in the whole call (selects its generator)
+    #: when set, each token (and alternative) also gets its raw log-probability,
+    #: ``log_softmax(raw_scale · z_cal)`` (see ``CalibratedLM.raw_logit_scale``)
+    raw_scale: float | None = None
 
 
 class GenerationRun:
@@ -113,13 +123,17 @@ class GenerationRun:
                     where = _find_stop(texts[row], s.stop, max(0, before - longest_stop + 1))
                     if where is not None:
                         cut[row], reason = where, "stop"
+                raw = (None if s.raw_scale is None
+                       else raw_log_softmax(stats.shifted[b], s.raw_scale))
                 top = None
                 if s.top_alternatives:
                     alt_ids, alt_p = top_alternatives(stats, b, s.top_alternatives)
-                    top = tuple(Alternative(int(i), self._tok.token_text(int(i)), float(p))
+                    top = tuple(Alternative(int(i), self._tok.token_text(int(i)), float(p),
+                                            None if raw is None else float(raw[i]))
                                 for i, p in zip(alt_ids, alt_p, strict=True))
                 token = Token(id=token_id, text=text, confidence=float(probs[b]),
-                              logprob=float(logps[b]), entropy=float(stats.entropy[b]), top=top)
+                              logprob=float(logps[b]), entropy=float(stats.entropy[b]), top=top,
+                              raw_logprob=None if raw is None else float(raw[token_id]))
                 tokens[row].append(token)
                 events.append((int(row), token))
                 if reason is None:

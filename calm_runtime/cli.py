@@ -192,15 +192,17 @@ def _data_check(args) -> int:
     return 0
 
 
-def _add_engine_options(p) -> None:
-    p.add_argument("engine", help="engine directory written by calm-export")
+def _add_engine_options(p, engine_help: str = "engine directory written by calm-export",
+                        adapter_help: str = "torch backend: the adapter the engine was "
+                        "exported with") -> None:
+    p.add_argument("engine", help=engine_help)
     p.add_argument("--backend", default="onnxruntime", choices=["onnxruntime", "torch",
                                                                 "tensorrt"])
     p.add_argument("--providers", help="ONNX Runtime execution providers, comma-separated "
                    "(e.g. cuda,cpu); default cpu")
     p.add_argument("--threads", type=int, help="intra-op threads (default: all cores)")
     p.add_argument("--model", help="torch backend: the source model (folder or packaged name)")
-    p.add_argument("--adapter", help="torch backend: the adapter the engine was exported with")
+    p.add_argument("--adapter", help=adapter_help)
 
 
 def _load_engine(args):
@@ -292,14 +294,27 @@ def _visible(text: str) -> str:
 
 
 def _add_score(sub) -> None:
-    p = sub.add_parser("score", help="calibration metrics of an engine on a data set",
+    p = sub.add_parser("score", help="calibration metrics of an engine or a served model on a "
+                       "data set",
                        description="Multiple choice (letter or cloze mode) or open QA (P(True) "
                        "and sequence confidence of greedy answers) with an exported engine; "
-                       "prints the metrics and writes a JSON report.",
+                       "prints the metrics and writes a JSON report. ENGINE may instead be the "
+                       "http(s) base URL of an OpenAI-compatible API (.../v1): its multiple-"
+                       "choice answers are scored as calm fit/eval score a served model (same "
+                       "prompts, cached requests), uncalibrated or with a served-model adapter "
+                       "(--adapter, from calm fit --model URL); open QA there is calm eval "
+                       "--mode p_true --model URL.",
                        epilog="examples:\n  calm score engine/ --data arc-easy --mode cloze\n"
-                       "  calm score engine/ --data my-questions.jsonl --part all --out r.json",
+                       "  calm score engine/ --data my-questions.jsonl --part all --out r.json\n"
+                       "  calm score http://gpu-box:8000/v1 --data arc-easy --mode letter "
+                       "--adapter adapters/served-daca",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_engine_options(p)
+    _add_engine_options(
+        p, engine_help="engine directory written by calm-export, or the http(s) base URL of an "
+        "OpenAI-compatible API (.../v1)",
+        adapter_help="torch backend: the adapter the engine was exported with; with a URL: a "
+        "served-model adapter (calm fit --model URL) whose temperatures are applied")
+    p.set_defaults(backend=None)  # so that --backend given with a URL can be refused
     p.add_argument("--data", required=True, help="data set name or .jsonl file")
     p.add_argument("--part", default="test", choices=DATA_PARTS,
                    help="part of the data: the calibration or test part of the fixed split "
@@ -308,13 +323,20 @@ def _add_score(sub) -> None:
                    action=deprecated_alias("--part"))
     p.add_argument("--mode", default="cloze", choices=["cloze", "letter"])
     p.add_argument("--variant", choices=CLOZE_VARIANTS,
-                   help="cloze option score (default: the engine's recorded one, else "
-                        f"{DEFAULT_CLOZE_VARIANT})")
+                   help="cloze option score (default: the engine's or adapter's recorded one, "
+                        f"else {DEFAULT_CLOZE_VARIANT})")
     _add_chat_options(p, "(letter mode and P(True); default: when the tokenizer has one)")
     p.add_argument("--bins", type=int, default=10, help="bins of ECE/MCE/AECE")
     p.add_argument("--limit", type=int, help="use only the first N records")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=24, help="open QA answer length")
+    p.add_argument("--model-name", help="served model name when ENGINE is an http(s) "
+                   "endpoint (default: the one model it lists)")
+    p.add_argument("--api-key-env", default="OPENAI_API_KEY", metavar="VAR",
+                   help="environment variable holding the endpoint's API key (never on the "
+                        "command line; default OPENAI_API_KEY)")
+    p.add_argument("--concurrency", type=int, default=8,
+                   help="requests in flight to the endpoint (default 8)")
     p.add_argument("--out", help="JSON report path (default calm-out/reports/score-*.json)")
     p.set_defaults(handler=_score)
 
@@ -325,23 +347,111 @@ def _score(args) -> int:
     from .data import load_dataset
     from .score import format_report, score_records, write_report
 
+    served = args.engine.startswith(("http://", "https://"))
+    if served:
+        given = [flag for flag, value in (("--backend", args.backend),
+                                          ("--providers", args.providers),
+                                          ("--threads", args.threads), ("--model", args.model))
+                 if value is not None]
+        if given:
+            raise ConfigError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for "
+                              f"engines; {args.engine} is a served model, scored through its "
+                              "API (drop them)")
     spec = args.data
     if spec.rpartition(":")[2] not in DATA_PARTS:
         spec = f"{spec}:{args.part}"
     records = load_dataset(spec)
     if args.limit is not None:
         records = records[:max(args.limit, 0)]
-    lm = _load_engine(args)
-    report = score_records(lm, records, mode=args.mode, variant=args.variant, chat=args.chat,
-                           n_bins=args.bins, batch_size=args.batch_size,
-                           max_new_tokens=args.max_new_tokens)
-    report.update(engine=str(args.engine), data=args.data, split=spec.rpartition(":")[2],
-                  backend=lm.backend.description)
+    if served:
+        report, stem = _score_served(args, records)
+    else:
+        args.backend = args.backend or "onnxruntime"
+        lm = _load_engine(args)
+        report = score_records(lm, records, mode=args.mode, variant=args.variant,
+                               chat=args.chat, n_bins=args.bins, batch_size=args.batch_size,
+                               max_new_tokens=args.max_new_tokens)
+        report.update(backend=lm.backend.description)
+        stem = Path(args.engine).name
+    report.update(engine=str(args.engine), data=args.data, split=spec.rpartition(":")[2])
     print(format_report(report))
-    name = f"score-{Path(args.engine).name}-{Path(args.data).stem}-{report['kind']}.json"
+    name = f"score-{stem}-{Path(args.data).stem}-{report['kind']}.json"
     path = write_report(report, args.out or Path("calm-out/reports") / name)
     print(f"\nwrote {path}")
     return 0
+
+
+def _score_served(args, records) -> tuple[dict, str]:
+    """``calm score URL``: the served model's option scores as ``calm eval`` gets them
+    (:func:`calm_training.cache.cached_option_scores`), the adapter's temperatures applied as
+    ``calm eval`` applies them, and the report :func:`calm_runtime.score.choices_report` makes
+    for an engine; returns the report and the report file's name stem."""
+    import dataclasses
+    import re
+
+    from .artifact import CalibrationAdapter
+    from .data import MultipleChoiceRecord
+    from .score import choices_report, require_labels
+
+    try:
+        from calm_training.cache import cached_option_scores
+        from calm_training.fit import FitConfig, _variant, model_source, option_probabilities
+    except ImportError as exc:
+        logging.getLogger(__name__).debug("calm_training unavailable: %s", exc)
+        raise BackendUnavailableError(missing_extra_message(
+            "train", "scoring a served model")) from None
+    if records and not isinstance(records[0], MultipleChoiceRecord):
+        raise ConfigError(f"{args.data} holds open-QA records; calm score scores a served "
+                          "model's multiple-choice answers only; for P(True) use calm eval "
+                          f"--mode p_true --model {args.engine}")
+    if not records:
+        from .errors import DataError
+
+        raise DataError("no records to score; check the data file or split")
+    require_labels(records)
+    adapter = CalibrationAdapter.from_pretrained(args.adapter) if args.adapter else None
+    if adapter is not None and adapter.base_model.served is None:
+        raise ConfigError(f"{args.adapter} is an adapter for the local model "
+                          f"{adapter.base_model.name}; a served model takes one fitted with "
+                          f"calm fit --model {args.engine} (or export an engine with it)")
+    recorded = (adapter.method or {}).get("variant") if adapter is not None else None
+    variant = args.variant or (recorded if recorded in CLOZE_VARIANTS else None) \
+        or DEFAULT_CLOZE_VARIANT
+    if (args.mode == "cloze" and adapter is not None and adapter.answer_temperature is not None
+            and recorded in CLOZE_VARIANTS and variant != recorded):
+        logging.getLogger(__name__).warning(
+            "scoring with variant %r but the adapter's answer_temperature was fitted with %r",
+            variant, recorded)
+    config = FitConfig(model=args.engine, data=args.data, mode=args.mode, variant=variant,
+                       n_bins=args.bins, chat=args.chat, model_name=args.model_name,
+                       api_key_env=args.api_key_env, concurrency=args.concurrency)
+    endpoint = model_source(config, "model")
+    if adapter is not None:
+        recorded_at = adapter.base_model.served
+        if (recorded_at["endpoint"], recorded_at["served_model"]) != (endpoint.base_url,
+                                                                      endpoint.model):
+            raise ConfigError(
+                f"{args.adapter} was fitted for {recorded_at['served_model']!r} at "
+                f"{recorded_at['endpoint']}, not {endpoint.model!r} at {endpoint.base_url}; "
+                "score the model it was fitted for, or fit one for this one")
+    scores = cached_option_scores(endpoint, records, mode=args.mode, chat=args.chat,
+                                  progress=not args.quiet)
+    answer_t = 1.0
+    if adapter is not None:  # a served model's adapter holds temperatures only
+        scores = dataclasses.replace(scores, values=adapter.calibrate(scores.values))
+        if args.mode == "cloze":
+            answer_t = adapter.answer_temperature or 1.0
+    probs = option_probabilities(_variant(scores, config), answer_t)
+    report = choices_report([row[:len(r.choices)] for row, r in zip(probs, records, strict=True)],
+                            [r.answer for r in records], mode=args.mode,
+                            variant=variant if args.mode == "cloze" else None,
+                            answer_temperature=answer_t, n_bins=args.bins)
+    report.update(backend=f"served model {endpoint.model!r} at {endpoint.base_url}",
+                  served_model=endpoint.model, adapter=args.adapter,
+                  temperature=adapter.temperature if adapter is not None else 1.0)
+    if args.mode == "letter":
+        report["floored"] = int(scores.floored or 0)
+    return report, re.sub(r"[^A-Za-z0-9._-]+", "_", endpoint.model) or "served"
 
 
 def _add_serve(sub) -> None:

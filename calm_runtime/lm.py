@@ -53,7 +53,7 @@ from .prompts import (
     p_true_template,
 )
 from .results import Alternative, Choice, Generation, PromptToken, Token
-from .sampling import SamplingParams
+from .sampling import SamplingParams, raw_log_softmax
 
 __all__ = ["CalibratedLM", "MODES", "CLOZE_VARIANTS", "recorded_cloze_variant"]
 
@@ -159,6 +159,26 @@ class CalibratedLM:
         value = self.manifest.answer_temperature
         return 1.0 if value is None else float(value)
 
+    @property
+    def raw_logit_scale(self) -> float:
+        """``s`` with ``log_softmax(s · z_cal) == log_softmax(z)``: how the model's raw
+        (uncalibrated) log-probabilities are recovered from the calibrated logits.
+
+        The engine's logits are ``z_cal = (z / tau + shift) / T`` (fused). When ``tau`` and
+        ``shift`` are one value each over the vocabulary (an uncalibrated engine, or a
+        temperature such as DACA's), ``z = tau · (T · z_cal − shift)`` and the constant
+        shift drops out of the softmax, so ``s = tau · T``. Per-token ``tau`` or ``shift``
+        (CALM) cannot be undone from the engine's output: :class:`ConfigError`.
+        """
+        c = self.manifest.calibration
+        if c["tau_min"] != c["tau_max"] or c["shift_min"] != c["shift_max"]:
+            raise ConfigError(
+                f"this engine fuses per-token calibration ({c['adapter_kind']}: tau in "
+                f"[{c['tau_min']:g}, {c['tau_max']:g}], shift in [{c['shift_min']:g}, "
+                f"{c['shift_max']:g}]); its raw log-probabilities cannot be recovered from its "
+                "logits; serve an engine exported without the adapter for raw log-probabilities")
+        return float(c["tau_min"]) * float(c["temperature"])
+
     def close(self) -> None:
         self.backend.close()
 
@@ -199,7 +219,8 @@ class CalibratedLM:
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  seed: int | None = None, stop: str | Sequence[str] = (),
                  top_alternatives: int = 0, chat: bool | None = False,
-                 batch_size: int = 8) -> Generation | list[Generation]:
+                 batch_size: int = 8, raw_logprobs: bool = False
+                 ) -> Generation | list[Generation]:
         """Generate from one prompt (returns a :class:`Generation`) or a list (a list).
 
         Greedy when ``temperature == 0`` (the default), else sampled with ``top_k``,
@@ -209,6 +230,9 @@ class CalibratedLM:
         ``max_new_tokens`` (or the model's context). ``top_alternatives=k`` adds the k
         most probable tokens of every step. ``chat=True`` wraps the prompt as a user
         message in the engine's chat template (``None``: when there is one).
+        ``raw_logprobs=True`` adds each token's (and alternative's) raw, uncalibrated
+        log-probability (see :attr:`raw_logit_scale`; engines with per-token calibration
+        refuse it).
         """
         single = isinstance(prompt, str)
         prompts = [prompt] if single else list(prompt)
@@ -217,7 +241,7 @@ class CalibratedLM:
         encoded = [self._encode_prompt(p, chat, _label("prompt", i, len(prompts)))
                    for i, p in enumerate(prompts)]
         settings = self._settings(encoded, max_new_tokens, temperature, top_k, top_p, seed,
-                                  stop, top_alternatives)
+                                  stop, top_alternatives, raw_logprobs)
         size = _positive(batch_size, "batch_size")
         size = min(size, self.backend.max_batch or size)
         results: list[Generation] = []
@@ -287,7 +311,8 @@ class CalibratedLM:
         return (token for _, token in run)  # arguments are checked above, before iterating
 
     def _settings(self, encoded, max_new_tokens, temperature=0.0, top_k=0, top_p=1.0,
-                  seed=None, stop=(), top_alternatives=0) -> DecodeSettings:
+                  seed=None, stop=(), top_alternatives=0,
+                  raw_logprobs=False) -> DecodeSettings:
         max_new = _positive(max_new_tokens, "max_new_tokens")
         top_n = top_alternatives
         if isinstance(top_n, bool) or not isinstance(top_n, (int, np.integer)) or top_n < 0:
@@ -307,21 +332,25 @@ class CalibratedLM:
                               sampling=SamplingParams(temperature=temperature, top_k=top_k,
                                                       top_p=top_p, seed=seed),
                               stop=stops, top_alternatives=int(top_n),
-                              eos_ids=frozenset(self.tokenizer.eos_token_ids))
+                              eos_ids=frozenset(self.tokenizer.eos_token_ids),
+                              raw_scale=self.raw_logit_scale if raw_logprobs else None)
 
     # ------------------------------------------------------------------ multiple choice
-    def prompt_logprobs(self, prompt: str, *, top: int = 0) -> list[PromptToken]:
+    def prompt_logprobs(self, prompt: str, *, top: int = 0,
+                        raw_logprobs: bool = False) -> list[PromptToken]:
         """Every prompt token with its calibrated log-probability given the tokens before it
         (the first has none), its character offset in ``prompt`` and, with ``top``, the
         most probable tokens at its position: the prompt scoring of an ``echo`` request.
 
         The prompt is encoded as :meth:`generate` encodes it (BOS first when the engine's
-        tokenizer adds one); one forward pass over the whole prompt.
+        tokenizer adds one); one forward pass over the whole prompt. ``raw_logprobs=True``
+        adds the raw, uncalibrated log-probabilities (see :attr:`raw_logit_scale`).
         """
         _check_text(prompt, "the prompt")
         if not prompt:
             raise ConfigError("the prompt is empty; pass the text to score")
         top = _non_negative(top, "top")
+        scale = self.raw_logit_scale if raw_logprobs else None
         self._check_chars(prompt, "the prompt", "shorten the prompt")
         encoding = self.tokenizer._tokenizer.encode(prompt, add_special_tokens=False)
         ids, offsets = list(encoding.ids), [start for start, _ in encoding.offsets]
@@ -338,14 +367,18 @@ class CalibratedLM:
             row = logits[0, t - 1].astype(np.float64)
             row = row - row.max()
             logp = row - np.log(np.exp(row).sum())
+            raw = None if scale is None else raw_log_softmax(row, scale)
             alternatives = None
             if top:
                 best = np.argpartition(-logp, min(top, logp.size - 1))[:top]
                 best = best[np.argsort(-logp[best], kind="stable")]
                 alternatives = tuple(Alternative(int(i), self.tokenizer.token_text(int(i)),
-                                                 float(np.exp(logp[i]))) for i in best)
+                                                 float(np.exp(logp[i])),
+                                                 None if raw is None else float(raw[i]))
+                                     for i in best)
             out.append(PromptToken(ids[t], self._piece(prompt, encoding, t, ids), offsets[t],
-                                   float(logp[ids[t]]), alternatives))
+                                   float(logp[ids[t]]), alternatives,
+                                   None if raw is None else float(raw[ids[t]])))
         return out
 
     def _piece(self, prompt: str, encoding, t: int, ids: Sequence[int]) -> str:
@@ -601,7 +634,8 @@ def _rows(settings: DecodeSettings, part: slice, start: int) -> DecodeSettings:
 
 
 def _sampling_options(options: dict) -> dict:
-    allowed = {"temperature", "top_k", "top_p", "seed", "stop", "top_alternatives"}
+    allowed = {"temperature", "top_k", "top_p", "seed", "stop", "top_alternatives",
+               "raw_logprobs"}
     unknown = sorted(set(options) - allowed)
     if unknown:
         raise ConfigError(f"unknown generation option(s) {unknown}; use {sorted(allowed)}")

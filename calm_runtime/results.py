@@ -20,9 +20,14 @@ class Alternative:
     id: int
     text: str
     confidence: float
+    #: its raw (uncalibrated) log-probability, when asked for (see ``raw_logprobs``)
+    raw_logprob: float | None = None
 
     def to_dict(self) -> dict:
-        return {"id": self.id, "text": self.text, "confidence": self.confidence}
+        out = {"id": self.id, "text": self.text, "confidence": self.confidence}
+        if self.raw_logprob is not None:
+            out["raw_logprob"] = self.raw_logprob
+        return out
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,7 @@ class PromptToken:
             the first token, which nothing predicts).
         top: the most probable tokens at its position (``None`` for the first token or
             when not asked for).
+        raw_logprob: its raw (uncalibrated) log-probability, when asked for.
     """
 
     id: int
@@ -44,6 +50,7 @@ class PromptToken:
     offset: int
     logprob: float | None
     top: tuple[Alternative, ...] | None = None
+    raw_logprob: float | None = None
 
 
 @dataclass(frozen=True)
@@ -58,6 +65,8 @@ class Token:
         logprob: ``log(confidence)``, computed without rounding through the probability.
         entropy: entropy (nats) of the calibrated next-token distribution at this step.
         top: the most probable tokens at this step (when ``top_alternatives`` > 0).
+        raw_logprob: its raw (uncalibrated) log-probability, the model's own before calm's
+            calibration (when ``raw_logprobs`` is asked for; ``None`` otherwise).
     """
 
     id: int
@@ -66,10 +75,13 @@ class Token:
     logprob: float
     entropy: float
     top: tuple[Alternative, ...] | None = None
+    raw_logprob: float | None = None
 
     def to_dict(self) -> dict:
         out = {"id": self.id, "text": self.text, "confidence": self.confidence,
                "logprob": self.logprob, "entropy": self.entropy}
+        if self.raw_logprob is not None:
+            out["raw_logprob"] = self.raw_logprob
         if self.top is not None:
             out["top"] = [a.to_dict() for a in self.top]
         return out

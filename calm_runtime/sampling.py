@@ -111,6 +111,14 @@ def step_stats(logits: np.ndarray) -> StepStats:
     return StepStats(shifted, exps, sums, np.maximum(entropy, 0.0))
 
 
+def raw_log_softmax(shifted: np.ndarray, scale: float) -> np.ndarray:
+    """``log_softmax(scale · z_cal)`` of one row (float64): the raw log-probabilities when the
+    engine's calibration is one scale of the logits (see ``CalibratedLM.raw_logit_scale``)."""
+    z = scale * np.asarray(shifted, dtype=np.float64)
+    z -= z.max()
+    return z - np.log(np.exp(z).sum())
+
+
 def top_alternatives(stats: StepStats, row: int, k: int) -> tuple[np.ndarray, np.ndarray]:
     """The ``k`` most probable ``(token ids, probabilities)`` of ``row``, most probable first."""
     ids = _sorted_head(stats.shifted[row], stats.exps[row], count=k)[:k]

@@ -7,6 +7,10 @@
   normalisation; P(True) of the answer and the answer's sequence confidence are each
   reported with :func:`calm_runtime.metrics.binary_report`.
 
+A served model (``calm score URL``, an OpenAI-compatible API) is scored by
+``calm_training.remote`` with the same prompts; :func:`choices_report` builds its report from
+the option probabilities, with the same keys as an engine's.
+
 Records without a label are refused (metrics need labels).
 """
 
@@ -26,7 +30,8 @@ from .data import MultipleChoiceRecord, Record
 from .errors import DataError
 from .prompts import cloze_context
 
-__all__ = ["score_records", "format_report", "write_report", "normalize_answer", "is_correct"]
+__all__ = ["score_records", "choices_report", "require_labels", "format_report", "write_report",
+           "normalize_answer", "is_correct"]
 
 
 def score_records(lm, records: Sequence[Record], *, mode: str = "cloze",
@@ -41,22 +46,41 @@ def score_records(lm, records: Sequence[Record], *, mode: str = "cloze",
 
 
 def _score_choices(lm, records, mode, variant, chat, n_bins, batch_size) -> dict:
+    require_labels(records)
+    choices = lm.choose_batch([r.question for r in records], [r.choices for r in records],
+                              mode, variant=variant, chat=chat, batch_size=batch_size)
+    return choices_report([c.probabilities for c in choices], [r.answer for r in records],
+                          mode=mode, variant=choices[0].variant,
+                          answer_temperature=choices[0].answer_temperature, n_bins=n_bins)
+
+
+def require_labels(records: Sequence[MultipleChoiceRecord]) -> None:
+    """Raise :class:`DataError` unless every record has an answer (metrics need labels)."""
     unlabeled = sum(r.answer is None for r in records)
     if unlabeled:
         raise DataError(f"{unlabeled} of {len(records)} records have no answer; scoring needs "
                         "labels (add 'answer' to every record)")
-    choices = lm.choose_batch([r.question for r in records], [r.choices for r in records],
-                              mode, variant=variant, chat=chat, batch_size=batch_size)
-    labels = np.array([r.answer for r in records])
-    k = int(np.bincount([len(r.choices) for r in records]).argmax())
-    same = [i for i, r in enumerate(records) if len(r.choices) == k]
-    probs = np.stack([choices[i].probabilities for i in same])
+
+
+def choices_report(probabilities: Sequence[np.ndarray], labels: Sequence[int], *, mode: str,
+                   variant: str | None, answer_temperature: float, n_bins: int = 10) -> dict:
+    """The multiple-choice report of ``calm score`` from each record's option probabilities
+    (an engine's or a served model's): metrics over the records with the most common number
+    of options, a prediction row for every record."""
+    labels = np.asarray(labels)
+    sizes = [len(p) for p in probabilities]
+    k = int(np.bincount(sizes).argmax())
+    same = [i for i, size in enumerate(sizes) if size == k]
+    probs = np.stack([np.asarray(probabilities[i], dtype=np.float64) for i in same])
     report = metrics.calibration_report(probs, labels[same], n_bins)
-    return {"kind": "multiple_choice", "mode": mode, "variant": choices[0].variant,
-            "answer_temperature": choices[0].answer_temperature, "n_options": k,
-            "n_skipped": len(records) - len(same), "metrics": report,
-            "predictions": [{"prediction": c.prediction, "confidence": c.confidence,
-                             "label": int(y)} for c, y in zip(choices, labels, strict=True)]}
+    predictions = []
+    for p, y in zip(probabilities, labels, strict=True):
+        best = int(np.argmax(p))
+        predictions.append({"prediction": best, "confidence": float(p[best]), "label": int(y)})
+    return {"kind": "multiple_choice", "mode": mode, "variant": variant,
+            "answer_temperature": answer_temperature, "n_options": k,
+            "n_skipped": len(probabilities) - len(same), "metrics": report,
+            "predictions": predictions}
 
 
 def _score_open_qa(lm, records, chat, n_bins, batch_size, max_new_tokens) -> dict:
@@ -86,7 +110,11 @@ def format_report(report: dict) -> str:
         head += f", {report['mode']}"
         if report["mode"] == "cloze":
             head += f", {report['variant']} scores, T_ans={report['answer_temperature']:.3f}"
-        rows.append(("calibrated engine", report["metrics"]))
+        if "served_model" in report:  # a served model (calm score URL)
+            name = "served model + adapter" if report.get("adapter") else "served model"
+        else:
+            name = "calibrated engine"
+        rows.append((name, report["metrics"]))
     else:
         head += f", P(True) template {report['template']}"
         head += f"; answer accuracy {report['answer_accuracy']:.3f}"
@@ -94,6 +122,9 @@ def format_report(report: dict) -> str:
                  ("sequence confidence", report["metrics"]["sequence_confidence"])]
     first = rows[0][1]
     head += f"), n={first['n']}, {first['n_bins']} bins; backend {report['backend']}"
+    if report.get("floored") is not None:
+        head += (f"; {report['floored']} of {len(report['predictions'])} questions with an "
+                 "option letter at the floor (an upper bound)")
     lines = [head, "", "| confidence | acc | ECE | MCE | AECE | Brier | NLL |",
              "|---|---|---|---|---|---|---|"]
     for name, row in rows:

@@ -158,6 +158,7 @@ def create_app(config: ServeConfig, lm: CalibratedLM | None = None) -> FastAPI:
         for index, prompt in enumerate(prompts):
             server.check_chars(len(prompt), "the prompt" if single else f"prompt[{index}]",
                                "prompt")
+        server.check_raw(req, req.logprobs is not None)
         if req.echo:  # prompt scoring: one forward pass per prompt, no decoding
             await run_in_threadpool(server.encode, prompts)  # --max-prompt-tokens applies too
             return await server.echo(prompts, req)
@@ -192,6 +193,7 @@ def create_app(config: ServeConfig, lm: CalibratedLM | None = None) -> FastAPI:
         server.check_chars(sum(len(m["content"]) for m in messages), "the messages' text",
                            "messages")
         top = (req.top_logprobs or 0) if req.logprobs else 0
+        server.check_raw(req, bool(req.logprobs))
         constrained = req.choices()
         ids = await run_in_threadpool(server.encode_chat, messages)
         if constrained is not None:
@@ -568,7 +570,25 @@ class _Server:
         return {"temperature": 1.0 if req.temperature is None else float(req.temperature),
                 "top_p": 1.0 if req.top_p is None else float(req.top_p),
                 "top_k": req.top_k or 0, "seed": req.seed, "stop": req.stops(),
-                "top_alternatives": top}
+                "top_alternatives": top, "raw_logprobs": req.wants_raw}
+
+    def check_raw(self, req, logprobs: bool) -> None:
+        """Refuse ``calm.raw_logprobs`` without ``logprobs``, with constrained choices, or
+        on an engine whose raw log-probabilities cannot be recovered (per-token
+        calibration)."""
+        if not req.wants_raw:
+            return
+        if not logprobs:
+            raise APIError(400, "calm.raw_logprobs needs logprobs (the raw values come beside "
+                           "the calibrated ones); set logprobs", param="calm")
+        if req.choices() is not None:
+            raise APIError(400, "calm.raw_logprobs is for generated or echoed tokens, not "
+                           "constrained choices (their option_probabilities are calibrated)",
+                           param="calm")
+        try:
+            _ = self.lm.raw_logit_scale
+        except CalmError as exc:
+            raise APIError(400, str(exc), param="calm") from None
 
     def check_chars(self, count: int, what: str, param: str) -> None:
         """Refuse a prompt too long to be worth tokenising (see PROMPT_CHARS_PER_TOKEN)."""
@@ -728,13 +748,17 @@ class _Server:
         choices, prompt_tokens = [], 0
         for index, prompt in enumerate(prompts):
             try:
-                scored = await run_in_threadpool(self.lm.prompt_logprobs, prompt, top=top)
+                scored = await run_in_threadpool(self.lm.prompt_logprobs, prompt, top=top,
+                                                 raw_logprobs=req.wants_raw)
             except CalmError as exc:
                 raise APIError(400, str(exc), param="prompt") from None
             prompt_tokens += len(scored)
-            choices.append({"index": index, "text": prompt, "finish_reason": "length",
-                            "logprobs": echo_logprobs(scored, top) if req.logprobs is not None
-                            else None})
+            choice = {"index": index, "text": prompt, "finish_reason": "length",
+                      "logprobs": echo_logprobs(scored, top) if req.logprobs is not None
+                      else None}
+            if req.wants_raw:
+                choice["calm"] = {"raw_logprobs": echo_logprobs(scored, top, raw=True)}
+            choices.append(choice)
         body = self._envelope(f"cmpl-{uuid.uuid4().hex}", "completion")
         body.update(choices=choices, usage={"prompt_tokens": prompt_tokens,
                                             "completion_tokens": 0,
@@ -767,6 +791,11 @@ class _Server:
                 choice["logprobs"] = (chat_logprobs(g.tokens, req.top_logprobs or 0)
                                       if req.logprobs else None)
             choice["calm"] = choice_extension(g, result.p_true, req.wants_p_true)
+            if req.wants_raw:
+                choice["calm"]["raw_logprobs"] = (
+                    completion_logprobs(g.tokens, req.logprobs, raw=True)
+                    if kind == "completion"
+                    else chat_logprobs(g.tokens, req.top_logprobs or 0, raw=True))
             choices.append(choice)
         prompt = sum(len(j.ids) for j in jobs)
         completion = sum(len(r.generation.tokens) for r in results)
@@ -824,9 +853,14 @@ class _Server:
                     else:
                         logprobs = (chat_logprobs([token], req.top_logprobs or 0)
                                     if req.logprobs else None)
+                    extension = {"token_confidence": token.confidence}
+                    if req.wants_raw:
+                        extension["raw_logprobs"] = (
+                            completion_logprobs([token], req.logprobs, offset, raw=True)
+                            if kind == "completion"
+                            else chat_logprobs([token], req.top_logprobs or 0, raw=True))
                     offset += len(token.text)
-                    yield _event(chunk(index, text, logprobs, None,
-                                       {"token_confidence": token.confidence}))
+                    yield _event(chunk(index, text, logprobs, None, extension))
                 result = await job.future
                 self._observe(result)
                 g = result.generation

@@ -6,7 +6,8 @@ a number parameter takes any JSON number). Parameters calm cannot honour (``n > 
 penalties, ``logit_bias``, ``echo`` except for prompt scoring with ``max_tokens`` 0, ...)
 are refused with a 400 that names them rather than silently ignored. Two extensions:
 ``top_k`` (as vLLM) and a ``calm`` object, ``{"p_true": true}`` to score each choice's
-P(True).
+P(True) and ``{"raw_logprobs": true}`` for the model's raw (uncalibrated) log-probabilities
+beside the calibrated ones.
 
 Responses follow OpenAI's shapes, ``logprobs`` included (calibrated log-probabilities: the
 engine's logits are calibrated). Each choice carries one extension object ``calm`` with the
@@ -65,6 +66,9 @@ class CalmOptions(_Strict):
     choice_mode: Literal["cloze", "letter"] | None = None
     #: report ``abstained: true`` for a constrained choice whose confidence is below this
     abstain_below: float | None = Field(None, ge=0, le=1)
+    #: add ``calm.raw_logprobs``: the model's raw (uncalibrated) log-probabilities, in the
+    #: same shape as ``logprobs`` (which are calibrated); needs ``logprobs``
+    raw_logprobs: bool = False
 
 
 class StructuredOutputs(_Strict):
@@ -142,6 +146,10 @@ class _Common(_Strict):
     @property
     def wants_p_true(self) -> bool:
         return bool(self.calm and self.calm.p_true)
+
+    @property
+    def wants_raw(self) -> bool:
+        return bool(self.calm and self.calm.raw_logprobs)
 
 
 class CompletionRequest(_Common):
@@ -221,41 +229,50 @@ def _logprob(confidence: float) -> float:
     return math.log(confidence) if confidence > 0 else -1e4  # JSON has no -inf
 
 
+def _token_lp(token, raw: bool) -> float | None:
+    return token.raw_logprob if raw else token.logprob
+
+
+def _alt_lp(alternative, raw: bool) -> float:
+    return alternative.raw_logprob if raw else _logprob(alternative.confidence)
+
+
 def completion_logprobs(tokens: list[Token] | tuple[Token, ...], top: int,
-                        offset: int = 0) -> dict:
-    """The legacy completions ``logprobs`` object for ``tokens`` (``top`` alternatives)."""
+                        offset: int = 0, *, raw: bool = False) -> dict:
+    """The legacy completions ``logprobs`` object for ``tokens`` (``top`` alternatives);
+    ``raw``: the raw (uncalibrated) log-probabilities in the same shape."""
     offsets, at = [], offset
     for t in tokens:
         offsets.append(at)
         at += len(t.text)
     return {"tokens": [t.text for t in tokens],
-            "token_logprobs": [t.logprob for t in tokens],
-            "top_logprobs": ([{a.text: _logprob(a.confidence) for a in (t.top or ())}
+            "token_logprobs": [_token_lp(t, raw) for t in tokens],
+            "top_logprobs": ([{a.text: _alt_lp(a, raw) for a in (t.top or ())}
                               for t in tokens] if top else None),
             "text_offset": offsets}
 
 
-def echo_logprobs(tokens, top: int) -> dict:
+def echo_logprobs(tokens, top: int, *, raw: bool = False) -> dict:
     """The completions ``logprobs`` object of a scored prompt (``echo`` with max_tokens 0):
     the first token has no log-probability (nothing predicts it), as in OpenAI's API."""
     return {"tokens": [t.text for t in tokens],
-            "token_logprobs": [t.logprob for t in tokens],
+            "token_logprobs": [_token_lp(t, raw) for t in tokens],
             "top_logprobs": ([None if t.top is None else
-                              {a.text: _logprob(a.confidence) for a in t.top} for t in tokens]
+                              {a.text: _alt_lp(a, raw) for a in t.top} for t in tokens]
                              if top else None),
             "text_offset": [t.offset for t in tokens]}
 
 
-def chat_logprobs(tokens: list[Token] | tuple[Token, ...], top: int) -> dict:
+def chat_logprobs(tokens: list[Token] | tuple[Token, ...], top: int, *,
+                  raw: bool = False) -> dict:
     """The chat ``logprobs`` object: one entry per token with its ``top_logprobs``."""
     def entry(text: str, logprob: float) -> dict:
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
     content = []
     for t in tokens:
-        item = entry(t.text, t.logprob)
-        item["top_logprobs"] = [entry(a.text, _logprob(a.confidence))
-                                for a in (t.top or ())][:top]
+        item = entry(t.text, _token_lp(t, raw))
+        item["top_logprobs"] = [entry(a.text, _alt_lp(a, raw)) for a in (t.top or ())][:top]
         content.append(item)
     return {"content": content, "refusal": None}
 
