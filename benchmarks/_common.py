@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 from pathlib import Path
 
@@ -23,3 +24,15 @@ def command_line(script: str, argv) -> str:
 
     args = argv if argv is not None else sys.argv[1:]
     return f"python benchmarks/{script} {' '.join(args)}".strip()
+
+
+def model_pair_parser(doc: str | None) -> argparse.ArgumentParser:
+    """A parser with the options of a model-and-reference run on one data set: ``--model``,
+    ``--reference``, ``--data`` and ``--mode`` (the project's small models on ARC-Easy)."""
+    parser = argparse.ArgumentParser(description=doc,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--reference", default="gemma-3-270m")
+    parser.add_argument("--data", default="arc-easy")
+    parser.add_argument("--mode", default="cloze", choices=["cloze", "letter"])
+    return parser

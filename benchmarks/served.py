@@ -14,7 +14,6 @@ empty request cache). Writes ``results/served.{json,md}`` naming the command and
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -27,7 +26,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from _common import command_line, git_commit
+from _common import command_line, git_commit, model_pair_parser
 
 from calm_runtime.cli import install_named
 from calm_runtime.models import resolve_model
@@ -105,12 +104,7 @@ def markdown(payload: dict) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--reference", default="gemma-3-270m")
-    parser.add_argument("--data", default="arc-easy")
-    parser.add_argument("--mode", default="cloze", choices=["cloze", "letter"])
+    parser = model_pair_parser(__doc__)
     parser.add_argument("--limit", type=int, help="first N questions (default: all)")
     parser.add_argument("--engines", default=str(Path(tempfile.gettempdir()) / "calm-served"),
                         help="where the engines are exported (reused when present)")

@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import command_line, git_commit
+from _common import command_line, git_commit, model_pair_parser
 
 from calm_runtime.cli import install_named
 from calm_runtime.errors import FitError
@@ -106,12 +106,7 @@ def markdown(payload: dict) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--reference", default="gemma-3-270m")
-    parser.add_argument("--data", default="arc-easy")
-    parser.add_argument("--mode", default="cloze", choices=["cloze", "letter"])
+    parser = model_pair_parser(__doc__)
     parser.add_argument("--risk", type=float, nargs="+", default=[0.1, 0.3, 0.6])
     parser.add_argument("--confidence", type=float, default=0.95)
     parser.add_argument("--limit", type=int)

@@ -7,9 +7,14 @@ import them lazily, so test modules that do not use them stay torch-free.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import string
 import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
@@ -293,3 +298,37 @@ def runtime_openai(runtime_engine):
     config = ServeConfig(engine=str(runtime_engine[2]), model_name="tiny", threads=1)
     with serve_in_background(create_app(config)) as (url, _):
         yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+
+# ---------------------------------------------------------------------- loopback HTTP
+# A scripted HTTP server on loopback, for tests of calm's clients of OpenAI-compatible APIs:
+# subclass JSONHandler, then ``with loopback_server(Handler) as url``.
+
+class JSONHandler(BaseHTTPRequestHandler):
+    def log_message(self, *args):  # keep the test output clean
+        pass
+
+    def send_json(self, code: int, payload, kind: str = "application/json") -> None:
+        """Answer ``code`` with ``payload`` (an object as JSON, or bytes as they are)."""
+        body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def json_body(self):
+        return json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+
+
+@contextlib.contextmanager
+def loopback_server(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
+    """Serve ``handler`` on a free loopback port; yields the API's base URL (``.../v1``)."""
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}/v1"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()

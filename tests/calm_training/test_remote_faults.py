@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 import math
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
+from conftest import JSONHandler, loopback_server
 
 from calm_runtime.data import MultipleChoiceRecord
 from calm_runtime.errors import CalmError, ConfigError
@@ -48,49 +48,35 @@ def server(tmp_path, monkeypatch):
     monkeypatch.setenv("CALM_CACHE", str(tmp_path / "cache"))
     script = Script()
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args):  # keep the test output clean
-            pass
-
-        def _send(self, code: int, body: bytes, kind="application/json") -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", kind)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
+    class Handler(JSONHandler):
         def do_GET(self):
             data = [{"id": name, "object": "model"} for name in script.served]
-            self._send(200, json.dumps({"object": "list", "data": data}).encode())
+            self.send_json(200, {"object": "list", "data": data})
 
         def do_POST(self):
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            body = self.json_body()
             action = script.next()
             if action == "429":
-                return self._send(429, b'{"error": {"message": "slow down"}}')
+                return self.send_json(429, {"error": {"message": "slow down"}})
             if action == "500":
-                return self._send(500, b'{"error": {"message": "boom"}}')
+                return self.send_json(500, {"error": {"message": "boom"}})
             if action == "garbage":
-                return self._send(200, b"<html>not json</html>", "text/html")
+                return self.send_json(200, b"<html>not json</html>", "text/html")
             if action == "no-logprobs":
-                return self._send(200, json.dumps({"choices": [{"text": " A"}]}).encode())
+                return self.send_json(200, {"choices": [{"text": " A"}]})
             if action == "unknown-model":
-                return self._send(404, b'{"error": {"message": "model not found"}}')
+                return self.send_json(404, {"error": {"message": "model not found"}})
             if action == "echo-refused":
-                return self._send(400, b'{"error": {"message": "echo is not supported"}}')
+                return self.send_json(400, {"error": {"message": "echo is not supported"}})
             if action == "echo-ignored":  # a completion's logprobs, after the prompt
                 prompt = body["prompt"]
-                return self._send(200, json.dumps({"choices": [{"text": " x", "logprobs": {
+                return self.send_json(200, {"choices": [{"text": " x", "logprobs": {
                     "tokens": [" x"], "token_logprobs": [-1.0],
-                    "text_offset": [len(prompt)]}}]}).encode())
-            self._send(200, json.dumps(_letter_answer(body["prompt"])).encode())
+                    "text_offset": [len(prompt)]}}]})
+            self.send_json(200, _letter_answer(body["prompt"]))
 
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}/v1", script
-    httpd.shutdown()
-    httpd.server_close()
+    with loopback_server(Handler) as url:
+        yield url, script
 
 
 def _endpoint(url, **kwargs):

@@ -5,11 +5,10 @@ log-probabilities, with and without a served-model adapter."""
 from __future__ import annotations
 
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
+from conftest import JSONHandler, loopback_server
 
 from calm_runtime.artifact import CalibrationAdapter, ModelIdentity
 from calm_runtime.cli import main
@@ -51,43 +50,29 @@ def private_cache(tmp_path, monkeypatch):
 def server():
     seen: dict[str, list] = {"auth": [], "paths": []}
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args):  # keep the test output clean
-            pass
-
-        def _send(self, code: int, payload: dict) -> None:
-            body = json.dumps(payload).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
+    class Handler(JSONHandler):
         def do_GET(self):
             seen["paths"].append(self.path)
-            self._send(200, {"object": "list", "data": [{"id": "tiny", "object": "model"}]})
+            self.send_json(200, {"object": "list", "data": [{"id": "tiny", "object": "model"}]})
 
         def do_POST(self):
             seen["paths"].append(self.path)
             seen["auth"].append(self.headers.get("Authorization"))
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            body = self.json_body()
             if body.get("echo"):
-                return self._send(400, {"error": {"message": "echo is not supported"}})
+                return self.send_json(400, {"error": {"message": "echo is not supported"}})
             prompt = body["prompt"]
             i = int(prompt.split("question ")[1].split("?")[0])
             top = _top(i)
-            self._send(200, {"choices": [{"text": " A", "index": 0, "finish_reason": "length",
-                                          "logprobs": {"tokens": [" A"],
-                                                       "token_logprobs": [top[" A"]],
-                                                       "top_logprobs": [top],
-                                                       "text_offset": [len(prompt)]}}]})
+            self.send_json(200, {"choices": [{"text": " A", "index": 0,
+                                              "finish_reason": "length",
+                                              "logprobs": {"tokens": [" A"],
+                                                           "token_logprobs": [top[" A"]],
+                                                           "top_logprobs": [top],
+                                                           "text_offset": [len(prompt)]}}]})
 
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}/v1", seen
-    httpd.shutdown()
-    httpd.server_close()
+    with loopback_server(Handler) as url:
+        yield url, seen
 
 
 @pytest.fixture
