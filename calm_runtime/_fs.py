@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import secrets
 import shutil
 import stat
 import tempfile
@@ -287,15 +288,21 @@ def atomic_directory(target: str | os.PathLike, *, overwrite: bool = False) -> I
         raise ArtifactError(f"{target} already exists; choose another path or pass "
                             "overwrite=True (--overwrite) to replace it")
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    # mkdtemp makes the folder private (0700); the artifact gets the usual permissions
-    umask = os.umask(0)
-    os.umask(umask)
-    staging.chmod(0o777 & ~umask)
+    # named before it is made, and made inside the ``try``: a signal raised as an exception
+    # (SIGINT, or SIGTERM under calm's CLIs) right after the folder appears still removes it.
+    # The umask gives it the usual permissions of an artifact (mkdtemp's would be 0700).
+    staging: Path | None = target.parent / f".{target.name}.tmp-{secrets.token_hex(8)}"
     try:
+        try:
+            staging.mkdir()
+        except FileExistsError:  # another run's folder (64 random bits: not in practice)
+            staging = None
+            raise ArtifactError(f"a staging folder next to {target} has this run's random "
+                                "name; run again") from None
         yield staging
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
         raise
     backup = None
     if target.exists() or target.is_symlink():

@@ -581,12 +581,21 @@ EXIT_SIGINT, EXIT_SIGTERM = 130, 143
 def signals_as_exceptions():
     """Within the block, SIGTERM raises :class:`Terminated` (SIGINT already raises
     KeyboardInterrupt). Only the main thread can install signal handlers; elsewhere (an
-    embedding server's worker thread) the block changes nothing."""
+    embedding server's worker thread) the block changes nothing.
+
+    A SIGTERM that arrives while a module is being imported is delivered again 50 ms later
+    instead: an exception raised inside a C extension's initialisation (onnx's, say) can
+    crash the interpreter, and the import finishes in moments."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def terminate(signum, frame):
+        if _importing(frame):
+            retry = threading.Timer(0.05, os.kill, (os.getpid(), signum))
+            retry.daemon = True
+            retry.start()
+            return
         raise Terminated()
 
     previous = signal.signal(signal.SIGTERM, terminate)
@@ -594,6 +603,15 @@ def signals_as_exceptions():
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _importing(frame) -> bool:
+    """Whether ``frame`` or a caller of it runs the import machinery."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def report_interrupt(exc: KeyboardInterrupt) -> int:

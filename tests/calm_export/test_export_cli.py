@@ -193,7 +193,8 @@ def test_sigterm_during_export_removes_the_staging_folder(tmp_path, tiny_llama_u
 
     code = "import sys; from calm_export.cli import main; sys.exit(main(sys.argv[1:]))"
     out = tmp_path / "engine"
-    proc = subprocess.Popen([sys.executable, "-c", code, "--model", str(tiny_llama_untied),
+    proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-c", code, "--model",
+                             str(tiny_llama_untied),
                              "--out", str(out), "--quiet"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120

@@ -116,3 +116,27 @@ def test_generate_on_the_torch_backend(runtime_engine, lm, capsys):
     assert [t["id"] for t in data["tokens"]] == lm.generate(PROMPT, max_new_tokens=4).token_ids
     assert main(["generate", str(engine_dir), PROMPT, "--model", str(model_dir)]) == 1
     assert "--backend torch only" in capsys.readouterr().err
+
+
+def test_sigterm_during_an_import_is_delivered_after_it(tmp_path, monkeypatch):
+    """A SIGTERM that lands while a module is being imported (where an exception inside a C
+    extension's initialisation can crash the interpreter) lets the import finish and raises
+    Terminated right after."""
+    import importlib
+    import time
+
+    from calm_runtime.cli import Terminated, signals_as_exceptions
+
+    (tmp_path / "calm_sigterm_probe.py").write_text(
+        "import os, signal, time\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "for _ in range(200):\n"
+        "    time.sleep(0.001)  # the handler runs here, inside the import\n"
+        "DONE = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    reached = []
+    with pytest.raises(Terminated), signals_as_exceptions():
+        module = importlib.import_module("calm_sigterm_probe")
+        reached.append(module.DONE)
+        time.sleep(5)  # the signal, sent again, arrives here
+    assert reached == [True]
