@@ -200,16 +200,15 @@ def _prepare(config: FitConfig, *, need_reference: bool, progress: bool) -> _Pre
                               if scores is not None and scores.floored is not None})
 
 
-def served_floor(prep: _Prepared) -> dict | None:
-    """``{"model"/"reference": {"floored", "n", "share"}}`` for served models scored in letter
-    mode: how many questions had an option letter that got the floor (the smallest returned
-    log-probability, an upper bound); it bounds the error of those scores. ``None`` when no
-    served model was scored in letter mode."""
-    if not prep.floored:
+def served_floor(floored: dict, n: int) -> dict | None:
+    """``{"model"/"reference": {"floored", "n", "share"}}`` from the count of each served
+    model's questions (of ``n``) where a scored token (an option letter, True/False) got the
+    floor: the smallest returned log-probability, an upper bound, which bounds the error of
+    those scores. ``None`` when no served model was scored that way."""
+    if not floored:
         return None
-    n = len(prep.records)
     return {role: {"floored": int(count), "n": n, "share": count / n if n else 0.0}
-            for role, count in prep.floored.items()}
+            for role, count in floored.items()}
 
 
 def _variant(scores: OptionScores, config: FitConfig, variant: str | None = None) -> np.ndarray:
@@ -359,8 +358,9 @@ def compare_methods(config: FitConfig, methods: Sequence[str] = METHODS, *,
         "n_calibration": int(prep.cal.size), "n_test": int(prep.test.size),
         "methods": rows,
     }
-    if served_floor(prep):
-        report["served_floor"] = served_floor(prep)
+    floor = served_floor(prep.floored, len(prep.records))
+    if floor:
+        report["served_floor"] = floor
     if prep.plm is not None:
         plm_probs = option_probabilities(prep.plm[prep.test])
         report["reference_on_test"] = metrics.calibration_report(plm_probs, labels, config.n_bins)
@@ -424,8 +424,9 @@ def fit_adapter(config: FitConfig, method: str, out: str | Path, *, overwrite: b
                   "seed": config.seed, "n": int(prep.cal.size)},
         "base_adapter": base.kind if config.adapter else None,
     }
-    if served_floor(prep):
-        adapter.provenance["served_floor"] = served_floor(prep)
+    floor = served_floor(prep.floored, len(prep.records))
+    if floor:
+        adapter.provenance["served_floor"] = floor
     adapter.validate()
     adapter.save_pretrained(out, overwrite=overwrite)
     return adapter, {"fit": fit.to_dict(), "calibration_split": cal_metrics}

@@ -28,7 +28,7 @@ from calm_runtime.prompts import p_true_template
 
 from . import daca
 from .engine_model import is_engine, load_engine, scorer_fingerprint
-from .fit import add_selective
+from .fit import add_selective, served_floor
 from .remote import is_endpoint, remote_answers, remote_p_true
 from .scoring import generate_answers, is_correct, score_p_true
 
@@ -233,9 +233,9 @@ def compare_p_true(config, methods=P_TRUE_METHODS, *, progress: bool = True) -> 
               "n_records": n, "n_calibration": int(cal.size), "n_test": int(test.size),
               "answer_accuracy": float(judged["correct"].mean()), "methods": rows,
               "_panels": panels}
-    if "floored" in judged:  # served models: True/False tokens that got the floor
-        report["served_floor"] = {role: {"floored": int(c), "n": n, "share": c / n if n else 0.0}
-                                  for role, c in judged["floored"].items()}
+    floor = served_floor(judged.get("floored", {}), n)  # served models: True/False tokens
+    if floor:
+        report["served_floor"] = floor
     if "plm" in judged:
         p_plm = _p(judged["plm"][test])
         report["reference_on_test"] = metrics.binary_report(p_plm, judged["correct"][test],
