@@ -65,6 +65,7 @@ __all__ = [
     "ModelIdentity",
     "CalibrationAdapter",
     "tokenizer_sha256",
+    "describe_calibrated_outputs",
 ]
 
 ADAPTER_SCHEMA_VERSION = 1
@@ -391,7 +392,50 @@ class CalibrationAdapter:
             "shift_min": float(self.shift.min()) if self.shift.size else 0.0,
             "shift_max": float(self.shift.max()) if self.shift.size else 0.0,
             "has_lora": self.lora_path is not None,
+            "calibrated_outputs": self.calibrated_outputs(),
         }
+
+    def has_token_calibration(self) -> bool:
+        """Whether the fusable part (``tau``, ``shift``, ``temperature``) is not the identity:
+        only then are token log-probabilities calibrated."""
+        return bool(self.temperature != 1.0 or (self.tau != 1).any() or (self.shift != 0).any())
+
+    def calibrated_outputs(self) -> dict:
+        """Which outputs this adapter calibrates, and by which fit: ``{"token_logprobs",
+        "option_probabilities", "p_true"}``, each a short description of the fit or ``None``
+        (that output is the model's own). Token log-probabilities are calibrated only by the
+        fusable part; a cloze ``answer_temperature`` calibrates option probabilities only."""
+        return describe_calibrated_outputs(
+            kind=self.kind, method=self.method, token=self.has_token_calibration(),
+            temperature=self.temperature, answer_temperature=self.answer_temperature)
+
+
+def describe_calibrated_outputs(*, kind: str, method: Mapping | None, token: bool,
+                                temperature: float, answer_temperature: float | None) -> dict:
+    """See :meth:`CalibrationAdapter.calibrated_outputs` (also used for engines, from their
+    manifest's calibration section)."""
+    method = method or {}
+    mode = method.get("mode")
+    token_fit = method.get("token_fit") or {}
+    if not token:
+        token_by = None
+    elif token_fit.get("fitted"):
+        token_by = (f"{token_fit.get('method')}: token-level temperature "
+                    f"{token_fit.get('temperature', temperature):.4g} "
+                    f"({token_fit.get('signal', 'answer positions')})")
+    elif mode == "letter":
+        token_by = f"{kind}: temperature {temperature:.4g} fitted on the option letters' logits"
+    elif mode == "p_true":
+        token_by = f"{kind}: temperature {temperature:.4g} fitted on P(True)'s two letters"
+    else:
+        token_by = kind
+    if answer_temperature is not None:
+        option_by = (f"{kind}: cloze answer temperature {answer_temperature:.4g}"
+                     + (" on token-calibrated scores" if token else ""))
+    else:
+        option_by = token_by
+    p_true_by = token_by if mode == "p_true" else None
+    return {"token_logprobs": token_by, "option_probabilities": option_by, "p_true": p_true_by}
 
 
 def _load_tensors(path: Path, vocab: int, entries: Any, where: str) -> dict[str, np.ndarray]:

@@ -84,7 +84,29 @@ def build_parser() -> argparse.ArgumentParser:
 
         register_export(sub)
     no_abbreviations(parser)
+    flags_anywhere(parser)
     return parser
+
+
+def flags_anywhere(parser: argparse.ArgumentParser) -> None:
+    """``-q``/``--quiet`` and ``-v``/``--verbose`` after any subcommand too (``calm fit ...
+    -q``), as before it; absent there, the top-level value stands."""
+    for action in parser._actions:
+        if not isinstance(action, argparse._SubParsersAction):
+            continue
+        for child in action.choices.values():
+            if getattr(child, "_calm_flags", False):
+                continue
+            child._calm_flags = True
+            taken = {o for a in child._actions for o in a.option_strings}
+            if not {"-q", "--quiet"} & taken:
+                child.add_argument("-q", "--quiet", action="store_true",
+                                   default=argparse.SUPPRESS,
+                                   help="warnings only, no progress (also before the command)")
+            if not {"-v", "--verbose"} & taken:
+                child.add_argument("-v", "--verbose", action="store_true",
+                                   default=argparse.SUPPRESS, help="debug logging")
+            flags_anywhere(child)
 
 
 def no_abbreviations(parser: argparse.ArgumentParser) -> None:
@@ -228,7 +250,8 @@ def _add_chat_options(p, what: str) -> None:
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate text with calibrated per-token confidences",
                        description="Generate from a prompt with an exported engine; every "
-                       "token is shown with its calibrated probability.",
+                       "token is shown with its probability, labelled calibrated only when "
+                       "the engine's head carries a token-level calibration.",
                        epilog="examples:\n  calm generate engine/ \"Question: What is the "
                        "capital of France?\\nAnswer:\" --max-new-tokens 16\n"
                        "  calm generate engine/ \"Tell me a joke\" --chat --temperature 0.7 "
@@ -258,14 +281,19 @@ def _generate(args) -> int:
                       seed=args.seed, stop=args.stop, top_alternatives=args.top,
                       chat=bool(args.chat))
     if args.json:
-        print(json.dumps(out.to_dict(), indent=2, ensure_ascii=False))
+        print(json.dumps({**out.to_dict(), "calibrated": lm.calibrated_outputs}, indent=2,
+                         ensure_ascii=False))
     else:
-        print(render_generation(out, lm.tokenizer.token_text))
+        print(render_generation(out, lm.tokenizer.token_text,
+                                calibrated=lm.calibrated_outputs["token_logprobs"]))
     return 0
 
 
-def render_generation(out, token_text=str, width: int = 100) -> str:
-    """The text, then each token with its calibrated probability, then the sequence's."""
+def render_generation(out, token_text=str, width: int = 100,
+                      calibrated: str | None = None) -> str:
+    """The text, then each token with its probability, then the sequence's. ``calibrated``
+    names the fit that calibrates token probabilities (``None``: they are the model's own,
+    and are labelled uncalibrated)."""
     lines, line = [], ""
     for token in out.tokens:
         shown = token.text
@@ -284,7 +312,10 @@ def render_generation(out, token_text=str, width: int = 100) -> str:
     summary = (f"sequence confidence {out.sequence_confidence:.3f} (geometric mean), joint "
                f"{out.joint_confidence:.3g}; {len(out.tokens)} tokens, finish {out.finish_reason}; "
                f"prefill {t.prefill_s * 1e3:.1f} ms, {t.per_token_s * 1e3:.1f} ms/token")
-    return "\n".join([out.text, "", "tokens [calibrated probability]:", *lines, summary])
+    label = (f"tokens [calibrated probability; {calibrated}]:" if calibrated else
+             "tokens [probability; UNCALIBRATED: this engine's head carries no token-level "
+             "calibration]:")
+    return "\n".join([out.text, "", label, *lines, summary])
 
 
 def _visible(text: str) -> str:

@@ -66,6 +66,9 @@ _SOURCE_MODEL_KEYS = {"name", "vocab_size", "tokenizer_sha256", "weights_sha256"
 _SOURCE_ADAPTER_KEYS = {"kind", "path_name", "tensors_sha256", "manifest_sha256"}
 _CALIBRATION_KEYS = {"fused", "temperature", "answer_temperature", "tau_min", "tau_max",
                      "shift_min", "shift_max", "adapter_kind"}
+#: written since calm 0.1 engines record which outputs are calibrated (older ones derive it)
+_CALIBRATION_OPTIONAL = {"outputs"}
+_OUTPUT_KEYS = {"token_logprobs", "option_probabilities", "p_true"}
 _MODEL_KEYS = {"file", "files", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim",
                "hidden_size", "vocab_size", "max_position_embeddings", "dtype", "opset",
                "bos_token_id", "eos_token_ids", "pad_token_id", "add_bos"}
@@ -230,6 +233,23 @@ class EngineManifest:
     def answer_temperature(self) -> float | None:
         return self.calibration["answer_temperature"]
 
+    @property
+    def calibrated_outputs(self) -> dict:
+        """Which outputs the engine calibrates and by which fit (see
+        :meth:`~calm_runtime.artifact.CalibrationAdapter.calibrated_outputs`); engines
+        written before this was recorded derive it from the fused values."""
+        recorded = self.calibration.get("outputs")
+        if recorded is not None:
+            return dict(recorded)
+        from .artifact import describe_calibrated_outputs
+
+        c = self.calibration
+        token = bool(c["temperature"] != 1.0 or c["tau_min"] != 1.0 or c["tau_max"] != 1.0
+                     or c["shift_min"] != 0.0 or c["shift_max"] != 0.0)
+        return describe_calibrated_outputs(
+            kind=c["adapter_kind"], method=None, token=token, temperature=c["temperature"],
+            answer_temperature=c["answer_temperature"])
+
     def p_true(self) -> PTrueTemplate:
         return PTrueTemplate.from_dict(self.p_true_template)
 
@@ -267,7 +287,16 @@ def _check_source(section: dict, where: str) -> None:
 
 
 def _check_calibration(section: dict, where: str) -> None:
-    check_keys(section, _CALIBRATION_KEYS, _CALIBRATION_KEYS, where)
+    check_keys(section, _CALIBRATION_KEYS | _CALIBRATION_OPTIONAL, _CALIBRATION_KEYS, where)
+    outputs = section.get("outputs")
+    if outputs is not None:
+        if not isinstance(outputs, Mapping):
+            raise ArtifactError(f"{where}: outputs must be an object; re-export the engine")
+        check_keys(outputs, _OUTPUT_KEYS, _OUTPUT_KEYS, f"{where} outputs")
+        for key in sorted(_OUTPUT_KEYS):
+            if outputs[key] is not None and not isinstance(outputs[key], str):
+                raise ArtifactError(f"{where} outputs: {key} must be a string or null, got "
+                                    f"{show(outputs[key])}; re-export the engine")
     if section["fused"] is not True:
         raise ArtifactError(f"{where}: fused must be true (the engine's logits are calibrated); "
                             "re-export the engine")

@@ -160,6 +160,12 @@ class CalibratedLM:
         return 1.0 if value is None else float(value)
 
     @property
+    def calibrated_outputs(self) -> dict:
+        """Which outputs this engine calibrates and by which fit (``None``: the model's own):
+        ``{"token_logprobs", "option_probabilities", "p_true"}``."""
+        return self.manifest.calibrated_outputs
+
+    @property
     def raw_logit_scale(self) -> float:
         """``s`` with ``log_softmax(s · z_cal) == log_softmax(z)``: how the model's raw
         (uncalibrated) log-probabilities are recovered from the calibrated logits.

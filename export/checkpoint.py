@@ -188,6 +188,10 @@ def write_manifest(staging: Path, *, source: dict, adapter_info: dict | None,
         "source": {"model": source, "adapter": adapter_info},
         "calibration": {"adapter_kind": adapter.kind, "folded": folded,
                         "not_folded": {"answer_temperature": adapter.answer_temperature},
+                        # served logprobs are calibrated only where token_logprobs says so
+                        "outputs": {**adapter.calibrated_outputs(),
+                                    # option scores and P(True) need calm's runtime
+                                    "option_probabilities": None, "p_true": None},
                         **{k: v for k, v in adapter.summary().items()
                            if k in ("tau_min", "tau_max", "shift_min", "shift_max")}},
         "export": settings,

@@ -179,6 +179,7 @@ def summary(result) -> str:
     lines.append(f"calibration: T={calibration['temperature']:.4g}, tau in "
                  f"[{calibration['tau_min']:.3g}, {calibration['tau_max']:.3g}], shift in "
                  f"[{calibration['shift_min']:.3g}, {calibration['shift_max']:.3g}]")
+    lines += _outputs_lines(manifest.calibrated_outputs)
     lines += _variant_lines(manifest)
     stages = ", ".join(f"{k} {v:.1f}s" for k, v in result.seconds.items() if k != "total")
     lines.append(f"time: {result.seconds.get('total', 0.0):.1f} s ({stages})")
@@ -194,6 +195,7 @@ def _checkpoint_summary(result) -> str:
     lines.append(f"  {'total':<28} {result.total_bytes / 1e6:10.2f} MB")
     lines.append(f"folded into the LM head: tau {folded['tau']}, T={folded['temperature']:.4g}, "
                  f"shift {folded['shift']}; post-head {folded['post_head']['kind']}")
+    lines += _outputs_lines(manifest["calibration"]["outputs"])
     lines.append(f"parity (reloaded with transformers): max |logit diff| "
                  f"{report['max_abs_diff']:.3g} (batch 2: {report['batch2_max_abs_diff']:.3g}), "
                  f"tolerance {report['tolerance']:.3g}; greedy {report['greedy_steps']} steps "
@@ -201,6 +203,18 @@ def _checkpoint_summary(result) -> str:
     stages = ", ".join(f"{k} {v:.1f}s" for k, v in result.seconds.items() if k != "total")
     lines.append(f"time: {result.seconds.get('total', 0.0):.1f} s ({stages})")
     return "\n".join(lines)
+
+
+UNCALIBRATED = "uncalibrated (the model's own)"
+
+
+def _outputs_lines(outputs: dict) -> list[str]:
+    """Which outputs are calibrated, and by which fit (``uncalibrated`` otherwise)."""
+    names = {"token_logprobs": "token log-probabilities", "option_probabilities":
+             "option probabilities", "p_true": "P(True)"}
+    return ["calibrated outputs: " + "; ".join(
+        f"{label}: {outputs.get(key) or UNCALIBRATED}"
+        for key, label in names.items())]
 
 
 def _variant_lines(manifest) -> list[str]:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from calm_runtime._fs import atomic_directory
-from calm_runtime.artifact import CalibrationAdapter
+from calm_runtime.artifact import CalibrationAdapter, describe_calibrated_outputs
 from calm_runtime.engine import EngineManifest
 from calm_runtime.errors import ArtifactError, ConfigError, ExportValidationError
 from calm_runtime.models import (
@@ -156,6 +156,15 @@ def _export(model_spec, out: Path, adapter_arg, config: ExportConfig,
     logger.info("model %s: %d layers, vocab %d; adapter %s (T=%.4g, tau in [%.3g, %.3g])",
                 identity.name, shape.num_layers, shape.vocab_size, adapter.kind,
                 adapter.temperature, float(adapter.tau.min()), float(adapter.tau.max()))
+    outputs = adapter.calibrated_outputs()
+    if adapter_arg is not None and outputs["token_logprobs"] is None:
+        logger.warning("the adapter %s folds nothing into the LM head: token log-probabilities "
+                       "stay the model's own%s", adapter.kind,
+                       "" if adapter.answer_temperature is None else
+                       f"; its cloze answer temperature {adapter.answer_temperature:.4g} "
+                       "calibrates option probabilities only"
+                       + (" (the engine's runtime applies it; a --format hf checkpoint "
+                          "cannot carry it)" if config.format == "hf" else ""))
 
     stages.start("reference")
     was_tied = fuse.head_is_tied(model)
@@ -283,8 +292,14 @@ def _export(model_spec, out: Path, adapter_arg, config: ExportConfig,
                 chat_template=chat_template,
                 options=engine_writer.option_tokens(tokenizer, shape.vocab_size),
                 template=template, dtype=dtype, export=export_settings, validation=report)
-            return dataclasses.replace(built, calibration={**built.calibration,
-                                                           **(calibration or {})})
+            merged = {**built.calibration, **(calibration or {})}
+            if calibration:  # --recalibrate: what the outputs are calibrated by now
+                merged["outputs"] = describe_calibrated_outputs(
+                    kind=f"{adapter.kind}+recalibrated", method=adapter.method,
+                    token=adapter.has_token_calibration() or merged["temperature"] != 1.0,
+                    temperature=merged["temperature"],
+                    answer_temperature=merged["answer_temperature"])
+            return dataclasses.replace(built, calibration=merged)
 
         updates = {}
         if config.calibration_data:

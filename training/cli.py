@@ -168,6 +168,13 @@ def _fit(args) -> int:
         return 0
     print(f"wrote {args.out} (kind {adapter.kind})")
     print(_fit_line(fit))
+    token = report.get("token_fit")
+    if token is not None:
+        print("token level: " + (f"{_fit_line(token)} on {token['positions']} answer positions"
+                                 if token["fitted"] else f"not fitted ({token['reason']})"))
+    outputs = adapter.calibrated_outputs()
+    print("calibrated outputs: " + "; ".join(f"{key}: {value or 'uncalibrated'}"
+                                             for key, value in outputs.items()))
     split = report["calibration_split"]
     if split:
         b, a = split["before"], split["after"]

@@ -29,6 +29,9 @@ __all__ = [
     "solve_inverse_temperature",
     "fit_daca_temperature",
     "fit_temperature_scaling",
+    "fit_token_daca_temperature",
+    "fit_token_temperature_scaling",
+    "solve_inverse_temperature_scores",
     "fit_daca_p_true",
     "fit_daca_vector_scaling",
     "fit_vector_scaling",
@@ -134,25 +137,55 @@ def solve_inverse_temperature(logits, targets) -> tuple[float, dict]:
     if (p < 0).any() or np.abs(p.sum(axis=1) - 1.0).max() > 1e-6:
         raise ConfigError("targets must be probability rows (non-negative, summing to 1); "
                           f"worst row sum is off by {np.abs(p.sum(axis=1) - 1.0).max():.3g}.")
-    scale = float(np.mean(g.max(axis=1) - g.min(axis=1)))
+    return solve_inverse_temperature_scores(g, np.einsum("nk,nk->n", p, g))
+
+
+#: Rows per chunk when the objective is evaluated over a wide vocabulary (bounds the float64
+#: temporaries to ``TOKEN_CHUNK_ROWS x V`` whatever the number of rows).
+TOKEN_CHUNK_ROWS = 64
+
+
+def solve_inverse_temperature_scores(logits, target_scores) -> tuple[float, dict]:
+    """:func:`solve_inverse_temperature` given ``target_scores[i] = p_i . g_i`` instead of the
+    target rows: the objective needs the targets only through that dot product, so a
+    token-level fit over a whole vocabulary keeps one float32 logit row per position and one
+    number. ``logits`` ``[N, V]`` (any float dtype; evaluated in float64 row chunks)."""
+    g = np.asarray(logits)
+    if g.ndim != 2 or g.shape[1] < 2:
+        raise ConfigError(f"logits must be an [N, K] array with K >= 2, got shape {g.shape}.")
+    if g.shape[0] == 0:
+        raise FitError("no rows to fit a temperature on; pass at least one item.")
+    if not np.isfinite(g).all():
+        raise ConfigError(f"logits have {int((~np.isfinite(g)).sum())} non-finite entries; "
+                          "drop or fix those items before fitting.")
+    t = np.asarray(target_scores, dtype=np.float64).reshape(-1)
+    if t.shape[0] != g.shape[0] or not np.isfinite(t).all():
+        raise ConfigError(f"target_scores must be {g.shape[0]} finite numbers (one per row).")
+    scale = float(np.mean(g.max(axis=1).astype(np.float64) - g.min(axis=1)))
     if scale == 0.0:
         raise FitError("the logits are constant on every row, so no temperature is "
                        "identifiable; check the option-logit extraction.")
-    h = g / scale
-    ph = np.einsum("nk,nk->n", p, h)
+    ph = t / scale
     evaluations = 0
 
     def evaluate(b: float) -> tuple[float, float, float]:
         nonlocal evaluations
         evaluations += 1
-        z = b * h
-        m = z.max(axis=1, keepdims=True)
-        e = np.exp(z - m)
-        s = e.sum(axis=1, keepdims=True)
-        q = e / s
-        mean_h = np.einsum("nk,nk->n", q, h)
-        var_h = np.einsum("nk,nk->n", q, (h - mean_h[:, None]) ** 2)
-        ce = float(np.mean(-b * ph + m[:, 0] + np.log(s[:, 0])))
+        mean_h = np.empty(g.shape[0])
+        var_h = np.empty(g.shape[0])
+        lse = np.empty(g.shape[0])
+        for start in range(0, g.shape[0], TOKEN_CHUNK_ROWS):
+            h = np.asarray(g[start:start + TOKEN_CHUNK_ROWS], dtype=np.float64) / scale
+            z = b * h
+            m = z.max(axis=1, keepdims=True)
+            e = np.exp(z - m)
+            s = e.sum(axis=1, keepdims=True)
+            q = e / s
+            rows = slice(start, start + h.shape[0])
+            mean_h[rows] = np.einsum("nk,nk->n", q, h)
+            var_h[rows] = np.einsum("nk,nk->n", q, (h - mean_h[rows, None]) ** 2)
+            lse[rows] = m[:, 0] + np.log(s[:, 0])
+        ce = float(np.mean(-b * ph + lse))
         return float(np.mean(mean_h - ph)), float(np.mean(var_h)), ce
 
     def result(b: float, d: float, ce: float, at_bound: str | None, converged: bool):
@@ -230,16 +263,84 @@ def fit_daca_p_true(plm_p_true, polm_p_true, *, mask: bool = True,
 
 def _scalar_fit(method, g, p, *, n, agreement_rate) -> TemperatureFit:
     beta, info = solve_inverse_temperature(g, p)
-    objective = info["cross_entropy"] - _mean_entropy(p)  # KL; the NLL when p is one-hot
+    return _temperature_fit(method, beta, info, n=n, n_used=g.shape[0],
+                            agreement_rate=agreement_rate, target_entropy=_mean_entropy(p))
+
+
+def _temperature_fit(method, beta, info, *, n, n_used, agreement_rate,
+                     target_entropy) -> TemperatureFit:
+    objective = info["cross_entropy"] - target_entropy  # KL; the NLL when p is one-hot
     at_bound = info["at_bound"]
     if at_bound is not None:
         logger.warning("%s temperature is at the boundary (%s, beta=%.3g): the objective "
                        "has no interior optimum on these %d items.", method, at_bound, beta,
-                       g.shape[0])
+                       n_used)
     return TemperatureFit(method=method, temperature=math.inf if beta == 0.0 else 1.0 / beta,
-                          beta=beta, n=int(n), n_used=int(g.shape[0]),
+                          beta=beta, n=int(n), n_used=int(n_used),
                           agreement_rate=agreement_rate, objective=float(objective),
                           at_bound=at_bound, iterations=int(info["iterations"]))
+
+
+def fit_token_temperature_scaling(logits, target_ids) -> TemperatureFit:
+    """Token-level temperature scaling with labels (docs/methods.md §3, "Token level"):
+    ``T`` minimising the mean NLL of ``target_ids`` under ``softmax(z / T)`` over the full
+    vocabulary. ``logits`` ``[P, V]`` are the answer positions' next-token logits,
+    ``target_ids`` ``[P]`` the correct answer's tokens."""
+    z = np.asarray(logits)
+    y = np.asarray(target_ids, dtype=np.int64).reshape(-1)
+    if z.ndim != 2 or y.shape[0] != z.shape[0] or ((y < 0) | (y >= z.shape[-1])).any():
+        raise ConfigError(f"target_ids must be {z.shape[0] if z.ndim == 2 else '?'} token ids "
+                          f"inside the vocabulary of the logits {z.shape}.")
+    targets = z[np.arange(z.shape[0]), y].astype(np.float64)
+    beta, info = solve_inverse_temperature_scores(z, targets)
+    return _temperature_fit("ts_token", beta, info, n=z.shape[0], n_used=z.shape[0],
+                            agreement_rate=None, target_entropy=0.0)
+
+
+def fit_token_daca_temperature(model_logits, reference_logits, *, n_questions: int | None = None,
+                               mask: bool = True, min_agreement: int = MIN_AGREEMENT_ITEMS,
+                               min_agreement_rate: float = MIN_AGREEMENT_RATE) -> TemperatureFit:
+    """Label-free token-level DACA (docs/methods.md §3, "Token level"): ``T`` minimising the
+    mean ``KL(p_ref || softmax(z / T))`` over the positions where the reference's and the
+    model's next-token argmax agree. Both ``[P, V]`` over one vocabulary (the reference must
+    share the model's tokenizer); rows are the answer positions already chosen (agreeing
+    questions, teacher-forced on the model's answer). ``n`` of the fit is ``n_questions``
+    when given (else the position count); ``agreement_rate`` is the share of positions kept."""
+    z = np.asarray(model_logits)
+    r = np.asarray(reference_logits)
+    if z.ndim != 2 or z.shape != r.shape:
+        raise ConfigError(f"model logits {z.shape} and reference logits {r.shape} must both be "
+                          "[positions, vocabulary] over the same vocabulary; a token-level fit "
+                          "needs a reference with the model's tokenizer")
+    if z.shape[0] == 0:
+        raise FitError("no answer positions to fit a token-level temperature on")
+    dots = np.empty(z.shape[0])
+    entropy = np.empty(z.shape[0])
+    agree = np.empty(z.shape[0], dtype=bool)
+    for start in range(0, z.shape[0], TOKEN_CHUNK_ROWS):
+        rows = slice(start, start + TOKEN_CHUNK_ROWS)
+        ref = np.asarray(r[rows], dtype=np.float64)
+        ref = ref - ref.max(axis=1, keepdims=True)
+        logp = ref - np.log(np.exp(ref).sum(axis=1, keepdims=True))
+        p = np.exp(logp)
+        dots[rows] = np.einsum("nv,nv->n", p, np.asarray(z[rows], dtype=np.float64))
+        entropy[rows] = -np.einsum("nv,nv->n", p, logp)
+        agree[rows] = r[rows].argmax(axis=1) == z[rows].argmax(axis=1)
+    used = int(agree.sum())
+    rate = used / z.shape[0]
+    if used == 0 and mask:
+        raise FitError(f"the model and the reference agree on the next token at none of the "
+                       f"{z.shape[0]} answer positions; no token-level DACA temperature is "
+                       "identifiable")
+    if mask and (used < min_agreement or rate < min_agreement_rate):
+        logger.warning("token-level DACA: only %d of %d answer positions agree (%.1f%%); the "
+                       "temperature is fitted on few items", used, z.shape[0], 100 * rate)
+    keep = np.flatnonzero(agree) if mask else np.arange(z.shape[0])
+    beta, info = solve_inverse_temperature_scores(z[keep], dots[keep])
+    return _temperature_fit("daca_token" if mask else "naive_token", beta, info,
+                            n=z.shape[0] if n_questions is None else n_questions,
+                            n_used=keep.size, agreement_rate=rate,
+                            target_entropy=float(entropy[keep].mean()))
 
 
 # ------------------------------------------------------------------------- vector scaling

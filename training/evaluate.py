@@ -75,6 +75,9 @@ def evaluate_adapter(config: FitConfig, adapter_dir: str | os.PathLike, *,
     return {"config": base_config.to_dict() | {"adapter": config.adapter},
             "adapter": str(adapter_dir),
             "adapter_kind": adapter.kind, "n_test": int(test.size), "n_options": k,
+            # the adapter's own fit size (what it was fitted on, as it records it)
+            "n_calibration": (adapter.provenance.get("split") or {}).get("n"),
+            "calibrated_outputs": adapter.calibrated_outputs(),
             "methods": rows, "_panels": panels}
 
 

@@ -396,24 +396,28 @@ def fit_adapter(config: FitConfig, method: str, out: str | Path, *, overwrite: b
     _check_finite_temperature(fit)
     base, identity = _base_adapter(config)
     adapter = dataclasses.replace(base, kind=_kind(base, method), created_at=None)
+    vanilla = prep.polm
+    token_record = None
     if isinstance(fit, daca.VectorFit):
         _write_vector(adapter, fit, config, Path(config.model) if is_engine(config.model)
                       else resolve_model(config.model))
     elif config.mode == "cloze":
+        fit, token_record = _cloze_fits(config, method, prep, base, adapter, fit, progress)
         adapter.answer_temperature = fit.temperature
     else:
         adapter.temperature = base.temperature * fit.temperature
     cal_metrics = {}
     if (prep.labels[prep.cal] >= 0).all():
         labels = prep.labels[prep.cal]
-        g = prep.polm[prep.cal]
-        cal_metrics = {"before": metrics.calibration_report(apply_fit(None, g), labels,
-                                                            config.n_bins),
-                       "after": metrics.calibration_report(apply_fit(fit, g), labels,
-                                                           config.n_bins)}
+        cal_metrics = {"before": metrics.calibration_report(apply_fit(None, vanilla[prep.cal]),
+                                                            labels, config.n_bins),
+                       "after": metrics.calibration_report(apply_fit(fit, prep.polm[prep.cal]),
+                                                           labels, config.n_bins)}
     adapter.method = {"name": method, "mode": config.mode,
                       "variant": config.variant if config.mode == "cloze" else None,
                       "fit": fit.to_dict(), "settings": config.to_dict()}
+    if token_record is not None:
+        adapter.method["token_fit"] = token_record
     adapter.metrics = {"calibration_split": cal_metrics}
     adapter.provenance = {
         "model": identity.to_dict(),
@@ -429,7 +433,52 @@ def fit_adapter(config: FitConfig, method: str, out: str | Path, *, overwrite: b
         adapter.provenance["served_floor"] = floor
     adapter.validate()
     adapter.save_pretrained(out, overwrite=overwrite)
-    return adapter, {"fit": fit.to_dict(), "calibration_split": cal_metrics}
+    return adapter, {"fit": fit.to_dict(), "calibration_split": cal_metrics,
+                     "token_fit": token_record}
+
+
+def _cloze_fits(config: FitConfig, method: str, prep: _Prepared, base: CalibrationAdapter,
+                adapter: CalibrationAdapter, fit, progress: bool):
+    """Cloze mode: the token-level temperature (what the engine's head carries, when a signal
+    exists: docs/methods.md §3 "Token level"), then the option-level fit on the option
+    scores of the token-calibrated model, which is what the runtime reads. Returns the
+    option-level fit and the token fit's record (set on ``adapter.temperature`` in place)."""
+    from .token_fit import cloze_token_temperature
+
+    cal = prep.cal
+    chosen = prep.polm[cal].argmax(1)
+    agree = None if prep.plm is None else prep.plm[cal].argmax(1) == chosen
+    labels = prep.labels[cal] if (prep.labels[cal] >= 0).all() else None
+    token_fit, record = cloze_token_temperature(
+        method, model=config.model, reference=config.reference,
+        records=[prep.records[i] for i in cal], chosen=chosen, agree=agree, labels=labels,
+        base_adapter=base if config.adapter else None, batch_size=config.batch_size,
+        max_length=config.max_length, progress=progress)
+    if token_fit is not None and token_fit.at_bound is not None:
+        record = {**record, "fitted": False,
+                  "reason": f"the token-level optimum is at a bound ({token_fit.at_bound}): "
+                            "the answer positions carry no usable signal"}
+        token_fit = None
+    if token_fit is None:
+        logger.info("token log-probabilities stay uncalibrated: %s", record["reason"])
+        return fit, record
+    adapter.temperature = base.temperature * token_fit.temperature
+    logger.info("token-level %s temperature %.4g on %d answer positions; refitting the "
+                "option-level temperature on the token-calibrated scores", token_fit.method,
+                token_fit.temperature, record["positions"])
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="calm-token-") as tmp:
+        staged = dataclasses.replace(base, temperature=adapter.temperature, created_at=None)
+        staged.save_pretrained(Path(tmp) / "adapter")
+        scores = cached_option_scores(config.model, prep.records, mode=config.mode,
+                                      adapter_dir=Path(tmp) / "adapter", chat=config.chat,
+                                      batch_size=config.batch_size, progress=progress,
+                                      max_length=config.max_length)
+    prep.polm = _variant(scores, config)[:, :prep.k]
+    fit = _fit(method, prep)
+    _check_finite_temperature(fit)
+    return fit, record
 
 
 def _fit_threshold_adapter(config: FitConfig, out, *, overwrite: bool, progress: bool):
@@ -561,8 +610,9 @@ def format_table(report: dict) -> str:
     head = (f"{cfg['model']} on {cfg['data']} ({cfg['mode']}"
             + (f", {cfg['variant']} scores" if cfg["mode"] == "cloze" else "")
             + (f", reference {ref_variant} scores" if ref_variant else "")
-            + f"), test n={report['n_test']}, fit n={report['n_calibration']}, "
-            f"{cfg['n_bins']} bins")
+            + f"), test n={report['n_test']}"
+            + (f", fit n={report['n_calibration']}" if report.get("n_calibration") else "")
+            + f", {cfg['n_bins']} bins")
     if "agreement_rate" in report:
         ref = report["reference_on_test"]
         head += (f"; reference {cfg['reference']}: agreement {report['agreement_rate']:.2f}, "

@@ -501,6 +501,9 @@ class _Server:
         manifest = lm.manifest
         digest = hashlib.sha256((manifest.root / ENGINE_MANIFEST_NAME).read_bytes()).hexdigest()
         self.fingerprint = f"calm-{digest[:16]}"
+        #: which outputs are calibrated, by which fit (None: the model's own); in every
+        #: response's calm object
+        self.calibrated = lm.calibrated_outputs
         self.identity = {"engine": config.served_name, "engine_manifest_sha256": digest,
                          "engine_kind": manifest.kind, "backend": lm.backend.description,
                          "source_model": manifest.source.get("model", {}).get("name"),
@@ -721,7 +724,8 @@ class _Server:
             extension = {"option_probabilities": [float(p) for p in picked.probabilities],
                          "confidence": picked.confidence, "choice_mode": mode,
                          "variant": picked.variant,
-                         "answer_temperature": picked.answer_temperature}
+                         "answer_temperature": picked.answer_temperature,
+                         "calibrated": self.calibrated}
             below = (options.abstain_below if options.abstain_below is not None
                      else self.lm.abstain_below)  # the request's, else the engine's
             if below is not None:
@@ -756,8 +760,9 @@ class _Server:
             choice = {"index": index, "text": prompt, "finish_reason": "length",
                       "logprobs": echo_logprobs(scored, top) if req.logprobs is not None
                       else None}
+            choice["calm"] = {"calibrated": self.calibrated}
             if req.wants_raw:
-                choice["calm"] = {"raw_logprobs": echo_logprobs(scored, top, raw=True)}
+                choice["calm"]["raw_logprobs"] = echo_logprobs(scored, top, raw=True)
             choices.append(choice)
         body = self._envelope(f"cmpl-{uuid.uuid4().hex}", "completion")
         body.update(choices=choices, usage={"prompt_tokens": prompt_tokens,
@@ -790,7 +795,8 @@ class _Server:
                 choice["message"] = {"role": "assistant", "content": g.text, "refusal": None}
                 choice["logprobs"] = (chat_logprobs(g.tokens, req.top_logprobs or 0)
                                       if req.logprobs else None)
-            choice["calm"] = choice_extension(g, result.p_true, req.wants_p_true)
+            choice["calm"] = {**choice_extension(g, result.p_true, req.wants_p_true),
+                              "calibrated": self.calibrated}
             if req.wants_raw:
                 choice["calm"]["raw_logprobs"] = (
                     completion_logprobs(g.tokens, req.logprobs, raw=True)
@@ -867,7 +873,8 @@ class _Server:
                 yield _event(chunk(index, g.text[sent:] if kind == "completion" or
                                    len(g.text) > sent else None, None,
                                    FINISH_REASONS[g.finish_reason],
-                                   choice_extension(g, result.p_true, req.wants_p_true)))
+                                   {**choice_extension(g, result.p_true, req.wants_p_true),
+                                    "calibrated": self.calibrated}))
                 usage[0] += len(job.ids)
                 usage[1] += len(g.tokens)
             if req.stream_options and req.stream_options.include_usage:

@@ -1,0 +1,223 @@
+"""Token-level temperatures for cloze fits: what the engine's LM head carries.
+
+A cloze fit calibrates the K-way distribution over option scores (``answer_temperature``);
+that temperature cannot be folded into the head (docs/methods.md §3, "Token level"). The
+token log-probabilities an engine serves are calibrated only by a token-level fit on the
+next-token distributions at the answer positions:
+
+* label-free (``daca``, ``naive``): the reference must share the model's tokenizer; both
+  models read the same teacher-forced sequences (context + the model's chosen answer on the
+  questions where both models choose the same option; every question for ``naive``), and
+  DACA's masked KL is minimised over the positions where their next-token argmax agrees;
+* labeled (``ts``): the NLL of the correct answer's tokens under ``softmax(z / T)``.
+
+:func:`answer_positions` runs the teacher-forced sequences through a torch model and keeps
+the full-vocabulary logits of the answer positions; :func:`token_level_fit` decides whether
+a signal exists and fits. Where none exists (a reference with another tokenizer, an engine
+or a served model) the fit is option-level only and the reason is recorded.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from calm_runtime.data import MultipleChoiceRecord
+from calm_runtime.errors import ConfigError
+from calm_runtime.prompts import cloze_context, cloze_continuation
+
+from . import daca
+from .scoring import _batched_logits, _batches, _pad_id, context_limit, describe, encode_within
+
+__all__ = ["AnswerPositions", "answer_positions", "token_level_fit", "token_ece"]
+
+logger = logging.getLogger(__name__)
+
+#: methods with a token-level counterpart (the vector fits have none in cloze mode)
+TOKEN_METHODS = ("daca", "naive", "ts")
+
+
+@dataclass
+class AnswerPositions:
+    """Next-token logits at the answer positions of teacher-forced cloze sequences.
+
+    ``logits`` ``[P, V]`` float32 (after any token calibration passed in), ``targets``
+    ``[P]`` the answer's next token at each position, ``question`` ``[P]`` the index of the
+    record (in the order given) each position belongs to."""
+
+    logits: np.ndarray
+    targets: np.ndarray
+    question: np.ndarray
+
+
+def answer_positions(model, tokenizer, records: Sequence[MultipleChoiceRecord],
+                     options: Sequence[int], *, calibration=None, batch_size: int = 8,
+                     max_length: int | None = None, progress: bool = False) -> AnswerPositions:
+    """Run ``cloze_context(question) + " " + choices[options[i]]`` for every record and keep
+    the logits that predict the answer's tokens (one row per answer token)."""
+    from tqdm.auto import tqdm
+
+    if len(options) != len(records):
+        raise ConfigError(f"{len(options)} option indices for {len(records)} records")
+    limit = context_limit(model, max_length)
+    pad = _pad_id(tokenizer)
+    sequences, n_answer = [], []
+    for row, (record, k) in enumerate(zip(records, options, strict=True)):
+        cont = encode_within(tokenizer, cloze_continuation(record.choices[int(k)]), limit - 1,
+                             f"option {k} of {describe(record, row)}", special=False)
+        ctx = encode_within(tokenizer, cloze_context(record.question), limit,
+                            describe(record, row), special=True, reserve=len(cont))
+        sequences.append(ctx + cont)
+        n_answer.append(len(cont))
+    rows, targets, owner = [], [], []
+    order = sorted(range(len(records)), key=lambda i: -len(sequences[i]))
+    bar = tqdm(total=len(records), desc="answer positions", unit="question",
+               disable=not progress)
+    was_training = model.training
+    model.eval()
+    try:
+        for chunk in _batches(order, batch_size, [len(s) for s in sequences]):
+            keep = max(n_answer[i] for i in chunk) + 1
+            logits = _batched_logits(model, [sequences[i] for i in chunk], keep, pad)
+            if calibration is not None:
+                logits = calibration.calibrate(logits)
+            logits = logits.numpy()
+            for b, i in enumerate(chunk):
+                n = n_answer[i]
+                # the last n + 1 positions end with the final token's (unused) prediction
+                rows.append(logits[b, keep - n - 1:keep - 1].astype(np.float32))
+                targets.extend(sequences[i][-n:])
+                owner.extend([i] * n)
+            bar.update(len(chunk))
+    finally:
+        model.train(was_training)
+        bar.close()
+    width = min(r.shape[-1] for r in rows)
+    return AnswerPositions(logits=np.concatenate([r[:, :width] for r in rows]),
+                           targets=np.asarray(targets, dtype=np.int64),
+                           question=np.asarray(owner, dtype=np.int64))
+
+
+def token_ece(logits: np.ndarray, targets: np.ndarray, temperature: float = 1.0,
+              n_bins: int = 10) -> dict:
+    """Token-level calibration (docs/methods.md §3): confidence = the top next-token
+    probability under ``softmax(z / T)``, correct = that token is the answer's next token.
+    Returns ``{"ece", "accuracy", "mean_confidence", "nll", "n"}``."""
+    from calm_runtime import metrics
+
+    conf = np.empty(len(targets))
+    nll = np.empty(len(targets))
+    for start in range(0, len(targets), daca.TOKEN_CHUNK_ROWS):
+        z = np.asarray(logits[start:start + daca.TOKEN_CHUNK_ROWS], np.float64) / temperature
+        z = z - z.max(axis=1, keepdims=True)
+        lse = np.log(np.exp(z).sum(axis=1))
+        conf[start:start + len(z)] = np.exp(-lse)  # the top logit is 0 after the shift
+        nll[start:start + len(z)] = lse - z[np.arange(len(z)),
+                                            targets[start:start + len(z)]]
+    correct = (np.asarray(logits).argmax(axis=1) == targets).astype(float)
+    return {"ece": float(metrics.ece(conf, correct, n_bins)), "accuracy": float(correct.mean()),
+            "mean_confidence": float(conf.mean()), "nll": float(nll.mean()),
+            "n": int(len(targets))}
+
+
+def token_level_fit(method: str, *, model, tokenizer, records, chosen: np.ndarray,
+                    reference=None, reference_tokenizer=None, same_tokenizer: bool = False,
+                    labels: np.ndarray | None = None, calibration=None, batch_size: int = 8,
+                    max_length: int | None = None, progress: bool = False,
+                    agree: np.ndarray | None = None):
+    """Fit the token-level temperature of ``method`` on ``records`` (the calibration split).
+
+    ``model``/``reference`` are loaded torch models; ``chosen`` the model's option choice per
+    record, ``agree`` whether the reference chose the same one (label-free methods),
+    ``labels`` the correct options (``ts``). Returns ``(fit or None, record)``: the record
+    says what was fitted on which signal, or why nothing was."""
+    if method not in TOKEN_METHODS:
+        return None, {"fitted": False, "reason": f"{method} has no token-level counterpart"}
+    if method == "ts":
+        if labels is None or (labels < 0).any():
+            return None, {"fitted": False, "reason": "labels missing on the calibration split"}
+        pos = answer_positions(model, tokenizer, records, labels, calibration=calibration,
+                               batch_size=batch_size, max_length=max_length, progress=progress)
+        fit = daca.fit_token_temperature_scaling(pos.logits, pos.targets)
+        return fit, {"fitted": True, "signal": "labels: the correct answers' tokens",
+                     "positions": int(len(pos.targets)), "questions": len(records),
+                     **fit.to_dict()}
+    if reference is None or not same_tokenizer:
+        return None, {"fitted": False,
+                      "reason": "the reference does not share the model's tokenizer, so a "
+                                "label-free token-level fit has no signal (option-level only)"}
+    keep = np.arange(len(records)) if method == "naive" else np.flatnonzero(agree)
+    if keep.size == 0:
+        return None, {"fitted": False, "reason": "no calibration question where both models "
+                                                 "choose the same option"}
+    subset = [records[i] for i in keep]
+    options = np.asarray(chosen)[keep]
+    mine = answer_positions(model, tokenizer, subset, options, calibration=calibration,
+                            batch_size=batch_size, max_length=max_length, progress=progress)
+    theirs = answer_positions(reference, reference_tokenizer, subset, options,
+                              batch_size=batch_size, max_length=max_length, progress=progress)
+    if not np.array_equal(mine.targets, theirs.targets):
+        return None, {"fitted": False, "reason": "the reference tokenises the answers "
+                                                 "differently; option-level only"}
+    width = min(mine.logits.shape[1], theirs.logits.shape[1])
+    if method == "naive":  # every position, no agreement mask: the baseline's failure mode
+        z = mine.logits[:, :width]
+        ref = theirs.logits[:, :width]
+        fit = daca.fit_token_daca_temperature(z, ref, n_questions=len(records), mask=False)
+    else:
+        fit = daca.fit_token_daca_temperature(mine.logits[:, :width], theirs.logits[:, :width],
+                                              n_questions=len(records))
+    return fit, {"fitted": True,
+                 "signal": "reference: next-token distributions at the answer positions",
+                 "positions": int(len(mine.targets)), "questions": int(keep.size), **fit.to_dict()}
+
+
+def cloze_token_temperature(method: str, *, model: str, reference: str | None, records,
+                            chosen: np.ndarray, agree: np.ndarray | None,
+                            labels: np.ndarray | None, base_adapter=None, batch_size: int = 8,
+                            max_length: int | None = None, progress: bool = False):
+    """:func:`token_level_fit` from model specs (packaged names or folders): loads the
+    model (with ``base_adapter``'s LoRA and token calibration) and, for label-free methods,
+    the reference when it shares the model's tokenizer. Engines and served models have no
+    full next-token logits to fit on here: the fit is then option-level only, with the
+    reason recorded."""
+    from calm_runtime.models import load_model_and_tokenizer, model_identity, resolve_model
+
+    from .engine_model import is_engine
+    from .remote import is_endpoint
+
+    if method not in TOKEN_METHODS:
+        return None, {"fitted": False, "reason": f"{method} has no token-level counterpart"}
+    for role, spec in (("model", model), ("reference", reference if method != "ts" else None)):
+        if spec is not None and (is_engine(spec) or is_endpoint(spec)):
+            return None, {"fitted": False,
+                          "reason": f"the {role} is {'an engine' if is_engine(spec) else 'served'}"
+                                    "; a token-level fit reads full next-token distributions "
+                                    "from a transformers model (option-level only)"}
+    same = False
+    if method != "ts":
+        if reference is None:
+            return None, {"fitted": False, "reason": "no reference model"}
+        mine = model_identity(resolve_model(model)).tokenizer_sha256
+        theirs = model_identity(resolve_model(reference)).tokenizer_sha256
+        same = mine is not None and mine == theirs
+        if not same:
+            return token_level_fit(method, model=None, tokenizer=None, records=records,
+                                   chosen=chosen)
+    lora = base_adapter.lora_path if base_adapter is not None else None
+    lm, tokenizer, _ = load_model_and_tokenizer(model, lora_path=lora)
+    calibration = (base_adapter if base_adapter is not None
+                   and base_adapter.has_token_calibration() else None)
+    ref = ref_tokenizer = None
+    if method != "ts":
+        ref, ref_tokenizer, _ = load_model_and_tokenizer(reference)
+    logger.info("fitting the token-level %s temperature on the answer positions of %d "
+                "calibration questions", method, len(records))
+    return token_level_fit(method, model=lm, tokenizer=tokenizer, records=records,
+                           chosen=chosen, reference=ref, reference_tokenizer=ref_tokenizer,
+                           same_tokenizer=same, labels=labels, calibration=calibration,
+                           batch_size=batch_size, max_length=max_length, progress=progress,
+                           agree=agree)
