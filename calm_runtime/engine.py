@@ -122,6 +122,8 @@ class EngineManifest:
         if not is_dir(root):
             raise ArtifactError(f"engine directory {root} does not exist; pass the folder "
                                 "written by calm-export")
+        if not (root / ENGINE_MANIFEST_NAME).exists():
+            _point_to_export(root)
         data = read_manifest(root / ENGINE_MANIFEST_NAME, current_version=ENGINE_SCHEMA_VERSION,
                              migrations=MIGRATIONS, what="calm engine")
         manifest = cls.from_dict(data, root=root, where=str(root / ENGINE_MANIFEST_NAME))
@@ -252,6 +254,21 @@ class EngineManifest:
 
     def p_true(self) -> PTrueTemplate:
         return PTrueTemplate.from_dict(self.p_true_template)
+
+
+def _point_to_export(root: Path) -> None:
+    """A folder that is not an engine but something calm-export reads or writes: say what it
+    is and how to get an engine from it (the generic message follows otherwise)."""
+    if (root / "calm_checkpoint.json").is_file():
+        raise ArtifactError(f"{root} is a calibrated transformers checkpoint (calm-export "
+                            "--format hf), not an engine; serve it with vLLM, SGLang or TGI, "
+                            "or export an engine for calm serve with calm-export --format onnx")
+    if (root / "calm_adapter.json").is_file():
+        raise ArtifactError(f"{root} is a calibration adapter, not an engine; build one with "
+                            f"calm-export --model MODEL --adapter {root} --out ENGINE")
+    if (root / "config.json").is_file():
+        raise ArtifactError(f"{root} is a transformers model folder, not an engine; build one "
+                            f"with calm-export --model {root} [--adapter ADAPTER] --out ENGINE")
 
 
 # ---------------------------------------------------------------------- section checks

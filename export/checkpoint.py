@@ -160,6 +160,9 @@ def write_checkpoint(model, staging: Path) -> None:
     generation = getattr(model, "generation_config", None)
     if generation is not None and not (staging / "generation_config.json").is_file():
         generation.save_pretrained(staging)
+    for path in staging.iterdir():  # the weights come out 0600 from a temporary file
+        if path.is_file() and not path.is_symlink():
+            path.chmod(0o644)
 
 
 def reload_runner(staging: Path):

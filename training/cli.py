@@ -12,6 +12,7 @@ from pathlib import Path
 
 from calm_runtime.cli import deprecated_alias
 from calm_runtime.data import CALIBRATION_FRACTION
+from calm_runtime.errors import BackendUnavailableError
 from calm_runtime.prompts import CLOZE_VARIANTS
 
 __all__ = ["register"]
@@ -68,7 +69,9 @@ def register(sub) -> None:
         description="Install SmolLM2-135M-Instruct, Gemma-3-270M and ARC-Easy, fit DACA "
                     "(label-free) on the calibration split, compare vanilla / naive / DACA / "
                     "labeled TS on the held-out split, export the calibrated ONNX engine, "
-                    "and generate and score the held-out split with calm_runtime.",
+                    "and generate and score the held-out split with calm_runtime. Needs the "
+                    "train, export and plot extras (pip install 'calm-llm[cpu,train,export,"
+                    "plot]'; --no-engine: train and plot), checked before anything runs.",
         epilog="example:\n  calm quickstart --limit 100",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     quick.add_argument("--out-dir", default="calm-out", help="adapters and reports go here")
@@ -107,7 +110,8 @@ def _add_common(p, default_variant: str) -> None:
                    action=deprecated_alias("--calibration-fraction"))
     p.add_argument("--seed", type=int, default=0, help="seed of the split")
     p.add_argument("--bins", type=int, default=10, help="bins of ECE/MCE/AECE")
-    p.add_argument("--limit", type=int, help="use only the first N records")
+    p.add_argument("--limit", type=int, help="use only the first N records of the set, before "
+                   "the calibration/test split (as calm score --limit does)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--model-name", help="served model name when --model is an http(s) "
                    "endpoint (default: the one model it lists)")
@@ -234,6 +238,7 @@ def _eval(args) -> int:
 
 def _quickstart(args) -> int:
     """fit (label-free DACA) -> compare -> export the engine -> serve it with calm_runtime."""
+    from calm_runtime._extras import install_hint, missing
     from calm_runtime.data import install_dataset
     from calm_runtime.models import install_model
     from calm_training.evaluate import write_report
@@ -245,6 +250,13 @@ def _quickstart(args) -> int:
         format_table,
     )
 
+    needed = ("plot",) if args.no_engine else ("export", "plot")
+    absent = [extra for extra in needed if missing(extra)]
+    if absent:  # before any install or scoring: the job ends with an export and a diagram
+        raise BackendUnavailableError(
+            f"calm quickstart fits, exports and plots; it needs the {' and '.join(absent)} "
+            f"extra{'s' if len(absent) > 1 else ''}: "
+            + " ".join(install_hint(e) for e in absent) + "; nothing was run")
     model, reference = "smollm2-135m-instruct", "gemma-3-270m"
     for name in (model, reference):
         install_model(name)

@@ -167,6 +167,9 @@ def _load_records(config: FitConfig) -> list[MultipleChoiceRecord]:
 
 
 def _prepare(config: FitConfig, *, need_reference: bool, progress: bool) -> _Prepared:
+    if need_reference and not config.reference:  # before any scoring
+        raise ConfigError("label-free methods need a reference (pre-trained) model; pass "
+                          "--reference, e.g. gemma-3-270m")
     records = _load_records(config)
     polm_scores = cached_option_scores(model_source(config, "model"), records, mode=config.mode,
                                        adapter_dir=config.adapter, chat=config.chat,
@@ -174,9 +177,6 @@ def _prepare(config: FitConfig, *, need_reference: bool, progress: bool) -> _Pre
                                        max_length=config.max_length)
     plm_scores = None
     if need_reference:
-        if not config.reference:
-            raise ConfigError("label-free methods need a reference (pre-trained) model; pass "
-                              "--reference, e.g. gemma-3-270m")
         plm_scores = cached_option_scores(model_source(config, "reference"), records,
                                           mode=config.mode,
                                           chat=config.chat, batch_size=config.batch_size,

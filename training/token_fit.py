@@ -26,13 +26,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from calm_runtime.data import MultipleChoiceRecord
-from calm_runtime.errors import ConfigError
+from calm_runtime.errors import ConfigError, FitError
 from calm_runtime.prompts import cloze_context, cloze_continuation
 
 from . import daca
 from .scoring import _batched_logits, _batches, _pad_id, context_limit, describe, encode_within
 
-__all__ = ["AnswerPositions", "answer_positions", "token_level_fit", "token_ece"]
+__all__ = ["AnswerPositions", "answer_positions", "token_level_fit", "token_ece",
+           "token_confidences", "cloze_token_temperature"]
 
 logger = logging.getLogger(__name__)
 
@@ -101,13 +102,9 @@ def answer_positions(model, tokenizer, records: Sequence[MultipleChoiceRecord],
                            question=np.asarray(owner, dtype=np.int64))
 
 
-def token_ece(logits: np.ndarray, targets: np.ndarray, temperature: float = 1.0,
-              n_bins: int = 10) -> dict:
-    """Token-level calibration (docs/methods.md §3): confidence = the top next-token
-    probability under ``softmax(z / T)``, correct = that token is the answer's next token.
-    Returns ``{"ece", "accuracy", "mean_confidence", "nll", "n"}``."""
-    from calm_runtime import metrics
-
+def token_confidences(logits: np.ndarray, targets: np.ndarray, temperature: float = 1.0):
+    """Per position: the top next-token probability under ``softmax(z / T)``, whether that
+    token is the target, and the target's NLL: ``(confidence, correct, nll)`` arrays."""
     conf = np.empty(len(targets))
     nll = np.empty(len(targets))
     for start in range(0, len(targets), daca.TOKEN_CHUNK_ROWS):
@@ -118,6 +115,17 @@ def token_ece(logits: np.ndarray, targets: np.ndarray, temperature: float = 1.0,
         nll[start:start + len(z)] = lse - z[np.arange(len(z)),
                                             targets[start:start + len(z)]]
     correct = (np.asarray(logits).argmax(axis=1) == targets).astype(float)
+    return conf, correct, nll
+
+
+def token_ece(logits: np.ndarray, targets: np.ndarray, temperature: float = 1.0,
+              n_bins: int = 10) -> dict:
+    """Token-level calibration (docs/methods.md §3): confidence = the top next-token
+    probability under ``softmax(z / T)``, correct = that token is the answer's next token.
+    Returns ``{"ece", "accuracy", "mean_confidence", "nll", "n"}``."""
+    from calm_runtime import metrics
+
+    conf, correct, nll = token_confidences(logits, targets, temperature)
     return {"ece": float(metrics.ece(conf, correct, n_bins)), "accuracy": float(correct.mean()),
             "mean_confidence": float(conf.mean()), "nll": float(nll.mean()),
             "n": int(len(targets))}
@@ -163,13 +171,11 @@ def token_level_fit(method: str, *, model, tokenizer, records, chosen: np.ndarra
         return None, {"fitted": False, "reason": "the reference tokenises the answers "
                                                  "differently; option-level only"}
     width = min(mine.logits.shape[1], theirs.logits.shape[1])
-    if method == "naive":  # every position, no agreement mask: the baseline's failure mode
-        z = mine.logits[:, :width]
-        ref = theirs.logits[:, :width]
-        fit = daca.fit_token_daca_temperature(z, ref, n_questions=len(records), mask=False)
-    else:
+    try:  # naive: every position, no agreement mask (the baseline's failure mode)
         fit = daca.fit_token_daca_temperature(mine.logits[:, :width], theirs.logits[:, :width],
-                                              n_questions=len(records))
+                                              n_questions=len(records), mask=method != "naive")
+    except FitError as exc:  # no agreeing position: a result (option-level only), not a crash
+        return None, {"fitted": False, "reason": str(exc)}
     return fit, {"fitted": True,
                  "signal": "reference: next-token distributions at the answer positions",
                  "positions": int(len(mine.targets)), "questions": int(keep.size), **fit.to_dict()}

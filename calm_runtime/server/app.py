@@ -159,10 +159,13 @@ def create_app(config: ServeConfig, lm: CalibratedLM | None = None) -> FastAPI:
             server.check_chars(len(prompt), "the prompt" if single else f"prompt[{index}]",
                                "prompt")
         server.check_raw(req, req.logprobs is not None)
+        constrained = req.choices()
+        if constrained is not None:
+            server.check_constrained(req, logprobs=req.logprobs is not None,
+                                     max_tokens=req.max_tokens)
         if req.echo:  # prompt scoring: one forward pass per prompt, no decoding
             await run_in_threadpool(server.encode, prompts)  # --max-prompt-tokens applies too
             return await server.echo(prompts, req)
-        constrained = req.choices()
         if constrained is not None:
             encoded = await run_in_threadpool(server.encode, prompts)
             return await server.constrained(encoded, prompts, constrained, req, "completion")
@@ -195,6 +198,8 @@ def create_app(config: ServeConfig, lm: CalibratedLM | None = None) -> FastAPI:
         top = (req.top_logprobs or 0) if req.logprobs else 0
         server.check_raw(req, bool(req.logprobs))
         constrained = req.choices()
+        if constrained is not None:
+            server.check_constrained(req, logprobs=bool(req.logprobs), max_tokens=req.limit())
         ids = await run_in_threadpool(server.encode_chat, messages)
         if constrained is not None:
             return await server.constrained([ids], [users[-1] if users else ""], constrained,
@@ -568,6 +573,25 @@ class _Server:
                            f"{self.config.max_tokens_limit}; ask for fewer tokens",
                            param="max_tokens")
         return value
+
+    def check_constrained(self, req, *, logprobs: bool, max_tokens: int | None) -> None:
+        """Refuse, naming it, each field a constrained choice cannot honour: its answer is one
+        of the choices, scored whole, with calibrated ``option_probabilities`` in the ``calm``
+        object (not token ``logprobs``), never cut by ``stop`` or ``max_tokens`` (which must
+        still be within the server's limit)."""
+        refused = [("logprobs", logprobs, "the calm object's option_probabilities are the "
+                    "calibrated distribution over the choices"),
+                   ("echo", bool(getattr(req, "echo", False)), "echo scores the prompt only"),
+                   ("stop", bool(req.stops()), "a choice is answered whole"),
+                   ("calm.p_true", req.wants_p_true, "the choice's confidence is its calibrated "
+                    "option probability"),
+                   ("n", (req.n or 1) > 1, "a choice has one answer")]
+        for name, given, why in refused:
+            if given:
+                raise APIError(400, f"{name} is not supported with a constrained choice ({why}); "
+                               "drop it", param=name)
+        if max_tokens is not None:
+            self.max_tokens(max_tokens, self.config.default_max_tokens)
 
     def options(self, req, *, top: int) -> dict:
         return {"temperature": 1.0 if req.temperature is None else float(req.temperature),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+from dataclasses import fields
 
 import uvicorn
 
@@ -17,13 +18,26 @@ __all__ = ["serve", "config_from_args"]
 logger = logging.getLogger(__name__)
 
 
+#: where ``--api-key KEY`` (vLLM's flag) is put for this process and its workers
+API_KEY_ENV = "CALM_SERVE_API_KEY"
+
+
 def config_from_args(args) -> ServeConfig:
+    api_key = getattr(args, "api_key", None)
+    if api_key is not None:
+        if args.api_key_env is not None:
+            raise ConfigError("pass --api-key or --api-key-env, not both")
+        logger.warning("--api-key puts the key in the process list; --api-key-env VAR keeps "
+                       "it in the environment")
+        os.environ[API_KEY_ENV] = api_key
+        args.api_key_env = API_KEY_ENV
+    default_tokens = next(f.default for f in fields(ServeConfig) if f.name == "default_max_tokens")
     return ServeConfig(
         engine=str(args.engine), model_name=args.model_name, backend=args.backend,
         threads=args.threads, max_batch_size=args.max_batch_size,
         batch_window_ms=args.batch_window_ms, max_queue=args.max_queue,
         request_timeout_s=args.request_timeout, max_tokens_limit=args.max_tokens_limit,
-        default_max_tokens=min(16, args.max_tokens_limit),
+        default_max_tokens=min(default_tokens, args.max_tokens_limit),
         max_prompt_tokens=args.max_prompt_tokens, max_body_bytes=args.max_body_bytes,
         api_key_env=args.api_key_env)
 

@@ -248,6 +248,26 @@ def test_hf_checkpoint_holds_the_shift_where_the_head_has_a_bias(tmp_path):
         want = adapter.calibrate(source(input_ids=ids).logits.float())
         got = reloaded(input_ids=ids).logits.float()
     np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-4, rtol=0)
+    # every file of the checkpoint is readable like the rest of an artifact (0644)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "hf").iterdir()}
+    assert set(modes.values()) == {0o644}, modes
+    # it says which outputs it calibrates: token logprobs (folded); options need calm
+    outputs = result.manifest["calibration"]["outputs"]
+    assert outputs["token_logprobs"] and outputs["option_probabilities"] is None
+
+
+def test_serving_an_hf_checkpoint_points_to_calm_export(tmp_path):
+    from calm_runtime.engine import EngineManifest
+    from calm_runtime.errors import ArtifactError
+
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    with pytest.raises(ArtifactError, match="transformers model folder.*calm-export --model"):
+        EngineManifest.load(folder)
+    (folder / "calm_checkpoint.json").write_text("{}")
+    with pytest.raises(ArtifactError, match="calibrated transformers checkpoint.*--format onnx"):
+        EngineManifest.load(folder)
 
 
 def test_cli_gives_one_line_where_the_checkpoint_cannot_hold_the_shift(tmp_path,

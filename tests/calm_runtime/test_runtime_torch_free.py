@@ -108,4 +108,5 @@ def test_server_package_without_the_serve_extra_names_it():
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == ("calm_runtime.server needs the serve extra (fastapi not "
-                                   "installed); install it with pip install 'calm-llm[serve]'")
+                                   "installed); install it with pip install 'calm-llm[serve]' "
+                                   "(from a checkout: pip install -e '.[serve]')")

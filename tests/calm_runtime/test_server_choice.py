@@ -125,3 +125,26 @@ def test_engine_recorded_mode_and_threshold_are_the_defaults(runtime_engine, run
         assert calm["choice_mode"] == "cloze" and calm["abstained"] is False
         np.testing.assert_allclose(calm["option_probabilities"],
                                    runtime_lm.choose(QUESTION, OPTIONS).probabilities, atol=1e-4)
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [
+    ({"logprobs": 1}, "logprobs"),
+    ({"stop": ["\n"]}, "stop"),
+    ({"extra_body": {"calm": {"p_true": True}}}, "calm.p_true"),
+    ({"echo": True, "max_tokens": 0}, "echo"),
+    ({"max_tokens": 10**9}, "max_tokens"),
+])
+def test_fields_a_choice_cannot_honour_are_400_naming_them(runtime_openai, kwargs, field):
+    """A constrained choice refuses what it would otherwise ignore silently."""
+    extra = {"guided_choice": ["a", "b"], **kwargs.pop("extra_body", {})}
+    body = {"max_tokens": 4, **kwargs}
+    with pytest.raises(openai.BadRequestError, match=field.replace(".", r"\.")) as caught:
+        runtime_openai.completions.create(model=NAME, prompt="x", extra_body=extra, **body)
+    assert caught.value.body["param"] == field
+
+
+def test_chat_choice_with_logprobs_is_400(runtime_openai):
+    with pytest.raises(openai.BadRequestError, match="logprobs is not supported"):
+        runtime_openai.chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": "x"}], logprobs=True,
+            extra_body={"guided_choice": ["a", "b"]})

@@ -145,3 +145,69 @@ def test_raw_logprobs_refusals(client, runtime_openai):
     with pytest.raises(openai.BadRequestError, match="per-token calibration"):
         runtime_openai.completions.create(model="tiny", prompt=PROMPT, max_tokens=2,
                                           logprobs=1, extra_body=raw)
+
+
+def test_every_response_says_which_outputs_are_calibrated(client, lm):
+    """The calm object names the fit behind the token log-probabilities (here the test
+    adapter's temperature, so logprobs differ from raw_logprobs by exactly T)."""
+    out = client.completions.create(model="raw", prompt=PROMPT, max_tokens=3, temperature=0,
+                                    logprobs=0, extra_body={"calm": {"raw_logprobs": True}})
+    extension = out.choices[0].model_extra["calm"]
+    assert extension["calibrated"] == lm.calibrated_outputs
+    assert extension["calibrated"]["token_logprobs"] == "test"
+    assert extension["calibrated"]["p_true"] is None
+    raw = np.array(extension["raw_logprobs"]["token_logprobs"])
+    assert not np.allclose(raw, out.choices[0].logprobs.token_logprobs, atol=1e-3)
+
+
+@pytest.fixture(scope="module")
+def cloze_only_engine(tmp_path_factory):
+    """An engine exported from an adapter with a cloze answer temperature and nothing for
+    the head (a cross-tokenizer DACA fit)."""
+    from calm_export.config import ExportConfig
+    from calm_export.pipeline import export_engine
+    from calm_runtime.artifact import CalibrationAdapter
+    from calm_runtime.models import model_identity
+
+    model_dir = tiny_llama_dir(tmp_path_factory, tied=True, seed=22, name="cloze-only-llama")
+    adapter = CalibrationAdapter.identity(model_identity(model_dir), answer_temperature=2.0,
+                                          kind="daca",
+                                          method={"name": "daca", "mode": "cloze",
+                                                  "variant": "mean",
+                                                  "token_fit": {"fitted": False,
+                                                                "reason": "tokenizers differ"}})
+    adapter_dir = tmp_path_factory.mktemp("cloze-only-adapter") / "adapter"
+    adapter.save_pretrained(adapter_dir)
+    engine_dir = tmp_path_factory.mktemp("cloze-only-engine") / "engine"
+    export_engine(model_dir, engine_dir, adapter=adapter_dir,
+                  config=ExportConfig(greedy_steps=2, progress=False, exporter="torchscript"))
+    return engine_dir
+
+
+def test_a_cloze_only_engine_says_its_token_logprobs_are_uncalibrated(cloze_only_engine,
+                                                                      capsys):
+    from calm_runtime.cli import main
+    from calm_runtime.lm import CalibratedLM
+    from calm_runtime.server import ServeConfig, create_app
+    from calm_runtime.server.background import serve_in_background
+
+    engine = CalibratedLM.load(cloze_only_engine, threads=1)
+    outputs = engine.calibrated_outputs
+    engine.close()
+    assert outputs["token_logprobs"] is None
+    assert outputs["option_probabilities"] == "daca: cloze answer temperature 2"
+    config = ServeConfig(engine=str(cloze_only_engine), model_name="c", threads=1)
+    with serve_in_background(create_app(config)) as (url, _):
+        plain = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        out = plain.completions.create(model="c", prompt=PROMPT, max_tokens=2, temperature=0,
+                                       logprobs=0, extra_body={"calm": {"raw_logprobs": True}})
+        extension = out.choices[0].model_extra["calm"]
+        assert extension["calibrated"]["token_logprobs"] is None
+        np.testing.assert_allclose(extension["raw_logprobs"]["token_logprobs"],
+                                   out.choices[0].logprobs.token_logprobs, atol=1e-5)
+        chosen = plain.completions.create(model="c", prompt=PROMPT, max_tokens=2,
+                                          extra_body={"guided_choice": ["mat", "hat"]})
+        assert chosen.choices[0].model_extra["calm"]["calibrated"] == outputs
+    assert main(["generate", str(cloze_only_engine), PROMPT, "--max-new-tokens", "2"]) == 0
+    shown = capsys.readouterr().out
+    assert "UNCALIBRATED" in shown and "calibrated probability" not in shown
