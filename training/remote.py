@@ -27,15 +27,16 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import http.client
 import json
 import logging
 import math
 import os
 import random
+import socket
+import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -114,64 +115,201 @@ class Endpoint:
         headers = {"Content-Type": "application/json", "Accept": "application/json"}
         key = os.environ.get(self.api_key_env)
         if key:
+            if not key.isprintable() or key != key.strip():
+                raise ConfigError(f"the environment variable {self.api_key_env} holds spaces or "
+                                  "control characters (a line break?); set it to the key alone")
             headers["Authorization"] = f"Bearer {key}"
         return headers
 
     def request(self, method: str, path: str, body: dict | None = None) -> dict:
-        """One API call with retries; the decoded JSON object, or a one-line RemoteError."""
+        """One API call with retries; the decoded JSON object, or a one-line RemoteError.
+
+        Each attempt has a total deadline of ``timeout`` seconds (a server that trickles its
+        answer is cut off there, not only one that stalls), the answer is read up to
+        :data:`MAX_RESPONSE_BYTES`, redirects are refused (the key would go with them), and
+        a host that does not resolve is not retried."""
         url = self.base_url.rstrip("/") + path
+        shown = redact_url(url)
         data = None if body is None else json.dumps(body).encode()
         last = "no attempt"
         for attempt in range(self.retries + 1):
             if attempt:
                 delay = min(self.backoff * 2 ** (attempt - 1), 30.0) * (1 + random.random() / 4)
                 self.sleep(delay)
-            req = urllib.request.Request(url, data=data, method=method, headers=self._headers())
             try:
-                with urllib.request.urlopen(req, timeout=self.timeout) as response:
-                    raw = response.read()
-            except urllib.error.HTTPError as exc:
-                detail = _error_detail(exc)
-                if exc.code == 429 or exc.code >= 500:
-                    last = f"HTTP {exc.code}{detail}"
-                    continue
-                raise RemoteError(f"{url} answered HTTP {exc.code}{detail}; check the model "
-                                  "name, the key and the request settings",
-                                  status=exc.code) from None
-            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as exc:
-                reason = getattr(exc, "reason", exc)
-                last = f"{type(reason).__name__}: {reason}"
+                status, raw = _exchange(method, url, data, self._headers(), self.timeout)
+            except _Redirect as exc:
+                raise RemoteError(f"{shown} answered HTTP {exc.status}, a redirect to "
+                                  f"{redact_url(exc.location)}; calm does not follow redirects "
+                                  "(the API key would go with them): pass the final URL",
+                                  status=exc.status) from None
+            except socket.gaierror as exc:
+                raise RemoteError(f"cannot resolve the host of {shown} "
+                                  f"({printable(str(exc.strerror or exc))}); check the URL") \
+                    from None
+            except (OSError, http.client.HTTPException) as exc:
+                last = f"{type(exc).__name__}: {printable(str(exc))[:200]}"
                 continue
+            if status >= 400:
+                detail = _error_detail(raw)
+                if status == 429 or status >= 500:
+                    last = f"HTTP {status}{detail}"
+                    continue
+                raise RemoteError(f"{shown} answered HTTP {status}{detail}; check the model "
+                                  "name, the key and the request settings", status=status)
             try:
                 payload = json.loads(raw)
             except (ValueError, RecursionError):
-                raise RemoteError(f"{url} answered something that is not JSON "
+                raise RemoteError(f"{shown} answered something that is not JSON "
                                   f"({raw[:80]!r}); is this an OpenAI-compatible API?") from None
             if not isinstance(payload, dict):
-                raise RemoteError(f"{url} answered a JSON {type(payload).__name__}, not an "
+                raise RemoteError(f"{shown} answered a JSON {type(payload).__name__}, not an "
                                   "object; is this an OpenAI-compatible API?")
             return payload
-        raise RemoteError(f"{url} failed {self.retries + 1} times (last: {last}); check that "
+        raise RemoteError(f"{shown} failed {self.retries + 1} times (last: {last}); check that "
                           "the server is up and not overloaded, then rerun (scores already "
                           "received are cached)")
 
 
-def _error_detail(exc: urllib.error.HTTPError) -> str:
+#: The largest answer read from an endpoint (a completion with logprobs is kilobytes; an
+#: echo of a long prompt with alternatives a few megabytes).
+MAX_RESPONSE_BYTES = 64 << 20
+
+#: connections in flight, so that an interruption can end them at once (see abort_requests)
+_ACTIVE: set = set()
+_ACTIVE_LOCK = threading.Lock()
+
+
+class _Redirect(Exception):
+    def __init__(self, status: int, location: str) -> None:
+        super().__init__(status, location)
+        self.status, self.location = status, location
+
+
+def _exchange(method: str, url: str, data: bytes | None, headers: dict, timeout: float):
+    """``(status, body)`` of one HTTP exchange, ended by a watchdog at ``timeout`` seconds
+    after it started whatever the server does; a 3xx raises :class:`_Redirect`."""
+    parts = urllib.parse.urlsplit(url)
+    kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    conn = kind(parts.hostname, parts.port, timeout=timeout)
+    expired = threading.Event()
+    held: list = []  # the socket: http.client drops conn.sock once a response owns it
+
+    def cut() -> None:
+        expired.set()
+        for sock in held:
+            _shutdown(sock)
+
+    watchdog = threading.Timer(timeout, cut)
+    watchdog.daemon = True
+    watchdog.start()
     try:
-        body = json.loads(exc.read() or b"{}")
+        conn.connect()
+        held.append(conn.sock)
+        with _ACTIVE_LOCK:
+            _ACTIVE.add(conn.sock)
+        if expired.is_set():
+            raise TimeoutError(f"no complete answer within {timeout:g} s")
+        target = parts.path + (f"?{parts.query}" if parts.query else "")
+        conn.request(method, target, body=data, headers=headers)
+        response = conn.getresponse()
+        if 300 <= response.status < 400:
+            raise _Redirect(response.status, response.getheader("Location") or "?")
+        declared = response.getheader("Content-Length")
+        if declared and declared.isdigit() and int(declared) > MAX_RESPONSE_BYTES:
+            raise RemoteError(f"{redact_url(url)} announced a {int(declared):,}-byte answer, "
+                              f"more than calm reads ({MAX_RESPONSE_BYTES:,}); is this an "
+                              "OpenAI-compatible API?")
+        chunks, size = [], 0
+        while True:
+            chunk = response.read(1 << 16)
+            if not chunk:
+                break
+            size += len(chunk)
+            if size > MAX_RESPONSE_BYTES:
+                raise RemoteError(f"{redact_url(url)} answered more than "
+                                  f"{MAX_RESPONSE_BYTES:,} bytes; is this an OpenAI-compatible "
+                                  "API?")
+            chunks.append(chunk)
+        if expired.is_set():  # the watchdog's shutdown reads as an early end of the answer
+            raise TimeoutError(f"no complete answer within {timeout:g} s")
+        return response.status, b"".join(chunks)
+    except (OSError, http.client.HTTPException) as exc:
+        if expired.is_set():
+            raise TimeoutError(f"no complete answer within {timeout:g} s") from None
+        raise
+    finally:
+        watchdog.cancel()
+        with _ACTIVE_LOCK:
+            for sock in held:
+                _ACTIVE.discard(sock)
+        conn.close()
+        for sock in held:
+            sock.close()
+
+
+def _shutdown(sock) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked reading it
+    except OSError:
+        pass
+
+
+def abort_requests() -> None:
+    """End every request in flight at once (an interrupted run: nothing waits for them)."""
+    with _ACTIVE_LOCK:
+        active = list(_ACTIVE)
+    for sock in active:
+        _shutdown(sock)
+
+
+def redact_url(url: str) -> str:
+    """``url`` without userinfo, query or fragment (where keys hide), control characters
+    escaped: what calm prints and records of an endpoint."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        host = parts.hostname or ""
+        if parts.port:
+            host = f"{host}:{parts.port}"
+        shown = urllib.parse.urlunsplit((parts.scheme, host, parts.path, "", ""))
+        if parts.query or parts.fragment or parts.username or parts.password:
+            shown += " (credentials and query removed)"
+    except ValueError:
+        shown = "the endpoint URL"
+    return printable(shown)
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters (terminal escape sequences) escaped."""
+    return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" if ord(c) < 256
+                   else f"\\u{ord(c):04x}" for c in text)
+
+
+def _error_detail(raw: bytes) -> str:
+    try:
+        body = json.loads(raw or b"{}")
         message = body.get("error", {}).get("message") if isinstance(body, dict) else None
-    except (ValueError, AttributeError, OSError):
+    except (ValueError, AttributeError, RecursionError):
         message = None
-    return f" ({str(message)[:200]})" if message else ""
+    return f" ({printable(str(message)[:200])})" if message else ""
 
 
 def connect(url: str, *, model_name: str | None = None, api_key_env: str = "OPENAI_API_KEY",
             concurrency: int = 8, timeout: float = 120.0, retries: int = 6) -> Endpoint:
     """The :class:`Endpoint` for ``url``, its served model checked with ``GET /models``."""
-    parsed = urllib.parse.urlparse(url)
-    if parsed.scheme not in ("http", "https") or not parsed.netloc:
-        raise ConfigError(f"{url!r} is not an http(s) URL; pass the API's base URL, e.g. "
-                          "http://127.0.0.1:8000/v1")
+    try:
+        parsed = urllib.parse.urlsplit(url)
+        parsed.port  # noqa: B018 - a bad port raises here
+    except ValueError:
+        raise ConfigError(f"{redact_url(url)} is not a valid URL; pass the API's base URL, "
+                          "e.g. http://127.0.0.1:8000/v1") from None
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise ConfigError(f"{redact_url(url)} is not an http(s) URL; pass the API's base URL, "
+                          "e.g. http://127.0.0.1:8000/v1")
+    if parsed.username or parsed.password or parsed.query or parsed.fragment:
+        raise ConfigError(f"{redact_url(url)}: the URL carries credentials or a query; calm "
+                          "never records them: pass the base URL alone and the key through "
+                          "--api-key-env VAR")
     if concurrency < 1:
         raise ConfigError(f"concurrency must be >= 1, got {concurrency}")
     endpoint = Endpoint(url.rstrip("/"), model_name or "", api_key_env=api_key_env,
@@ -259,6 +397,9 @@ def _run(endpoint: Endpoint, kind: str, bodies: Sequence[dict],
                 cache.add(keys[i], parse(future.result(), bodies[i]))
             except CalmError:
                 pass
+        raise
+    except BaseException:  # Ctrl-C or SIGTERM: end what is in flight, keep the cache
+        abort_requests()
         raise
     finally:
         pool.shutdown(wait=False, cancel_futures=True)

@@ -153,7 +153,7 @@ def test_timeouts_are_retried_then_reported(server, monkeypatch):
         calls.append(1)
         raise TimeoutError("timed out")
 
-    monkeypatch.setattr(remote.urllib.request, "urlopen", slow)
+    monkeypatch.setattr(remote, "_exchange", slow)
     endpoint = remote.Endpoint(url, "tiny", retries=2, sleep=lambda s: None)
     with pytest.raises(remote.RemoteError, match="failed 3 times .*TimeoutError"):
         endpoint.request("POST", "/completions", {"prompt": "x"})
