@@ -16,7 +16,8 @@ import numpy as np
 
 from ._generation import initial_positions, left_pad
 
-__all__ = ["next_token_logits", "cloze_logprobs", "log_softmax_at"]
+__all__ = ["next_token_logits", "cloze_logprobs", "log_softmax_at", "ScoringStopped",
+           "SCORING_BUDGET_BYTES"]
 
 
 def _chunks(n: int, size: int):
@@ -44,47 +45,84 @@ def log_softmax_at(logits: np.ndarray, tokens: np.ndarray) -> np.ndarray:
     return (picked - top[..., 0]).astype(np.float64) - log_sum
 
 
+#: Bytes one scoring step may allocate for logits and repeated KV rows: continuations are
+#: run in row chunks and position segments that fit it, so the memory of a request does not
+#: grow with its number of options times their length times the vocabulary.
+SCORING_BUDGET_BYTES = 64 << 20
+
+
+class ScoringStopped(Exception):
+    """``should_stop()`` answered true between two steps (a cancelled or timed-out request)."""
+
+
+def _check(should_stop) -> None:
+    if should_stop is not None and should_stop():
+        raise ScoringStopped()
+
+
 def cloze_logprobs(backend, contexts: Sequence[Sequence[int]],
                    continuations: Sequence[Sequence[Sequence[int]]], pad_id: int,
-                   batch_size: int) -> list[np.ndarray]:
-    """Summed log-probability of each continuation after its context, one array per question."""
+                   batch_size: int, *, kv_bytes_per_token: int = 0,
+                   budget_bytes: int = SCORING_BUDGET_BYTES,
+                   should_stop=None) -> list[np.ndarray]:
+    """Summed log-probability of each continuation after its context, one array per question.
+
+    Continuations run in row chunks whose repeated KV cache (``kv_bytes_per_token`` per
+    token of context and continuation) and logits fit ``budget_bytes``, fed in position
+    segments that fit it too; ``should_stop()`` is checked between steps."""
     results: list[np.ndarray] = [np.zeros(len(c)) for c in continuations]
     rows_limit = backend.max_batch or (1 << 30)
     size = _limit(backend, batch_size)
     for chunk in _chunks(len(contexts), size):
+        _check(should_stop)
         ids, mask = left_pad([contexts[i] for i in chunk], pad_id)
         logits, state = backend.run(ids, mask, initial_positions(mask), None, last_only=True)
         first = logits[:, -1]
         owners = [(b, i, k) for b, i in enumerate(chunk) for k in range(len(continuations[i]))]
-        for start in range(0, len(owners), rows_limit):
-            part = owners[start:start + rows_limit]
+        width = max(len(continuations[i][k]) for _, i, k in owners)
+        row_bytes = (kv_bytes_per_token * (ids.shape[1] + width) * 2
+                     + min(width, 64) * first.shape[-1] * 8)
+        rows = max(1, min(rows_limit, budget_bytes // max(row_bytes, 1)))
+        for start in range(0, len(owners), rows):
+            _check(should_stop)
+            part = owners[start:start + rows]
             conts = [continuations[i][k] for _, i, k in part]
             own = np.asarray([b for b, _, _ in part], dtype=np.int64)
-            values = _continuations(backend, state, mask, first, own, conts, pad_id)
+            values = _continuations(backend, state, mask, first, own, conts, pad_id,
+                                    budget_bytes, should_stop)
             for (_, i, k), value in zip(part, values, strict=True):
                 results[i][k] = value
     return results
 
 
-def _continuations(backend, state, ctx_mask, first, own, conts, pad_id) -> np.ndarray:
+def _continuations(backend, state, ctx_mask, first, own, conts, pad_id, budget_bytes,
+                   should_stop) -> np.ndarray:
     width = max(len(c) for c in conts)
     targets = np.zeros((len(conts), width), dtype=np.int64)
     real = np.zeros((len(conts), width), dtype=bool)
     for m, cont in enumerate(conts):
         targets[m, :len(cont)] = cont
         real[m, :len(cont)] = True
-    step_logits = first[own][:, None, :]
-    if width > 1:
-        fed = np.where(real[:, :-1], targets[:, :-1], pad_id)
-        fed_mask = real[:, :-1].astype(np.int64)
-        owner_mask = ctx_mask[own]
-        full_mask = np.concatenate([owner_mask, fed_mask], axis=1)
-        positions = owner_mask.sum(axis=1, keepdims=True) + np.arange(width - 1)[None, :]
-        logits, _ = backend.run(fed, full_mask, positions.astype(np.int64),
-                                backend.select(state, own))
-        step_logits = np.concatenate([step_logits, logits], axis=1)
-    logp = log_softmax_at(step_logits, targets)
-    return np.where(real, logp, 0.0).sum(axis=1)
+    total = np.where(real[:, 0], log_softmax_at(first[own], targets[:, 0]), 0.0)
+    if width == 1:
+        return total
+    fed = np.where(real[:, :-1], targets[:, :-1], pad_id)
+    fed_mask = real[:, :-1].astype(np.int64)
+    seen = ctx_mask[own]
+    start_positions = seen.sum(axis=1, keepdims=True)
+    rows_state = backend.select(state, own)
+    vocab = first.shape[-1]
+    segment = max(1, budget_bytes // max(len(conts) * vocab * 8, 1))
+    for s in range(0, width - 1, segment):
+        _check(should_stop)
+        e = min(width - 1, s + segment)
+        seen = np.concatenate([seen, fed_mask[:, s:e]], axis=1)
+        positions = start_positions + np.arange(s, e)[None, :]
+        logits, rows_state = backend.run(fed[:, s:e], seen, positions.astype(np.int64),
+                                         rows_state)
+        logp = log_softmax_at(logits, targets[:, s + 1:e + 1])
+        total = total + np.where(real[:, s + 1:e + 1], logp, 0.0).sum(axis=1)
+    return total
 
 
 def _limit(backend, batch_size: int) -> int:

@@ -160,6 +160,13 @@ class CalibratedLM:
         return 1.0 if value is None else float(value)
 
     @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of KV cache one token of one sequence takes (keys and values, all layers)."""
+        m = self.manifest.model
+        width = 2 if m["dtype"] == "float16" else 4
+        return 2 * m["num_layers"] * m["num_kv_heads"] * m["head_dim"] * width
+
+    @property
     def calibrated_outputs(self) -> dict:
         """Which outputs this engine calibrates and by which fit (``None``: the model's own):
         ``{"token_logprobs", "option_probabilities", "p_true"}``."""
@@ -342,15 +349,17 @@ class CalibratedLM:
                               raw_scale=self.raw_logit_scale if raw_logprobs else None)
 
     # ------------------------------------------------------------------ multiple choice
-    def prompt_logprobs(self, prompt: str, *, top: int = 0,
-                        raw_logprobs: bool = False) -> list[PromptToken]:
+    def prompt_logprobs(self, prompt: str, *, top: int = 0, raw_logprobs: bool = False,
+                        should_stop=None) -> list[PromptToken]:
         """Every prompt token with its calibrated log-probability given the tokens before it
         (the first has none), its character offset in ``prompt`` and, with ``top``, the
         most probable tokens at its position: the prompt scoring of an ``echo`` request.
 
         The prompt is encoded as :meth:`generate` encodes it (BOS first when the engine's
-        tokenizer adds one); one forward pass over the whole prompt. ``raw_logprobs=True``
-        adds the raw, uncalibrated log-probabilities (see :attr:`raw_logit_scale`).
+        tokenizer adds one), in segments of positions whose logits fit
+        :data:`~calm_runtime._scoring.SCORING_BUDGET_BYTES` (the KV cache carries over), with
+        ``should_stop()`` checked between them. ``raw_logprobs=True`` adds the raw,
+        uncalibrated log-probabilities (see :attr:`raw_logit_scale`).
         """
         _check_text(prompt, "the prompt")
         if not prompt:
@@ -364,13 +373,21 @@ class CalibratedLM:
             ids, offsets = [self.tokenizer.bos_token_id, *ids], [0, *offsets]
         self._check_length(len(ids), f"the prompt ({len(ids)} tokens)",
                            "shorten the prompt")
-        batch = np.asarray([ids], dtype=np.int64)
-        mask = np.ones_like(batch)
-        logits, _ = self.backend.run(batch, mask, np.arange(len(ids), dtype=np.int64)[None],
-                                     None)
+        segment = max(1, _scoring.SCORING_BUDGET_BYTES // (self.manifest.vocab_size * 8))
         out = [PromptToken(ids[0], self._piece(prompt, encoding, 0, ids), offsets[0], None)]
+        state, logits, done = None, None, 0
         for t in range(1, len(ids)):
-            row = logits[0, t - 1].astype(np.float64)
+            if t - 1 >= done:  # run the next segment of positions t-1 .. (the cache carries)
+                if should_stop is not None and should_stop():
+                    raise _scoring.ScoringStopped()
+                end = min(len(ids) - 1, done + segment)
+                batch = np.asarray([ids[done:end]], dtype=np.int64)
+                logits, state = self.backend.run(
+                    batch, np.ones((1, end), dtype=np.int64),
+                    np.arange(done, end, dtype=np.int64)[None], state)
+                first = done
+                done = end
+            row = logits[0, t - 1 - first].astype(np.float64)
             row = row - row.max()
             logp = row - np.log(np.exp(row).sum())
             raw = None if scale is None else raw_log_softmax(row, scale)
@@ -449,7 +466,8 @@ class CalibratedLM:
             contexts.append(ids)
             conts.append(encoded)
         sums = _scoring.cloze_logprobs(self.backend, contexts, conts,
-                                       self.tokenizer.pad_token_id, size)
+                                       self.tokenizer.pad_token_id, size,
+                                       kv_bytes_per_token=self.kv_bytes_per_token)
         choices = []
         for total, cont, opts in zip(sums, conts, options, strict=True):
             scores = cloze_option_scores(total, [len(c) for c in cont],
@@ -459,7 +477,7 @@ class CalibratedLM:
         return choices
 
     def choose_continuation(self, prompt_ids: Sequence[int], options: Sequence[str], *,
-                            variant: str | None = None) -> Choice:
+                            variant: str | None = None, should_stop=None) -> Choice:
         """Calibrated probabilities of ``options`` as continuations of an encoded prompt, each
         option's text appended exactly as given (a constrained choice: the answer is one of
         the options). Cloze scoring by ``variant`` with the engine's answer temperature, as
@@ -489,7 +507,9 @@ class CalibratedLM:
                            f"the prompt with its longest choice ({len(context)} + {longest} "
                            "tokens)", "shorten the prompt or the choices")
         sums = _scoring.cloze_logprobs(self.backend, [context], [encoded],
-                                       self.tokenizer.pad_token_id, 1)[0]
+                                       self.tokenizer.pad_token_id, 1,
+                                       kv_bytes_per_token=self.kv_bytes_per_token,
+                                       should_stop=should_stop)[0]
         scores = cloze_option_scores(sums, [len(c) for c in encoded],
                                      [option_char_count(o) for o in options], variant)
         return _choice(scores, "cloze", variant, self.answer_temperature, self.abstain_below)

@@ -30,12 +30,15 @@ server does not publish it; the fuzz tests drive the server from it).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import hashlib
 import hmac
 import json
 import logging
 import os
 import re
+import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -49,6 +52,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
+from .._scoring import ScoringStopped
 from ..engine import ENGINE_MANIFEST_NAME
 from ..errors import CalmError
 from ..lm import CalibratedLM
@@ -165,10 +169,11 @@ def create_app(config: ServeConfig, lm: CalibratedLM | None = None) -> FastAPI:
                                      max_tokens=req.max_tokens)
         if req.echo:  # prompt scoring: one forward pass per prompt, no decoding
             await run_in_threadpool(server.encode, prompts)  # --max-prompt-tokens applies too
-            return await server.echo(prompts, req)
+            return await server.echo(prompts, req, request)
         if constrained is not None:
             encoded = await run_in_threadpool(server.encode, prompts)
-            return await server.constrained(encoded, prompts, constrained, req, "completion")
+            return await server.constrained(encoded, prompts, constrained, req, "completion",
+                                            request)
         limit = server.max_tokens(req.max_tokens, config.default_max_tokens)
         options = server.options(req, top=req.logprobs or 0)
         encoded = await run_in_threadpool(server.encode, prompts)
@@ -203,7 +208,7 @@ def create_app(config: ServeConfig, lm: CalibratedLM | None = None) -> FastAPI:
         ids = await run_in_threadpool(server.encode_chat, messages)
         if constrained is not None:
             return await server.constrained([ids], [users[-1] if users else ""], constrained,
-                                            req, "chat")
+                                            req, "chat", request)
         job = Job(ids, limit, server.options(req, top=top),
                   users[-1] if req.wants_p_true else None, stream=bool(req.stream))
         server.submit([job])
@@ -509,6 +514,8 @@ class _Server:
         #: which outputs are calibrated, by which fit (None: the model's own); in every
         #: response's calm object
         self.calibrated = lm.calibrated_outputs
+        self._scoring_gate: asyncio.Semaphore | None = None  # made in the event loop
+        self._scoring_waiting = 0
         self.identity = {"engine": config.served_name, "engine_manifest_sha256": digest,
                          "engine_kind": manifest.kind, "backend": lm.backend.description,
                          "source_model": manifest.source.get("model", {}).get("name"),
@@ -676,6 +683,60 @@ class _Server:
                         len(live))
 
     # ------------------------------------------------------------------ responses
+    async def scoring(self, request: Request, fn, *args, **kwargs):
+        """Run a prompt-scoring call (an echo, a constrained choice) under the same admission
+        control as generation: at most ``max_queue`` waiting (then 429), one at a time on the
+        engine beside the batcher, cut at ``request_timeout_s`` (504) or when the client
+        disconnects (``None``); the call stops between its steps (``should_stop``), so its
+        thread is free again at once. Its memory is bounded inside the call (the scoring
+        budget of :mod:`calm_runtime._scoring`)."""
+        loop = asyncio.get_running_loop()
+        if self._scoring_gate is None:
+            self._scoring_gate = asyncio.Semaphore(1)
+        if self._scoring_waiting >= self.config.max_queue:
+            raise APIError(429, f"{self._scoring_waiting} scoring requests are waiting (the "
+                           "limit is --max-queue); retry later", type="rate_limit_error",
+                           code="queue_full")
+        deadline = loop.time() + self.config.request_timeout_s
+        stop = threading.Event()
+        gone = asyncio.ensure_future(_client_gone(request.receive))
+        self._scoring_waiting += 1
+        waiting = True
+        try:
+            try:
+                await asyncio.wait_for(self._scoring_gate.acquire(),
+                                       timeout=max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                raise self._scoring_timeout() from None
+            self._scoring_waiting -= 1
+            waiting = False
+            try:
+                task = asyncio.ensure_future(run_in_threadpool(
+                    functools.partial(fn, *args, should_stop=stop.is_set, **kwargs)))
+                done, _ = await asyncio.wait({task, gone},
+                                             timeout=max(0.0, deadline - loop.time()),
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if task in done:
+                    return task.result()
+                stop.set()
+                with contextlib.suppress(ScoringStopped, CalmError):
+                    await task  # returns at the call's next step
+                self.metrics.cancelled.inc()
+                if gone in done and gone.exception() is None:
+                    return None
+                raise self._scoring_timeout()
+            finally:
+                self._scoring_gate.release()
+        finally:
+            if waiting:
+                self._scoring_waiting -= 1
+            gone.cancel()
+
+    def _scoring_timeout(self) -> APIError:
+        return APIError(504, f"the request did not finish within "
+                        f"{self.config.request_timeout_s:g} s; retry with shorter prompts or "
+                        "fewer choices", type="timeout_error", code="timeout")
+
     def _timeout(self, jobs: list[Job]) -> APIError:
         for job in jobs:
             self.batcher.cancel(job)
@@ -724,7 +785,7 @@ class _Server:
             gone.cancel()
 
     async def constrained(self, encoded: list[list[int]], questions: list[str],
-                          choices: list[str], req, kind: str) -> dict:
+                          choices: list[str], req, kind: str, request: Request):
         """A constrained choice: the answer is the most probable of ``choices``; the
         ``calm`` object carries the calibrated ``option_probabilities`` (in the given order).
         Cloze: each choice's text continues the prompt as given; letter: the choices are
@@ -735,15 +796,18 @@ class _Server:
         for index, (ids, question) in enumerate(zip(encoded, questions, strict=True)):
             try:
                 if mode == "cloze":
-                    picked = await run_in_threadpool(self.lm.choose_continuation, ids, choices)
+                    picked = await self.scoring(request, self.lm.choose_continuation, ids,
+                                                choices)
                 else:
                     if not question.strip():
                         raise APIError(400, "letter-mode choice needs a question: a non-empty "
                                        "prompt or user message", param="calm.choice_mode")
-                    picked = await run_in_threadpool(self.lm.choose, question, choices,
-                                                     "letter", chat=False)
+                    picked = await self.scoring(request, _one_pass(self.lm.choose), question,
+                                                choices, "letter", chat=False)
             except CalmError as exc:
                 raise APIError(400, str(exc)) from None
+            if picked is None:  # the client went away: nobody to answer
+                return Response(status_code=CLIENT_CLOSED)
             text = choices[picked.prediction]
             extension = {"option_probabilities": [float(p) for p in picked.probabilities],
                          "confidence": picked.confidence, "choice_mode": mode,
@@ -769,17 +833,19 @@ class _Server:
                                         "total_tokens": prompt_tokens})
         return body
 
-    async def echo(self, prompts: list[str], req) -> dict:
+    async def echo(self, prompts: list[str], req, request: Request):
         """``echo`` with ``max_tokens`` 0: every prompt token's calibrated log-probability
         (and ``logprobs`` alternatives), text offsets and no generated text."""
         top = req.logprobs or 0
         choices, prompt_tokens = [], 0
         for index, prompt in enumerate(prompts):
             try:
-                scored = await run_in_threadpool(self.lm.prompt_logprobs, prompt, top=top,
-                                                 raw_logprobs=req.wants_raw)
+                scored = await self.scoring(request, self.lm.prompt_logprobs, prompt, top=top,
+                                            raw_logprobs=req.wants_raw)
             except CalmError as exc:
                 raise APIError(400, str(exc), param="prompt") from None
+            if scored is None:  # the client went away: nobody to answer
+                return Response(status_code=CLIENT_CLOSED)
             prompt_tokens += len(scored)
             choice = {"index": index, "text": prompt, "finish_reason": "length",
                       "logprobs": echo_logprobs(scored, top) if req.logprobs is not None
@@ -924,6 +990,13 @@ class _Server:
                                   "in its log", type="server_error").body())
         finally:
             self.abandon(jobs, client_left=not ended)
+
+
+def _one_pass(fn):
+    """``fn`` for :meth:`_Server.scoring`: one forward pass, too short to stop inside."""
+    def call(*args, should_stop=None, **kwargs):
+        return fn(*args, **kwargs)
+    return call
 
 
 async def _client_gone(receive) -> None:

@@ -1,0 +1,133 @@
+"""Constrained choices and echo inside the server's limits: a request shaped like the probe
+that drove `calm serve` to 16 GB (64 choices of 1,000 characters after a 3,000-character
+prompt, a 4,096-token engine) keeps the server under 2 GB, and such requests obey
+--max-queue, --request-timeout and a client that goes away. A real `calm serve` process, so
+that its own peak memory is what is measured."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("onnxruntime")
+pytest.importorskip("fastapi")
+
+from conftest import tiny_llama_dir  # noqa: E402
+
+#: a vocabulary large enough that 64 x 1,000 positions of logits at once are gigabytes
+VOCAB = 8192
+
+
+@pytest.fixture(scope="module")
+def long_engine(tmp_path_factory):
+    """A tiny Llama with a 4,096-token context and an 8,192-token vocabulary, exported."""
+    import json as _json
+
+    from calm_export.config import ExportConfig
+    from calm_export.pipeline import export_engine
+
+    model_dir = tiny_llama_dir(tmp_path_factory, tied=True, seed=31, vocab_size=VOCAB,
+                               name="long-llama")
+    config = _json.loads((model_dir / "config.json").read_text())
+    config["max_position_embeddings"] = 4096
+    (model_dir / "config.json").write_text(_json.dumps(config))
+    engine = tmp_path_factory.mktemp("long-engine") / "engine"
+    export_engine(model_dir, engine, config=ExportConfig(greedy_steps=2, progress=False,
+                                                         exporter="torchscript"))
+    return engine
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, engine, *options: str) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "calm_runtime.cli", "-q", "serve", str(engine), "--port",
+             str(self.port), "--threads", "2", "--model-name", "long", *options],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2):
+                    return
+            except OSError:
+                assert self.proc.poll() is None, self.proc.stderr.read()
+                assert time.monotonic() < deadline, "calm serve did not start"
+                time.sleep(0.25)
+
+    def post(self, body: dict, timeout: float = 300) -> tuple[int, dict]:
+        req = urllib.request.Request(self.url + "/v1/completions", method="POST",
+                                     data=json.dumps({"model": "long", **body}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read() or b"{}")
+
+    def peak_rss_bytes(self) -> int:
+        for line in open(f"/proc/{self.proc.pid}/status", encoding="ascii"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+        raise AssertionError("no VmHWM")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=60)
+
+
+def _big_choice(rng) -> dict:
+    letters = np.array(list("abcdefghijklmnopqrstuvwxyz "))
+    prompt = "".join(rng.choice(letters, 3000))
+    choices = ["".join(rng.choice(letters, 998)) + f"{i:02d}" for i in range(64)]
+    return {"prompt": prompt, "max_tokens": 4, "guided_choice": choices}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for peak RSS")
+def test_a_huge_constrained_choice_stays_under_2_gb(long_engine):
+    server = Server(long_engine)
+    try:
+        status, body = server.post(_big_choice(np.random.default_rng(0)))
+        peak = server.peak_rss_bytes()
+    finally:
+        server.stop()
+    assert status == 200, body["error"]["message"] if "error" in body else body
+    assert len(body["choices"][0]["calm"]["option_probabilities"]) == 64
+    assert peak < 2 << 30, f"server peak RSS {peak / 2**30:.2f} GB"
+
+
+def test_scoring_requests_obey_the_queue_and_the_timeout(long_engine):
+    server = Server(long_engine, "--max-queue", "1", "--request-timeout", "1")
+    rng = np.random.default_rng(1)
+    bodies = [_big_choice(rng) for _ in range(6)]
+    try:
+        started = time.monotonic()
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            statuses = [s for s, _ in pool.map(server.post, bodies)]
+        elapsed = time.monotonic() - started
+        echo = {"prompt": "".join(rng.choice(list("abcdefgh "), 3900)), "max_tokens": 0,
+                "echo": True, "logprobs": 5}
+        echo_status, _ = server.post(echo)
+    finally:
+        server.stop()
+    assert 429 in statuses  # at most one waits behind the one running
+    assert set(statuses) <= {429, 504, 200}
+    assert 504 in statuses or 200 in statuses
+    assert elapsed < 30, f"six requests under a 1 s timeout took {elapsed:.1f} s"
+    assert echo_status in (200, 504)
