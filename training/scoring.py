@@ -223,21 +223,92 @@ def _batched_logits(model, sequences: Sequence[Sequence[int]], keep: int, pad_id
     return out.logits.float()
 
 
-def _batches(order: Sequence[int], batch_size: int, lengths: Sequence[int] | None = None):
+def _batches(order: Sequence[int], batch_size: int, lengths: Sequence[int] | None = None,
+             costs: Sequence[int] | None = None, cost_budget: int = 0):
     """Consecutive chunks of ``order`` with at most ``batch_size`` items and, given
-    ``lengths``, at most ``batch_size * BATCH_TOKENS_PER_ROW`` padded tokens."""
+    ``lengths``, at most ``batch_size * BATCH_TOKENS_PER_ROW`` padded tokens; given
+    ``costs`` (bytes an item allocates), at most ``cost_budget`` bytes per chunk."""
     budget = batch_size * BATCH_TOKENS_PER_ROW
     chunk: list[int] = []
-    longest = 0
+    longest = spent = 0
     for i in order:
         size = 0 if lengths is None else lengths[i]
-        if chunk and (len(chunk) == batch_size or max(longest, size) * (len(chunk) + 1) > budget):
+        cost = 0 if costs is None else costs[i]
+        if chunk and (len(chunk) == batch_size or max(longest, size) * (len(chunk) + 1) > budget
+                      or (costs is not None and spent + cost > cost_budget)):
             yield chunk
-            chunk, longest = [], 0
+            chunk, longest, spent = [], 0, 0
         chunk.append(i)
         longest = max(longest, size)
+        spent += cost
     if chunk:
         yield chunk
+
+
+#: Bytes per logit a scoring step holds at once: the float32 logits, their log-softmax and
+#: the temporaries between them.
+LOGIT_BYTES = 12
+#: What one scoring step may allocate for logits: batches are sized by it (options x
+#: positions x vocabulary), and a question whose options alone exceed it is scored option by
+#: option, in position segments that fit it.
+SCORING_BUDGET_BYTES = 256 << 20
+
+
+def _vocab_size(model) -> int:
+    if isinstance(model, EngineModel):
+        return int(model.lm.manifest.vocab_size)
+    head = model.get_output_embeddings()
+    return int(head.weight.shape[0]) if head is not None else int(model.config.vocab_size)
+
+
+def _cloze_in_segments(model, context: Sequence[int], cont: Sequence[int], calibration,
+                       vocab: int) -> float:
+    """One option's summed log-probability after its context, the option fed in segments of
+    positions whose logits fit :data:`SCORING_BUDGET_BYTES` (the KV cache carries over)."""
+    import torch
+
+    segment = max(1, SCORING_BUDGET_BYTES // (vocab * LOGIT_BYTES))
+    ids = torch.as_tensor([list(context)], dtype=torch.long)
+    with torch.inference_mode():
+        out = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True,
+                    logits_to_keep=1)
+    cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+    previous = out.logits[:, -1:].float()
+    total, seen = 0.0, len(context)
+    fed = list(cont[:-1])
+    targets = list(cont)
+    for start in range(0, len(targets), segment):
+        end = min(len(targets), start + segment)
+        # logits predicting targets[start:end]: the previous step's last, then this segment's
+        step = [previous]
+        feed = fed[start:end - 1]
+        if feed:
+            piece = torch.as_tensor([feed], dtype=torch.long)
+            with torch.inference_mode():
+                out = model(input_ids=piece,
+                            attention_mask=torch.ones((1, seen + len(feed)), dtype=torch.long),
+                            position_ids=torch.arange(seen, seen + len(feed))[None],
+                            use_cache=True, **{_cache_kwarg(model): cache})
+            cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+            step.append(out.logits.float())
+            seen += len(feed)
+        logits = torch.cat(step, dim=1)
+        if calibration is not None:
+            logits = calibration.calibrate(logits)
+        want = torch.as_tensor([targets[start:end]], dtype=torch.long)
+        total += float(logits.log_softmax(-1).gather(-1, want[..., None]).double().sum())
+        if end < len(targets):
+            # the next segment starts from the prediction after the last fed token: feed it
+            piece = torch.as_tensor([[targets[end - 1]]], dtype=torch.long)
+            with torch.inference_mode():
+                out = model(input_ids=piece,
+                            attention_mask=torch.ones((1, seen + 1), dtype=torch.long),
+                            position_ids=torch.tensor([[seen]]), use_cache=True,
+                            **{_cache_kwarg(model): cache})
+            cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+            previous = out.logits.float()
+            seen += 1
+    return total
 
 
 def score_multiple_choice(model, tokenizer, records: Sequence[MultipleChoiceRecord], *,
@@ -312,8 +383,19 @@ def _score_cloze(model, tokenizer, records, values, n_tokens, n_chars, batch_siz
     order = sorted(range(len(records)), key=lambda i: -len(contexts[i]))
     lengths = [len(contexts[i]) + max(len(c) for c in continuations[i])
                for i in range(len(records))]
+    # what a question's options allocate at once: [options, longest, V] logits (float32) and
+    # their log-softmax; a question over the budget is scored option by option in segments
+    vocab = _vocab_size(model)
+    costs = [len(c) * max(len(o) for o in c) * vocab * LOGIT_BYTES for c in continuations]
     bar = tqdm(total=len(records), desc="cloze scoring", unit="question", disable=not progress)
-    for chunk in _batches(order, batch_size, lengths):
+    if not isinstance(model, EngineModel):
+        large = [i for i in order if costs[i] > SCORING_BUDGET_BYTES]
+        for i in large:
+            for k, cont in enumerate(continuations[i]):
+                values[i, k] = _cloze_in_segments(model, contexts[i], cont, calibration, vocab)
+            bar.update(1)
+        order = [i for i in order if costs[i] <= SCORING_BUDGET_BYTES]
+    for chunk in _batches(order, batch_size, lengths, costs, SCORING_BUDGET_BYTES):
         if isinstance(model, EngineModel):  # calibration: the engine's own, in its graph
             sums = _scoring.cloze_logprobs(model.backend, [contexts[i] for i in chunk],
                                            [continuations[i] for i in chunk], pad, len(chunk))

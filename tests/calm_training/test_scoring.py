@@ -201,3 +201,64 @@ def test_batches_keep_padded_tokens_within_the_budget():
         assert len(chunk) == 1 or max(lengths[i] for i in chunk) * len(chunk) <= \
             4 * BATCH_TOKENS_PER_ROW
     assert chunks[:2] == [[0], [1]] and [5, 6, 7, 8] in chunks  # short ones: full batches
+
+
+@pytest.mark.parametrize("budget", [1, 3000])
+def test_scores_sized_by_what_they_allocate_equal_the_batched_ones(tiny, monkeypatch, budget):
+    """Under a tiny budget every question's options are scored one by one in segments of
+    positions (1 byte: one position at a time; 3,000: a few): the same scores, calibrated
+    or not."""
+    from calm_training import scoring
+
+    model, tok = tiny
+    rng = np.random.default_rng(0)
+    adapter = CalibrationAdapter.identity(ModelIdentity("t", model.config.vocab_size),
+                                          temperature=1.7)
+    adapter.tau = np.exp(rng.normal(0, 0.2, model.config.vocab_size)).astype(np.float32)
+    for calibration in (None, adapter):
+        want = score_multiple_choice(model, tok, RECORDS, mode="cloze", progress=False,
+                                     calibration=calibration)
+        monkeypatch.setattr(scoring, "SCORING_BUDGET_BYTES", budget)
+        got = score_multiple_choice(model, tok, RECORDS, mode="cloze", progress=False,
+                                    calibration=calibration)
+        monkeypatch.undo()
+        np.testing.assert_allclose(got.values, want.values, atol=1e-4)
+
+
+CHILD_LONG_OPTIONS = r"""
+import json, resource, sys
+from calm_training.fit import FitConfig, compare_methods
+config = FitConfig(model=sys.argv[1], data=sys.argv[2], mode="cloze", bootstrap=0)
+compare_methods(config, ("vanilla", "ts"), progress=False)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+
+
+def test_long_options_are_scored_within_a_memory_budget(tmp_path_factory, tmp_path):
+    """4 options of ~1,900 tokens with a 32,768-token vocabulary: scored at once, their logits
+    alone are ~3 GB; sized by what they allocate, the whole fit stays far below."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import tiny_llama_dir
+
+    model_dir = tiny_llama_dir(tmp_path_factory, tied=True, seed=41, vocab_size=32768,
+                               name="wide-llama")
+    config = json.loads((model_dir / "config.json").read_text())
+    config["max_position_embeddings"] = 4096
+    (model_dir / "config.json").write_text(json.dumps(config))
+    rng = np.random.default_rng(0)
+    letters = np.array(list("abcdefghij"))
+    rows = [{"question": f"q{i}?", "choices": ["".join(rng.choice(letters, 1900))
+                                                for _ in range(4)], "answer": i % 4}
+            for i in range(4)]
+    data = tmp_path / "long.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    env = {**os.environ, "CALM_CACHE": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-c", CHILD_LONG_OPTIONS, str(model_dir), str(data)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    peak = int(done.stdout.strip().splitlines()[-1])
+    assert peak < 1.5 * 2**30, f"peak RSS {peak / 2**30:.2f} GB"
