@@ -15,6 +15,8 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import logging
+import re
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -89,6 +91,83 @@ class EngineTokenizer:
             return [self.bos_token_id, *ids]
         return list(ids)
 
+    def encode_chat(self, messages: str | Sequence[Mapping[str, Any]], *,
+                    allow_special_tokens: bool = False) -> list[int]:
+        """Token ids of the rendered conversation. A message whose content holds the text
+        of a special token (``</s>``, ``<|im_start|>`` ...) has that text encoded as plain
+        text, so no message can forge a turn or a role; ``allow_special_tokens=True``
+        encodes the rendered text as a whole, as transformers does. Other messages encode
+        exactly as the whole rendered text would."""
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        plain = [dict(m) for m in messages]
+        specials = self._special_texts()
+        risky = [] if allow_special_tokens else [
+            i for i, m in enumerate(plain)
+            if isinstance(m.get("content"), str) and any(t in m["content"] for t in specials)]
+        if not risky:
+            return self.encode(self.render_chat(plain), add_bos=False)
+        contents = {}
+        for i in risky:
+            marker = f"\ue000calm-content-{i}\ue001"
+            contents[marker] = plain[i]["content"]
+            plain[i]["content"] = marker
+        rendered = self.render_chat(plain)
+        pattern = "(" + "|".join(re.escape(m) for m in contents) + ")"
+        ids: list[int] = []
+        for piece in re.split(pattern, rendered):
+            if piece in contents:
+                ids += self._plain_text_ids(contents[piece])
+            elif piece:
+                ids += self.encode(piece, add_bos=False)
+        return ids
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The exact bytes token ``token_id`` stands for (OpenAI's ``bytes``), from its piece
+        in the vocabulary: byte-level BPE pieces through the byte alphabet, ``<0xNN>``
+        byte-fallback pieces as that byte, ``▁`` as a space; a partial UTF-8 character
+        keeps its real bytes (decoded text would lose them)."""
+        piece = self._tokenizer.id_to_token(int(token_id))
+        if piece is None:
+            return b""
+        if self._is_byte_level():
+            table = _byte_decoder()
+            if all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+            return piece.encode("utf-8")  # an added token stored as text
+        match = _BYTE_FALLBACK.fullmatch(piece)
+        if match:
+            return bytes([int(match.group(1), 16)])
+        return piece.replace("\u2581", " ").encode("utf-8")
+
+    def _is_byte_level(self) -> bool:
+        cached = getattr(self, "_byte_level", None)
+        if cached is None:
+            spec = json.loads(self._tokenizer.to_str()).get("decoder") or {}
+            cached = "ByteLevel" in json.dumps(spec)
+            self._byte_level = cached
+        return cached
+
+    def _special_texts(self) -> tuple[str, ...]:
+        cached = getattr(self, "_specials_cache", None)
+        if cached is None:
+            cached = tuple(t.content for t in self._tokenizer.get_added_tokens_decoder().values()
+                           if t.special and t.content)
+            self._specials_cache = cached
+        return cached
+
+    def _plain_text_ids(self, text: str) -> list[int]:
+        """``text`` with special-token text encoded as ordinary text (a second tokenizer, so
+        the shared one is never reconfigured)."""
+        split = getattr(self, "_split_tokenizer", None)
+        if split is None:
+            from tokenizers import Tokenizer
+
+            split = Tokenizer.from_str(self._tokenizer.to_str())
+            split.encode_special_tokens = True
+            self._split_tokenizer = split
+        return list(split.encode(text, add_special_tokens=False).ids)
+
     def encode_batch(self, texts: Sequence[str], *, add_bos: bool | None = None) -> list[list[int]]:
         return [self.encode(t, add_bos=add_bos) for t in texts]
 
@@ -142,10 +221,19 @@ class EngineTokenizer:
                                   "messages as {'role': 'user', 'content': '...'}")
         import jinja2
 
+        _RENDER_BUDGET.left = TEMPLATE_MAX_ITERATIONS
         try:
-            return self._compiled.render(messages=plain,
-                                         add_generation_prompt=add_generation_prompt,
-                                         tools=None, documents=None, **self._special)
+            pieces, size = [], 0
+            for piece in self._compiled.generate(messages=plain,
+                                                 add_generation_prompt=add_generation_prompt,
+                                                 tools=None, documents=None, **self._special):
+                size += len(piece)
+                if size > TEMPLATE_MAX_CHARS:
+                    raise ConfigError(f"the engine's chat template rendered more than "
+                                      f"{TEMPLATE_MAX_CHARS:,} characters for these messages; "
+                                      "fix chat_template.jinja or pass chat=False")
+                pieces.append(piece)
+            return "".join(pieces)
         except jinja2.TemplateError as exc:
             reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
             raise ConfigError(f"the chat template refused the messages ({reason}); check the "
@@ -252,6 +340,33 @@ def _read_json(manifest, name: str) -> dict:
     return data if isinstance(data, dict) else {}
 
 
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: the character that stands for each byte."""
+    cached = getattr(_byte_decoder, "table", None)
+    if cached is None:
+        printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                     + list(range(ord("®"), ord("ÿ") + 1)))
+        chars, n = list(printable), 0
+        for b in range(256):
+            if b not in printable:
+                printable.append(b)
+                chars.append(256 + n)
+                n += 1
+        cached = {chr(c): b for b, c in zip(printable, chars, strict=True)}
+        _byte_decoder.table = cached
+    return cached
+
+
+#: what rendering a chat template may do: iterations of ``range`` (nested loops count
+#: together) and characters of output; real templates need a few hundred and a few thousand
+TEMPLATE_MAX_ITERATIONS = 100_000
+TEMPLATE_MAX_CHARS = 4_000_000
+_RENDER_BUDGET = threading.local()
+
+
 def _compile_template(source: str):
     """A sandboxed jinja2 template with the helpers transformers gives chat templates."""
     import jinja2
@@ -268,8 +383,18 @@ def _compile_template(source: str):
     def strftime_now(fmt):
         return _dt.datetime.now().strftime(fmt)
 
+    def bounded_range(*args):
+        """``range`` counting against the render's iteration budget (nested loops included)."""
+        for value in range(*args):
+            _RENDER_BUDGET.left = getattr(_RENDER_BUDGET, "left", TEMPLATE_MAX_ITERATIONS) - 1
+            if _RENDER_BUDGET.left < 0:
+                raise jinja2.exceptions.TemplateError(
+                    f"the template looped more than {TEMPLATE_MAX_ITERATIONS:,} times")
+            yield value
+
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[loopcontrols])
+    env.globals["range"] = bounded_range
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now

@@ -554,6 +554,10 @@ def _add_serve(sub) -> None:
                    help="longest prompt (default: the model's context - 1)")
     p.add_argument("--max-body-bytes", type=int, default=_serve_default("max_body_bytes"),
                    help="largest request body, then HTTP 413")
+    p.add_argument("--allow-special-tokens", action="store_true",
+                   help="encode special-token text inside chat messages as special tokens "
+                        "(as transformers does); by default it is plain text, so a message "
+                        "cannot forge a turn")
     p.add_argument("--ray", action="store_true", help="serve on a local Ray Serve instance")
     p.add_argument("--replicas", type=int, default=2, help="Ray Serve replicas (with --ray)")
     p.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs per Ray replica")

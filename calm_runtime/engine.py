@@ -69,6 +69,9 @@ _CALIBRATION_KEYS = {"fused", "temperature", "answer_temperature", "tau_min", "t
 #: written since calm 0.1 engines record which outputs are calibrated (older ones derive it)
 _CALIBRATION_OPTIONAL = {"outputs"}
 _OUTPUT_KEYS = {"token_logprobs", "option_probabilities", "p_true"}
+#: the largest layer count, vocabulary, context or width a manifest may state (2**24): the
+#: runtime sizes its limits by them, so an absurd value must not switch those off
+MODEL_NUMBER_LIMIT = 1 << 24
 _MODEL_KEYS = {"file", "files", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim",
                "hidden_size", "vocab_size", "max_position_embeddings", "dtype", "opset",
                "bos_token_id", "eos_token_ids", "pad_token_id", "add_bos"}
@@ -335,6 +338,9 @@ def _check_model(section: dict, kind: str, where: str) -> None:
     for key in ("num_layers", "num_kv_heads", "head_dim", "hidden_size", "vocab_size",
                 "max_position_embeddings", "opset"):
         _positive_int(section[key], key, where)
+        if section[key] > MODEL_NUMBER_LIMIT:
+            raise ArtifactError(f"{where}: {key} {section[key]} is beyond any real model "
+                                f"(at most {MODEL_NUMBER_LIMIT:,}); re-export the engine")
     if "num_attention_heads" in section:
         _positive_int(section["num_attention_heads"], "num_attention_heads", where)
     if not isinstance(section["dtype"], str) or section["dtype"] not in _DTYPES:
@@ -391,8 +397,14 @@ def _check_option_tokens(section: dict, vocab: int, where: str) -> None:
         mapping = section[style]
         if not isinstance(mapping, Mapping):
             raise ArtifactError(f"{where}: {style} must map option text to a token id")
+        seen: dict[int, str] = {}
         for text, token in mapping.items():
             _token_id(token, f"{style}[{show(text, 40)}]", vocab, where)
+            if token in seen:
+                raise ArtifactError(f"{where}: {style} maps {show(seen[token], 20)} and "
+                                    f"{show(text, 20)} to the same token id {token}; options "
+                                    "must be distinct tokens; re-export the engine")
+            seen[token] = text
 
 
 def _check_validation(section: dict, where: str) -> None:
@@ -411,7 +423,19 @@ def _check_validation(section: dict, where: str) -> None:
 
 
 def _check_export(section: dict, where: str) -> None:
-    """The open export section; only ``genai_config`` is read (it names a hashed file)."""
+    """The open export section; what the runtime reads from it is checked as strictly as
+    the adapter: ``genai_config`` (a hashed file), ``choice_mode``, ``cloze_variant`` and
+    ``abstention`` (a threshold in [0, 1], never silently dropped)."""
+    from .artifact import check_abstention
+    from .prompts import CLOZE_VARIANTS
+
+    for key, allowed in (("choice_mode", ("cloze", "letter")),
+                         ("cloze_variant", CLOZE_VARIANTS)):
+        value = section.get(key)
+        if value is not None and value not in allowed:
+            raise ArtifactError(f"{where}: {key} {show(value)} is not one of {list(allowed)}; "
+                                "re-export the engine")
+    check_abstention(section.get("abstention"), where)
     genai = section.get("genai_config")
     if genai is None:
         return

@@ -38,7 +38,7 @@ from ._tokenizer import EngineTokenizer
 from .backends import Backend, create_backend
 from .calibration import apply_calibration
 from .engine import EngineManifest
-from .errors import ConfigError
+from .errors import ArtifactError, ConfigError
 from .prompts import (
     CLOZE_VARIANTS,
     DEFAULT_CLOZE_VARIANT,
@@ -142,6 +142,11 @@ class CalibratedLM:
         """
         manifest = EngineManifest.load(engine_dir, verify_hashes=verify_hashes)
         tokenizer = EngineTokenizer(manifest)
+        size = tokenizer._tokenizer.get_vocab_size(with_added_tokens=True)
+        if size > manifest.vocab_size:
+            raise ArtifactError(f"{manifest.root}: the tokenizer has {size} tokens but the "
+                                f"manifest's model.vocab_size is {manifest.vocab_size}; "
+                                "re-export the engine")
         options = dict(backend_options)
         if backend == "onnxruntime":
             options.update(providers=providers, threads=threads)
@@ -217,7 +222,7 @@ class CalibratedLM:
         _check_text(prompt, label)
         self._check_chars(prompt, label, "shorten the prompt")
         if self.tokenizer.use_chat(chat):
-            ids = self.tokenizer.encode(self.tokenizer.render_chat(prompt), add_bos=False)
+            ids = self.tokenizer.encode_chat(prompt)
         else:
             ids = self.tokenizer.encode(prompt)
         if not ids:
@@ -584,7 +589,7 @@ class CalibratedLM:
     def _prompt_ids(self, text: str, use_chat: bool, label: str, fix: str) -> list[int]:
         self._check_chars(text, label, fix)
         if use_chat:
-            ids = self.tokenizer.encode(self.tokenizer.render_chat(text), add_bos=False)
+            ids = self.tokenizer.encode_chat(text)
         else:
             ids = self.tokenizer.encode(text)
         self._check_length(len(ids), label, fix)

@@ -41,6 +41,9 @@ class ServeConfig:
         api_key_env: name of the environment variable that holds the bearer API key
             (``None``: no key). The key itself never enters this record.
         verify_hashes: hash the engine files at load.
+        allow_special_tokens: encode special-token text inside chat messages as the special
+            tokens themselves (as transformers does); by default it is plain text, so a
+            message cannot forge a turn.
     """
 
     engine: str
@@ -57,6 +60,7 @@ class ServeConfig:
     max_body_bytes: int = 1_000_000
     api_key_env: str | None = None
     verify_hashes: bool = True
+    allow_special_tokens: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_queue", "max_tokens_limit", "default_max_tokens",

@@ -165,6 +165,20 @@ class OnnxRuntimeBackend(Backend):
         if sorted(got_in) != sorted(inputs) or sorted(got_out) != sorted(outputs):
             raise ArtifactError(f"{path} has inputs {got_in[:4]}... / outputs {got_out[:3]}... "
                                 "that differ from the manifest's; re-export the engine")
+        # the numbers the manifest states must be the graph's where the graph fixes them
+        shapes = {o.name: o.shape for o in session.get_outputs()}
+        shapes.update({i.name: i.shape for i in session.get_inputs()})
+        model = manifest.model
+        checks = [("logits", -1, "vocab_size", model["vocab_size"])]
+        if manifest.num_layers:
+            checks += [("present.0.key", 1, "num_kv_heads", model["num_kv_heads"]),
+                       ("present.0.key", -1, "head_dim", model["head_dim"])]
+        for name, axis, key, stated in checks:
+            dims = shapes.get(name) or []
+            actual = dims[axis] if len(dims) >= 2 else None
+            if isinstance(actual, int) and actual != stated:
+                raise ArtifactError(f"{path}: the manifest's model.{key} is {stated} but the "
+                                    f"graph's {name} has {actual}; re-export the engine")
 
     # ------------------------------------------------------------------ running
     def _empty(self, batch: int) -> list[np.ndarray]:

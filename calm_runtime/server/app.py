@@ -647,10 +647,11 @@ class _Server:
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """Token ids of the rendered conversation (blocking: call it on a worker thread)."""
         try:
-            text = self.lm.tokenizer.render_chat(messages)
+            ids = self.lm.tokenizer.encode_chat(
+                messages, allow_special_tokens=self.config.allow_special_tokens)
         except CalmError as exc:
             raise APIError(400, str(exc), param="messages") from None
-        return self._check_prompt(self.lm.tokenizer.encode(text, add_bos=False))
+        return self._check_prompt(ids)
 
     def _check_prompt(self, ids: list[int]) -> list[int]:
         if len(ids) > self.max_prompt:
@@ -883,7 +884,8 @@ class _Server:
                                       else completion_logprobs(g.tokens, req.logprobs))
             else:
                 choice["message"] = {"role": "assistant", "content": g.text, "refusal": None}
-                choice["logprobs"] = (chat_logprobs(g.tokens, req.top_logprobs or 0)
+                choice["logprobs"] = (chat_logprobs(g.tokens, req.top_logprobs or 0,
+                                                    token_bytes=self.lm.tokenizer.token_bytes)
                                       if req.logprobs else None)
             choice["calm"] = {**choice_extension(g, result.p_true, req.wants_p_true),
                               "calibrated": self.calibrated}
@@ -891,7 +893,8 @@ class _Server:
                 choice["calm"]["raw_logprobs"] = (
                     completion_logprobs(g.tokens, req.logprobs, raw=True)
                     if kind == "completion"
-                    else chat_logprobs(g.tokens, req.top_logprobs or 0, raw=True))
+                    else chat_logprobs(g.tokens, req.top_logprobs or 0, raw=True,
+                                       token_bytes=self.lm.tokenizer.token_bytes))
             choices.append(choice)
         prompt = sum(len(j.ids) for j in jobs)
         completion = sum(len(r.generation.tokens) for r in results)
@@ -947,14 +950,16 @@ class _Server:
                         logprobs = (None if req.logprobs is None
                                     else completion_logprobs([token], req.logprobs, offset))
                     else:
-                        logprobs = (chat_logprobs([token], req.top_logprobs or 0)
+                        logprobs = (chat_logprobs([token], req.top_logprobs or 0,
+                                                  token_bytes=self.lm.tokenizer.token_bytes)
                                     if req.logprobs else None)
                     extension = {"token_confidence": token.confidence}
                     if req.wants_raw:
                         extension["raw_logprobs"] = (
                             completion_logprobs([token], req.logprobs, offset, raw=True)
                             if kind == "completion"
-                            else chat_logprobs([token], req.top_logprobs or 0, raw=True))
+                            else chat_logprobs([token], req.top_logprobs or 0, raw=True,
+                                               token_bytes=self.lm.tokenizer.token_bytes))
                     offset += len(token.text)
                     yield _event(chunk(index, text, logprobs, None, extension))
                 result = await job.future

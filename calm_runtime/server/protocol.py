@@ -264,15 +264,19 @@ def echo_logprobs(tokens, top: int, *, raw: bool = False) -> dict:
 
 
 def chat_logprobs(tokens: list[Token] | tuple[Token, ...], top: int, *,
-                  raw: bool = False) -> dict:
-    """The chat ``logprobs`` object: one entry per token with its ``top_logprobs``."""
-    def entry(text: str, logprob: float) -> dict:
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+                  raw: bool = False, token_bytes=None) -> dict:
+    """The chat ``logprobs`` object: one entry per token with its ``top_logprobs``;
+    ``bytes`` are each token's own bytes (``token_bytes(id)``, the tokenizer's piece), so a
+    token that ends inside a UTF-8 character keeps them."""
+    def entry(text: str, token_id: int, logprob: float) -> dict:
+        raw_bytes = token_bytes(token_id) if token_bytes is not None else text.encode("utf-8")
+        return {"token": text, "logprob": logprob, "bytes": list(raw_bytes)}
 
     content = []
     for t in tokens:
-        item = entry(t.text, _token_lp(t, raw))
-        item["top_logprobs"] = [entry(a.text, _alt_lp(a, raw)) for a in (t.top or ())][:top]
+        item = entry(t.text, t.id, _token_lp(t, raw))
+        item["top_logprobs"] = [entry(a.text, a.id, _alt_lp(a, raw))
+                                for a in (t.top or ())][:top]
         content.append(item)
     return {"content": content, "refusal": None}
 
