@@ -284,9 +284,11 @@ def atomic_directory(target: str | os.PathLike, *, overwrite: bool = False) -> I
     the new directory is complete (the old one is moved aside first and deleted last).
     """
     target = Path(target)
-    if target.exists() and not overwrite:
+    if (target.exists() or target.is_symlink()) and not overwrite:
         raise ArtifactError(f"{target} already exists; choose another path or pass "
                             "overwrite=True (--overwrite) to replace it")
+    if overwrite and target.is_dir() and not target.is_symlink():
+        check_replaceable(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     # named before it is made, and made inside the ``try``: a signal raised as an exception
     # (SIGINT, or SIGTERM under calm's CLIs) right after the folder appears still removes it.
@@ -349,3 +351,72 @@ def install_lock(lock_file: str | os.PathLike, what: str) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def check_creatable(out: Path, what: str = "--out") -> None:
+    """Refuse at once (not after the work) an output folder that cannot be created: a name
+    the file system cannot take, or a nearest existing ancestor that is not a writable
+    folder (tried: an empty folder made and removed, since root passes ``os.access``)."""
+    import tempfile
+
+    out = Path(out)
+    try:
+        str(out).encode("utf-8")  # a non-UTF-8 name (surrogate escapes) breaks the writers
+    except UnicodeError:
+        raise ArtifactError(f"{what} {show_name(str(out))} is not a valid file name here; "
+                            "choose another") from None
+    ancestor = out.absolute().parent
+    while not ancestor.exists() and not ancestor.is_symlink():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ArtifactError(f"cannot create {show_name(str(out))}: {ancestor} is not a folder; "
+                            f"choose another {what}")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ArtifactError(f"cannot create {show_name(str(out))}: {ancestor} is not writable; "
+                            f"choose another {what} or fix its permissions")
+    try:
+        probe = tempfile.mkdtemp(prefix=".calm-write-check-", dir=ancestor)
+    except OSError as exc:
+        raise ArtifactError(f"cannot create {show_name(str(out))}: {ancestor} refuses new "
+                            f"files ({exc.strerror or exc}); choose another {what}") from None
+    os.rmdir(probe)
+
+
+#: the manifests of calm's artifacts; a folder --overwrite may replace holds one of them
+_MANIFESTS = ("calm_engine.json", "calm_checkpoint.json", "calm_adapter.json")
+
+
+def check_replaceable(target: Path) -> None:
+    """Refuse to replace (``--overwrite``) a folder that is not entirely a calm artifact: one
+    without a calm manifest, or one holding entries its manifest does not account for, so
+    that --overwrite never wipes files calm did not write."""
+    import json
+
+    entries = {p.name for p in target.iterdir()}
+    if not entries:
+        return
+    manifest = next((m for m in _MANIFESTS if m in entries), None)
+    if manifest is None:
+        raise ArtifactError(f"{target} is not a calm artifact (no {' / '.join(_MANIFESTS)}); "
+                            "--overwrite replaces only what calm wrote: choose another path or "
+                            "empty it yourself")
+    try:
+        data = json.loads((target / manifest).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        data = {}
+    known = {manifest}
+    if manifest == "calm_adapter.json":
+        known |= {"calibration.safetensors", "lora"}
+    elif manifest == "calm_checkpoint.json":
+        known |= set((data.get("files") or {}) if isinstance(data, dict) else {})
+    else:
+        for section in ("model", "tokenizer"):
+            files = (data.get(section) or {}).get("files") if isinstance(data, dict) else None
+            known |= set(files or {})
+        known |= {"genai_config.json"}
+        known |= {name for name in entries if name.startswith("model.onnx")}
+    stray = sorted(entries - known)
+    if stray:
+        raise ArtifactError(f"{target} holds {len(stray)} entr{'y' if len(stray) == 1 else 'ies'} "
+                            f"calm did not write ({show(stray[:3])}); --overwrite replaces only "
+                            "calm's own artifact: move them away or choose another path")

@@ -391,6 +391,10 @@ def _score(args) -> int:
             raise ConfigError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for "
                               f"engines; {args.engine} is a served model, scored through its "
                               "API (drop them)")
+    from .score import check_report_path
+
+    if args.out is not None:
+        check_report_path(args.out)  # before any scoring
     spec = args.data
     if spec.rpartition(":")[2] not in DATA_PARTS:
         spec = f"{spec}:{args.part}"
@@ -709,8 +713,14 @@ def configure_logging(verbose: bool, quiet: bool) -> None:
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "urllib3", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    if quiet:  # also the progress bars of transformers / huggingface_hub (read at import)
+    if quiet or not sys.stderr.isatty():
+        # no progress bars of transformers / huggingface_hub: not asked for, or they would
+        # write carriage-return lines into a redirected log (read at import, or set now)
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        if "transformers" in sys.modules:
+            sys.modules["transformers"].utils.logging.disable_progress_bar()
+        if "huggingface_hub" in sys.modules:
+            sys.modules["huggingface_hub"].utils.disable_progress_bars()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -31,7 +31,12 @@ from pathlib import Path
 from ._fs import atomic_directory, install_lock, sha256_file
 from ._paths import cache_dir
 from .artifact import ModelIdentity, tokenizer_sha256
-from .errors import IncompatibleModelError, ModelSourceError
+from .errors import (
+    ArtifactError,
+    BackendUnavailableError,
+    IncompatibleModelError,
+    ModelSourceError,
+)
 
 __all__ = [
     "PackagedModel",
@@ -342,16 +347,34 @@ def load_model_and_tokenizer(spec: str | os.PathLike, *, dtype: str = "float32",
         raise ModelSourceError(f"cannot load the model in {folder} ({reason}); pass a complete "
                                "Hugging Face causal-LM folder") from None
     if lora_path is not None:
-        try:
-            from peft import PeftModel
-        except ImportError:
-            raise ModelSourceError("peft is not installed; a LoRA adapter needs the train "
-                                   "extra: pip install 'calm-llm[train]'") from None
-        with quiet_peft():
-            model = PeftModel.from_pretrained(model, str(lora_path)).merge_and_unload()
+        model = load_lora(model, lora_path).merge_and_unload()
     model.eval()
     name = str(spec) if str(spec) in PACKAGED_MODELS else None
     return model, tokenizer, model_identity(folder, name=name)
+
+
+def load_lora(model, lora_path: str | os.PathLike, *, extra: str = "train"):
+    """``model`` wrapped with the peft LoRA in ``lora_path`` (eval mode, not merged). A LoRA
+    folder that peft cannot read (broken JSON, unreadable weights, target modules the model
+    lacks) is one :class:`~calm_runtime.errors.ArtifactError` line, never a traceback."""
+    try:
+        from peft import PeftModel
+    except ImportError:
+        raise BackendUnavailableError(f"peft is not installed; the adapter has a LoRA, install "
+                                      f"the {extra} extra: pip install 'calm-llm[{extra}]'") \
+            from None
+    try:
+        with quiet_peft():
+            wrapped = PeftModel.from_pretrained(model, str(lora_path), is_trainable=False)
+    except (KeyboardInterrupt, SystemExit, MemoryError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - peft, safetensors and json raise many kinds
+        reason = (str(exc).splitlines() or [""])[0][:200] or type(exc).__name__
+        raise ArtifactError(f"cannot apply the LoRA in {lora_path} to this model "
+                            f"({type(exc).__name__}: {reason}); re-create the adapter, or use "
+                            "one trained on this base model") from None
+    wrapped.eval()
+    return wrapped
 
 
 def model_fingerprint(folder: str | os.PathLike) -> str:

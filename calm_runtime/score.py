@@ -26,8 +26,9 @@ from pathlib import Path
 import numpy as np
 
 from . import metrics
+from ._fs import show_name
 from .data import MultipleChoiceRecord, Record
-from .errors import DataError
+from .errors import ConfigError, DataError
 from .prompts import cloze_context
 
 __all__ = ["score_records", "choices_report", "require_labels", "format_report", "write_report",
@@ -133,14 +134,33 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
-def write_report(report: dict, path: str | os.PathLike) -> Path:
-    """Write the report as JSON (atomically: a temporary sibling, then a rename)."""
+def check_report_path(path: str | os.PathLike) -> Path:
+    """``path`` as a report file, or a one-line :class:`ConfigError` (a directory, the root,
+    a name the file system cannot take); checked before any work is done."""
     path = Path(path)
+    if not path.name or path.is_dir():
+        raise ConfigError(f"--out {show_name(str(path))} is a directory; pass a file name such "
+                          "as report.json")
+    try:
+        str(path).encode("utf-8")  # a non-UTF-8 name (surrogate escapes) breaks the writers
+    except UnicodeError:
+        raise ConfigError(f"--out {show_name(str(path))} is not a valid file name here; pass "
+                          "another") from None
+    return path
+
+
+def write_report(report: dict, path: str | os.PathLike) -> Path:
+    """Write the report as JSON (atomically: a temporary sibling, then a rename; the
+    temporary file never outlives a failure)."""
+    path = check_report_path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(report, indent=2, sort_keys=True, allow_nan=False) + "\n",
-                   encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(report, indent=2, sort_keys=True, allow_nan=False) + "\n",
+                       encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path
 
 

@@ -40,7 +40,7 @@ from torch import nn
 
 from calm_runtime.artifact import CalibrationAdapter
 from calm_runtime.errors import ArtifactError
-from calm_runtime.models import quiet_peft
+from calm_runtime.models import load_lora
 
 __all__ = [
     "LogitsAffine",
@@ -128,22 +128,7 @@ def untie_lm_head(model) -> bool:
 
 def apply_lora(model, lora_path: str | Path):
     """Wrap ``model`` with the peft LoRA in ``lora_path`` (not merged: the reference)."""
-    try:
-        from peft import PeftModel
-    except ImportError:
-        from calm_runtime.errors import BackendUnavailableError
-
-        raise BackendUnavailableError("peft is not installed; the adapter has a LoRA, install "
-                                      "the export extra: pip install 'calm-llm[export]'") from None
-    try:
-        with quiet_peft():
-            wrapped = PeftModel.from_pretrained(model, str(lora_path), is_trainable=False)
-    except (OSError, ValueError, KeyError, RuntimeError) as exc:
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ArtifactError(f"cannot apply the LoRA in {lora_path} to this model ({reason}); "
-                            "use an adapter trained on this base model") from None
-    wrapped.eval()
-    return wrapped
+    return load_lora(model, lora_path, extra="export")
 
 
 def merge_lora(peft_model):

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from calm_runtime._fs import atomic_directory
+from calm_runtime._fs import atomic_directory, check_creatable
 from calm_runtime.artifact import CalibrationAdapter, describe_calibrated_outputs
 from calm_runtime.engine import EngineManifest
 from calm_runtime.errors import ArtifactError, ConfigError, ExportValidationError
@@ -157,7 +157,7 @@ def _export(model_spec, out: Path, adapter_arg, config: ExportConfig,
         what = "calibrated checkpoint" if config.format == "hf" else "engine"
         raise ArtifactError(f"{out} exists and is not a calm {what}; refusing to replace it "
                             "even with --overwrite, choose another --out")
-    _check_writable_parent(out)
+    check_creatable(out)
     trt_facts = None
     if config.format == "tensorrt":
         from .tensorrt import require_tensorrt
@@ -499,28 +499,6 @@ def _build_tensorrt(staging: Path, shape, config: ExportConfig, cases, reference
     return settings, {"max_abs_diff": single.merge(double).max_abs_diff, "tolerance": tolerance,
                       "batch2_max_abs_diff": double.max_abs_diff, "greedy_match": True,
                       "greedy_ties": single.greedy_ties + double.greedy_ties}
-
-
-def _check_writable_parent(out: Path) -> None:
-    """Refuse at once (not after the export's work) an --out that cannot be created: the
-    engine is staged next to it, so its nearest existing ancestor must be a writable folder."""
-    ancestor = out.absolute().parent
-    while not ancestor.exists() and not ancestor.is_symlink():
-        ancestor = ancestor.parent
-    if not ancestor.is_dir():
-        raise ArtifactError(f"cannot create {out}: {ancestor} is not a folder; choose another "
-                            "--out")
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise ArtifactError(f"cannot create {out}: {ancestor} is not writable; choose another "
-                            "--out or fix its permissions")
-    # os.access says yes to root everywhere; a read-only or virtual file system only tells
-    # when something is created there: try it (an empty folder, removed at once)
-    try:
-        probe = tempfile.mkdtemp(prefix=".calm-write-check-", dir=ancestor)
-    except OSError as exc:
-        raise ArtifactError(f"cannot create {out}: {ancestor} refuses new files "
-                            f"({exc.strerror or exc}); choose another --out") from None
-    os.rmdir(probe)
 
 
 def _cloze_variant(adapter: CalibrationAdapter) -> str | None:

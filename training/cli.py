@@ -146,7 +146,10 @@ def _config(args):
 
 
 def _progress(args) -> bool:
-    return not args.quiet
+    """Progress bars on a terminal unless -q (a redirected log gets the log lines only)."""
+    import sys
+
+    return not args.quiet and sys.stderr.isatty()
 
 
 def _fit(args) -> int:

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from calm_runtime import metrics
+from calm_runtime._fs import check_creatable
 from calm_runtime.artifact import CalibrationAdapter, ModelIdentity
 from calm_runtime.calibration import apply_calibration
 from calm_runtime.data import MultipleChoiceRecord, dataset_hash, load_dataset, split_indices
@@ -379,8 +380,9 @@ def fit_adapter(config: FitConfig, method: str, out: str | Path, *, overwrite: b
     if method == "vanilla":
         raise ConfigError("vanilla is the uncalibrated baseline; choose a method to fit: "
                           f"{', '.join(m for m in METHODS if m != 'vanilla')}")
-    if Path(out).exists() and not overwrite:
+    if (Path(out).exists() or Path(out).is_symlink()) and not overwrite:
         raise ConfigError(f"{out} already exists; choose another --out or pass --overwrite")
+    check_creatable(Path(out))  # before any scoring
     if is_engine(config.model):
         require_uncalibrated(config.model, "an adapter fitted on its scores")
     if method == "threshold":

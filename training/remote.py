@@ -234,7 +234,7 @@ def _exchange(method: str, url: str, data: bytes | None, headers: dict, timeout:
         if expired.is_set():  # the watchdog's shutdown reads as an early end of the answer
             raise TimeoutError(f"no complete answer within {timeout:g} s")
         return response.status, b"".join(chunks)
-    except (OSError, http.client.HTTPException) as exc:
+    except (OSError, http.client.HTTPException):
         if expired.is_set():
             raise TimeoutError(f"no complete answer within {timeout:g} s") from None
         raise
