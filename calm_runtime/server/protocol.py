@@ -19,9 +19,10 @@ top-level ``calm`` object naming the engine and its calibration (also summarised
 from __future__ import annotations
 
 import math
+import typing
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..results import Generation, Token
 
@@ -49,10 +50,30 @@ class APIError(Exception):
                           "code": self.code}}
 
 
+def _takes_int(annotation) -> bool:
+    args = typing.get_args(annotation)
+    return annotation is int or (int in args and float not in args)
+
+
 class _Strict(BaseModel):
     # strict: JSON types are taken as they are (an int where a float is asked for is the
     # one conversion strict mode makes, as JSON has one number type)
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _integral_floats(cls, data):
+        """JSON Schema's ``integer`` takes ``4.0``: an integral float given for an integer
+        field is that integer (anything else stays as given, for strict validation)."""
+        if not isinstance(data, dict):
+            return data
+        out = None
+        for name, info in cls.model_fields.items():
+            value = data.get(name)
+            if isinstance(value, float) and value.is_integer() and _takes_int(info.annotation):
+                out = out if out is not None else dict(data)
+                out[name] = int(value)
+        return data if out is None else out
 
 
 class StreamOptions(_Strict):

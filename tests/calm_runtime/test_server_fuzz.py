@@ -153,8 +153,17 @@ def _fuzz(url: str, raw: dict, path: str, method: str, mode, headers: dict,
         statuses[str(response.status_code)] += 1
         statuses["stream cut short"] += response.stream_cut_short
         _check(case, response, authorised=authorised, leaks=leaks)
+        if authorised and mode == schemathesis.GenerationMode.POSITIVE \
+                and response.status_code >= 300:
+            refused.append(f"{case.method} {case.path} {json.dumps(case.body)[:300]} -> "
+                           f"{response.status_code}: {response.text[:200]}")
 
+    refused: list[str] = []
     run()
+    # a request the schema says is valid must be served: the schema states every limit
+    reasons = sorted({r.split(" -> ", 1)[1][:160] for r in refused})
+    assert not refused, (f"{len(refused)} schema-valid requests refused, for "
+                         f"{len(reasons)} reasons: " + "\n".join(reasons[:40]))
     return count
 
 

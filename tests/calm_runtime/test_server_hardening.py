@@ -397,14 +397,14 @@ def test_surrogate_pairs_are_valid_text(served, direct):
 @pytest.mark.parametrize("path, field, value", [
     ("/v1/completions", "max_tokens", "3"),
     ("/v1/completions", "max_tokens", True),
-    ("/v1/completions", "max_tokens", 2.0),
-    ("/v1/completions", "n", 1.0),
+    ("/v1/completions", "max_tokens", 2.5),
+    ("/v1/completions", "n", 1.5),
     ("/v1/completions", "n", True),
     ("/v1/completions", "logprobs", True),
     ("/v1/completions", "logprobs", "2"),
     ("/v1/completions", "seed", "7"),
-    ("/v1/completions", "seed", 7.0),
-    ("/v1/completions", "top_k", 5.0),
+    ("/v1/completions", "seed", 7.25),
+    ("/v1/completions", "top_k", 5.5),
     ("/v1/completions", "stream", 1),
     ("/v1/completions", "stream", "true"),
     ("/v1/completions", "echo", 0),
@@ -416,13 +416,15 @@ def test_surrogate_pairs_are_valid_text(served, direct):
     ("/v1/completions", "stream_options", {"include_usage": 1}),
     ("/v1/completions", "calm", {"p_true": "yes"}),
     ("/v1/chat/completions", "logprobs", 1),
-    ("/v1/chat/completions", "top_logprobs", 2.0),
+    ("/v1/chat/completions", "top_logprobs", 2.5),
     ("/v1/chat/completions", "top_logprobs", "2"),
     ("/v1/chat/completions", "max_completion_tokens", "4"),
     ("/v1/chat/completions", "max_tokens", True),
     ("/v1/chat/completions", "messages", [{"role": "user", "content": 5}]),
 ])
 def test_parameters_are_strictly_typed(served, path, field, value):
+    """Wrong JSON types are refused by name; an integral float for an integer is that integer
+    (JSON Schema's ``integer`` takes ``2.0``), a fractional one is refused."""
     body = {"model": NAME, "max_tokens": 2}
     body.update({"prompt": "Hi"} if path == "/v1/completions" else
                 {"messages": [{"role": "user", "content": "Hi"}], "logprobs": True})
@@ -444,3 +446,8 @@ def test_integral_numbers_are_accepted_where_openai_takes_numbers(served):
         "model": NAME, "prompt": "Hi", "max_tokens": 2, "temperature": 0, "top_p": 1,
         "presence_penalty": 0, "frequency_penalty": 0})
     assert response.status_code == 200, response.text
+
+
+def test_integral_floats_are_integers(served):
+    body = {"model": NAME, "prompt": "Hi", "max_tokens": 2.0, "seed": 7.0, "top_k": 5.0}
+    assert httpx.post(served + "/v1/completions", json=body).status_code == 200
