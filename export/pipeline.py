@@ -14,7 +14,6 @@ import logging
 import os
 import shutil
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
