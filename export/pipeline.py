@@ -308,6 +308,9 @@ def _export(model_spec, out: Path, adapter_arg, config: ExportConfig,
                            # the mode (cloze/letter) the calibration was fitted on: the
                            # server's default for constrained choices
                            "choice_mode": _choice_mode(adapter),
+                           # chat or plain: the prompt format the calibration was fitted on
+                           # (calm serve says when chat traffic differs)
+                           "prompt_format": (adapter.provenance or {}).get("prompt_format"),
                            # calm fit threshold: the runtime marks answers below it abstained
                            "abstention": adapter.abstention}
         if config.variant:  # "int8" / "fp16": scheme, excluded nodes, sizes, drift

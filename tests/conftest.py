@@ -332,3 +332,37 @@ def loopback_server(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+@contextlib.contextmanager
+def calm_serve_process(engine, *options: str, name: str = "served"):
+    """A real ``calm serve`` process for ``engine`` on a free loopback port; yields
+    ``(base_url, process)`` (``base_url`` ends in ``/v1``) and stops it afterwards."""
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "calm_runtime.cli", "-q", "serve", str(engine), "--port",
+         str(port), "--threads", "1", "--model-name", name, *options],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2):
+                    break
+            except OSError:
+                assert proc.poll() is None, proc.stderr.read()
+                assert time.monotonic() < deadline, "calm serve did not start"
+                time.sleep(0.25)
+        yield url + "/v1", proc
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)

@@ -58,16 +58,18 @@ def cached_option_scores(model: str, records: Sequence[MultipleChoiceRecord], *,
     """
     from safetensors.numpy import load_file, save_file
 
-    from .remote import Endpoint, remote_option_scores
+    from .remote import Endpoint, remote_option_scores, resolve_chat
 
     if isinstance(model, Endpoint):  # a served model: its own per-request cache
         if adapter_dir is not None:
             raise ConfigError("a served model is scored as it is served; fitting on top of an "
                               "adapter (--adapter) needs the model locally")
-        if chat:
-            raise ConfigError("a served model is scored through /v1/completions with the "
-                              "prompt as text, without a chat template; pass --no-chat")
-        scores, stats = remote_option_scores(model, records, mode=mode, progress=progress)
+        use_chat = mode == "letter" and resolve_chat(model, chat)
+        if use_chat:
+            logger.info("letter prompts go to %s as chat messages (/v1/chat/completions, the "
+                        "served chat template); --no-chat sends them as text", model.base_url)
+        scores, stats = remote_option_scores(model, records, mode=mode, progress=progress,
+                                             chat=use_chat)
         scores.floored = stats.floored
         return scores
     engine = is_engine(model)

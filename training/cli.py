@@ -179,6 +179,11 @@ def _fit(args) -> int:
     if token is not None:
         print("token level: " + (f"{_fit_line(token)} on {token['positions']} answer positions"
                                  if token["fitted"] else f"not fitted ({token['reason']})"))
+    fmt = adapter.provenance.get("prompt_format")
+    if fmt and args.mode != "cloze":
+        how = ("the chat template, as chat clients send" if fmt == "chat"
+               else "text, without a chat template")
+        print(f"prompt format: {fmt} ({how})")
     outputs = adapter.calibrated_outputs()
     print("calibrated outputs: " + "; ".join(f"{key}: {value or 'uncalibrated'}"
                                              for key, value in outputs.items()))

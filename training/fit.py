@@ -429,6 +429,9 @@ def fit_adapter(config: FitConfig, method: str, out: str | Path, *, overwrite: b
         "split": {"part": "calibration", "fraction": config.calibration_fraction,
                   "seed": config.seed, "n": int(prep.cal.size)},
         "base_adapter": base.kind if config.adapter else None,
+        # how the prompts reached the model (chat template or text): the format the
+        # calibration holds for
+        "prompt_format": prompt_format(config),
     }
     floor = served_floor(prep.floored, len(prep.records))
     if floor:
@@ -521,6 +524,35 @@ def _fit_threshold_adapter(config: FitConfig, out, *, overwrite: bool, progress:
                           "settings": config.to_dict()}
     adapter.save_pretrained(out, overwrite=overwrite)
     return adapter, {"fit": fit.to_dict(), "test_split": test}
+
+
+def prompt_format(config: FitConfig) -> str:
+    """``"chat"`` or ``"plain"``: how the fit's prompts reach the model. Cloze prompts are
+    always text; letter and P(True) prompts follow ``config.chat`` (``None``: the chat
+    template when the model has one; a served model has one when it answers chat
+    completions), the same rule for a local, exported or served model."""
+    if config.mode == "cloze":
+        return "plain"
+    source = model_source(config, "model")
+    if isinstance(source, Endpoint):
+        from .remote import resolve_chat
+
+        chat = resolve_chat(source, config.chat)
+    else:
+        folder = Path(config.model) if is_engine(config.model) else resolve_model(config.model)
+        has = (folder / "chat_template.jinja").is_file() or bool(
+            _json_field(folder / "tokenizer_config.json", "chat_template"))
+        chat = has if config.chat is None else bool(config.chat)
+    return "chat" if chat else "plain"
+
+
+def _json_field(path: Path, key: str):
+    import json
+
+    try:
+        return json.loads(path.read_text(encoding="utf-8")).get(key)
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _identity(config: FitConfig, role: str) -> ModelIdentity:

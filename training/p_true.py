@@ -29,7 +29,7 @@ from calm_runtime.prompts import p_true_template
 from . import daca
 from .engine_model import is_engine, load_engine, scorer_fingerprint
 from .fit import add_selective, served_floor
-from .remote import is_endpoint, remote_answers, remote_p_true
+from .remote import is_endpoint, remote_answers, remote_p_true, resolve_chat
 from .scoring import generate_answers, is_correct, score_p_true
 
 __all__ = ["P_TRUE_METHODS", "compare_p_true", "fit_p_true", "open_qa_judgements"]
@@ -167,18 +167,19 @@ def _remote_judgements(config, records, template, *, progress: bool) -> dict:
     if not all(is_endpoint(s) for s in (config.model, config.reference) if s):
         raise ConfigError("P(True) with a served model needs a served reference too (or "
                           "none); pass both as endpoint URLs")
-    if config.chat:
-        raise ConfigError("served models are prompted without a chat template; pass --no-chat")
     questions = [r.question for r in records]
     polm = model_source(config, "model")
     answers = remote_answers(polm, questions, progress=progress)
     correct = [is_correct(a, r.answers) for a, r in zip(answers, records, strict=True)]
     out = {"records": records, "answers": answers, "correct": np.array(correct, dtype=float)}
-    out["polm"], stats = remote_p_true(polm, questions, answers, template, progress=progress)
+    out["polm"], stats = remote_p_true(polm, questions, answers, template, progress=progress,
+                                       chat=resolve_chat(polm, config.chat))
     out["floored"] = {"model": stats.floored}
     if config.reference:
-        out["plm"], stats = remote_p_true(model_source(config, "reference"), questions,
-                                          answers, template, progress=progress)
+        reference = model_source(config, "reference")
+        out["plm"], stats = remote_p_true(reference, questions, answers, template,
+                                          progress=progress,
+                                          chat=resolve_chat(reference, config.chat))
         out["floored"]["reference"] = stats.floored
     return out
 

@@ -57,7 +57,7 @@ from calm_runtime.prompts import (
 from .scoring import MODES, OptionScores
 
 __all__ = ["Endpoint", "RemoteError", "TOP_LOGPROBS", "connect", "is_endpoint",
-           "remote_answers", "remote_option_scores", "remote_p_true"]
+           "remote_answers", "remote_option_scores", "remote_p_true", "serves_chat"]
 
 logger = logging.getLogger(__name__)
 
@@ -365,7 +365,8 @@ def _key(kind: str, body: dict) -> str:
 
 
 def _run(endpoint: Endpoint, kind: str, bodies: Sequence[dict],
-         parse: Callable[[dict, dict], object], *, progress: bool, desc: str) -> list:
+         parse: Callable[[dict, dict], object], *, progress: bool, desc: str,
+         path: str = "/completions") -> list:
     """Every body's parsed answer, from the cache or the endpoint (``concurrency`` at once);
     ``parse(payload, body)`` checks an answer against its request before it is kept."""
     from tqdm.auto import tqdm
@@ -380,7 +381,7 @@ def _run(endpoint: Endpoint, kind: str, bodies: Sequence[dict],
     pool = concurrent.futures.ThreadPoolExecutor(endpoint.concurrency)
     futures: dict = {}
     try:
-        futures = {pool.submit(endpoint.request, "POST", "/completions",
+        futures = {pool.submit(endpoint.request, "POST", path,
                                {**bodies[i], "model": endpoint.model}): i for i in todo}
         for future in concurrent.futures.as_completed(futures):
             i = futures[future]
@@ -439,6 +440,59 @@ def _top_alternatives(payload: dict, body: dict | None = None) -> dict[str, floa
     return out
 
 
+def _chat_top_alternatives(payload: dict, body: dict | None = None) -> dict[str, float]:
+    """``{token text: logprob}`` of the first generated token of a chat completion
+    (``logprobs: true`` with ``top_logprobs``)."""
+    logprobs = _first_choice(payload).get("logprobs")
+    content = logprobs.get("content") if isinstance(logprobs, dict) else None
+    if not isinstance(content, list) or not content or not isinstance(content[0], dict):
+        raise RemoteError("the chat completion carries no logprobs content; the endpoint must "
+                          "support logprobs and top_logprobs on /v1/chat/completions")
+    top = content[0].get("top_logprobs")
+    if not isinstance(top, list) or not top:
+        raise RemoteError("the chat completion's logprobs have no top_logprobs; the endpoint "
+                          f"must return up to {TOP_LOGPROBS} alternatives per token")
+    out = {}
+    for item in top:
+        token, value = (item.get("token"), item.get("logprob")) if isinstance(item, dict) \
+            else (None, None)
+        if not isinstance(token, str) or not isinstance(value, int | float) or (
+                not math.isfinite(value) and value != -math.inf):
+            raise RemoteError(f"the endpoint returned a malformed top_logprobs entry "
+                              f"{printable(repr(item))[:80]}")
+        out.setdefault(token, float(value))
+    return out
+
+
+def serves_chat(endpoint: Endpoint) -> bool:
+    """Whether the endpoint answers ``/v1/chat/completions`` with token logprobs (a served
+    chat model: scored in the format its clients use). One request of one token; a 4xx
+    (no chat template, no such route) means no."""
+    body = {"model": endpoint.model, "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 1, "temperature": 0, "logprobs": True, "top_logprobs": 1}
+    try:
+        _chat_top_alternatives(endpoint.request("POST", "/chat/completions", body))
+    except RemoteError as exc:
+        if exc.status is not None and 400 <= exc.status < 500 and exc.status not in (401, 403):
+            return False
+        if exc.status is None and "logprobs" in str(exc):
+            return False
+        raise
+    return True
+
+
+def resolve_chat(endpoint: Endpoint, chat: bool | None) -> bool:
+    """The prompt format for letter and P(True) prompts to ``endpoint``, by the rule of the
+    local path (``chat=None``: the chat template when the model has one): chat when the
+    endpoint serves chat completions with logprobs; ``chat=True`` where it does not is a
+    one-line error."""
+    served = serves_chat(endpoint)
+    if chat and not served:
+        raise ConfigError(f"{endpoint.base_url} does not serve chat completions with logprobs "
+                          f"for {endpoint.model!r}; pass --no-chat")
+    return served if chat is None else bool(chat)
+
+
 def _echo_fields(payload: dict, body: dict) -> dict:
     """What the cache keeps of an echoed prompt, checked before it is kept: per-token
     logprobs and text offsets that cover the prompt and nothing after it (an endpoint that
@@ -494,7 +548,7 @@ class RemoteStats:
 
 def _next_token_logprobs(endpoint: Endpoint, prompts: Sequence[str],
                          tokens: Sequence[Sequence[str]], stats: RemoteStats, *,
-                         progress: bool, desc: str) -> list[list[float]]:
+                         progress: bool, desc: str, chat: bool = False) -> list[list[float]]:
     """The log-probability of each of ``tokens[i]`` as the next token after ``prompts[i]``.
 
     One request per prompt reads the top alternatives; a token not among them is then
@@ -502,11 +556,18 @@ def _next_token_logprobs(endpoint: Endpoint, prompts: Sequence[str],
     token. Where that is not possible (no echo support, or the token does not come back as
     one token after the prompt) it gets the smallest returned log-probability (an upper
     bound) and the prompt is counted in ``stats.floored``."""
-    bodies = [{"prompt": p, "max_tokens": 1, "temperature": 0, "logprobs": TOP_LOGPROBS}
-              for p in prompts]
-    tops = _run(endpoint, "next", bodies, _top_alternatives, progress=progress, desc=desc)
+    if chat:  # the prompt as the user's message, scored through the chat template it serves
+        bodies = [{"messages": [{"role": "user", "content": p}], "max_tokens": 1,
+                   "temperature": 0, "logprobs": True, "top_logprobs": TOP_LOGPROBS}
+                  for p in prompts]
+        tops = _run(endpoint, "chat-next", bodies, _chat_top_alternatives, progress=progress,
+                    desc=desc, path="/chat/completions")
+    else:
+        bodies = [{"prompt": p, "max_tokens": 1, "temperature": 0, "logprobs": TOP_LOGPROBS}
+                  for p in prompts]
+        tops = _run(endpoint, "next", bodies, _top_alternatives, progress=progress, desc=desc)
     missing = [(i, token) for i, top in enumerate(tops) for token in tokens[i]
-               if token not in top]
+               if token not in top and not chat]  # a chat prompt cannot be echoed
     exact: dict[tuple[int, str], float | None] = {}
     if missing:
         echo = [{"prompt": prompts[i] + token, "max_tokens": 0, "temperature": 0,
@@ -538,9 +599,12 @@ def _next_token_logprobs(endpoint: Endpoint, prompts: Sequence[str],
 
 
 def remote_option_scores(endpoint: Endpoint, records: Sequence[MultipleChoiceRecord], *,
-                         mode: str, progress: bool = True) -> tuple[OptionScores, RemoteStats]:
-    """Option scores like :func:`calm_training.scoring.score_multiple_choice` (``chat=False``:
-    the prompts are sent as text to ``/v1/completions``)."""
+                         mode: str, progress: bool = True,
+                         chat: bool = False) -> tuple[OptionScores, RemoteStats]:
+    """Option scores like :func:`calm_training.scoring.score_multiple_choice`: cloze prompts
+    as text to ``/v1/completions``; letter prompts there too, or with ``chat`` as the user's
+    message to ``/v1/chat/completions`` (letters without a leading space, as the local path
+    reads them after a chat prompt)."""
     if mode not in MODES:
         raise ConfigError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
     k_max = max(len(r.choices) for r in records)
@@ -551,10 +615,11 @@ def remote_option_scores(endpoint: Endpoint, records: Sequence[MultipleChoiceRec
     labels = np.array([-1 if r.answer is None else r.answer for r in records], dtype=np.int64)
     stats = RemoteStats(total=n)
     if mode == "letter":
-        letters = [letter_tokens(len(r.choices), chat=False) for r in records]
+        letters = [letter_tokens(len(r.choices), chat=chat) for r in records]
         scored = _next_token_logprobs(endpoint, [letter_prompt(r.question, r.choices)
                                                  for r in records], letters, stats,
-                                      progress=progress, desc="letter scoring (remote)")
+                                      progress=progress, desc="letter scoring (remote)",
+                                      chat=chat)
         for row, row_values in enumerate(scored):
             values[row, :len(row_values)] = row_values
     else:
@@ -613,14 +678,15 @@ def remote_answers(endpoint: Endpoint, questions: Sequence[str], *, max_new_toke
 
 
 def remote_p_true(endpoint: Endpoint, questions: Sequence[str], answers: Sequence[str],
-                  template: PTrueTemplate, *, progress: bool = True
+                  template: PTrueTemplate, *, progress: bool = True, chat: bool = False
                   ) -> tuple[np.ndarray, RemoteStats]:
     """Two-way logits ``[N, 2]`` (true, false) like :func:`~calm_training.scoring.score_p_true`
-    (``chat=False``)."""
+    (with ``chat``: through ``/v1/chat/completions``, the tokens without a leading space)."""
     stats = RemoteStats(total=len(questions))
-    pair = (template.true_token, template.false_token)
+    pair = ((template.true_token.lstrip(), template.false_token.lstrip()) if chat
+            else (template.true_token, template.false_token))
     out = np.asarray(_next_token_logprobs(
         endpoint, [template.render(q, a) for q, a in zip(questions, answers, strict=True)],
-        [pair] * len(questions), stats, progress=progress, desc="P(True) (remote)"),
-        dtype=float).reshape(len(questions), 2)
+        [pair] * len(questions), stats, progress=progress, desc="P(True) (remote)",
+        chat=chat), dtype=float).reshape(len(questions), 2)
     return out, stats

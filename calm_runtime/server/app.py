@@ -634,6 +634,12 @@ class _Server:
         #: tokens the chat template adds around CHAT_MESSAGES_DOCUMENTED messages (the
         #: documented text limits leave room for them)
         self.template_tokens = _template_tokens(lm)
+        fitted = (lm.manifest.export or {}).get("prompt_format")
+        if fitted == "plain" and lm.tokenizer.has_chat_template and lm.choice_mode == "letter":
+            logger.warning("%s: its calibration was fitted on plain-text letter prompts; "
+                           "/v1/chat/completions renders the chat template, a format the fit "
+                           "did not see (fit with the default --chat to calibrate chat "
+                           "traffic)", lm.manifest.root)
         self._scoring_waiting = 0
         self.identity = {"engine": config.served_name, "engine_manifest_sha256": digest,
                          "engine_kind": manifest.kind, "backend": lm.backend.description,
