@@ -13,7 +13,10 @@ on the held-out test part: at every answer token of the correct answer (teacher-
 token is the answer's next token (10 bins, 95% bootstrap interval over positions).
 
 * ``--lora NAME=ADAPTER``: a same-tokenizer pair, Gemma-3-270M fine-tuned with a calm LoRA
-  (``calm train --method lora``, see benchmarks/daca_regime.py) against Gemma-3-270M base:
+  against Gemma-3-270M base (the README's ``gemma-lora-60``: ``calm train --method lora
+  --model gemma-3-270m --mode cloze --train arc-easy:train --train sciq:train --calibration
+  arc-easy:unlabeled --steps 60 --outer-lr 1e-3 --out ADAPTER``, as in
+  benchmarks/daca_regime.py; 656 s on 2 cores):
   label-free token DACA, and labeled token TS beside it. Fitted on ``arc-easy:unlabeled``
   (the half of the calibration part the LoRA did not train on).
 * SmolLM2-135M-Instruct with labels: token TS, fitted on ``arc-easy:calibration``.
