@@ -79,6 +79,9 @@ __all__ = ["create_app", "app_from_environment", "CONFIG_ENV", "PROMPT_CHARS_PER
 
 logger = logging.getLogger(__name__)
 
+#: the most log-probabilities one echo may return (prompt tokens x (1 + alternatives),
+#: twice with raw_logprobs): about 20 MB of JSON
+ECHO_MAX_ENTRIES = 500_000
 #: environment variable through which ``calm serve --workers N`` hands each worker its config
 CONFIG_ENV = "CALM_SERVE_CONFIG"
 #: a prompt (a chat request: its messages' text together) may hold at most this many
@@ -171,7 +174,15 @@ def create_app(config: ServeConfig, lm: CalibratedLM | None = None) -> FastAPI:
             server.check_constrained(req, logprobs=req.logprobs is not None,
                                      max_tokens=req.max_tokens)
         if req.echo:  # prompt scoring: one forward pass per prompt, no decoding
-            await run_in_threadpool(server.encode, prompts)  # --max-prompt-tokens applies too
+            # --max-prompt-tokens applies too, and the answer's size is bounded before work
+            encoded = await run_in_threadpool(server.encode, prompts)
+            entries = sum(len(ids) for ids in encoded) * (1 + (req.logprobs or 0)) * (
+                2 if req.wants_raw else 1)
+            if entries > ECHO_MAX_ENTRIES:
+                raise APIError(400, f"this echo would return {entries:,} log-probabilities "
+                               f"(tokens x (1 + logprobs)); the limit is {ECHO_MAX_ENTRIES:,}: "
+                               "send fewer or shorter prompts or fewer alternatives",
+                               param="logprobs" if req.logprobs else "prompt")
             return await server.echo(prompts, req, request)
         if constrained is not None:
             encoded = await run_in_threadpool(server.encode, prompts)
@@ -973,18 +984,24 @@ class _Server:
             if scored is None:  # the client went away: nobody to answer
                 return Response(status_code=CLIENT_CLOSED)
             prompt_tokens += len(scored)
-            choice = {"index": index, "text": prompt, "finish_reason": "length",
-                      "logprobs": echo_logprobs(scored, top) if req.logprobs is not None
-                      else None}
-            choice["calm"] = {"calibrated": self.calibrated}
-            if req.wants_raw:
-                choice["calm"]["raw_logprobs"] = echo_logprobs(scored, top, raw=True)
-            choices.append(choice)
+            choices.append(await run_in_threadpool(self._echo_choice, index, prompt, scored,
+                                                   req, top))
         body = self._envelope(f"cmpl-{uuid.uuid4().hex}", "completion")
         body.update(choices=choices, usage={"prompt_tokens": prompt_tokens,
                                             "completion_tokens": 0,
                                             "total_tokens": prompt_tokens})
-        return body
+        # a long echo with alternatives is megabytes of JSON: encoded off the event loop
+        content = await run_in_threadpool(_encode_json, body)
+        return Response(content=content, media_type="application/json")
+
+    def _echo_choice(self, index: int, prompt: str, scored, req, top: int) -> dict:
+        choice = {"index": index, "text": prompt, "finish_reason": "length",
+                  "logprobs": echo_logprobs(scored, top) if req.logprobs is not None
+                  else None}
+        choice["calm"] = {"calibrated": self.calibrated}
+        if req.wants_raw:
+            choice["calm"]["raw_logprobs"] = echo_logprobs(scored, top, raw=True)
+        return choice
 
     async def complete(self, jobs: list[Job], req, kind: str, request: Request):
         results = await self._results(jobs, request)
@@ -1120,6 +1137,11 @@ class _Server:
                                   "in its log", type="server_error").body())
         finally:
             self.abandon(jobs, client_left=not ended)
+
+
+def _encode_json(body: dict) -> bytes:
+    return json.dumps(body, ensure_ascii=False, allow_nan=False,
+                      separators=(",", ":")).encode("utf-8")
 
 
 def _one_pass(fn):

@@ -131,3 +131,21 @@ def test_scoring_requests_obey_the_queue_and_the_timeout(long_engine):
     assert 504 in statuses or 200 in statuses
     assert elapsed < 30, f"six requests under a 1 s timeout took {elapsed:.1f} s"
     assert echo_status in (200, 504)
+
+
+def test_an_echo_answer_is_bounded(long_engine):
+    """64 prompts of ~3,900 tokens with 20 alternatives each would be millions of entries
+    (hundreds of MB of JSON): refused before any work, naming the limit."""
+    server = Server(long_engine)
+    rng = np.random.default_rng(2)
+    prompts = ["".join(rng.choice(list("abcdefgh "), 3900)) for _ in range(64)]
+    try:
+        started = time.monotonic()
+        status, body = server.post({"prompt": prompts, "max_tokens": 0, "echo": True,
+                                    "logprobs": 20})
+        elapsed = time.monotonic() - started
+        health = urllib.request.urlopen(server.url + "/health", timeout=5).status
+    finally:
+        server.stop()
+    assert status == 400 and "log-probabilities" in body["error"]["message"], body
+    assert elapsed < 10 and health == 200
