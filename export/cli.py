@@ -68,8 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser, *, quiet: bool = True) -> Non
                         "shift needs a family with a head bias; see docs/formats.md)")
     parser.add_argument("--dtype", choices=("fp32", "fp16"), default="fp32",
                         help="engine precision (fp16: for GPU providers / TensorRT)")
-    parser.add_argument("--quantize", choices=("int8",), default=None,
-                        help="int8 weights (blockwise, every MatMul); the drift from fp32 is "
+    parser.add_argument("--quantize", choices=("int8", "int4"), default=None,
+                        help="int8 or int4 weights (blockwise MatMulNBits, every MatMul); the "
+                        "drift from fp32 is "
                         "measured and recorded in the manifest")
     parser.add_argument("--calibration-data", metavar="DATA", default=None,
                         help="multiple-choice data (e.g. arc-easy:calibration) to report the "
@@ -219,14 +220,14 @@ def _outputs_lines(outputs: dict) -> list[str]:
 
 def _variant_lines(manifest) -> list[str]:
     export, lines = manifest.export, []
-    for name in ("int8", "fp16"):
+    for name in ("int8", "int4", "fp16"):
         facts = export.get(name)
         if not facts:
             continue
         drift = facts["drift"]
         how = (f"{facts['scheme']}" + (f" {facts['block_size']}" if "block_size" in facts else "")
                + f", {facts['quantized_nodes']}/{facts['linear_nodes']} MatMuls"
-               if name == "int8" else "float16 weights and KV cache")
+               if name in ("int8", "int4") else "float16 weights and KV cache")
         lines.append(f"{name} ({how}): {facts['bytes'] / 1e6:.1f} MB (fp32 "
                      f"{facts['fp32_bytes'] / 1e6:.1f} MB); vs fp32 over {drift['positions']} "
                      f"positions: top-1 agreement {drift['greedy_agreement']:.1%}, mean TV "
@@ -234,7 +235,7 @@ def _variant_lines(manifest) -> list[str]:
                      f"{drift['max_prob_change']:.3g}")
     check = export.get("calibration_check")
     if check:
-        steps = [f"{key} {check[key]['ece']:.4f}" for key in ("fp32", "int8", "fp16",
+        steps = [f"{key} {check[key]['ece']:.4f}" for key in ("fp32", "int8", "int4", "fp16",
                                                                "recalibrated") if key in check]
         lines.append(f"ECE on {check['data']} ({check['mode']}"
                      + (f", {check['variant']}" if check["variant"] else "")

@@ -13,7 +13,7 @@ __all__ = ["ExportConfig"]
 
 FORMATS = ("onnx", "tensorrt", "hf")
 DTYPES = ("fp32", "fp16")
-QUANTIZE = ("int8",)
+QUANTIZE = ("int8", "int4")
 INT8_SCHEMES = ("blockwise", "dynamic")
 CALIBRATION_MODES = ("cloze", "letter")
 EXPORTERS = ("auto", "dynamo", "torchscript")
@@ -61,7 +61,7 @@ class ExportConfig:
     #: graph is converted (weights, activations and KV cache in float16, logits float32) for
     #: GPU providers; with TensorRT: an fp16 plan. See export/quantize.py.
     dtype: str = "fp32"
-    #: Weight quantisation of the validated fp32 ONNX graph: ``None`` or "int8" (see
+    #: Weight quantisation of the validated fp32 ONNX graph: ``None``, "int8" or "int4" (see
     #: export/quantize.py for the schemes and the measurements behind the defaults).
     quantize: str | None = None
     #: "blockwise": int8 weights in blocks of ``int8_block_size`` along the input dimension
@@ -77,6 +77,12 @@ class ExportConfig:
     #: The int8 engine must pick the fp32 engine's top token at this share of the drift
     #: positions, else the export fails (exclude more modules, or export fp32); 0 disables.
     int8_min_agreement: float = 0.9
+    #: int4 (MatMulNBits, 4 bits, symmetric, int8 compute): weights per block along the input
+    #: dimension (a power of two >= 16); export/quantize.py has the measurement behind it.
+    int4_block_size: int = 32
+    #: The int4 engine must pick the fp32 engine's top token at this share of the drift
+    #: positions (lower than int8's: 4 bits move more of the distribution); 0 disables.
+    int4_min_agreement: float = 0.7
     #: Multiple-choice data (a spec for calm_runtime.data.load_dataset, e.g.
     #: "arc-easy:calibration") to report ECE on, before and after quantisation.
     calibration_data: str | None = None
@@ -129,11 +135,12 @@ class ExportConfig:
                 problems.append(f"quantize must be one of {list(QUANTIZE)} or None, got "
                                 f"{self.quantize!r}")
             elif self.format != "onnx":
-                problems.append("quantize int8 applies to --format onnx only (TensorRT builds "
-                                "its own precision); drop --quantize or use --format onnx")
+                problems.append(f"quantize {self.quantize} applies to --format onnx only "
+                                "(TensorRT builds its own precision); drop --quantize or use "
+                                "--format onnx")
             elif self.dtype != "fp32":
-                problems.append("quantize int8 starts from the fp32 graph; use --dtype fp32 "
-                                "with --quantize int8")
+                problems.append(f"quantize {self.quantize} starts from the fp32 graph; use "
+                                f"--dtype fp32 with --quantize {self.quantize}")
         if self.format == "hf":
             if self.dtype != "fp32" or self.quantize is not None:
                 problems.append("--format hf writes the model's own float32 weights; drop "
@@ -182,10 +189,14 @@ class ExportConfig:
         if exclude is not None and (isinstance(exclude, str) or not all(
                 isinstance(p, str) and p for p in exclude)):
             problems.append(f"int8_exclude must be a list of module names, got {exclude!r}")
-        agreement = self.int8_min_agreement
-        if isinstance(agreement, bool) or not isinstance(agreement, (int, float)) \
-                or not 0 <= agreement <= 1:
-            problems.append(f"int8_min_agreement must be in [0, 1], got {agreement!r}")
+        for name in ("int8_min_agreement", "int4_min_agreement"):
+            agreement = getattr(self, name)
+            if isinstance(agreement, bool) or not isinstance(agreement, (int, float)) \
+                    or not 0 <= agreement <= 1:
+                problems.append(f"{name} must be in [0, 1], got {agreement!r}")
+        size = self.int4_block_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 16 or size & (size - 1):
+            problems.append(f"int4_block_size must be a power of two >= 16, got {size!r}")
         if self.recalibrate and not self.calibration_data:
             problems.append("recalibrate needs calibration data; pass --recalibrate DATA")
         if self.calibration_data is not None and (not isinstance(self.calibration_data, str)
@@ -210,7 +221,8 @@ class ExportConfig:
 
     @property
     def variant(self) -> str | None:
-        """The reduced-precision ONNX variant built from the fp32 graph: "int8", "fp16" or None."""
+        """The reduced-precision ONNX variant built from the fp32 graph: "int8", "int4",
+        "fp16" or None."""
         if self.format != "onnx":
             return None
         return self.quantize or ("fp16" if self.dtype == "fp16" else None)

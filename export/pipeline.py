@@ -425,6 +425,8 @@ def _build_variant(staging: Path, shape, config: ExportConfig, cases, references
     source, target = fp32_root / ONNX_FILE, staging / ONNX_FILE
     if config.variant == "int8":
         facts = quantize.quantize_int8(source, target, config, external=external)
+    elif config.variant == "int4":
+        facts = quantize.quantize_int4(source, target, config, external=external)
     else:
         facts = quantize.convert_fp16(source, target, external=external)
     runner, _ = validate.onnx_runner(target, shape)
@@ -447,6 +449,14 @@ def _build_variant(staging: Path, shape, config: ExportConfig, cases, references
                 "(ExportConfig.int8_block_size for a smaller block), or export fp32; no "
                 "engine was written")
         return fp32_root, facts, {"int8_min_agreement": config.int8_min_agreement}
+    if config.variant == "int4":
+        if drift["greedy_agreement"] < config.int4_min_agreement:
+            raise ExportValidationError(
+                f"the int4 engine keeps the fp32 top token at {drift['greedy_agreement']:.1%} "
+                f"of {drift['positions']} positions (minimum {config.int4_min_agreement:.0%}); "
+                "use --quantize int8 or export fp32 (ExportConfig.int4_block_size for a "
+                "smaller block); no engine was written")
+        return fp32_root, facts, {"int4_min_agreement": config.int4_min_agreement}
     tolerance = config.tolerance(scale, "fp16")
     single, double = validate.compare_all(cases, references, mine, tolerance)
     overall = single.merge(double)

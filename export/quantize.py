@@ -59,6 +59,7 @@ __all__ = [
     "module_path",
     "linear_nodes",
     "quantize_int8",
+    "quantize_int4",
     "convert_fp16",
     "measure_drift",
     "stash_fp32",
@@ -137,13 +138,21 @@ def _quiet_root():
         root.setLevel(level)
 
 
-def quantize_int8(source: Path, target: Path, config, *, external: bool) -> dict:
+def quantize_int4(source: Path, target: Path, config, *, external: bool) -> dict:
+    """Quantise every MatMul of the fp32 graph ``source`` to 4 bits (MatMulNBits, blocks of
+    ``config.int4_block_size``, symmetric, int8 compute) into ``target``; the facts for the
+    manifest as :func:`quantize_int8` gives them."""
+    return quantize_int8(source, target, config, external=external, bits=4)
+
+
+def quantize_int8(source: Path, target: Path, config, *, external: bool, bits: int = 8) -> dict:
     """Quantise the fp32 graph ``source`` into ``target`` (``model.onnx``); returns the facts
-    for the manifest: scheme, settings, quantised and excluded nodes, sizes."""
+    for the manifest: scheme, settings, quantised and excluded nodes, sizes. ``bits=4``: the
+    int4 engine (blockwise only, every MatMul)."""
     import onnx
 
     model = onnx.load(str(source), load_external_data=True)
-    patterns = config.int8_excluded_modules()
+    patterns = config.int8_excluded_modules() if bits == 8 else ()
     nodes = linear_nodes(model)
     excluded = [(name, path) for name, path in nodes if _matches(path, patterns)]
     unmatched = [p for p in patterns if not any(_matches(path, [p]) for _, path in nodes)]
@@ -151,16 +160,17 @@ def quantize_int8(source: Path, target: Path, config, *, external: bool) -> dict
         logger.warning("int8_exclude pattern(s) %s match no quantisable module", unmatched)
     skip = [name for name, _ in excluded]
     with _quiet_root():
-        if config.int8_scheme == "blockwise":
+        if bits == 4 or config.int8_scheme == "blockwise":
             from onnxruntime.quantization.matmul_nbits_quantizer import (
                 DefaultWeightOnlyQuantConfig,
                 MatMulNBitsQuantizer,
             )
 
-            settings = {"bits": 8, "block_size": config.int8_block_size, "symmetric": True,
+            block = config.int4_block_size if bits == 4 else config.int8_block_size
+            settings = {"bits": bits, "block_size": block, "symmetric": True,
                         "accuracy_level": BLOCKWISE_ACCURACY_LEVEL, "op": "MatMulNBits"}
             algo = DefaultWeightOnlyQuantConfig(
-                block_size=config.int8_block_size, is_symmetric=True, bits=8,
+                block_size=block, is_symmetric=True, bits=bits,
                 accuracy_level=BLOCKWISE_ACCURACY_LEVEL, op_types_to_quantize=("MatMul",))
             quantizer = MatMulNBitsQuantizer(model, nodes_to_exclude=skip, algo_config=algo)
             quantizer.process()
@@ -179,7 +189,8 @@ def quantize_int8(source: Path, target: Path, config, *, external: bool) -> dict
     left = {n.name for n in result.graph.node if n.op_type == "MatMul"}
     quantized = [name for name, _ in nodes if name not in left]
     save_onnx(result, target, external)
-    return {"scheme": config.int8_scheme, **settings, "exclude": list(patterns),
+    return {"scheme": "blockwise" if bits == 4 else config.int8_scheme, **settings,
+            "exclude": list(patterns),
             "excluded_nodes": [{"node": n, "module": p} for n, p in excluded],
             "quantized_nodes": len(quantized), "linear_nodes": len(nodes),
             "fp32_bytes": _size(source.parent), "bytes": _size(target.parent)}

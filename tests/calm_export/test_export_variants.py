@@ -286,3 +286,33 @@ def test_cli_summary_shows_variant_drift_and_ece(int8_letter, fp16_cloze):
     assert "token-level temperature multiplied by" in text
     text = summary(fp16_cloze)
     assert "fp16 (float16 weights and KV cache)" in text and "answer_temperature" in text
+
+
+# ---------------------------------------------------------------------- int4
+def test_int4_engine_quantises_every_matmul_records_drift_and_recalibrates(
+        runtime_engine, mc_data, tmp_path):
+    """--quantize int4: 4-bit MatMulNBits on every MatMul, the drift report, a cloze
+    recalibration on the quantised engine's own scores, and the runtime loads it."""
+    model_dir, adapter_dir, _ = runtime_engine
+    config = ExportConfig(**FAST, quantize="int4", calibration_data=str(mc_data["cloze"]),
+                          recalibrate=True, calibration_mode="cloze", int4_min_agreement=0.5)
+    result = export_engine(model_dir, tmp_path / "engine", adapter=adapter_dir, config=config)
+    manifest = result.manifest
+    facts = manifest.export["int4"]
+    assert facts["bits"] == 4 and facts["op"] == "MatMulNBits"
+    assert facts["block_size"] == ExportConfig().int4_block_size
+    assert facts["quantized_nodes"] == facts["linear_nodes"] > 0
+    graph = onnx.load(str(result.path / "model.onnx")).graph
+    bits = {a.i for n in graph.node if n.op_type == "MatMulNBits" for a in n.attribute
+            if a.name == "bits"}
+    assert bits == {4}
+    assert quantize.linear_nodes(onnx.load(str(result.path / "model.onnx"))) == []
+    drift = facts["drift"]
+    assert drift["positions"] > 100 and 0.5 <= drift["greedy_agreement"] <= 1.0
+    assert manifest.validation["int4_min_agreement"] == 0.5
+    check = manifest.export["calibration_check"]
+    assert set(check) >= {"fp32", "int4", "recalibrated", "recalibration"}
+    lm = CalibratedLM.load(result.path, threads=1)
+    out = lm.generate("The cat", 3)
+    lm.close()
+    assert len(out.tokens) == 3
