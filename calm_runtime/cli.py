@@ -578,7 +578,7 @@ def _serve(args) -> int:
 
 
 BENCHMARKS = ("calibration", "latency", "scoring", "calm_replication", "serve_load", "p_true",
-              "threshold", "token_calibration")
+              "threshold", "token_calibration", "engines", "int4_blocks")
 
 
 def _add_bench(sub) -> None:

@@ -93,6 +93,10 @@ def add_arguments(parser: argparse.ArgumentParser, *, quiet: bool = True) -> Non
     parser.add_argument("--head-layout", choices=HEAD_LAYOUTS, default="untied",
                         help="untied: the head holds W/(tau T) and a bias (default); "
                         "tied-scale: the tied head followed by a scale and a shift")
+    parser.add_argument("--graph", choices=("fused", "standard"), default="fused",
+                        help="fused: RMSNorm as ONNX Runtime's fused ops (default; onnxruntime "
+                        "and onnxruntime-genai run it); standard: standard ONNX ops only "
+                        "(TensorRT engines always are)")
     parser.add_argument("--opset", type=int, default=18, help="ONNX opset (default 18)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an existing engine once the new one has passed validation")
@@ -133,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--calibration-data and --recalibrate name different data; pass "
                           "one of them")
     config = ExportConfig(format=args.format, dtype=args.dtype, quantize=args.quantize,
+                          graph=args.graph,
                           opset=args.opset, overwrite=args.overwrite,
                           progress=not args.quiet, calibration_data=data,
                           recalibrate=args.recalibrate is not None,
@@ -166,8 +171,10 @@ def summary(result) -> str:
         return _checkpoint_summary(result)
     manifest = result.manifest
     report = manifest.validation
+    graph = (manifest.export.get("graph") or {}).get("kind", "standard")
     lines = [f"engine: {result.path} ({manifest.kind}, {manifest.model['dtype']}, "
-             f"opset {manifest.model['opset']}, exporter {manifest.export['exporter_used']})"]
+             f"opset {manifest.model['opset']}, exporter {manifest.export['exporter_used']}, "
+             f"graph {graph})"]
     for name, size in result.file_sizes.items():
         lines.append(f"  {name:<28} {size / 1e6:10.2f} MB")
     lines.append(f"  {'total':<28} {result.total_bytes / 1e6:10.2f} MB")

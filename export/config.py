@@ -14,6 +14,7 @@ __all__ = ["ExportConfig"]
 FORMATS = ("onnx", "tensorrt", "hf")
 DTYPES = ("fp32", "fp16")
 QUANTIZE = ("int8", "int4")
+GRAPHS = ("fused", "standard")
 INT8_SCHEMES = ("blockwise", "dynamic")
 CALIBRATION_MODES = ("cloze", "letter")
 EXPORTERS = ("auto", "dynamo", "torchscript")
@@ -107,6 +108,11 @@ class ExportConfig:
     #: MatMul + Add). "tied-scale": the tie is kept and the head's MatMul is followed by an
     #: elementwise scale and shift. See export/fuse.py for the measurement behind the default.
     head_layout: str = "untied"
+    #: "fused": the ONNX graph's RMSNorms become ONNX Runtime's fused normalisation ops
+    #: (export/onnx.py ``fuse_graph``; onnxruntime and onnxruntime-genai run them);
+    #: "standard": standard ONNX ops only. TensorRT engines are always built from the
+    #: standard graph (its parser does not read ONNX Runtime's contrib ops).
+    graph: str = "fused"
     #: Write the weights as ONNX external data: ``None`` decides by EXTERNAL_DATA_BYTES.
     external_data: bool | None = None
     #: Greedy KV-cache steps compared during validation (batch 1 and batch 2).
@@ -152,6 +158,8 @@ class ExportConfig:
         if isinstance(self.opset, bool) or not isinstance(self.opset, int) \
                 or not 14 <= self.opset <= 23:
             problems.append(f"opset must be an integer in [14, 23], got {self.opset!r}")
+        if self.graph not in GRAPHS:
+            problems.append(f"graph must be one of {list(GRAPHS)}, got {self.graph!r}")
         if self.exporter not in EXPORTERS:
             problems.append(f"exporter must be one of {list(EXPORTERS)}, got {self.exporter!r}")
         if self.head_layout not in HEAD_LAYOUTS:

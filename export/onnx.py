@@ -288,3 +288,41 @@ def _quiet():
     text = sink.getvalue().strip()
     if text:
         logger.debug("exporter output:\n%s", text)
+
+
+#: The ONNX Runtime contrib ops the fused graph may hold (``graph.kind`` "ort-fused"); a
+#: TensorRT engine keeps the standard-op graph, which its ONNX parser reads.
+FUSED_OPS = ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization")
+
+
+def fuse_graph(path: Path, shape: DecoderShape, *, external: bool) -> dict:
+    """Rewrite the exported graph at ``path`` with ONNX Runtime's transformer optimizer:
+    each decomposed RMSNorm (Pow, ReduceMean, Add, Sqrt, Div, Mul) becomes one
+    ``SimplifiedLayerNormalization`` (``SkipSimplifiedLayerNormalization`` with the residual
+    Add before it). Attention and the KV cache are left as exported. Returns what changed
+    (node counts, the fused ops); the caller validates the rewritten graph like any other."""
+    import collections
+
+    import onnx
+    from onnxruntime.transformers.fusion_options import FusionOptions
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    before = onnx.load(str(path), load_external_data=False)
+    count_before = len(before.graph.node)
+    del before
+    options = FusionOptions("gpt2")
+    options.enable_attention = False  # calm's attention keeps its exported form
+    options.enable_skip_layer_norm = True
+    with _quiet():
+        optimized = optimize_model(str(path), model_type="gpt2",
+                                   num_heads=shape.num_attention_heads,
+                                   hidden_size=shape.hidden_size, opt_level=0,
+                                   optimization_options=options)
+    ops = collections.Counter(n.op_type for n in optimized.model.graph.node)
+    fused = {op: ops[op] for op in FUSED_OPS if ops.get(op)}
+    for stale in path.parent.glob(f"{ONNX_FILE}*"):
+        stale.unlink()
+    save_onnx(optimized.model, path, external)
+    return {"kind": "ort-fused" if fused else "standard", "fused_ops": fused,
+            "nodes_before": count_before, "nodes": len(optimized.model.graph.node),
+            "optimizer": "onnxruntime.transformers.optimizer (RMSNorm fusions only)"}

@@ -34,7 +34,7 @@ from calm_runtime.prompts import CLOZE_VARIANTS
 from . import engine_writer, fuse, heads, quantize, recalibrate, validate
 from .checkpoint import CHECKPOINT_MANIFEST
 from .config import ExportConfig
-from .onnx import ONNX_FILE, KVCacheDecoder, decoder_shape, export_onnx
+from .onnx import ONNX_FILE, KVCacheDecoder, decoder_shape, export_onnx, fuse_graph
 
 __all__ = ["ExportResult", "export_engine"]
 
@@ -248,6 +248,9 @@ def _export(model_spec, out: Path, adapter_arg, config: ExportConfig,
                             logits_affine=affine)
         del model, decoder, fused
         gc.collect()
+        facts["graph"] = {"kind": "standard", "fused_ops": {}}
+        if config.graph == "fused" and config.format == "onnx":
+            facts["graph"] = fuse_graph(staging / ONNX_FILE, shape, external=external)
 
         stages.start("validate")
         runner, runtime = validate.onnx_runner(staging / ONNX_FILE, shape)
@@ -297,6 +300,8 @@ def _export(model_spec, out: Path, adapter_arg, config: ExportConfig,
         genai = engine_writer.write_genai_config(staging, shape, tokens)
         export_settings = {**config.to_dict(), **_versions(),
                            "exporter_used": facts["exporter"], "external_data": external,
+                           # "ort-fused" (RMSNorm as ONNX Runtime contrib ops) or "standard"
+                           "graph": facts["graph"],
                            "source_head_tied": was_tied, "genai_config": genai,
                            # what the family does after its head (export/heads.py)
                            "post_head": post.to_dict(),

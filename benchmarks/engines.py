@@ -1,0 +1,258 @@
+"""calm's engines beside onnxruntime-genai's own builder and transformers: speed and build time.
+
+    python benchmarks/engines.py --model smollm2-135m-instruct --rounds 5
+    python benchmarks/engines.py --render        # rewrite the .md from the .json
+
+Arms (SmolLM2-135M-Instruct by default, no adapter: the graphs, not the calibration, are
+compared; calm's fused calibration costs nothing measurable, benchmarks/results/latency.md):
+
+* calm fp32 standard (``calm-export --graph standard``), calm fp32 (the default graph,
+  RMSNorm fused), calm int8, calm int4 (``--quantize``), run by calm's runtime;
+* builder fp32 / int4: ``python -m onnxruntime_genai.models.builder -i <hf folder> -p fp32|int4
+  -e cpu``, run by onnxruntime-genai (which is what the builder's graph is made for);
+* transformers ``generate()`` (fp32, ``use_cache``).
+
+Each arm is built once (its wall time is the export time; builds run one at a time on the
+otherwise quiet machine). Then, for ``--rounds`` rounds with the arm order rotated each
+round, every arm runs a 64-token prompt and 64 greedy tokens (decode ms/token), and a
+512-token prompt's prefill (time to the first token), on 1 intra-op thread, batch 1; each
+round's figures are divided by the same round's calm fp32 figure and the table gives the
+median ratio (min-max) and the median milliseconds. Writes ``results/engines.{json,md}``
+naming the command and the commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from _common import command_line, git_commit
+
+HERE = Path(__file__).resolve().parent
+STEM = "engines"
+REFERENCE_ARM = "calm fp32"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--work", default=None, help="where the engines are built (kept; "
+                        "default: $CALM_CACHE/bench-engines/MODEL)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--render", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    out = HERE / "results"
+    if args.render:
+        (out / f"{STEM}.md").write_text(render(json.loads((out / f"{STEM}.json").read_text())))
+        return 0
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from calm_runtime._paths import cache_dir
+    from calm_runtime.cli import install_named
+    from calm_runtime.models import resolve_model
+
+    install_named([args.model])
+    folder = resolve_model(args.model)
+    work = Path(args.work or cache_dir("bench-engines") / Path(str(args.model)).name)
+    work.mkdir(parents=True, exist_ok=True)
+    builds = build_all(folder, args.model, work)
+    arms = {name: runner for name, runner in make_runners(builds, folder).items()}
+    prompt64, prompt512 = _prompts(folder)
+    names = list(arms)
+    raw: dict[str, dict[str, list[float]]] = {n: {"decode": [], "prefill64": [],
+                                                   "prefill512": []} for n in names}
+    for r in range(args.rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in order:
+            decode, prefill64 = arms[name](prompt64, args.new_tokens)
+            _, prefill512 = arms[name](prompt512, 1)
+            raw[name]["decode"].append(decode)
+            raw[name]["prefill64"].append(prefill64)
+            raw[name]["prefill512"].append(prefill512)
+        print(f"round {r + 1}/{args.rounds}: " + ", ".join(
+            f"{n} {raw[n]['decode'][-1] * 1e3:.1f} ms/token" for n in names), flush=True)
+    rows = []
+    for name in names:
+        row = {"arm": name, "build_seconds": builds[name]["seconds"],
+               "bytes": builds[name]["bytes"], "graph": builds[name].get("graph")}
+        for metric in ("decode", "prefill64", "prefill512"):
+            ratios = [m / b for m, b in zip(raw[name][metric], raw[REFERENCE_ARM][metric],
+                                            strict=True)]
+            row[metric] = {"median_ms": statistics.median(raw[name][metric]) * 1e3,
+                           "ratio_median": statistics.median(ratios),
+                           "ratio_min": min(ratios), "ratio_max": max(ratios)}
+        rows.append(row)
+    result = {"command": command_line("engines.py", argv), "commit": git_commit(),
+              "created": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "model": args.model, "rounds": args.rounds, "new_tokens": args.new_tokens,
+              "threads": 1, "rows": rows}
+    (out / f"{STEM}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / f"{STEM}.md").write_text(render(result))
+    print(render(result))
+    return 0
+
+
+# ---------------------------------------------------------------------- building
+def build_all(folder: Path, spec: str, work: Path) -> dict:
+    """Each arm's folder, its build time and size (cached in ``work/builds.json``)."""
+    record = work / "builds.json"
+    done = json.loads(record.read_text()) if record.is_file() else {}
+    steps = {
+        "calm fp32 standard": ["calm-export", "--model", spec, "--graph", "standard"],
+        REFERENCE_ARM: ["calm-export", "--model", spec],
+        "calm int8": ["calm-export", "--model", spec, "--quantize", "int8"],
+        "calm int4": ["calm-export", "--model", spec, "--quantize", "int4"],
+        "builder fp32": [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i",
+                         str(folder), "-p", "fp32", "-e", "cpu"],
+        "builder int4": [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i",
+                         str(folder), "-p", "int4", "-e", "cpu"],
+    }
+    for name, command in steps.items():
+        target = work / name.replace(" ", "-")
+        if name in done and target.is_dir():
+            continue
+        shutil.rmtree(target, ignore_errors=True)
+        command = [*command, "--out" if command[0] == "calm-export" else "-o", str(target)]
+        if command[0] == "calm-export":
+            command.append("--quiet")
+        else:
+            command += ["-c", str(work / "builder-cache")]
+        started = time.perf_counter()
+        subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+        seconds = time.perf_counter() - started
+        graph = None
+        if command[0] == "calm-export":
+            graph = json.loads((target / "calm_engine.json").read_text())["export"].get("graph")
+        done[name] = {"path": str(target), "seconds": round(seconds, 1),
+                      "bytes": sum(p.stat().st_size for p in target.glob("*.onnx*")),
+                      "graph": graph}
+        record.write_text(json.dumps(done, indent=2))
+    done["transformers generate()"] = {"path": str(folder), "seconds": 0.0, "bytes": 0}
+    return done
+
+
+# ---------------------------------------------------------------------- running
+def make_runners(builds: dict, folder: Path) -> dict:
+    runners = {}
+    for name, build in builds.items():
+        if name.startswith("calm"):
+            runners[name] = _calm_runner(Path(build["path"]))
+        elif name.startswith("builder"):
+            runners[name] = _genai_runner(Path(build["path"]))
+        else:
+            runners[name] = _transformers_runner(folder)
+    return runners
+
+
+def _calm_runner(path: Path):
+    from calm_runtime.lm import CalibratedLM
+
+    lm = CalibratedLM.load(path, threads=1)
+
+    def run(ids: list[int], new_tokens: int) -> tuple[float, float]:
+        out = lm.generate(lm.tokenizer.decode(ids, skip_special_tokens=False), new_tokens)
+        return out.timing.per_token_s, out.timing.prefill_s
+
+    return run
+
+
+def _genai_runner(path: Path):
+    import onnxruntime_genai as og
+
+    config_path = path / "genai_config.json"
+    config = json.loads(config_path.read_text())
+    session = config["model"]["decoder"].setdefault("session_options", {})
+    session["intra_op_num_threads"] = 1
+    session["inter_op_num_threads"] = 1
+    config_path.write_text(json.dumps(config, indent=2))
+    model = og.Model(str(path))
+
+    def run(ids: list[int], new_tokens: int) -> tuple[float, float]:
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=len(ids) + new_tokens, do_sample=False)
+        generator = og.Generator(model, params)
+        started = time.perf_counter()
+        generator.append_tokens(np.asarray([ids], dtype=np.int32))
+        prefill = time.perf_counter() - started
+        steps = 0
+        started = time.perf_counter()
+        while not generator.is_done() and steps < new_tokens - 1:
+            generator.generate_next_token()
+            steps += 1
+        decode = (time.perf_counter() - started) / max(steps, 1)
+        return decode, prefill
+
+    return run
+
+
+def _transformers_runner(folder: Path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+
+    def run(ids: list[int], new_tokens: int) -> tuple[float, float]:
+        x = torch.tensor([ids])
+        with torch.inference_mode():
+            started = time.perf_counter()
+            model(input_ids=x, use_cache=True, logits_to_keep=1)
+            prefill = time.perf_counter() - started
+            started = time.perf_counter()
+            model.generate(x, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                           do_sample=False)
+            total = time.perf_counter() - started
+        return max(total - prefill, 0.0) / max(new_tokens - 1, 1), prefill
+
+    return run
+
+
+def _prompts(folder: Path) -> tuple[list[int], list[int]]:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    text = ("The history of science is the study of the development of science and scientific "
+            "knowledge, including both the natural and social sciences. ") * 64
+    ids = tok.encode(text, add_special_tokens=False).ids
+    return ids[:64], ids[:512]
+
+
+# ---------------------------------------------------------------------- report
+def render(result: dict) -> str:
+    lines = [f"# Engines: calm beside onnxruntime-genai's builder ({result['model']})", "",
+             f"Generated by `{result['command']}` at commit {result['commit']} on "
+             f"{result['created']}; do not edit by hand. {result['rounds']} rounds, arm order "
+             f"rotated, 1 thread, batch 1; ratio = the arm's time / calm fp32's in the same "
+             f"round (median, min-max), ms = median. Decode: {result['new_tokens']} greedy "
+             "tokens after a 64-token prompt.", "",
+             "| arm | graph | decode ratio | decode ms/token | prefill 64 ratio | prefill 512 "
+             "ratio | prefill 512 ms | build s | MB |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for row in result["rows"]:
+        graph = (row.get("graph") or {}).get("kind", "builder" if "builder" in row["arm"]
+                                                  else "-")
+        d, p64, p512 = row["decode"], row["prefill64"], row["prefill512"]
+        lines.append(
+            f"| {row['arm']} | {graph} | {_ratio(d)} | {d['median_ms']:.1f} | {_ratio(p64)} | "
+            f"{_ratio(p512)} | {p512['median_ms']:.0f} | {row['build_seconds']:.0f} | "
+            f"{row['bytes'] / 1e6:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def _ratio(m: dict) -> str:
+    return f"{m['ratio_median']:.2f} ({m['ratio_min']:.2f}-{m['ratio_max']:.2f})"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
