@@ -226,3 +226,26 @@ def test_onnxruntime_genai_runs_the_engine(tied_lora_engine):
         if token == 2:
             break
     assert generated == expected[:len(generated)] and len(generated) >= min(10, len(expected))
+
+
+def test_the_default_graph_fuses_rmsnorm_and_the_standard_one_has_standard_ops_only(
+        tmp_path, tiny_llama_untied):
+    """The default ONNX engine holds ONNX Runtime's fused RMSNorm (recorded in the manifest,
+    validated like any graph); --graph standard, which a TensorRT build uses, holds only
+    standard ONNX ops (the default domain), which TensorRT's parser reads."""
+    import onnx
+
+    from calm_export import ExportConfig, export_engine
+
+    fast = {"progress": False, "exporter": "torchscript", "greedy_steps": 2}
+    fused = export_engine(tiny_llama_untied, tmp_path / "fused", config=ExportConfig(**fast))
+    standard = export_engine(tiny_llama_untied, tmp_path / "standard",
+                             config=ExportConfig(**fast, graph="standard"))
+    graph = fused.manifest.export["graph"]
+    assert graph["kind"] == "ort-fused" and graph["fused_ops"]["SkipSimplifiedLayerNormalization"]
+    domains = {n.domain for n in onnx.load(str(fused.path / "model.onnx")).graph.node}
+    assert "com.microsoft" in domains
+    assert standard.manifest.export["graph"]["kind"] == "standard"
+    domains = {n.domain for n in onnx.load(str(standard.path / "model.onnx")).graph.node}
+    assert domains <= {"", "ai.onnx"}
+    assert fused.manifest.validation["max_abs_diff"] <= fused.manifest.validation["tolerance"]
