@@ -50,6 +50,9 @@ def main(argv=None) -> int:
                         "default: $CALM_CACHE/bench-engines/MODEL)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--score", default="arc-easy:test",
+                        help="multiple-choice data each calm engine is scored on (cloze, as "
+                        "calm score does): accuracy and ECE of fp32, int8 and int4; '' skips")
     parser.add_argument("--render", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -93,7 +96,9 @@ def main(argv=None) -> int:
                            "ratio_median": statistics.median(ratios),
                            "ratio_min": min(ratios), "ratio_max": max(ratios)}
         rows.append(row)
+    scores = score_engines(builds, args.score) if args.score else {}
     result = {"command": command_line("engines.py", argv), "commit": git_commit(),
+              "scores": scores, "score_data": args.score,
               "created": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "model": args.model, "rounds": args.rounds, "new_tokens": args.new_tokens,
               "threads": 1, "rows": rows}
@@ -140,6 +145,33 @@ def build_all(folder: Path, spec: str, work: Path) -> dict:
         record.write_text(json.dumps(done, indent=2))
     done["transformers generate()"] = {"path": str(folder), "seconds": 0.0, "bytes": 0}
     return done
+
+
+def score_engines(builds: dict, data: str) -> dict:
+    """``calm score``'s metrics (cloze, the engine's defaults) of each calm engine on
+    ``data``, with the drift from fp32 each quantised engine's manifest records."""
+    from calm_runtime.data import load_dataset
+    from calm_runtime.lm import CalibratedLM
+    from calm_runtime.score import score_records
+
+    records = load_dataset(data)
+    out = {}
+    for name, build in builds.items():
+        if not name.startswith("calm") or name == "calm fp32 standard":
+            continue
+        lm = CalibratedLM.load(build["path"], threads=2)
+        report = score_records(lm, records, mode="cloze")
+        export = lm.manifest.export
+        lm.close()
+        variant = next((export[k] for k in ("int8", "int4") if export.get(k)), None)
+        out[name] = {"accuracy": report["accuracy"], "ece": report["ece"],
+                     "ece_ci95": report.get("ece_ci95"), "nll": report["nll"],
+                     "n": report["n"],
+                     "drift": None if variant is None else variant["drift"],
+                     "block_size": None if variant is None else variant.get("block_size")}
+        print(f"{name} on {data}: accuracy {report['accuracy']:.3f}, ECE {report['ece']:.3f}",
+              flush=True)
+    return out
 
 
 # ---------------------------------------------------------------------- running
@@ -247,6 +279,18 @@ def render(result: dict) -> str:
             f"| {row['arm']} | {graph} | {_ratio(d)} | {d['median_ms']:.1f} | {_ratio(p64)} | "
             f"{_ratio(p512)} | {p512['median_ms']:.0f} | {row['build_seconds']:.0f} | "
             f"{row['bytes'] / 1e6:.0f} |")
+    if result.get("scores"):
+        lines += ["", f"What the precision costs on {result['score_data']} (cloze, `calm score`'s "
+                  "metrics through each engine; drift: against the fp32 graph at export, "
+                  "top-1 agreement and mean total variation):", "",
+                  "| engine | accuracy | ECE | NLL | top-1 agreement | mean TV |",
+                  "|---|---|---|---|---|---|"]
+        for name, m in result["scores"].items():
+            drift = m.get("drift")
+            agree = "-" if drift is None else f"{drift['greedy_agreement']:.3f}"
+            tv = "-" if drift is None else f"{drift['mean_total_variation']:.4f}"
+            lines.append(f"| {name} | {m['accuracy']:.3f} | {m['ece']:.3f} | {m['nll']:.3f} | "
+                         f"{agree} | {tv} |")
     return "\n".join(lines) + "\n"
 
 
