@@ -311,14 +311,28 @@ def fuse_graph(path: Path, shape: DecoderShape, *, external: bool) -> dict:
     count_before = len(before.graph.node)
     del before
     options = FusionOptions("gpt2")
-    options.enable_attention = False  # calm's attention keeps its exported form
-    options.enable_skip_layer_norm = True
-    with _quiet():
-        optimized = optimize_model(str(path), model_type="gpt2",
-                                   num_heads=shape.num_attention_heads,
-                                   hidden_size=shape.hidden_size, opt_level=0,
-                                   optimization_options=options)
-    ops = collections.Counter(n.op_type for n in optimized.model.graph.node)
+    for name in [k for k in vars(options) if k.startswith("enable_")]:
+        setattr(options, name, False)  # RMSNorm only: attention keeps its exported form
+    options.enable_layer_norm = options.enable_skip_layer_norm = True
+    options.enable_shape_inference = True
+    try:
+        with _quiet():
+            optimized = optimize_model(str(path), model_type="gpt2",
+                                       num_heads=shape.num_attention_heads,
+                                       hidden_size=shape.hidden_size, opt_level=0,
+                                       optimization_options=options)
+    except Exception as exc:  # noqa: BLE001 - the optimizer's pattern code on an unusual graph
+        reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        logger.warning("the RMSNorm fusion failed on this graph (%s: %s); the engine keeps "
+                       "the standard graph", type(exc).__name__, reason)
+        return {"kind": "standard", "fused_ops": {}, "fusion_failed": reason,
+                "nodes_before": count_before, "nodes": count_before}
+    model = optimized.model
+    domains = {n.domain for n in model.graph.node if n.domain not in ("", "ai.onnx")}
+    imported = {o.domain for o in model.opset_import}
+    for domain in sorted(domains - imported):  # the contrib ops' domain must be declared
+        model.opset_import.append(onnx.helper.make_opsetid(domain, 1))
+    ops = collections.Counter(n.op_type for n in model.graph.node)
     fused = {op: ops[op] for op in FUSED_OPS if ops.get(op)}
     for stale in path.parent.glob(f"{ONNX_FILE}*"):
         stale.unlink()

@@ -249,7 +249,9 @@ def _export(model_spec, out: Path, adapter_arg, config: ExportConfig,
         del model, decoder, fused
         gc.collect()
         facts["graph"] = {"kind": "standard", "fused_ops": {}}
-        if config.graph == "fused" and config.format == "onnx":
+        if config.graph == "fused" and config.format == "onnx" and not config.variant:
+            # a variant is built from the standard graph (the quantisers and the fp16
+            # converter read standard ops) and fused after it
             facts["graph"] = fuse_graph(staging / ONNX_FILE, shape, external=external)
 
         stages.start("validate")
@@ -282,6 +284,7 @@ def _export(model_spec, out: Path, adapter_arg, config: ExportConfig,
                 staging, shape, config, cases, references, got, drift_cases, drift_base,
                 scale, external)
             report.update(variant_report)
+            facts["graph"] = variant_facts.pop("graph")
             dtype = "float16" if config.variant == "fp16" else "float32"
         model_files = sorted(p.name for p in staging.iterdir()
                              if p.is_file() and p.name.startswith(ONNX_FILE))
@@ -434,6 +437,10 @@ def _build_variant(staging: Path, shape, config: ExportConfig, cases, references
         facts = quantize.quantize_int4(source, target, config, external=external)
     else:
         facts = quantize.convert_fp16(source, target, external=external)
+    facts["graph"] = {"kind": "standard", "fused_ops": {}}
+    if config.graph == "fused":  # the drift and the fp16 check below measure the fused graph
+        facts["graph"] = fuse_graph(target, shape, external=external)
+        facts["bytes"] = sum(p.stat().st_size for p in staging.glob(f"{ONNX_FILE}*"))
     runner, _ = validate.onnx_runner(target, shape)
     mine = validate.run_cases(runner, cases, config.greedy_steps, references)
     mine_drift = validate.run_cases(runner, drift_cases, config.greedy_steps, drift_base)
@@ -445,23 +452,19 @@ def _build_variant(staging: Path, shape, config: ExportConfig, cases, references
                 "variation %.4f, max |dp| %.3g", config.variant, drift["positions"],
                 drift["greedy_agreement"], drift["mean_total_variation"],
                 drift["max_prob_change"])
-    if config.variant == "int8":
-        if drift["greedy_agreement"] < config.int8_min_agreement:
+    if config.variant in ("int8", "int4"):
+        minimum = getattr(config, f"{config.variant}_min_agreement")
+        if drift["greedy_agreement"] < minimum:
+            advice = ("keep more modules in fp32 (--int8-exclude), use --int8-scheme "
+                      "blockwise (ExportConfig.int8_block_size for a smaller block), or export "
+                      "fp32" if config.variant == "int8" else
+                      "use --quantize int8 or export fp32 (ExportConfig.int4_block_size for a "
+                      "smaller block)")
             raise ExportValidationError(
-                f"the int8 engine keeps the fp32 top token at {drift['greedy_agreement']:.1%} "
-                f"of {drift['positions']} positions (minimum {config.int8_min_agreement:.0%}); "
-                "keep more modules in fp32 (--int8-exclude), use --int8-scheme blockwise "
-                "(ExportConfig.int8_block_size for a smaller block), or export fp32; no "
-                "engine was written")
-        return fp32_root, facts, {"int8_min_agreement": config.int8_min_agreement}
-    if config.variant == "int4":
-        if drift["greedy_agreement"] < config.int4_min_agreement:
-            raise ExportValidationError(
-                f"the int4 engine keeps the fp32 top token at {drift['greedy_agreement']:.1%} "
-                f"of {drift['positions']} positions (minimum {config.int4_min_agreement:.0%}); "
-                "use --quantize int8 or export fp32 (ExportConfig.int4_block_size for a "
-                "smaller block); no engine was written")
-        return fp32_root, facts, {"int4_min_agreement": config.int4_min_agreement}
+                f"the {config.variant} engine keeps the fp32 top token at "
+                f"{drift['greedy_agreement']:.1%} of {drift['positions']} positions (minimum "
+                f"{minimum:.0%}); {advice}; no engine was written")
+        return fp32_root, facts, {f"{config.variant}_min_agreement": minimum}
     tolerance = config.tolerance(scale, "fp16")
     single, double = validate.compare_all(cases, references, mine, tolerance)
     overall = single.merge(double)

@@ -26,6 +26,7 @@ Uses the standard library only (no torch, no HTTP client dependency).
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import hashlib
 import http.client
 import json
@@ -470,14 +471,15 @@ def serves_chat(endpoint: Endpoint) -> bool:
     (no chat template, no such route) means no."""
     body = {"model": endpoint.model, "messages": [{"role": "user", "content": "Hi"}],
             "max_tokens": 1, "temperature": 0, "logprobs": True, "top_logprobs": 1}
+    probe = dataclasses.replace(endpoint, retries=0)  # one try: the answer decides the format
     try:
-        _chat_top_alternatives(endpoint.request("POST", "/chat/completions", body))
+        _chat_top_alternatives(probe.request("POST", "/chat/completions", body))
     except RemoteError as exc:
-        if exc.status is not None and 400 <= exc.status < 500 and exc.status not in (401, 403):
-            return False
-        if exc.status is None and "logprobs" in str(exc):
-            return False
-        raise
+        if exc.status in (401, 403):  # a key problem, not a missing route
+            raise
+        logger.info("%s: no chat completions with logprobs (%s); prompts go as text",
+                    endpoint.base_url, exc)
+        return False
     return True
 
 

@@ -106,7 +106,7 @@ def test_unknown_model_is_a_model_source_error(tmp_path):
 
 def test_config_collects_every_problem_in_one_message():
     with pytest.raises(ConfigError) as info:
-        ExportConfig(quantize="int4", opset=3, greedy_steps=0, head_layout="sideways")
+        ExportConfig(quantize="int3", opset=3, greedy_steps=0, head_layout="sideways")
     message = _one_line(info)
     for part in ("quantize", "opset", "greedy_steps", "head_layout"):
         assert part in message

@@ -647,8 +647,13 @@ def test_save_to_existing_directory_without_overwrite(work: Path, saved: Path):
 
 
 def test_save_with_overwrite_replaces(work: Path, saved: Path):
-    (saved / "stale.txt").write_text("from the old artifact")
+    # a file calm did not write stops --overwrite (it would be wiped with the folder)
+    (saved / "stale.txt").write_text("not calm's")
     new = _adapter(tau=_tau(9), kind="temperature", lora_path=None)
+    with pytest.raises(ArtifactError, match="calm did not write"):
+        new.save_pretrained(saved, overwrite=True)
+    assert (saved / "stale.txt").read_text() == "not calm's"
+    (saved / "stale.txt").unlink()
     assert new.save_pretrained(saved, overwrite=True) == saved
     loaded = CalibrationAdapter.from_pretrained(saved)
     np.testing.assert_array_equal(loaded.tau, _tau(9))

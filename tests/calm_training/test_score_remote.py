@@ -144,10 +144,12 @@ def test_a_served_adapter_applies_its_temperature(server, data, tmp_path, capsys
         (probs.argmax(axis=1) == labels).mean())
     assert report["adapter"] == adapter and report["temperature"] == 2.0
     assert "| served model + adapter |" in capsys.readouterr().out
-    # the requests of the first run were cached: the second run sends only the echo retries
+    # the requests of the first run were cached: the second run sends only the prompt-format
+    # probe (does the endpoint serve chat completions? this scripted one does not) and the
+    # echo retries
     posts = len(seen["auth"])
     assert _score(url, data, tmp_path / "again.json") == 0
-    assert len(seen["auth"]) - posts <= 1
+    assert len(seen["auth"]) - posts <= 2
 
 
 def test_an_adapter_of_another_endpoint_is_one_line(server, data, tmp_path, capsys):
