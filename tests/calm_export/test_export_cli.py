@@ -209,3 +209,25 @@ def test_sigterm_during_export_removes_the_staging_folder(tmp_path, tiny_llama_u
     lines = [line for line in err.strip().splitlines() if not line.startswith("WARNING ")]
     assert len(lines) == 1 and lines[0].startswith("Interrupted: stopped by SIGTERM"), err
     assert sorted(p.name for p in tmp_path.iterdir()) == [], list(tmp_path.iterdir())
+
+
+def test_a_long_stage_is_never_silent_and_no_bar_goes_to_a_log(monkeypatch, caplog):
+    """Without a terminal, calm-export draws no bar (no carriage returns in a redirected log)
+    and logs a heartbeat while a stage runs."""
+    import io
+    import logging
+    import time
+
+    from calm_export import pipeline
+
+    monkeypatch.setattr(pipeline, "HEARTBEAT_S", 0.2)
+    fake_stderr = io.StringIO()
+    monkeypatch.setattr(pipeline.sys, "stderr", fake_stderr)
+    with caplog.at_level(logging.INFO, logger="calm_export"):
+        stages = pipeline._Stages(["load", "export"], progress=True)
+        stages.start("export")
+        time.sleep(0.7)
+        stages.close()
+    assert "\r" not in fake_stderr.getvalue()
+    beats = [r.message for r in caplog.records if "running for" in r.message]
+    assert beats and beats[0].startswith("stage export: running for")

@@ -266,3 +266,25 @@ def test_calm_eval_adapter_writes_its_report(mode, tiny_llama_tied, tiny_llama_u
     assert report["n_calibration"] == 12 and report["n_test"] == 28
     assert set(report["calibrated_outputs"]) == {"token_logprobs", "option_probabilities",
                                                  "p_true"}
+
+
+def test_arguments_are_checked_before_any_scoring(tiny_llama_tied, mc_file, tmp_path,
+                                                  monkeypatch):
+    """A label-free method without --reference, an --out that exists or cannot be created:
+    refused before a single question is scored."""
+    from calm_training import fit as fit_module
+
+    def no_scoring(*_a, **_k):
+        raise AssertionError("scored before the arguments were checked")
+
+    monkeypatch.setattr(fit_module, "cached_option_scores", no_scoring)
+    config = _config(tiny_llama_tied, mc_file, mode="cloze")
+    with pytest.raises(ConfigError, match="need a reference"):
+        fit_adapter(config, "daca", tmp_path / "a", progress=False)
+    with pytest.raises(ConfigError, match="need a reference"):
+        compare_methods(config, ("vanilla", "daca"), progress=False)
+    (tmp_path / "file").write_text("x")
+    from calm_runtime.errors import ArtifactError
+
+    with pytest.raises(ArtifactError, match="not a folder"):
+        fit_adapter(config, "ts", tmp_path / "file" / "adapter", progress=False)
