@@ -107,6 +107,8 @@ def test_a_huge_constrained_choice_stays_under_2_gb(long_engine):
         peak = server.peak_rss_bytes()
     finally:
         server.stop()
+    print(f"\n64 choices x 1,000 characters after 3,000: HTTP {status}, server peak RSS "
+          f"{peak / 2**30:.2f} GB")
     assert status == 200, body["error"]["message"] if "error" in body else body
     assert len(body["choices"][0]["calm"]["option_probabilities"]) == 64
     assert peak < 2 << 30, f"server peak RSS {peak / 2**30:.2f} GB"
@@ -126,6 +128,8 @@ def test_scoring_requests_obey_the_queue_and_the_timeout(long_engine):
         echo_status, _ = server.post(echo)
     finally:
         server.stop()
+    print(f"\nsix concurrent choices, --max-queue 1 --request-timeout 1: {sorted(statuses)} in "
+          f"{elapsed:.1f} s; a 3,900-character echo: HTTP {echo_status}")
     assert 429 in statuses  # at most one waits behind the one running
     assert set(statuses) <= {429, 504, 200}
     assert 504 in statuses or 200 in statuses
@@ -149,3 +153,34 @@ def test_an_echo_answer_is_bounded(long_engine):
         server.stop()
     assert status == 400 and "log-probabilities" in body["error"]["message"], body
     assert elapsed < 10 and health == 200
+
+
+def test_a_client_that_goes_away_stops_its_scoring(long_engine):
+    """A constrained choice whose client disconnects is stopped between its steps: the
+    server counts it cancelled and the next request is answered at once."""
+    import http.client
+    import json as _json
+
+    server = Server(long_engine)
+    try:
+        body = _json.dumps({"model": "long", **_big_choice(np.random.default_rng(3))})
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+        conn.request("POST", "/v1/completions", body=body,
+                     headers={"Content-Type": "application/json"})
+        time.sleep(1.0)  # the scoring is under way
+        conn.sock.close()  # the client goes away without reading the answer
+        conn.close()
+        started = time.monotonic()
+        # another scoring request: it waits for the engine's scoring slot, which the
+        # abandoned one would hold for tens of seconds had it not stopped
+        status, _ = server.post({"prompt": "Hi", "max_tokens": 2,
+                                 "guided_choice": ["yes", "no"]}, timeout=60)
+        waited = time.monotonic() - started
+        metrics = urllib.request.urlopen(server.url + "/metrics", timeout=5).read().decode()
+    finally:
+        server.stop()
+    print(f"\nafter a client left mid-choice: the next choice answered in {waited:.2f} s")
+    assert status == 200 and waited < 10, waited
+    cancelled = [line for line in metrics.splitlines()
+                 if line.startswith("calm_requests_cancelled_total")]
+    assert cancelled and float(cancelled[0].split()[-1]) >= 1, cancelled
