@@ -164,13 +164,13 @@ def score_engines(builds: dict, data: str) -> dict:
         export = lm.manifest.export
         lm.close()
         variant = next((export[k] for k in ("int8", "int4") if export.get(k)), None)
-        out[name] = {"accuracy": report["accuracy"], "ece": report["ece"],
-                     "ece_ci95": report.get("ece_ci95"), "nll": report["nll"],
-                     "n": report["n"],
+        metrics = report["metrics"]
+        out[name] = {"accuracy": metrics["accuracy"], "ece": metrics["ece"],
+                     "nll": metrics["nll"], "brier": metrics["brier"], "n": metrics["n"],
                      "drift": None if variant is None else variant["drift"],
                      "block_size": None if variant is None else variant.get("block_size")}
-        print(f"{name} on {data}: accuracy {report['accuracy']:.3f}, ECE {report['ece']:.3f}",
-              flush=True)
+        print(f"{name} on {data}: accuracy {metrics['accuracy']:.3f}, ECE "
+              f"{metrics['ece']:.3f}", flush=True)
     return out
 
 
