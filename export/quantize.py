@@ -30,6 +30,13 @@ it near fp32. The ``blockwise`` scheme (MatMulNBits, 8 bits, symmetric, one scal
 ``block_size`` weights, ``accuracy_level`` 4: activations quantised per block too) keeps
 the top token at 97.6% with every MatMul quantised, at 2.1x the fp32 speed: the default.
 
+int4 (``--quantize int4``): the same MatMulNBits scheme with 4 bits, every MatMul, blocks of 32
+(``ExportConfig.int4_block_size``; the block sizes measured in benchmarks/results/int4_blocks.md).
+On SmolLM2 it keeps the fp32 top token at 65-72% of positions (mean total variation ~0.3) at
+0.43x the fp32 decode time, and ARC-Easy accuracy 0.466 / ECE 0.151 against fp32's 0.474 /
+0.149 (benchmarks/results/engines.md): a real cost in the next-token distribution that the
+option ranking mostly survives.
+
 fp16 (``--dtype fp16`` with ONNX, meant for GPU providers): onnxruntime's converter turns
 weights, activations and the KV cache into float16 and keeps the logits output float32.
 The fp16 graph itself is validated against the reference with the fp16 tolerance on the
