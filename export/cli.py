@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from collections.abc import Sequence
@@ -17,7 +18,18 @@ from calm_runtime.cli import (
 from calm_runtime.errors import CalmError, ConfigError
 from calm_runtime.prompts import CLOZE_VARIANTS, DEFAULT_CLOZE_VARIANT
 
-from .config import HEAD_LAYOUTS, INT8_SCHEMES  # torch-free, like this module
+from .config import (  # torch-free, like this module
+    DTYPES,
+    FORMATS,
+    GRAPHS,
+    HEAD_LAYOUTS,
+    INT8_SCHEMES,
+    QUANTIZE,
+    ExportConfig,
+)
+
+#: the options' defaults are ExportConfig's fields (one place for both; tested)
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ExportConfig)}
 
 __all__ = ["main", "build_parser", "register", "run"]
 
@@ -61,14 +73,14 @@ def add_arguments(parser: argparse.ArgumentParser, *, quiet: bool = True) -> Non
     parser.add_argument("--adapter", default=None,
                         help="calibration adapter directory (default: identity calibration)")
     parser.add_argument("--out", required=True, help="engine directory to create")
-    parser.add_argument("--format", choices=("onnx", "tensorrt", "hf"), default="onnx",
+    parser.add_argument("--format", choices=FORMATS, default=_DEFAULTS["format"],
                         help="onnx: ONNX engine with KV cache (default); tensorrt: a TensorRT "
                         "plan (GPU); hf: a transformers checkpoint whose LM head computes the "
                         "calibrated logits, for vLLM, SGLang and other servers (a per-token "
                         "shift needs a family with a head bias; see docs/formats.md)")
-    parser.add_argument("--dtype", choices=("fp32", "fp16"), default="fp32",
+    parser.add_argument("--dtype", choices=DTYPES, default=_DEFAULTS["dtype"],
                         help="engine precision (fp16: for GPU providers / TensorRT)")
-    parser.add_argument("--quantize", choices=("int8", "int4"), default=None,
+    parser.add_argument("--quantize", choices=QUANTIZE, default=_DEFAULTS["quantize"],
                         help="int8 or int4 weights (blockwise MatMulNBits, every MatMul); the "
                         "drift from fp32 is "
                         "measured and recorded in the manifest")
@@ -83,21 +95,22 @@ def add_arguments(parser: argparse.ArgumentParser, *, quiet: bool = True) -> Non
     parser.add_argument("--calibration-variant", choices=CLOZE_VARIANTS, default=None,
                         help="cloze score variant for DATA (default: the adapter's recorded "
                         f"one, else {DEFAULT_CLOZE_VARIANT})")
-    parser.add_argument("--int8-scheme", choices=INT8_SCHEMES, default="blockwise",
+    parser.add_argument("--int8-scheme", choices=INT8_SCHEMES, default=_DEFAULTS["int8_scheme"],
                         help="with --quantize int8: blockwise (MatMulNBits) or dynamic "
                         "(default blockwise)")
     parser.add_argument("--int8-exclude", metavar="MODULES", default=None,
                         help="with --quantize int8: comma-separated modules kept fp32 (a path, "
                         "a suffix such as mlp.down_proj, or a glob; default: the scheme's "
                         "measured choice)")
-    parser.add_argument("--head-layout", choices=HEAD_LAYOUTS, default="untied",
+    parser.add_argument("--head-layout", choices=HEAD_LAYOUTS, default=_DEFAULTS["head_layout"],
                         help="untied: the head holds W/(tau T) and a bias (default); "
                         "tied-scale: the tied head followed by a scale and a shift")
-    parser.add_argument("--graph", choices=("fused", "standard"), default="fused",
+    parser.add_argument("--graph", choices=GRAPHS, default=_DEFAULTS["graph"],
                         help="fused: RMSNorm as ONNX Runtime's fused ops (default; onnxruntime "
                         "and onnxruntime-genai run it); standard: standard ONNX ops only "
                         "(TensorRT engines always are)")
-    parser.add_argument("--opset", type=int, default=18, help="ONNX opset (default 18)")
+    parser.add_argument("--opset", type=int, default=_DEFAULTS["opset"],
+                        help=f"ONNX opset (default {_DEFAULTS['opset']})")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an existing engine once the new one has passed validation")
     if quiet:

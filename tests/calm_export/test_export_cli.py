@@ -231,3 +231,22 @@ def test_a_long_stage_is_never_silent_and_no_bar_goes_to_a_log(monkeypatch, capl
     assert "\r" not in fake_stderr.getvalue()
     beats = [r.message for r in caplog.records if "running for" in r.message]
     assert beats and beats[0].startswith("stage export: running for")
+
+
+def test_every_export_option_default_is_the_config_field():
+    """calm-export's defaults are ExportConfig's (one place for both)."""
+    import dataclasses
+
+    from calm_export import cli as export_cli
+    from calm_export.config import ExportConfig
+
+    fields = {f.name: f.default for f in dataclasses.fields(ExportConfig)}
+    parser = export_cli.build_parser()
+    for action in parser._actions:
+        name = action.dest
+        # --recalibrate DATA sets both calibration_data and the recalibrate flag
+        if name in fields and action.option_strings and name != "recalibrate":
+            assert action.default == fields[name], (name, action.default, fields[name])
+    checked = {a.dest for a in parser._actions} & set(fields)
+    assert {"format", "dtype", "quantize", "int8_scheme", "head_layout", "graph",
+            "opset"} <= checked
