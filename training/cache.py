@@ -100,7 +100,7 @@ def cached_option_scores(model: str, records: Sequence[MultipleChoiceRecord], *,
             adapter.base_model.check_compatible(identity)
     else:
         lm, tokenizer = loaded
-    calibration = adapter if adapter is not None and _has_token_calibration(adapter) else None
+    calibration = adapter if adapter is not None and adapter.has_token_calibration() else None
     scores = score_multiple_choice(lm, tokenizer, records, mode=mode, batch_size=batch_size,
                                    chat=chat, calibration=calibration, progress=progress,
                                    max_length=max_length)
@@ -112,10 +112,3 @@ def cached_option_scores(model: str, records: Sequence[MultipleChoiceRecord], *,
     finally:
         Path(tmp).unlink(missing_ok=True)
     return scores
-
-
-def _has_token_calibration(adapter: CalibrationAdapter) -> bool:
-    return bool(adapter.temperature != 1.0 or (adapter.tau != 1).any()
-                or (adapter.shift != 0).any())
-
-

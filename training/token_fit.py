@@ -32,13 +32,15 @@ from calm_runtime.prompts import cloze_context, cloze_continuation
 from . import daca
 from .scoring import _batched_logits, _batches, _pad_id, context_limit, describe, encode_within
 
-__all__ = ["AnswerPositions", "answer_positions", "token_level_fit", "token_ece",
-           "token_confidences", "cloze_token_temperature"]
+__all__ = ["AnswerPositions", "answer_positions", "token_level_fit", "token_confidences",
+           "cloze_token_temperature"]
 
 logger = logging.getLogger(__name__)
 
 #: methods with a token-level counterpart (the vector fits have none in cloze mode)
 TOKEN_METHODS = ("daca", "naive", "ts")
+NO_SHARED_TOKENIZER = ("the reference does not share the model's tokenizer, so a label-free "
+                       "token-level fit has no signal (option-level only)")
 
 
 @dataclass
@@ -118,19 +120,6 @@ def token_confidences(logits: np.ndarray, targets: np.ndarray, temperature: floa
     return conf, correct, nll
 
 
-def token_ece(logits: np.ndarray, targets: np.ndarray, temperature: float = 1.0,
-              n_bins: int = 10) -> dict:
-    """Token-level calibration (docs/methods.md §3): confidence = the top next-token
-    probability under ``softmax(z / T)``, correct = that token is the answer's next token.
-    Returns ``{"ece", "accuracy", "mean_confidence", "nll", "n"}``."""
-    from calm_runtime import metrics
-
-    conf, correct, nll = token_confidences(logits, targets, temperature)
-    return {"ece": float(metrics.ece(conf, correct, n_bins)), "accuracy": float(correct.mean()),
-            "mean_confidence": float(conf.mean()), "nll": float(nll.mean()),
-            "n": int(len(targets))}
-
-
 def token_level_fit(method: str, *, model, tokenizer, records, chosen: np.ndarray,
                     reference=None, reference_tokenizer=None, same_tokenizer: bool = False,
                     labels: np.ndarray | None = None, calibration=None, batch_size: int = 8,
@@ -154,9 +143,7 @@ def token_level_fit(method: str, *, model, tokenizer, records, chosen: np.ndarra
                      "positions": int(len(pos.targets)), "questions": len(records),
                      **fit.to_dict()}
     if reference is None or not same_tokenizer:
-        return None, {"fitted": False,
-                      "reason": "the reference does not share the model's tokenizer, so a "
-                                "label-free token-level fit has no signal (option-level only)"}
+        return None, {"fitted": False, "reason": NO_SHARED_TOKENIZER}
     keep = np.arange(len(records)) if method == "naive" else np.flatnonzero(agree)
     if keep.size == 0:
         return None, {"fitted": False, "reason": "no calibration question where both models "
@@ -211,8 +198,7 @@ def cloze_token_temperature(method: str, *, model: str, reference: str | None, r
         theirs = model_identity(resolve_model(reference)).tokenizer_sha256
         same = mine is not None and mine == theirs
         if not same:
-            return token_level_fit(method, model=None, tokenizer=None, records=records,
-                                   chosen=chosen)
+            return None, {"fitted": False, "reason": NO_SHARED_TOKENIZER}
     lora = base_adapter.lora_path if base_adapter is not None else None
     lm, tokenizer, _ = load_model_and_tokenizer(model, lora_path=lora)
     calibration = (base_adapter if base_adapter is not None
