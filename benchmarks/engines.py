@@ -1,24 +1,35 @@
 """calm's engines beside onnxruntime-genai's own builder and transformers: speed and build time.
 
     python benchmarks/engines.py --model smollm2-135m-instruct --rounds 5
+    python benchmarks/engines.py --model gemma-3-270m --rounds 3 --score ''
     python benchmarks/engines.py --render        # rewrite the .md from the .json
 
-Arms (SmolLM2-135M-Instruct by default, no adapter: the graphs, not the calibration, are
-compared; calm's fused calibration costs nothing measurable, benchmarks/results/latency.md):
+Each run adds (or replaces) its model's section of ``results/engines.json``. Arms (no
+adapter: the graphs, not the calibration, are compared; calm's fused calibration costs
+nothing measurable, benchmarks/results/latency.md):
 
-* calm fp32 standard (``calm-export --graph standard``), calm fp32 (the default graph,
-  RMSNorm fused), calm int8, calm int4 (``--quantize``), run by calm's runtime;
-* builder fp32 / int4: ``python -m onnxruntime_genai.models.builder -i <hf folder> -p fp32|int4
-  -e cpu``, run by onnxruntime-genai (which is what the builder's graph is made for);
+* calm fp32 (``calm-export``'s default graph: onnxruntime-genai's builder graph for the
+  families it builds, calibrated in its head), calm fp32 own graph (``--graph fused``:
+  calm's torch.export graph with fused RMSNorm), calm int8 and int4 (``--quantize``), run
+  by calm's runtime;
+* builder fp32, builder fp32 pruned head (``prune_lm_head=true``: the prefill projects the
+  last position only), builder int4: onnxruntime-genai's builder on the same folder
+  (through ``python -m calm_export._genai_build``, which runs the builder unchanged but
+  reads transformers 5's nested Gemma-3 rotary settings for it), run by onnxruntime-genai
+  (which is what the builder's graph is made for);
 * transformers ``generate()`` (fp32, ``use_cache``).
 
 Each arm is built once (its wall time is the export time; builds run one at a time on the
 otherwise quiet machine). Then, for ``--rounds`` rounds with the arm order rotated each
-round, every arm runs a 64-token prompt and 64 greedy tokens (decode ms/token), and a
-512-token prompt's prefill (time to the first token), on 1 intra-op thread, batch 1; each
+round, every arm runs a 64-token prompt and 64 greedy tokens (decode ms/token), and the
+prefill of a 512-token prompt (time to the first token), on 1 intra-op thread, batch 1; each
 round's figures are divided by the same round's calm fp32 figure and the table gives the
-median ratio (min-max) and the median milliseconds. Writes ``results/engines.{json,md}``
-naming the command and the commit.
+median ratio (min-max) and the median milliseconds. Long context: calm fp32, calm's own
+graph and builder fp32 decode 16 tokens after prompts of 128, 1,024 and 2,048 tokens.
+``targets`` pairs the arms the engine must match (same round): calm fp32 / builder fp32
+decode, calm int4 / builder int4 decode, calm fp32 / builder pruned prefill, the growth of
+decode time from 128 to 2,048 tokens of context, and calm-export's wall time / the
+builder's. Writes ``results/engines.{json,md}`` naming the command and the commit.
 """
 
 from __future__ import annotations
@@ -40,6 +51,14 @@ from _common import command_line, git_commit
 HERE = Path(__file__).resolve().parent
 STEM = "engines"
 REFERENCE_ARM = "calm fp32"
+LONG_CONTEXTS = (128, 1024, 2048)
+LONG_ARMS = ("calm fp32", "calm fp32 own graph", "builder fp32")
+LONG_NEW_TOKENS = 16
+#: (what, arm, against, metric): calm must be at most 1.00x
+TARGETS = (("fp32 decode", "calm fp32", "builder fp32", "decode"),
+           ("int4 decode", "calm int4", "builder int4", "decode"),
+           ("prefill 64", "calm fp32", "builder fp32 pruned head", "prefill64"),
+           ("prefill 512", "calm fp32", "builder fp32 pruned head", "prefill512"))
 
 
 def main(argv=None) -> int:
@@ -49,6 +68,7 @@ def main(argv=None) -> int:
     parser.add_argument("--work", default=None, help="where the engines are built (kept; "
                         "default: $CALM_CACHE/bench-engines/MODEL)")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--long-rounds", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--score", default="arc-easy:test",
                         help="multiple-choice data each calm engine is scored on (cloze, as "
@@ -57,8 +77,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     out = HERE / "results"
+    path = out / f"{STEM}.json"
     if args.render:
-        (out / f"{STEM}.md").write_text(render(json.loads((out / f"{STEM}.json").read_text())))
+        (out / f"{STEM}.md").write_text(render(json.loads(path.read_text())))
         return 0
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from calm_runtime._paths import cache_dir
@@ -71,41 +92,77 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     builds = build_all(folder, args.model, work)
     arms = {name: runner for name, runner in make_runners(builds, folder).items()}
-    prompt64, prompt512 = _prompts(folder)
+    prompts = _prompts(folder)
     names = list(arms)
     raw: dict[str, dict[str, list[float]]] = {n: {"decode": [], "prefill64": [],
                                                    "prefill512": []} for n in names}
     for r in range(args.rounds):
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
-            decode, prefill64 = arms[name](prompt64, args.new_tokens)
-            _, prefill512 = arms[name](prompt512, 1)
+            decode, prefill64 = arms[name](prompts[64], args.new_tokens)
+            _, prefill512 = arms[name](prompts[512], 1)
             raw[name]["decode"].append(decode)
             raw[name]["prefill64"].append(prefill64)
             raw[name]["prefill512"].append(prefill512)
         print(f"round {r + 1}/{args.rounds}: " + ", ".join(
             f"{n} {raw[n]['decode'][-1] * 1e3:.1f} ms/token" for n in names), flush=True)
+    long = {n: {c: [] for c in LONG_CONTEXTS} for n in LONG_ARMS}
+    for r in range(args.long_rounds):
+        order = LONG_ARMS[r % len(LONG_ARMS):] + LONG_ARMS[:r % len(LONG_ARMS)]
+        for name in order:
+            for context in LONG_CONTEXTS:
+                long[name][context].append(arms[name](prompts[context], LONG_NEW_TOKENS)[0])
+        print(f"long-context round {r + 1}/{args.long_rounds}: " + ", ".join(
+            f"{n} {long[n][2048][-1] * 1e3:.1f} ms/token at 2048" for n in LONG_ARMS),
+            flush=True)
     rows = []
     for name in names:
         row = {"arm": name, "build_seconds": builds[name]["seconds"],
                "bytes": builds[name]["bytes"], "graph": builds[name].get("graph")}
         for metric in ("decode", "prefill64", "prefill512"):
-            ratios = [m / b for m, b in zip(raw[name][metric], raw[REFERENCE_ARM][metric],
-                                            strict=True)]
-            row[metric] = {"median_ms": statistics.median(raw[name][metric]) * 1e3,
-                           "ratio_median": statistics.median(ratios),
-                           "ratio_min": min(ratios), "ratio_max": max(ratios)}
+            row[metric] = _paired(raw[name][metric], raw[REFERENCE_ARM][metric])
+            row[metric]["median_ms"] = statistics.median(raw[name][metric]) * 1e3
         rows.append(row)
+    targets = []
+    for what, arm, against, metric in TARGETS:
+        pair = _paired(raw[arm][metric], raw[against][metric])
+        targets.append({"target": what, "arm": arm, "against": against, **pair,
+                        "met": pair["ratio_median"] <= 1.0})
+    long_rows = {n: {str(c): statistics.median(long[n][c]) * 1e3 for c in LONG_CONTEXTS}
+                 for n in LONG_ARMS}
+    growth = {n: [a / b for a, b in zip(long[n][LONG_CONTEXTS[-1]], long[n][LONG_CONTEXTS[0]],
+                                        strict=True)] for n in LONG_ARMS}
+    pair = _paired(growth["calm fp32"], growth["builder fp32"])
+    targets.append({"target": f"decode growth {LONG_CONTEXTS[0]} -> {LONG_CONTEXTS[-1]}",
+                    "arm": "calm fp32", "against": "builder fp32", **pair,
+                    "met": pair["ratio_median"] <= 1.0})
+    ratio = builds["calm fp32"]["seconds"] / builds["builder fp32"]["seconds"]
+    targets.append({"target": "export wall time (at most 2x)", "arm": "calm fp32",
+                    "against": "builder fp32", "ratio_median": ratio, "ratio_min": ratio,
+                    "ratio_max": ratio, "met": ratio <= 2.0})
     scores = score_engines(builds, args.score) if args.score else {}
-    result = {"command": command_line("engines.py", argv), "commit": git_commit(),
-              "scores": scores, "score_data": args.score,
-              "created": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "model": args.model, "rounds": args.rounds, "new_tokens": args.new_tokens,
-              "threads": 1, "rows": rows}
-    (out / f"{STEM}.json").write_text(json.dumps(result, indent=2) + "\n")
+    section = {"command": command_line("engines.py", argv), "commit": git_commit(),
+               "scores": scores, "score_data": args.score,
+               "created": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+               "model": args.model, "rounds": args.rounds, "long_rounds": args.long_rounds,
+               "new_tokens": args.new_tokens, "threads": 1, "rows": rows,
+               "long_context": {"new_tokens": LONG_NEW_TOKENS, "decode_ms": long_rows,
+                                "growth": {n: statistics.median(g) for n, g in growth.items()}},
+               "targets": targets}
+    result = json.loads(path.read_text()) if path.is_file() else {}
+    models = result.get("models", {})
+    models[args.model] = section
+    result = {"models": models}
+    path.write_text(json.dumps(result, indent=2) + "\n")
     (out / f"{STEM}.md").write_text(render(result))
     print(render(result))
     return 0
+
+
+def _paired(values: list[float], against: list[float]) -> dict:
+    ratios = [a / b for a, b in zip(values, against, strict=True)]
+    return {"ratio_median": statistics.median(ratios), "ratio_min": min(ratios),
+            "ratio_max": max(ratios)}
 
 
 # ---------------------------------------------------------------------- building
@@ -113,26 +170,25 @@ def build_all(folder: Path, spec: str, work: Path) -> dict:
     """Each arm's folder, its build time and size (cached in ``work/builds.json``)."""
     record = work / "builds.json"
     done = json.loads(record.read_text()) if record.is_file() else {}
+    builder = [sys.executable, "-m", "calm_export._genai_build", str(folder)]
     steps = {
-        "calm fp32 standard": ["calm-export", "--model", spec, "--graph", "standard"],
         REFERENCE_ARM: ["calm-export", "--model", spec],
+        "calm fp32 own graph": ["calm-export", "--model", spec, "--graph", "fused"],
         "calm int8": ["calm-export", "--model", spec, "--quantize", "int8"],
         "calm int4": ["calm-export", "--model", spec, "--quantize", "int4"],
-        "builder fp32": [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i",
-                         str(folder), "-p", "fp32", "-e", "cpu"],
-        "builder int4": [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i",
-                         str(folder), "-p", "int4", "-e", "cpu"],
+        "builder fp32": [*builder, "fp32"],
+        "builder fp32 pruned head": [*builder, "fp32", "prune_lm_head=true"],
+        "builder int4": [*builder, "int4"],
     }
     for name, command in steps.items():
         target = work / name.replace(" ", "-")
         if name in done and target.is_dir():
             continue
         shutil.rmtree(target, ignore_errors=True)
-        command = [*command, "--out" if command[0] == "calm-export" else "-o", str(target)]
         if command[0] == "calm-export":
-            command.append("--quiet")
-        else:
-            command += ["-c", str(work / "builder-cache")]
+            command = [*command, "--out", str(target), "--quiet"]
+        else:  # SOURCE OUTPUT CACHE PRECISION [OPTIONS]
+            command = [*command[:4], str(target), str(work / "builder-cache"), *command[4:]]
         started = time.perf_counter()
         subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
         seconds = time.perf_counter() - started
@@ -157,7 +213,7 @@ def score_engines(builds: dict, data: str) -> dict:
     records = load_dataset(data)
     out = {}
     for name, build in builds.items():
-        if not name.startswith("calm") or name == "calm fp32 standard":
+        if not name.startswith("calm") or name == "calm fp32 own graph":
             continue
         lm = CalibratedLM.load(build["path"], threads=2)
         report = score_records(lm, records, mode="cloze")
@@ -250,35 +306,59 @@ def _transformers_runner(folder: Path):
     return run
 
 
-def _prompts(folder: Path) -> tuple[list[int], list[int]]:
+def _prompts(folder: Path) -> dict[int, list[int]]:
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
     text = ("The history of science is the study of the development of science and scientific "
-            "knowledge, including both the natural and social sciences. ") * 64
+            "knowledge, including both the natural and social sciences. ") * 256
     ids = tok.encode(text, add_special_tokens=False).ids
-    return ids[:64], ids[:512]
+    return {n: ids[:n] for n in (64, 512, *LONG_CONTEXTS)}
 
 
 # ---------------------------------------------------------------------- report
 def render(result: dict) -> str:
-    lines = [f"# Engines: calm beside onnxruntime-genai's builder ({result['model']})", "",
-             f"Generated by `{result['command']}` at commit {result['commit']} on "
-             f"{result['created']}; do not edit by hand. {result['rounds']} rounds, arm order "
-             f"rotated, 1 thread, batch 1; ratio = the arm's time / calm fp32's in the same "
-             f"round (median, min-max), ms = median. Decode: {result['new_tokens']} greedy "
-             "tokens after a 64-token prompt.", "",
+    lines = ["# Engines: calm beside onnxruntime-genai's builder", "",
+             "Generated by `benchmarks/engines.py` (one run per model, commands below); do "
+             "not edit by hand. 1 thread, batch 1, arm order rotated each round; ratio = the "
+             "arm's time / calm fp32's in the same round (median, min-max), ms = median."]
+    for model, section in result["models"].items():
+        lines += _render_model(model, section)
+    return "\n".join(lines) + "\n"
+
+
+def _render_model(model: str, result: dict) -> list[str]:
+    lines = ["", f"## {model}", "",
+             f"`{result['command']}` at commit {result['commit']} on {result['created']}: "
+             f"{result['rounds']} rounds; decode: {result['new_tokens']} greedy tokens after a "
+             "64-token prompt.", "",
              "| arm | graph | decode ratio | decode ms/token | prefill 64 ratio | prefill 512 "
              "ratio | prefill 512 ms | build s | MB |",
              "|---|---|---|---|---|---|---|---|---|"]
     for row in result["rows"]:
-        graph = (row.get("graph") or {}).get("kind", "builder" if "builder" in row["arm"]
+        graph = (row.get("graph") or {}).get("kind", "builder (genai)" if "builder" in row["arm"]
                                                   else "-")
         d, p64, p512 = row["decode"], row["prefill64"], row["prefill512"]
         lines.append(
             f"| {row['arm']} | {graph} | {_ratio(d)} | {d['median_ms']:.1f} | {_ratio(p64)} | "
             f"{_ratio(p512)} | {p512['median_ms']:.0f} | {row['build_seconds']:.0f} | "
             f"{row['bytes'] / 1e6:.0f} |")
+    long = result["long_context"]
+    contexts = list(next(iter(long["decode_ms"].values())))
+    lines += ["", f"Long context ({result['long_rounds']} rounds): decode ms/token over "
+              f"{long['new_tokens']} tokens after a prompt of N tokens; growth = "
+              f"ms at {contexts[-1]} / ms at {contexts[0]} (median of the rounds' ratios).", "",
+              "| arm | " + " | ".join(f"{c} tokens" for c in contexts) + " | growth |",
+              "|---|" + "---|" * (len(contexts) + 1)]
+    for arm, values in long["decode_ms"].items():
+        lines.append(f"| {arm} | " + " | ".join(f"{values[c]:.1f}" for c in contexts)
+                     + f" | {long['growth'][arm]:.2f} |")
+    lines += ["", "Targets (calm / the builder, paired by round; met when at most 1.00x, the "
+              "export time at most 2x):", "", "| target | calm arm | against | ratio | met |",
+              "|---|---|---|---|---|"]
+    for target in result["targets"]:
+        lines.append(f"| {target['target']} | {target['arm']} | {target['against']} | "
+                     f"{_ratio(target)} | {'yes' if target['met'] else 'no'} |")
     if result.get("scores"):
         lines += ["", f"What the precision costs on {result['score_data']} (cloze, `calm score`'s "
                   "metrics through each engine; drift: against the fp32 graph at export, "
@@ -291,7 +371,7 @@ def render(result: dict) -> str:
             tv = "-" if drift is None else f"{drift['mean_total_variation']:.4f}"
             lines.append(f"| {name} | {m['accuracy']:.3f} | {m['ece']:.3f} | {m['nll']:.3f} | "
                          f"{agree} | {tv} |")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def _ratio(m: dict) -> str:

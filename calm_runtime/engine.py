@@ -14,7 +14,10 @@ Graph I/O (optimum's names, so other ONNX LLM runtimes load it too): inputs ``in
 outputs ``logits`` ``[batch, seq, vocab]`` float32 (already calibrated) and
 ``present.{i}.key`` / ``.value`` ``[batch, num_kv_heads, past + seq, head_dim]``. An
 optional ``logits_to_keep`` (int64 ``[1]``, an overridable initializer, default 0 = all)
-projects only the last positions (docs/formats.md).
+projects only the last positions (docs/formats.md). A *packed* graph (onnxruntime-genai's
+builder graph, ``export.graph.kind == "genai-builder"``) has no ``position_ids``: it takes
+positions from the mask count and needs each row's tokens at the start of its cache; the
+ONNX Runtime backend translates (``backends/_packed_kv.py``).
 
 Reading is strict, like the adapter's: unknown keys and newer schemas are refused, file
 references may not leave the directory, and every listed file is checked against its
@@ -84,9 +87,11 @@ _VALIDATION_REQUIRED = {"passed", "max_abs_diff", "tolerance", "greedy_steps", "
 _DTYPES = ("float32", "float16")
 
 
-def engine_io_names(num_layers: int) -> tuple[list[str], list[str]]:
-    """The graph's input and output names for ``num_layers`` decoder layers (optimum's)."""
-    inputs = ["input_ids", "attention_mask", "position_ids"]
+def engine_io_names(num_layers: int, *, position_ids: bool = True
+                    ) -> tuple[list[str], list[str]]:
+    """The graph's input and output names for ``num_layers`` decoder layers (optimum's);
+    a packed graph (``position_ids=False``) takes positions from the mask count."""
+    inputs = ["input_ids", "attention_mask"] + (["position_ids"] if position_ids else [])
     outputs = ["logits"]
     for i in range(num_layers):
         inputs += [f"past_key_values.{i}.key", f"past_key_values.{i}.value"]
@@ -235,6 +240,12 @@ class EngineManifest:
         return self.model["vocab_size"]
 
     @property
+    def packed(self) -> bool:
+        """The graph has no ``position_ids``: each row's tokens sit at the start of its cache
+        and positions come from the mask count (onnxruntime-genai's builder graph)."""
+        return "position_ids" not in self.io["inputs"]
+
+    @property
     def answer_temperature(self) -> float | None:
         return self.calibration["answer_temperature"]
 
@@ -373,7 +384,8 @@ def _check_model(section: dict, kind: str, where: str) -> None:
 
 def _check_io(section: dict, num_layers: int, where: str) -> None:
     check_keys(section, _IO_KEYS, _IO_KEYS, where)
-    inputs, outputs = engine_io_names(num_layers)
+    positions = isinstance(section["inputs"], list) and "position_ids" in section["inputs"]
+    inputs, outputs = engine_io_names(num_layers, position_ids=positions)
     if section["inputs"] != inputs or section["outputs"] != outputs:
         raise ArtifactError(f"{where}: inputs/outputs are not the names calm-export writes for "
                             f"{num_layers} layers (input_ids, attention_mask, position_ids, "

@@ -106,9 +106,11 @@ def add_arguments(parser: argparse.ArgumentParser, *, quiet: bool = True) -> Non
                         help="untied: the head holds W/(tau T) and a bias (default); "
                         "tied-scale: the tied head followed by a scale and a shift")
     parser.add_argument("--graph", choices=GRAPHS, default=_DEFAULTS["graph"],
-                        help="fused: RMSNorm as ONNX Runtime's fused ops (default; onnxruntime "
-                        "and onnxruntime-genai run it); standard: standard ONNX ops only "
-                        "(TensorRT engines always are)")
+                        help="auto (default): onnxruntime-genai's builder graph, calibrated, "
+                        "for the families it builds (GroupQueryAttention, an in-place KV "
+                        "cache), else fused; builder: that graph or an error; fused: calm's "
+                        "own graph with RMSNorm as ONNX Runtime's fused ops; standard: calm's "
+                        "graph in standard ONNX ops only (TensorRT engines always are)")
     parser.add_argument("--opset", type=int, default=_DEFAULTS["opset"],
                         help=f"ONNX opset (default {_DEFAULTS['opset']})")
     parser.add_argument("--overwrite", action="store_true",

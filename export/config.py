@@ -14,7 +14,7 @@ __all__ = ["ExportConfig"]
 FORMATS = ("onnx", "tensorrt", "hf")
 DTYPES = ("fp32", "fp16")
 QUANTIZE = ("int8", "int4")
-GRAPHS = ("fused", "standard")
+GRAPHS = ("auto", "builder", "fused", "standard")
 INT8_SCHEMES = ("blockwise", "dynamic")
 CALIBRATION_MODES = ("cloze", "letter")
 EXPORTERS = ("auto", "dynamo", "torchscript")
@@ -113,11 +113,15 @@ class ExportConfig:
     #: MatMul + Add). "tied-scale": the tie is kept and the head's MatMul is followed by an
     #: elementwise scale and shift. See export/fuse.py for the measurement behind the default.
     head_layout: str = "untied"
-    #: "fused": the ONNX graph's RMSNorms become ONNX Runtime's fused normalisation ops
-    #: (export/onnx.py ``fuse_graph``; onnxruntime and onnxruntime-genai run them);
-    #: "standard": standard ONNX ops only. TensorRT engines are always built from the
-    #: standard graph (its parser does not read ONNX Runtime's contrib ops).
-    graph: str = "fused"
+    #: "builder": onnxruntime-genai's model builder graph with the calibration in its head
+    #: (export/genai_builder.py; GroupQueryAttention, an in-place KV cache); "fused": calm's
+    #: own graph (torch.export) with its RMSNorms as ONNX Runtime's fused normalisation ops
+    #: (export/onnx.py ``fuse_graph``); "standard": calm's graph in standard ONNX ops only.
+    #: "auto": "builder" for the families and settings it covers, else "fused" (and
+    #: "fused" when the builder fails or its graph does not pass validation). TensorRT
+    #: engines are always built from the standard graph (its parser does not read ONNX
+    #: Runtime's contrib ops).
+    graph: str = "auto"
     #: Write the weights as ONNX external data: ``None`` decides by EXTERNAL_DATA_BYTES.
     external_data: bool | None = None
     #: Greedy KV-cache steps compared during validation (batch 1 and batch 2).
@@ -165,6 +169,11 @@ class ExportConfig:
             problems.append(f"opset must be an integer in [14, 23], got {self.opset!r}")
         if self.graph not in GRAPHS:
             problems.append(f"graph must be one of {list(GRAPHS)}, got {self.graph!r}")
+        elif self.graph == "builder" and (self.format != "onnx" or self.head_layout != "untied"
+                                          or self.variant == "fp16"):
+            problems.append("--graph builder makes fp32/int8/int4 ONNX engines with an untied "
+                            "head; use --graph auto (TensorRT, fp16 and --head-layout "
+                            "tied-scale build calm's own graph)")
         if self.exporter not in EXPORTERS:
             problems.append(f"exporter must be one of {list(EXPORTERS)}, got {self.exporter!r}")
         if self.head_layout not in HEAD_LAYOUTS:

@@ -131,6 +131,12 @@ def write_genai_config(staging: Path, shape: DecoderShape, tokens: dict) -> dict
     return {"file": GENAI_CONFIG, "sha256": sha256_file(staging / GENAI_CONFIG)}
 
 
+def keep_genai_config(staging: Path) -> dict:
+    """The ``genai_config.json`` onnxruntime-genai's builder wrote with its graph (kept as
+    it is: it describes that graph's inputs and its in-place KV buffer)."""
+    return {"file": GENAI_CONFIG, "sha256": sha256_file(staging / GENAI_CONFIG)}
+
+
 def weights_sha256(model_dir: Path) -> str | None:
     """The source weights' identity: the safetensors file's sha256 (or a digest of shards')."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
@@ -160,9 +166,11 @@ def build_manifest(*, kind: str, staging: Path, identity: ModelIdentity, weights
                    tokenizer_files: dict[str, str], chat_template: str | None,
                    options: dict, template, dtype: str, export: dict,
                    validation: dict) -> EngineManifest:
-    """Assemble (and check) the manifest of the engine being built in ``staging``."""
+    """Assemble (and check) the manifest of the engine being built in ``staging``; a
+    builder graph (``export["graph"]["kind"] == "genai-builder"``) has no position_ids."""
     summary = adapter.summary()
-    inputs, outputs = engine_io_names(shape.num_layers)
+    packed = (export.get("graph") or {}).get("kind") == "genai-builder"
+    inputs, outputs = engine_io_names(shape.num_layers, position_ids=not packed)
     return EngineManifest(
         kind=kind,
         created_by=f"calm-export {__version__}",

@@ -24,7 +24,7 @@ from calm_runtime.engine import engine_io_names
 from calm_runtime.errors import CalmError
 
 __all__ = ["DecoderShape", "KVCacheDecoder", "OnnxExportError", "LOGITS_TO_KEEP",
-           "add_logits_to_keep", "decoder_shape", "export_onnx"]
+           "add_logits_to_keep", "append_logits_affine", "decoder_shape", "export_onnx"]
 
 logger = logging.getLogger(__name__)
 
@@ -196,6 +196,35 @@ def add_logits_to_keep(path: Path, vocab_size: int) -> None:
             value.type.tensor_type.shape.dim[1].dim_param = "logits_sequence_length"
     stale = [v for v in graph.value_info if v.name in chain]  # [B, S, V] no longer holds
     for value in stale:
+        graph.value_info.remove(value)
+    onnx.save_model(model, str(path))
+
+
+def append_logits_affine(path: Path, scale: np.ndarray | None,
+                         shift: np.ndarray | None) -> None:
+    """Follow the graph's ``logits`` with ``* scale`` and ``+ shift`` (float32 ``[V]``; either
+    may be ``None``): the calibration of a graph whose head calm did not build. Only the
+    graph proto is rewritten; external weights stay where they are."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    model = onnx.load(str(path), load_external_data=False)
+    graph = model.graph
+    producer = next((n for n in graph.node if "logits" in n.output), None)
+    if producer is None:
+        raise OnnxExportError("the graph has no node that produces 'logits'; report the model "
+                              "type")
+    current = "logits_uncalibrated"
+    producer.output[list(producer.output).index("logits")] = current
+    steps = [(op, name, value) for op, name, value in
+             (("Mul", "logits_calibration_scale", scale), ("Add", "logits_calibration_shift",
+                                                           shift)) if value is not None]
+    for index, (op, name, value) in enumerate(steps):
+        graph.initializer.append(numpy_helper.from_array(np.asarray(value, np.float32), name))
+        result = "logits" if index == len(steps) - 1 else f"{name}_output"
+        graph.node.append(helper.make_node(op, [current, name], [result], name=f"/{name}/{op}"))
+        current = result
+    for value in [v for v in graph.value_info if v.name == "logits"]:
         graph.value_info.remove(value)
     onnx.save_model(model, str(path))
 

@@ -31,7 +31,7 @@ from calm_runtime.models import (
 )
 from calm_runtime.prompts import CLOZE_VARIANTS
 
-from . import engine_writer, fuse, heads, quantize, recalibrate, validate
+from . import engine_writer, fuse, genai_builder, heads, quantize, recalibrate, validate
 from .checkpoint import CHECKPOINT_MANIFEST
 from .config import ExportConfig
 from .onnx import ONNX_FILE, KVCacheDecoder, decoder_shape, export_onnx, fuse_graph
@@ -243,27 +243,43 @@ def _export(model_spec, out: Path, adapter_arg, config: ExportConfig,
 
     with atomic_directory(out, overwrite=config.overwrite) as staging:
         stages.start("export")
-        facts = export_onnx(model, shape, staging, opset=config.opset,
-                            exporter=config.exporter, external_data=external,
-                            logits_affine=affine)
+        facts, checked = None, None
+        reason = None if config.graph in ("builder", "auto") else f"--graph {config.graph}"
+        if reason is None:
+            reason = genai_builder.not_built_because(model.config, config)
+            if reason is not None and config.graph == "builder":
+                raise ConfigError(f"--graph builder cannot build this engine: {reason}; use "
+                                  "--graph auto")
+        if reason is None:
+            try:
+                facts = genai_builder.build_graph(model, tokenizer, staging, shape.vocab_size,
+                                                  affine=affine)
+                stages.start("validate")
+                checked = _validate_graph(staging, shape, config, tokenizer, pad_id, cases,
+                                          references, tolerance)
+            except (genai_builder.BuilderError, ExportValidationError) as exc:
+                if config.graph == "builder":
+                    raise
+                logger.warning("the builder graph is not used (%s); exporting calm's own graph",
+                               exc)
+                facts, reason = None, f"builder failed: {exc}"
+                for stale in staging.iterdir():
+                    if stale.is_file():
+                        stale.unlink()
+                stages.start("export")
+        if facts is None:
+            if reason is not None and config.graph == "auto":
+                logger.info("graph: calm's own (%s)", reason)
+            facts = _export_own_graph(model, shape, staging, config, external, affine)
         del model, decoder, fused
         gc.collect()
-        facts["graph"] = {"kind": "standard", "fused_ops": {}}
-        if config.graph == "fused" and config.format == "onnx" and not config.variant:
-            # a variant is built from the standard graph (the quantisers and the fp16
-            # converter read standard ops) and fused after it
-            facts["graph"] = fuse_graph(staging / ONNX_FILE, shape, external=external)
-
-        stages.start("validate")
-        runner, runtime = validate.onnx_runner(staging / ONNX_FILE, shape)
-        got = validate.run_cases(runner, cases, config.greedy_steps, references)
-        drift_cases = validate.build_cases(tokenizer, quantize.DRIFT_PROMPTS, pad_id) \
-            if config.variant else []
-        drift_base = validate.run_cases(runner, drift_cases, config.greedy_steps)
-        del runner
-        single, double = validate.compare_all(cases, references, got, tolerance)
-        overall = single.merge(double)
-        validate.check("the exported ONNX engine", overall, tolerance)
+        if checked is None:
+            stages.start("validate")
+            checked = _validate_graph(staging, shape, config, tokenizer, pad_id, cases,
+                                      references, tolerance)
+        if reason is not None and config.graph == "auto":
+            facts["graph"]["builder_not_used"] = reason
+        got, drift_cases, drift_base, single, double, overall, runtime = checked
         report = {
             "passed": True, "max_abs_diff": overall.max_abs_diff, "worst_at": overall.where,
             "batch1_max_abs_diff": single.max_abs_diff, "tolerance": tolerance,
@@ -277,12 +293,13 @@ def _export(model_spec, out: Path, adapter_arg, config: ExportConfig,
             "cases": [c.name for c in cases], "runtime": runtime,
             "reference": "unfused model (+LoRA) with calm_runtime.calibration applied in torch",
         }
+        external = facts["external_data"]
         fp32_root, variant_facts, dtype = None, None, "float32"
         if config.variant:
             stages.start("quantize")
             fp32_root, variant_facts, variant_report = _build_variant(
                 staging, shape, config, cases, references, got, drift_cases, drift_base,
-                scale, external)
+                scale, external, facts["graph"])
             report.update(variant_report)
             facts["graph"] = variant_facts.pop("graph")
             dtype = "float16" if config.variant == "fp16" else "float32"
@@ -300,10 +317,14 @@ def _export(model_spec, out: Path, adapter_arg, config: ExportConfig,
             dtype = "float16" if config.dtype == "fp16" else "float32"
 
         tokenizer_files, chat_template = engine_writer.copy_tokenizer(folder, tokenizer, staging)
-        genai = engine_writer.write_genai_config(staging, shape, tokens)
+        if facts["graph"]["kind"] == genai_builder.GRAPH_KIND:
+            genai = engine_writer.keep_genai_config(staging)
+        else:
+            genai = engine_writer.write_genai_config(staging, shape, tokens)
         export_settings = {**config.to_dict(), **_versions(),
                            "exporter_used": facts["exporter"], "external_data": external,
-                           # "ort-fused" (RMSNorm as ONNX Runtime contrib ops) or "standard"
+                           # "genai-builder" (onnxruntime-genai's builder graph), "ort-fused"
+                           # (calm's, RMSNorm as ONNX Runtime contrib ops) or "standard"
                            "graph": facts["graph"],
                            "source_head_tied": was_tied, "genai_config": genai,
                            # what the family does after its head (export/heads.py)
@@ -421,8 +442,38 @@ def _export_checkpoint(model, tokenizer, out: Path, folder: Path, identity, adap
     return ExportResult(path=out, manifest=manifest, file_sizes=sizes, seconds=stages.seconds)
 
 
+def _export_own_graph(model, shape, staging: Path, config: ExportConfig, external: bool,
+                      affine) -> dict:
+    """calm's graph (torch.export): standard ops, or with ONNX Runtime's fused RMSNorm."""
+    facts = export_onnx(model, shape, staging, opset=config.opset, exporter=config.exporter,
+                        external_data=external, logits_affine=affine)
+    facts["graph"] = {"kind": "standard", "fused_ops": {}}
+    if config.graph in ("fused", "auto") and config.format == "onnx" and not config.variant:
+        # a variant is built from the standard graph (the quantisers and the fp16 converter
+        # read standard ops) and fused after it
+        facts["graph"] = fuse_graph(staging / ONNX_FILE, shape, external=external)
+    return facts
+
+
+def _validate_graph(staging: Path, shape, config: ExportConfig, tokenizer, pad_id: int, cases,
+                    references, tolerance: float):
+    """Run the graph in staging through calm's runtime backend against the reference; raises
+    :class:`ExportValidationError` when it is off. Also rolls out the drift prompts a
+    variant is measured on."""
+    runner, runtime = validate.onnx_runner(staging / ONNX_FILE, shape)
+    got = validate.run_cases(runner, cases, config.greedy_steps, references)
+    drift_cases = validate.build_cases(tokenizer, quantize.DRIFT_PROMPTS, pad_id) \
+        if config.variant else []
+    drift_base = validate.run_cases(runner, drift_cases, config.greedy_steps)
+    del runner
+    single, double = validate.compare_all(cases, references, got, tolerance)
+    overall = single.merge(double)
+    validate.check("the exported ONNX engine", overall, tolerance)
+    return got, drift_cases, drift_base, single, double, overall, runtime
+
+
 def _build_variant(staging: Path, shape, config: ExportConfig, cases, references, got,
-                   drift_cases, drift_base, scale: float, external: bool):
+                   drift_cases, drift_base, scale: float, external: bool, base_graph: dict):
     """Build the int8 or fp16 graph from the validated fp32 one and measure its drift.
 
     The fp32 graph moves to ``staging/.fp32`` (removed before the manifest is written).
@@ -437,8 +488,12 @@ def _build_variant(staging: Path, shape, config: ExportConfig, cases, references
         facts = quantize.quantize_int4(source, target, config, external=external)
     else:
         facts = quantize.convert_fp16(source, target, external=external)
-    facts["graph"] = {"kind": "standard", "fused_ops": {}}
-    if config.graph == "fused":  # the drift and the fp16 check below measure the fused graph
+    if base_graph["kind"] == genai_builder.GRAPH_KIND:  # its MatMuls quantised, nothing else
+        facts["graph"] = dict(base_graph)
+    else:
+        facts["graph"] = {"kind": "standard", "fused_ops": {}}
+    if config.graph in ("fused", "auto") and base_graph["kind"] != genai_builder.GRAPH_KIND:
+        # the drift and the fp16 check below measure the fused graph
         facts["graph"] = fuse_graph(target, shape, external=external)
         facts["bytes"] = sum(p.stat().st_size for p in staging.glob(f"{ONNX_FILE}*"))
     runner, _ = validate.onnx_runner(target, shape)

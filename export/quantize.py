@@ -101,7 +101,9 @@ def module_path(node) -> str:
             paths = [s for s in scopes if isinstance(s, str) and s.startswith("model")]
             return _strip(paths[-1]) if paths else ""
     if node.name.startswith("/"):  # TorchScript: "/model/model/layers.0/mlp/down_proj/MatMul"
-        return _strip(".".join(node.name.strip("/").split("/")[:-1]))
+        # (onnxruntime-genai's builder: "/model/layers.0/mlp/down_proj/MatMul", "/lm_head/MatMul")
+        path = ".".join(node.name.strip("/").split("/")[:-1])
+        return _strip(path) if path.startswith("model.") else path
     return ""
 
 

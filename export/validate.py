@@ -210,31 +210,42 @@ def torch_decoder_runner(decoder, shape) -> Runner:
 
 
 def onnx_runner(path: Path, shape) -> tuple[Runner, str]:
-    """An ONNX Runtime session on ``path`` (CPU, full graph optimisation, as served); the
-    KV cache takes the graph's dtype (float16 for fp16 graphs)."""
+    """``path`` run as ``calm serve`` runs it: calm_runtime's ONNX Runtime backend (CPU, full
+    graph optimisation, IO binding; a packed graph through its in-place cache); the KV cache
+    takes the graph's dtype (float16 for fp16 graphs)."""
     import onnxruntime as ort
 
-    from calm_runtime.engine import engine_io_names
+    from calm_runtime.backends import OnnxRuntimeBackend
 
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-    inputs, outputs = engine_io_names(shape.num_layers)
-    past_type = next(i.type for i in session.get_inputs() if i.name == inputs[3])
-    kv_dtype = np.float16 if past_type == "tensor(float16)" else np.float32
+    backend = OnnxRuntimeBackend(_GraphFacts(Path(path), shape))
 
     def run(input_ids, attention_mask, position_ids, state):
-        if state is None:
-            empty = np.zeros((input_ids.shape[0], shape.num_kv_heads, 0, shape.head_dim),
-                             kv_dtype)
-            state = [empty] * (2 * shape.num_layers)
-        feed = {"input_ids": input_ids, "attention_mask": attention_mask,
-                "position_ids": position_ids}
-        feed.update(zip(inputs[3:], state, strict=True))
-        logits, *present = session.run(outputs, feed)
-        return logits, present
+        return backend.run(input_ids, attention_mask, position_ids, state)
 
-    return run, f"onnxruntime {ort.__version__} CPUExecutionProvider"
+    return run, f"onnxruntime {ort.__version__} CPUExecutionProvider (calm_runtime's backend)"
+
+
+class _GraphFacts:
+    """What :class:`~calm_runtime.backends.OnnxRuntimeBackend` reads from a manifest, for a
+    graph that has none yet (the I/O names are read from the graph itself)."""
+
+    def __init__(self, path: Path, shape) -> None:
+        import onnx
+
+        from calm_runtime.engine import engine_io_names
+
+        graph = onnx.load(str(path), load_external_data=False).graph
+        positions = any(i.name == "position_ids" for i in graph.input)
+        inputs, outputs = engine_io_names(shape.num_layers, position_ids=positions)
+        self._path = path
+        self.num_layers = shape.num_layers
+        self.vocab_size = shape.vocab_size
+        self.io = {"inputs": inputs, "outputs": outputs}
+        self.model = {"num_kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim,
+                      "vocab_size": shape.vocab_size}
+
+    def path(self, name: str) -> Path:
+        return self._path.parent / name if name != "model.onnx" else self._path
 
 
 def run_cases(run: Runner, cases: Sequence[Case], steps: int,

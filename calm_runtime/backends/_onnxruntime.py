@@ -10,6 +10,11 @@ initializer, default 0 = every position): a forward pass that needs only the las
 binds 1, so a prefill never builds ``[B, S, V]``. Older engines without it are prefilled
 in chunks that bound the logits array instead.
 
+A *packed* engine (no ``position_ids`` input: onnxruntime-genai's builder graph, whose
+``GroupQueryAttention`` takes positions from the mask count) keeps its tokens at the start
+of each row and one cache buffer per layer that every step reads and writes in place
+(:mod:`._packed_kv`); the backend translates the runtime's left-padded calls to it.
+
 onnxruntime-gpu silently falls back to the CPU when it cannot load CUDA; calm checks
 ``session.get_providers()`` after creating the session and raises instead.
 """
@@ -25,6 +30,7 @@ import numpy as np
 from ..engine import engine_io_names
 from ..errors import ArtifactError, BackendUnavailableError, ConfigError
 from ._base import Backend
+from ._packed_kv import PackedCache, pack_rows, unpack_logits
 
 __all__ = ["OnnxRuntimeBackend", "PROVIDER_ALIASES"]
 
@@ -135,13 +141,16 @@ class OnnxRuntimeBackend(Backend):
                 f"{inactive[0]} was requested but onnxruntime runs on {active} (it falls back "
                 "silently when the CUDA/cuDNN/TensorRT libraries are missing); install the "
                 "libraries onnxruntime-gpu needs, or pass providers=['CPUExecutionProvider']")
-        self._check_io(session, manifest, path)
+        #: the graph takes explicit positions (else it is packed, see the module doc)
+        self.positions = "position_ids" in manifest.io["inputs"]
+        self._check_io(session, manifest, path, self.positions)
         self._session = session
         #: the graph projects only the last positions when asked (``logits_to_keep``)
         self.keeps_logits = any(i.name == "logits_to_keep"
                                 for i in session.get_overridable_initializers())
-        self._inputs, self._outputs = engine_io_names(manifest.num_layers)
-        self._past_names = self._inputs[3:]
+        self._inputs, self._outputs = engine_io_names(manifest.num_layers,
+                                                      position_ids=self.positions)
+        self._past_names = self._inputs[3 if self.positions else 2:]
         past_type = next(i.type for i in session.get_inputs() if i.name == self._past_names[0])
         self._kv_dtype = _ORT_DTYPES.get(past_type, np.float32)
         self._kv_shape = (manifest.model["num_kv_heads"], manifest.model["head_dim"])
@@ -156,10 +165,13 @@ class OnnxRuntimeBackend(Backend):
         self.device = f"cuda:{self._device_id}" if gpu else "cpu"
         self.description = f"onnxruntime {ort.__version__} {active[0]}"
         self._ort = ort
+        self._packed = None if self.positions else PackedCache(
+            ort, self._kv_shape, self._kv_dtype, self._kv_device, self._device_id,
+            manifest.num_layers)
 
     @staticmethod
-    def _check_io(session, manifest, path) -> None:
-        inputs, outputs = engine_io_names(manifest.num_layers)
+    def _check_io(session, manifest, path, positions: bool) -> None:
+        inputs, outputs = engine_io_names(manifest.num_layers, position_ids=positions)
         got_in = [i.name for i in session.get_inputs()]
         got_out = [o.name for o in session.get_outputs()]
         if sorted(got_in) != sorted(inputs) or sorted(got_out) != sorted(outputs):
@@ -186,6 +198,8 @@ class OnnxRuntimeBackend(Backend):
         return [empty] * len(self._past_names)
 
     def run(self, input_ids, attention_mask, position_ids, state=None, *, last_only=False):
+        if self._packed is not None:
+            return self._run_packed(input_ids, attention_mask, position_ids, state, last_only)
         if state is None:
             state = self._empty(input_ids.shape[0])
         batch, seq = input_ids.shape
@@ -244,10 +258,58 @@ class OnnxRuntimeBackend(Backend):
                        for value in present]
         return logits.numpy(), present
 
+    def _run_packed(self, input_ids, attention_mask, position_ids, state, last_only):
+        batch, seq = input_ids.shape
+        if state is None:  # prefill: rows packed to the left, logits moved back
+            ids, mask, lengths, columns = pack_rows(input_ids, attention_mask, position_ids)
+            keep = seq - int(lengths.min()) + 1 if last_only and self.keeps_logits else 0
+            ortvalue = self._ort.OrtValue.ortvalue_from_numpy
+            feeds = {"input_ids": ortvalue(ids), "attention_mask": ortvalue(mask)}
+            if self.keeps_logits:
+                feeds["logits_to_keep"] = ortvalue(np.array([keep], dtype=np.int64))
+            for name, value in zip(self._past_names, self._empty(batch), strict=True):
+                feeds[name] = ortvalue(value)
+            logits, *present = self._session.run_with_ort_values(self._outputs, feeds)
+            logits = logits.numpy()
+            if last_only:
+                last = lengths - 1 - (seq - logits.shape[1])
+                logits = logits[np.arange(batch), last][:, None]
+            else:
+                logits = unpack_logits(logits, columns, seq)
+            return logits, self._packed.from_present(present, lengths)
+        if batch > 1 and seq > 1:  # the kernel takes several new tokens over a past only
+            # for a single row: a batch goes one token at a time (decode steps)
+            total = attention_mask.shape[1]
+            parts = []
+            for j in range(seq):
+                part, state = self._run_packed(
+                    input_ids[:, j:j + 1], attention_mask[:, :total - seq + j + 1],
+                    position_ids[:, j:j + 1], state, False)
+                parts.append(part)
+            logits = np.concatenate(parts, axis=1)
+            return (logits[:, -1:] if last_only else logits), state
+        mask, real = self._packed.step_inputs(state, attention_mask, position_ids, seq)
+        state = self._packed.grown(state, mask.shape[1])
+        binding = self._session.io_binding()
+        binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids))
+        binding.bind_cpu_input("attention_mask", mask)
+        binding.bind_output("logits", "cpu")
+        for name, present, value in zip(self._past_names, self._outputs[1:], state.values,
+                                        strict=True):
+            binding.bind_ortvalue_input(name, value)  # read and written in place
+            binding.bind_ortvalue_output(present, value)
+        self._session.run_with_iobinding(binding)
+        logits = binding.get_outputs()[0].numpy()
+        if last_only:
+            logits = logits[:, -1:]
+        return logits, self._packed.advance(state, real, seq)
+
     def select(self, state, rows):
         rows = np.asarray(rows, dtype=np.int64)
         if state is None:
             return None
+        if self._packed is not None:
+            return self._packed.select(state, rows)
         out = []
         for value in state:
             host = value if isinstance(value, np.ndarray) else value.numpy()

@@ -150,16 +150,62 @@ def test_engine_prefill_equals_the_reference_past_the_window(case):
 
     ids = case.tokenizer(LONG_PROMPT)["input_ids"]
     assert len(ids) > 2 * 8
-    manifest = json.loads((case.engine / "calm_engine.json").read_text())["model"]
+    engine = json.loads((case.engine / "calm_engine.json").read_text())
+    manifest = engine["model"]
     session = ort.InferenceSession(str(case.engine / "model.onnx"),
                                    providers=["CPUExecutionProvider"])
-    inputs, _ = engine_io_names(manifest["num_layers"])
+    positions = "position_ids" in engine["io"]["inputs"]
+    inputs, _ = engine_io_names(manifest["num_layers"], position_ids=positions)
+    assert sorted(i.name for i in session.get_inputs()) == sorted(inputs)
     empty = np.zeros((1, manifest["num_kv_heads"], 0, manifest["head_dim"]), np.float32)
-    feed = {"input_ids": np.array([ids]), "attention_mask": np.ones((1, len(ids)), np.int64),
-            "position_ids": np.arange(len(ids))[None]}
-    feed.update({name: empty for name in inputs[3:]})
+    feed = {"input_ids": np.array([ids]), "attention_mask": np.ones((1, len(ids)), np.int64)}
+    if positions:
+        feed["position_ids"] = np.arange(len(ids))[None]
+    feed.update({name: empty for name in inputs if name.startswith("past_key_values")})
     logits = session.run(["logits"], feed)[0][0]
     np.testing.assert_allclose(logits, _reference_logits(case, ids), atol=LOGIT_ATOL, rtol=0)
+
+
+def test_default_graph_is_the_builders_where_it_builds_the_family(case):
+    from calm_export.genai_builder import BUILDER_FAMILIES
+
+    graph = json.loads((case.engine / "calm_engine.json").read_text())["export"]["graph"]
+    mistral_window = case.family.model_type == "mistral"  # its builder graph ignores the window
+    if case.family.model_type in BUILDER_FAMILIES and not mistral_window:
+        assert graph["kind"] == "genai-builder", graph
+    else:
+        assert graph["kind"] in ("ort-fused", "standard") and graph["builder_not_used"], graph
+
+
+def test_a_left_padded_batch_equals_its_rows_alone(case):
+    """Two prompts of different lengths in one left-padded batch: prefill logits at the real
+    positions and 6 greedy decode steps equal each prompt run alone (batch 1)."""
+    from calm_runtime._generation import initial_positions, left_pad
+
+    backend = CalibratedLM.load(case.engine, threads=1).backend
+    rows = [case.tokenizer(LONG_PROMPT)["input_ids"], case.tokenizer("Answer:")["input_ids"]]
+
+    def roll(sequences):
+        ids, mask = left_pad(sequences, 3)
+        positions = initial_positions(mask)
+        logits, state = backend.run(ids, mask, positions, None)
+        prefill = [logits[b, ids.shape[1] - len(s):] for b, s in enumerate(sequences)]
+        steps = []
+        positions = positions[:, -1:]
+        for _ in range(6):
+            token = logits[:, -1].argmax(-1)[:, None].astype(np.int64)
+            mask = np.concatenate([mask, np.ones_like(token)], axis=1)
+            positions = positions + 1
+            logits, state = backend.run(token, mask, positions, state)
+            steps.append(logits[:, -1])
+        return prefill, np.stack(steps, 1)
+
+    batch_prefill, batch_steps = roll(rows)
+    assert len(rows[0]) > len(rows[1]) + 8  # real left padding
+    for b, row in enumerate(rows):
+        alone_prefill, alone_steps = roll([row])
+        np.testing.assert_allclose(batch_prefill[b], alone_prefill[0], atol=LOGIT_ATOL, rtol=0)
+        np.testing.assert_allclose(batch_steps[b], alone_steps[0], atol=LOGIT_ATOL, rtol=0)
 
 
 def test_runtime_generate_equals_the_reference(case):

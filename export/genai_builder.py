@@ -1,0 +1,144 @@
+"""The ``genai-builder`` graph: onnxruntime-genai's model builder, calibrated.
+
+For the families its builder covers, calm-export's default graph is the builder's
+(``--graph auto``): GroupQueryAttention with the rotary embedding inside, packed q/k/v,
+SkipSimplifiedLayerNormalization, one KV buffer per layer that a step writes in place
+(benchmarks/results/engines.md has the speeds). calm hands the builder the merged model
+whose LM head already computes the calibrated logits, so nothing in the builder's graph
+changes but the head's weights:
+
+* tau and T fold into the head's rows ``W / (tau T)`` (the head is untied from the
+  embedding first, export/fuse.py), a family's logit scaling too (export/heads.py);
+* the shift ``(b / tau + l) / T`` (the head's bias after fusing) is not in the builder's
+  head: it is an ``Add`` after the head's ``MatMul``, omitted when zero;
+* after a non-linear head (Gemma-2's soft-capping) the calibration is ``Mul`` + ``Add`` on
+  the finished logits, as in calm's own graph;
+* ``logits_to_keep`` is added as in calm's own graph (export/onnx.py).
+
+Sliding-window layers keep full-length caches (``windowed_kv_cache=false``; the attention
+masks the window itself), so every layer's cache has the same layout for calm's runtime.
+The graph has no ``position_ids`` input: its rows are packed to the left, which calm's
+runtime does (calm_runtime/backends/_packed_kv.py) and onnxruntime-genai does natively.
+It uses ONNX Runtime contrib ops, so ``--format tensorrt`` builds from calm's standard
+graph, and ``--quantize fp16`` too (int8/int4 quantise this graph's MatMuls).
+
+The engine is validated like every other (export/validate.py, through calm's runtime
+backend). Where the builder fails, or its graph does not pass, ``--graph auto`` exports
+calm's own graph instead and says why.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+from calm_runtime.errors import CalmError
+
+from .onnx import EXTERNAL_DATA_FILE, ONNX_FILE, add_logits_to_keep, append_logits_affine
+
+__all__ = ["BUILDER_FAMILIES", "GRAPH_KIND", "BuilderError", "build_graph", "not_built_because"]
+
+logger = logging.getLogger(__name__)
+
+GRAPH_KIND = "genai-builder"
+#: model types whose builder graph passes calm's conformance matrix (tests/calm_export/
+#: test_conformance.py); OLMo-2, Cohere and GPT-NeoX are not built by onnxruntime-genai.
+BUILDER_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "gemma2",
+                    "gemma3_text")
+GENAI_CONFIG = "genai_config.json"
+
+
+class BuilderError(CalmError):
+    """onnxruntime-genai's builder did not produce a graph."""
+
+
+def not_built_because(model_config, config) -> str | None:
+    """Why ``--graph auto`` does not use the builder for this model and settings (``None``:
+    it does)."""
+    model_type = getattr(model_config.get_text_config(decoder=True), "model_type", None)
+    if config.format != "onnx":
+        return "TensorRT's parser reads standard ONNX ops only"
+    if config.variant == "fp16":
+        return "the fp16 variant converts calm's standard graph"
+    if config.head_layout != "untied":
+        return "--head-layout tied-scale keeps calm's own head"
+    if model_type not in BUILDER_FAMILIES:
+        return f"onnxruntime-genai's builder does not build {model_type} models"
+    window = getattr(model_config, "sliding_window", None)
+    if model_type == "mistral" and window:
+        # measured: the builder's Mistral graph attends past the window (tiny model, window 8)
+        return "the builder's Mistral graph does not apply a sliding window"
+    if importlib.util.find_spec("onnxruntime_genai") is None:
+        return "onnxruntime-genai is not installed (pip install 'calm-llm[genai]')"
+    return None
+
+
+def build_graph(model, tokenizer, staging: Path, vocab_size: int, *, affine=None) -> dict:
+    """Write the calibrated builder graph (``model.onnx`` + ``model.onnx.data``) and the
+    builder's ``genai_config.json`` into ``staging``; returns the export facts.
+
+    ``model`` is the merged model with the calibration fused into its head (its bias, the
+    shift, is moved after the head here), or, with ``affine`` (a
+    :class:`~calm_export.fuse.LogitsAffine`), the model whose finished logits get it."""
+    work = staging / ".builder"
+    source, output, cache = work / "source", work / "output", work / "cache"
+    scale = shift = None
+    if affine is not None:
+        scale, shift = affine.scale.detach().numpy(), affine.shift.detach().numpy()
+    else:
+        head = model.get_output_embeddings()
+        if getattr(head, "bias", None) is not None:
+            shift = head.bias.detach().float().numpy().copy()
+            head.bias = None  # the builder's head has none: the shift is grafted after it
+    if scale is not None and np.all(scale == 1.0):
+        scale = None
+    if shift is not None and not np.any(shift):
+        shift = None
+    try:
+        model.save_pretrained(str(source))
+        tokenizer.save_pretrained(str(source))
+        _run_builder(source, output, cache, work / "builder.log")
+        path = output / ONNX_FILE
+        if scale is not None or shift is not None:
+            append_logits_affine(path, scale, shift)
+        add_logits_to_keep(path, vocab_size)
+        for name in (ONNX_FILE, EXTERNAL_DATA_FILE, GENAI_CONFIG):
+            if (output / name).is_file():
+                shutil.move(str(output / name), str(staging / name))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    import onnx
+    import onnxruntime_genai
+
+    graph = onnx.load(str(staging / ONNX_FILE), load_external_data=False)
+    ops = Counter(node.op_type for node in graph.graph.node)
+    opset = next(o.version for o in graph.opset_import if o.domain in ("", "ai.onnx"))
+    return {"exporter": f"onnxruntime-genai {onnxruntime_genai.__version__} model builder",
+            "opset": opset, "external_data": (staging / EXTERNAL_DATA_FILE).is_file(),
+            "logits_to_keep": True,
+            "graph": {"kind": GRAPH_KIND, "fused_ops": {
+                op: ops[op] for op in ("GroupQueryAttention", "SkipSimplifiedLayerNormalization",
+                                       "SimplifiedLayerNormalization") if ops[op]},
+                "calibration_after_head": [n for n, v in (("scale", scale), ("shift", shift))
+                                           if v is not None]}}
+
+
+def _run_builder(source: Path, output: Path, cache: Path, log: Path) -> None:
+    command = [sys.executable, "-m", "calm_export._genai_build", str(source), str(output),
+               str(cache), "windowed_kv_cache=false"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with open(log, "w", encoding="utf-8") as sink:
+        code = subprocess.run(command, stdout=sink, stderr=subprocess.STDOUT, env=env,
+                              check=False).returncode
+    if code != 0 or not (output / ONNX_FILE).is_file():
+        lines = [line.strip() for line in log.read_text(errors="replace").splitlines()
+                 if line.strip()]
+        raise BuilderError(f"onnxruntime-genai's builder failed ({lines[-1][:300] if lines else f'exit {code}'})")
