@@ -73,6 +73,8 @@ def main(argv=None) -> int:
     parser.add_argument("--score", default="arc-easy:test",
                         help="multiple-choice data each calm engine is scored on (cloze, as "
                         "calm score does): accuracy and ECE of fp32, int8 and int4; '' skips")
+    parser.add_argument("--skip", action="append", default=[], metavar="ARM",
+                        help="leave an arm out (repeatable), e.g. 'calm fp32 own graph'")
     parser.add_argument("--render", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -90,7 +92,7 @@ def main(argv=None) -> int:
     folder = resolve_model(args.model)
     work = Path(args.work or cache_dir("bench-engines") / Path(str(args.model)).name)
     work.mkdir(parents=True, exist_ok=True)
-    builds = build_all(folder, args.model, work)
+    builds = build_all(folder, args.model, work, skip=set(args.skip))
     arms = {name: runner for name, runner in make_runners(builds, folder).items()}
     prompts = _prompts(folder)
     names = list(arms)
@@ -106,14 +108,15 @@ def main(argv=None) -> int:
             raw[name]["prefill512"].append(prefill512)
         print(f"round {r + 1}/{args.rounds}: " + ", ".join(
             f"{n} {raw[n]['decode'][-1] * 1e3:.1f} ms/token" for n in names), flush=True)
-    long = {n: {c: [] for c in LONG_CONTEXTS} for n in LONG_ARMS}
+    long_arms = tuple(n for n in LONG_ARMS if n in arms)
+    long = {n: {c: [] for c in LONG_CONTEXTS} for n in long_arms}
     for r in range(args.long_rounds):
-        order = LONG_ARMS[r % len(LONG_ARMS):] + LONG_ARMS[:r % len(LONG_ARMS)]
+        order = long_arms[r % len(long_arms):] + long_arms[:r % len(long_arms)]
         for name in order:
             for context in LONG_CONTEXTS:
                 long[name][context].append(arms[name](prompts[context], LONG_NEW_TOKENS)[0])
         print(f"long-context round {r + 1}/{args.long_rounds}: " + ", ".join(
-            f"{n} {long[n][2048][-1] * 1e3:.1f} ms/token at 2048" for n in LONG_ARMS),
+            f"{n} {long[n][2048][-1] * 1e3:.1f} ms/token at 2048" for n in long_arms),
             flush=True)
     rows = []
     for name in names:
@@ -129,9 +132,9 @@ def main(argv=None) -> int:
         targets.append({"target": what, "arm": arm, "against": against, **pair,
                         "met": pair["ratio_median"] <= 1.0})
     long_rows = {n: {str(c): statistics.median(long[n][c]) * 1e3 for c in LONG_CONTEXTS}
-                 for n in LONG_ARMS}
+                 for n in long_arms}
     growth = {n: [a / b for a, b in zip(long[n][LONG_CONTEXTS[-1]], long[n][LONG_CONTEXTS[0]],
-                                        strict=True)] for n in LONG_ARMS}
+                                        strict=True)] for n in long_arms}
     pair = _paired(growth["calm fp32"], growth["builder fp32"])
     targets.append({"target": f"decode growth {LONG_CONTEXTS[0]} -> {LONG_CONTEXTS[-1]}",
                     "arm": "calm fp32", "against": "builder fp32", **pair,
@@ -166,7 +169,7 @@ def _paired(values: list[float], against: list[float]) -> dict:
 
 
 # ---------------------------------------------------------------------- building
-def build_all(folder: Path, spec: str, work: Path) -> dict:
+def build_all(folder: Path, spec: str, work: Path, skip: set = frozenset()) -> dict:
     """Each arm's folder, its build time and size (cached in ``work/builds.json``)."""
     record = work / "builds.json"
     done = json.loads(record.read_text()) if record.is_file() else {}
@@ -180,6 +183,9 @@ def build_all(folder: Path, spec: str, work: Path) -> dict:
         "builder fp32 pruned head": [*builder, "fp32", "prune_lm_head=true"],
         "builder int4": [*builder, "int4"],
     }
+    for name in skip:
+        steps.pop(name, None)
+        done.pop(name, None)
     for name, command in steps.items():
         target = work / name.replace(" ", "-")
         if name in done and target.is_dir():
@@ -199,6 +205,7 @@ def build_all(folder: Path, spec: str, work: Path) -> dict:
                       "bytes": sum(p.stat().st_size for p in target.glob("*.onnx*")),
                       "graph": graph}
         record.write_text(json.dumps(done, indent=2))
+    done = {name: done[name] for name in steps if name in done}
     done["transformers generate()"] = {"path": str(folder), "seconds": 0.0, "bytes": 0}
     return done
 

@@ -106,8 +106,9 @@ class ExportConfig:
     n_bins: int = 10
     #: ONNX opset of the exported graph.
     opset: int = 18
-    #: "dynamo" (torch.export), "torchscript" (legacy tracer) or "auto" (dynamo, then the
-    #: TorchScript exporter if dynamo fails; the engine is validated either way).
+    #: How calm's own graph is exported: "dynamo" (torch.export), "torchscript" (legacy
+    #: tracer) or "auto" (dynamo, then the TorchScript exporter if dynamo fails; the engine
+    #: is validated either way). Naming one also selects calm's own graph under --graph auto.
     exporter: str = "auto"
     #: "untied": a tied embedding is copied and the head becomes ``W/(tau T) h + b'`` (one
     #: MatMul + Add). "tied-scale": the tie is kept and the head's MatMul is followed by an

@@ -70,6 +70,8 @@ def not_built_because(model_config, config) -> str | None:
         return "the fp16 variant converts calm's standard graph"
     if config.head_layout != "untied":
         return "--head-layout tied-scale keeps calm's own head"
+    if config.exporter != "auto":
+        return f"--exporter {config.exporter} exports calm's own graph"
     if model_type not in BUILDER_FAMILIES:
         return f"onnxruntime-genai's builder does not build {model_type} models"
     window = getattr(model_config, "sliding_window", None)

@@ -103,7 +103,8 @@ def module_path(node) -> str:
     if node.name.startswith("/"):  # TorchScript: "/model/model/layers.0/mlp/down_proj/MatMul"
         # (onnxruntime-genai's builder: "/model/layers.0/mlp/down_proj/MatMul", "/lm_head/MatMul")
         path = ".".join(node.name.strip("/").split("/")[:-1])
-        return _strip(path) if path.startswith("model.") else path
+        torchscript = path.startswith("model.model.") or path == "model.lm_head"
+        return _strip(path) if torchscript else path
     return ""
 
 

@@ -37,7 +37,7 @@ pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
 @pytest.fixture(scope="module")
 def tied_lora_engine(tmp_path_factory, tiny_llama_tied, tiny_lora_tied):
-    """Tied head + LoRA, adapter from a directory, default settings (dynamo, untied layout)."""
+    """Tied head + LoRA, adapter from a directory, default settings (the builder graph)."""
     root = tmp_path_factory.mktemp("tied-lora")
     adapter = random_calibration_adapter(tiny_llama_tied, lora_dir=tiny_lora_tied)
     adapter.save_pretrained(root / "adapter")
@@ -111,16 +111,15 @@ def _reference(model_dir, adapter, ids, mask):
 
 
 def _engine_replay(engine_dir, manifest, ids, mask, tokens):
-    session = ort.InferenceSession(str(engine_dir / "model.onnx"),
-                                   providers=["CPUExecutionProvider"])
-    layers, kv, hd = manifest.num_layers, manifest.model["num_kv_heads"], manifest.model["head_dim"]
-    past = [np.zeros((ids.shape[0], kv, 0, hd), np.float32)] * (2 * layers)
+    """The engine run as calm serves it (ONNX Runtime through calm's backend; a packed
+    builder graph through its in-place cache), fed the reference's tokens."""
+    from calm_runtime.backends import OnnxRuntimeBackend
+
+    backend = OnnxRuntimeBackend(EngineManifest.load(engine_dir), threads=1)
     positions = np.clip(mask.cumsum(-1) - 1, 0, None)
-    step_ids, prefill, per_step = ids, None, []
+    step_ids, prefill, per_step, state = ids, None, [], None
     for step in range(STEPS):
-        feed = {"input_ids": step_ids, "attention_mask": mask, "position_ids": positions}
-        feed.update(zip(manifest.io["inputs"][3:], past, strict=True))
-        logits, *past = session.run(None, feed)
+        logits, state = backend.run(step_ids, mask, positions, state)
         prefill = logits if prefill is None else prefill
         per_step.append(logits[:, -1])
         step_ids = tokens[:, step:step + 1]
@@ -179,11 +178,15 @@ def test_manifest_records_sources_calibration_and_validation(tied_lora_engine):
     assert report["passed"] and report["greedy_match"] and report["greedy_steps"] == STEPS
     assert report["max_abs_diff"] <= report["tolerance"]
     assert report["batch2_max_abs_diff"] <= report["tolerance"]
-    assert manifest.export["exporter_used"] == "dynamo"
+    # the default graph for Llama: onnxruntime-genai's builder graph, calibrated in its head
+    assert manifest.export["exporter_used"].startswith("onnxruntime-genai ")
+    assert manifest.export["graph"]["kind"] == "genai-builder" and manifest.packed
+    assert manifest.export["graph"]["calibration_after_head"] == ["shift"]
+    assert "position_ids" not in manifest.io["inputs"]
     assert manifest.export["source_head_tied"] is True
     assert sorted(p.name for p in result.path.iterdir()) == sorted(
-        ["calm_engine.json", "genai_config.json", "model.onnx", "tokenizer.json",
-         "tokenizer_config.json"])
+        ["calm_engine.json", "genai_config.json", "model.onnx", "model.onnx.data",
+         "tokenizer.json", "tokenizer_config.json"])
     assert not list(result.path.parent.glob(".engine.*")), "temporary folders were left behind"
 
 
@@ -228,9 +231,9 @@ def test_onnxruntime_genai_runs_the_engine(tied_lora_engine):
     assert generated == expected[:len(generated)] and len(generated) >= min(10, len(expected))
 
 
-def test_the_default_graph_fuses_rmsnorm_and_the_standard_one_has_standard_ops_only(
+def test_the_fused_graph_fuses_rmsnorm_and_the_standard_one_has_standard_ops_only(
         tmp_path, tiny_llama_untied):
-    """The default ONNX engine holds ONNX Runtime's fused RMSNorm (recorded in the manifest,
+    """calm's own fused graph holds ONNX Runtime's fused RMSNorm (recorded in the manifest,
     validated like any graph); --graph standard, which a TensorRT build uses, holds only
     standard ONNX ops (the default domain), which TensorRT's parser reads."""
     import onnx
@@ -238,7 +241,8 @@ def test_the_default_graph_fuses_rmsnorm_and_the_standard_one_has_standard_ops_o
     from calm_export import ExportConfig, export_engine
 
     fast = {"progress": False, "exporter": "torchscript", "greedy_steps": 2}
-    fused = export_engine(tiny_llama_untied, tmp_path / "fused", config=ExportConfig(**fast))
+    fused = export_engine(tiny_llama_untied, tmp_path / "fused",
+                          config=ExportConfig(**fast, graph="fused"))
     standard = export_engine(tiny_llama_untied, tmp_path / "standard",
                              config=ExportConfig(**fast, graph="standard"))
     graph = fused.manifest.export["graph"]

@@ -181,12 +181,34 @@ def test_dynamo_failure_falls_back_to_torchscript(tmp_path, tiny_llama_untied, m
         raise RuntimeError("torch.export cannot trace this model")
     monkeypatch.setattr(onnx_export, "_export_dynamo", broken)
     result = export_engine(tiny_llama_untied, tmp_path / "engine",
-                           config=ExportConfig(progress=False, greedy_steps=4))
+                           config=ExportConfig(progress=False, greedy_steps=4, graph="fused"))
     assert result.manifest.export["exporter_used"] == "torchscript"
     monkeypatch.setattr(onnx_export, "_export_torchscript", broken)
     with pytest.raises(onnx_export.OnnxExportError, match="dynamo: .*torchscript: ") as info:
         export_engine(tiny_llama_untied, tmp_path / "engine2",
-                      config=ExportConfig(progress=False, greedy_steps=4))
+                      config=ExportConfig(progress=False, greedy_steps=4, graph="fused"))
+    _one_line(info)
+    _nothing_written(tmp_path, "engine2")
+
+
+def test_a_failing_builder_falls_back_to_calms_graph_unless_asked_for(tmp_path,
+                                                                    tiny_llama_untied,
+                                                                    monkeypatch):
+    """--graph auto: when onnxruntime-genai's builder fails, the engine is calm's own graph
+    and the manifest says why; --graph builder: a one-line error and nothing written."""
+    from calm_export import genai_builder
+
+    def broken(*args, **kwargs):
+        raise genai_builder.BuilderError("onnxruntime-genai's builder failed (test)")
+    monkeypatch.setattr(genai_builder, "_run_builder", broken)
+    result = export_engine(tiny_llama_untied, tmp_path / "engine",
+                           config=ExportConfig(progress=False, greedy_steps=4))
+    graph = result.manifest.export["graph"]
+    assert graph["kind"] == "ort-fused" and "builder failed (test)" in graph["builder_not_used"]
+    assert not result.manifest.packed
+    with pytest.raises(genai_builder.BuilderError, match="builder failed") as info:
+        export_engine(tiny_llama_untied, tmp_path / "engine2",
+                      config=ExportConfig(progress=False, greedy_steps=4, graph="builder"))
     _one_line(info)
     _nothing_written(tmp_path, "engine2")
 

@@ -289,15 +289,20 @@ def test_cli_summary_shows_variant_drift_and_ece(int8_letter, fp16_cloze):
 
 
 # ---------------------------------------------------------------------- int4
+@pytest.mark.parametrize("graph", ["own", "builder"])
 def test_int4_engine_quantises_every_matmul_records_drift_and_recalibrates(
-        runtime_engine, mc_data, tmp_path):
+        runtime_engine, mc_data, tmp_path, graph):
     """--quantize int4: 4-bit MatMulNBits on every MatMul, the drift report, a cloze
-    recalibration on the quantised engine's own scores, and the runtime loads it."""
+    recalibration on the quantised engine's own scores, and the runtime loads it; from
+    calm's own graph and from onnxruntime-genai's builder graph (the default)."""
     model_dir, adapter_dir, _ = runtime_engine
-    config = ExportConfig(**FAST, quantize="int4", calibration_data=str(mc_data["cloze"]),
+    settings = FAST if graph == "own" else {"progress": False, "greedy_steps": 4}
+    config = ExportConfig(**settings, quantize="int4", calibration_data=str(mc_data["cloze"]),
                           recalibrate=True, calibration_mode="cloze", int4_min_agreement=0.5)
     result = export_engine(model_dir, tmp_path / "engine", adapter=adapter_dir, config=config)
     manifest = result.manifest
+    assert manifest.packed is (graph == "builder")
+    assert (manifest.export["graph"]["kind"] == "genai-builder") is (graph == "builder")
     facts = manifest.export["int4"]
     assert facts["bits"] == 4 and facts["op"] == "MatMulNBits"
     assert facts["block_size"] == ExportConfig().int4_block_size
