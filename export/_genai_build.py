@@ -8,8 +8,8 @@ made to the config the builder reads: transformers 5 nests Gemma-3's rotary sett
 layer type (``rope_parameters = {"full_attention": {...}, "sliding_attention": {...}}``),
 which the builder's generic reader does not understand (KeyError 'rope_type'); the global
 settings become the top-level ones and the local theta ``rope_local_base_freq``, which is
-what its Gemma-3 code reads. Run in its own process: the builder prints to stdout and holds
-its own copy of the weights.
+what its Gemma-3 code reads. calm-export calls :func:`main` in its own process (its prints
+go to a log); the benchmarks run this module to build the builder's own arms.
 """
 
 from __future__ import annotations

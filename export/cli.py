@@ -193,9 +193,11 @@ def summary(result) -> str:
     for name, size in result.file_sizes.items():
         lines.append(f"  {name:<28} {size / 1e6:10.2f} MB")
     lines.append(f"  {'total':<28} {result.total_bytes / 1e6:10.2f} MB")
+    fused_torch = report.get("fused_torch_max_abs_diff")  # calm's own graph only
     lines.append(f"parity: max |logit diff| {report['max_abs_diff']:.3g} (batch 2: "
-                 f"{report['batch2_max_abs_diff']:.3g}; fused torch: "
-                 f"{report['fused_torch_max_abs_diff']:.3g}), tolerance "
+                 f"{report['batch2_max_abs_diff']:.3g}"
+                 + ("" if fused_torch is None else f"; fused torch: {fused_torch:.3g}")
+                 + f"), tolerance "
                  f"{report['tolerance']:.3g}; greedy {report['greedy_steps']} steps match "
                  f"({report['greedy_ties']} ties)")
     calibration = manifest.calibration

@@ -29,12 +29,10 @@ calm's own graph instead and says why.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
-import os
 import shutil
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -92,20 +90,25 @@ def build_graph(model, tokenizer, staging: Path, vocab_size: int, *, affine=None
     :class:`~calm_export.fuse.LogitsAffine`), the model whose finished logits get it."""
     work = staging / ".builder"
     source, output, cache = work / "source", work / "output", work / "cache"
-    scale = shift = None
+    scale = shift = bias = None
+    head = model.get_output_embeddings()
     if affine is not None:
         scale, shift = affine.scale.detach().numpy(), affine.shift.detach().numpy()
-    else:
-        head = model.get_output_embeddings()
-        if getattr(head, "bias", None) is not None:
-            shift = head.bias.detach().float().numpy().copy()
-            head.bias = None  # the builder's head has none: the shift is grafted after it
+    elif getattr(head, "bias", None) is not None:
+        bias = head.bias
+        shift = bias.detach().float().numpy().copy()
     if scale is not None and np.all(scale == 1.0):
         scale = None
     if shift is not None and not np.any(shift):
         shift = None
     try:
-        model.save_pretrained(str(source))
+        if bias is not None:  # the builder's head has none: the shift is grafted after it
+            head.bias = None
+        try:
+            model.save_pretrained(str(source))
+        finally:  # the model stays whole for calm's own graph if the builder fails
+            if bias is not None:
+                head.bias = bias
         tokenizer.save_pretrained(str(source))
         _run_builder(source, output, cache, work / "builder.log")
         path = output / ONNX_FILE
@@ -134,13 +137,18 @@ def build_graph(model, tokenizer, staging: Path, vocab_size: int, *, affine=None
 
 
 def _run_builder(source: Path, output: Path, cache: Path, log: Path) -> None:
-    command = [sys.executable, "-m", "calm_export._genai_build", str(source), str(output),
-               str(cache), "windowed_kv_cache=false"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with open(log, "w", encoding="utf-8") as sink:
-        code = subprocess.run(command, stdout=sink, stderr=subprocess.STDOUT, env=env,
-                              check=False).returncode
-    if code != 0 or not (output / ONNX_FILE).is_file():
-        lines = [line.strip() for line in log.read_text(errors="replace").splitlines()
-                 if line.strip()]
-        raise BuilderError(f"onnxruntime-genai's builder failed ({lines[-1][:300] if lines else f'exit {code}'})")
+    """The builder in this process (torch and transformers are loaded already), its prints
+    and progress bars into ``log``."""
+    from . import _genai_build
+
+    args = [str(source), str(output), str(cache), "fp32", "windowed_kv_cache=false"]
+    with open(log, "w", encoding="utf-8") as sink, contextlib.redirect_stdout(sink), \
+            contextlib.redirect_stderr(sink):
+        try:
+            _genai_build.main(args)
+        except Exception as exc:  # noqa: BLE001 - the builder raises its own untyped errors
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+            raise BuilderError(f"onnxruntime-genai's builder failed ({type(exc).__name__}: "
+                               f"{reason})") from None
+    if not (output / ONNX_FILE).is_file():
+        raise BuilderError("onnxruntime-genai's builder wrote no model.onnx")
