@@ -17,7 +17,9 @@ nothing measurable, benchmarks/results/latency.md):
   (through ``python -m calm_export._genai_build``, which runs the builder unchanged but
   reads transformers 5's nested Gemma-3 rotary settings for it), run by onnxruntime-genai
   (which is what the builder's graph is made for);
-* transformers ``generate()`` (fp32, ``use_cache``).
+* transformers ``generate()`` (fp32, ``use_cache``);
+* calm fp32 and calm int4 run by onnxruntime-genai (a copy of the engine folder): the same
+  graphs under the builder's runtime, which separates graph from runtime.
 
 Each arm is built once (its wall time is the export time; builds run one at a time on the
 otherwise quiet machine). Then, for ``--rounds`` rounds with the arm order rotated each
@@ -57,6 +59,10 @@ LONG_NEW_TOKENS = 16
 #: (what, arm, against, metric): calm must be at most 1.00x
 TARGETS = (("fp32 decode", "calm fp32", "builder fp32", "decode"),
            ("int4 decode", "calm int4", "builder int4", "decode"),
+           ("fp32 decode, both run by genai", "calm fp32 run by genai", "builder fp32",
+            "decode"),
+           ("int4 decode, both run by genai", "calm int4 run by genai", "builder int4",
+            "decode"),
            ("prefill 64", "calm fp32", "builder fp32 pruned head", "prefill64"),
            ("prefill 512", "calm fp32", "builder fp32 pruned head", "prefill512"))
 
@@ -93,6 +99,9 @@ def main(argv=None) -> int:
     work = Path(args.work or cache_dir("bench-engines") / Path(str(args.model)).name)
     work.mkdir(parents=True, exist_ok=True)
     builds = build_all(folder, args.model, work, skip=set(args.skip))
+    for name in ("calm fp32", "calm int4"):  # the same graphs run by onnxruntime-genai
+        if name in builds:
+            builds[f"{name} run by genai"] = {**builds[name], "runner": "genai"}
     arms = {name: runner for name, runner in make_runners(builds, folder).items()}
     prompts = _prompts(folder)
     names = list(arms)
@@ -220,7 +229,8 @@ def score_engines(builds: dict, data: str) -> dict:
     records = load_dataset(data)
     out = {}
     for name, build in builds.items():
-        if not name.startswith("calm") or name == "calm fp32 own graph":
+        if not name.startswith("calm") or name == "calm fp32 own graph" \
+                or build.get("runner") == "genai":
             continue
         lm = CalibratedLM.load(build["path"], threads=2)
         report = score_records(lm, records, mode="cloze")
@@ -241,7 +251,12 @@ def score_engines(builds: dict, data: str) -> dict:
 def make_runners(builds: dict, folder: Path) -> dict:
     runners = {}
     for name, build in builds.items():
-        if name.startswith("calm"):
+        if build.get("runner") == "genai":  # a copy: genai's thread settings are written in
+            copy = Path(build["path"]).parent / (Path(build["path"]).name + "-genai-copy")
+            shutil.rmtree(copy, ignore_errors=True)
+            shutil.copytree(build["path"], copy)
+            runners[name] = _genai_runner(copy)
+        elif name.startswith("calm"):
             runners[name] = _calm_runner(Path(build["path"]))
         elif name.startswith("builder"):
             runners[name] = _genai_runner(Path(build["path"]))
@@ -343,7 +358,7 @@ def _render_model(model: str, result: dict) -> list[str]:
              "ratio | prefill 512 ms | build s | MB |",
              "|---|---|---|---|---|---|---|---|---|"]
     for row in result["rows"]:
-        graph = (row.get("graph") or {}).get("kind", "builder (genai)" if "builder" in row["arm"]
+        graph = (row.get("graph") or {}).get("kind", "builder" if "builder" in row["arm"]
                                                   else "-")
         d, p64, p512 = row["decode"], row["prefill64"], row["prefill512"]
         lines.append(

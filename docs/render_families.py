@@ -38,17 +38,32 @@ def _hf(post: str, bias: bool) -> str:
     return "tau, T, l" if bias else "tau, T (l: ONNX only)"
 
 
+def _graph(family) -> str:
+    """The graph ``calm-export --graph auto`` gives the family's tiny test model."""
+    import transformers
+
+    from calm_export.config import ExportConfig
+    from calm_export.genai_builder import not_built_because
+
+    config = getattr(transformers, family.config_class)(**family.tiny_config())
+    reason = not_built_because(config, ExportConfig(progress=False))
+    if reason is None:
+        return "onnxruntime-genai builder"
+    return "calm's own (" + ("sliding window" if family.model_type == "mistral"
+                             else "not built by the builder") + ")"
+
+
 def render() -> str:
     from calm_export.families import FAMILIES
 
     lines = [START, "",
              "| family | `model_type` | what the matrix exercises | after the head | "
-             "ONNX engine | `--format hf` folds | LoRA in the test |",
-             "|---|---|---|---|---|---|---|"]
+             "default graph | ONNX engine | `--format hf` folds | LoRA in the test |",
+             "|---|---|---|---|---|---|---|---|"]
     for family in FAMILIES:
         post, bias = _facts(family)
         lines.append(f"| {family.name} | `{family.model_type}` | {family.features} | {post} | "
-                     f"tau, T, l | {_hf(post, bias)} | "
+                     f"{_graph(family)} | tau, T, l | {_hf(post, bias)} | "
                      + ", ".join(f"`{t}`" for t in family.lora_targets) + " |")
     lines += ["", END]
     return "\n".join(lines)

@@ -46,6 +46,9 @@ class PackedState:
     values: list  # the OrtValues bound as both past and present
     lengths: np.ndarray  # int64 [B]
     padded: np.ndarray  # bool [B]
+    #: a one-token step's IO binding with these buffers bound, and its logits OrtValue
+    #: (reused by the next steps: only the token ids and the mask are bound again)
+    step: tuple | None = None
 
     @property
     def capacity(self) -> int:
@@ -159,7 +162,7 @@ class PackedCache:
         """The state after a pass: the same buffers (written in place beyond the old
         lengths, so ``state`` itself stays valid), each row ``seq`` slots longer."""
         return PackedState(state.arrays, state.values, state.lengths + seq,
-                           state.padded | ~real.all(axis=1))
+                           state.padded | ~real.all(axis=1), state.step)
 
 
 def unpack_logits(logits: np.ndarray, columns: list[np.ndarray], seq: int) -> np.ndarray:
