@@ -327,3 +327,15 @@ def test_int4_engine_quantises_every_matmul_records_drift_and_recalibrates(
 
         generated = genai_greedy(result.path, prompt, 3)
         assert generated == [t.id for t in out.tokens][:len(generated)] and generated
+        # and calm serve serves it
+        httpx = pytest.importorskip("httpx")
+        pytest.importorskip("fastapi")
+        from calm_runtime.server import ServeConfig, create_app
+        from calm_runtime.server.background import serve_in_background
+
+        config = ServeConfig(engine=str(result.path), model_name="int4", threads=1)
+        with serve_in_background(create_app(config)) as (url, _):
+            reply = httpx.post(f"{url}/v1/completions", timeout=60, json={
+                "model": "int4", "prompt": "The cat", "max_tokens": 3, "temperature": 0})
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["text"] == out.text
