@@ -22,8 +22,10 @@ def command_line(script: str, argv) -> str:
     """The command a result file names: ``python benchmarks/SCRIPT ARGS``."""
     import sys
 
+    import shlex
+
     args = argv if argv is not None else sys.argv[1:]
-    return f"python benchmarks/{script} {' '.join(args)}".strip()
+    return f"python benchmarks/{script} {shlex.join(args)}".strip()  # quoted: runnable as is
 
 
 def model_pair_parser(doc: str | None) -> argparse.ArgumentParser:

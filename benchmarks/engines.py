@@ -287,10 +287,13 @@ def _genai_runner(path: Path):
     session["inter_op_num_threads"] = 1
     config_path.write_text(json.dumps(config, indent=2))
     model = og.Model(str(path))
+    # a windowed KV cache (the builder's sliding-window layers) must hold the whole window
+    window = (config["model"]["decoder"].get("sliding_window") or {}).get("window_size", 0)
 
     def run(ids: list[int], new_tokens: int) -> tuple[float, float]:
         params = og.GeneratorParams(model)
-        params.set_search_options(max_length=len(ids) + new_tokens, do_sample=False)
+        params.set_search_options(max_length=max(len(ids) + new_tokens, window),
+                                  do_sample=False)
         generator = og.Generator(model, params)
         started = time.perf_counter()
         generator.append_tokens(np.asarray([ids], dtype=np.int32))

@@ -9,8 +9,7 @@ The core needs numpy, safetensors and tokenizers; the ONNX Runtime backend comes
     lm.choose(question, options), lm.p_true(question, answer)
 """
 
-__version__ = "0.1.0"
-
+from ._version import __version__  # noqa: E402
 from .artifact import CalibrationAdapter, ModelIdentity, tokenizer_sha256  # noqa: E402
 from .backends import OnnxRuntimeBackend, TensorRTBackend, TorchBackend  # noqa: E402
 from .calibration import apply_calibration, fused_head  # noqa: E402

@@ -26,7 +26,6 @@ from typing import Any
 
 import numpy as np
 
-from . import __version__
 from ._fs import (
     atomic_directory,
     check_tree,
@@ -48,6 +47,7 @@ from ._manifest import (
     sha256_hex,
     write_json,
 )
+from ._version import __version__
 from .calibration import (
     SHIFT_LIMIT,
     TAU_RANGE,

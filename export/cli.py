@@ -9,13 +9,8 @@ import sys
 from collections.abc import Sequence
 
 from calm_runtime._extras import missing
-from calm_runtime.cli import (
-    install_named,
-    missing_extra_message,
-    report_interrupt,
-    signals_as_exceptions,
-)
-from calm_runtime.errors import CalmError, ConfigError
+from calm_runtime.cli_common import install_named, missing_extra_message, run_command
+from calm_runtime.errors import ConfigError
 from calm_runtime.prompts import CLOZE_VARIANTS, DEFAULT_CLOZE_VARIANT
 
 from .config import (  # torch-free, like this module
@@ -129,18 +124,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.quiet:  # stage log for calm only; the exporters' own INFO chatter stays off
         for name in ("calm_export", "calm_runtime"):
             logging.getLogger(name).setLevel(logging.INFO)
-    try:
-        with signals_as_exceptions():
-            install_named([args.model], [args.calibration_data, args.recalibrate])
-            return run(args)
-    except CalmError as exc:
-        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt as exc:
-        return report_interrupt(exc)
-    except OSError as exc:  # the file system refused (disk full, permissions): one line too
-        print(f"{type(exc).__name__}: {exc}; nothing was left half-written", file=sys.stderr)
-        return 1
+
+    def call() -> int:
+        install_named([args.model], [args.calibration_data, args.recalibrate])
+        return run(args)
+
+    return run_command(call)
 
 
 def run(args: argparse.Namespace) -> int:

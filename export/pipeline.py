@@ -233,7 +233,7 @@ def _export(model_spec, out: Path, adapter_arg, config: ExportConfig,
                                multiplier=post.value)
         heads.neutralise(model, post)
 
-    def check_fused_torch() -> float:
+    def check_fused_torch(model) -> float:
         """calm's own graph: the fused torch decoder against the reference before the export
         (a builder graph is compared with the reference directly)."""
         decoder = KVCacheDecoder(model, shape.num_layers, affine).eval()
@@ -276,7 +276,7 @@ def _export(model_spec, out: Path, adapter_arg, config: ExportConfig,
         if facts is None:
             if reason is not None and config.graph == "auto":
                 logger.info("graph: calm's own (%s)", reason)
-            fused_torch = check_fused_torch()
+            fused_torch = check_fused_torch(model)
             facts = _export_own_graph(model, shape, staging, config, external, affine)
         del model
         gc.collect()

@@ -10,12 +10,16 @@ import dataclasses
 import logging
 from pathlib import Path
 
-from calm_runtime.cli import deprecated_alias
-from calm_runtime.data import CALIBRATION_FRACTION
+from calm_runtime.cli_common import deprecated_alias
 from calm_runtime.errors import BackendUnavailableError
 from calm_runtime.prompts import CLOZE_VARIANTS
 
+from .fit_config import ALL_MODES, FitConfig
+
 __all__ = ["register"]
+
+#: the fit/eval options' defaults are FitConfig's fields (one place for both; tested)
+_FIT = {f.name: f.default for f in dataclasses.fields(FitConfig)}
 
 logger = logging.getLogger(__name__)
 
@@ -43,12 +47,13 @@ def register(sub) -> None:
                           "picks an abstention threshold for --adapter (see --risk)")
     _add_common(fit, DEFAULT_VARIANT)
     fit.add_argument("--adapter", help="fit on top of this adapter (e.g. a CALM adapter)")
-    fit.add_argument("--risk", type=float, default=0.1,
+    fit.add_argument("--risk", type=float, default=_FIT["risk"],
                      help="threshold: the selective risk (share of wrong answers kept) to stay "
-                          "at or below (default 0.1)")
-    fit.add_argument("--risk-confidence", type=float, default=0.95,
+                          f"at or below (default {_FIT['risk']})")
+    fit.add_argument("--risk-confidence", type=float, default=_FIT["risk_confidence"],
                      help="threshold: the probability of staying below --risk, by a "
-                          "Clopper-Pearson bound on the calibration split (default 0.95)")
+                          "Clopper-Pearson bound on the calibration split (default "
+                          f"{_FIT['risk_confidence']})")
     fit.add_argument("--out", required=True, help="adapter directory to write")
     fit.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     fit.set_defaults(handler=_fit)
@@ -93,34 +98,34 @@ def _add_common(p, default_variant: str) -> None:
     p.add_argument("--reference", help="pre-trained reference model (label-free methods); "
                    "the same kinds of spec")
     p.add_argument("--data", required=True, help="data set name or .jsonl file")
-    p.add_argument("--mode", default="cloze", choices=["cloze", "letter", "p_true"],
+    p.add_argument("--mode", default=_FIT["mode"], choices=list(ALL_MODES),
                    help="cloze/letter: multiple choice; p_true: open QA judged by P(True)")
-    p.add_argument("--template", default="kadavath", dest="p_true_template",
+    p.add_argument("--template", default=_FIT["p_true_template"], dest="p_true_template",
                    help="P(True) template name (p_true mode): kadavath or yes-no")
     p.add_argument("--variant", default=default_variant, choices=CLOZE_VARIANTS,
                    help="cloze option score: summed, per-token mean or per-character "
                         f"log-probability (default {default_variant})")
     p.add_argument("--reference-variant", choices=CLOZE_VARIANTS,
                    help="the reference model's cloze score (default: --variant)")
-    p.add_argument("--calibration-fraction", type=float, default=CALIBRATION_FRACTION,
+    p.add_argument("--calibration-fraction", type=float, default=_FIT["calibration_fraction"],
                    metavar="FRACTION",
                    help="share of the data used for fitting; the rest is the test part "
-                        f"(default {CALIBRATION_FRACTION})")
+                        f"(default {_FIT['calibration_fraction']})")
     p.add_argument("--split", dest="calibration_fraction", type=float, help=argparse.SUPPRESS,
                    action=deprecated_alias("--calibration-fraction"))
-    p.add_argument("--seed", type=int, default=0, help="seed of the split")
-    p.add_argument("--bins", type=int, default=10, help="bins of ECE/MCE/AECE")
+    p.add_argument("--seed", type=int, default=_FIT["seed"], help="seed of the split")
+    p.add_argument("--bins", type=int, default=_FIT["n_bins"], help="bins of ECE/MCE/AECE")
     p.add_argument("--limit", type=int, help="use only the first N records of the set, before "
                    "the calibration/test split (as calm score --limit does)")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=_FIT["batch_size"])
     p.add_argument("--model-name", help="served model name when --model is an http(s) "
                    "endpoint (default: the one model it lists)")
     p.add_argument("--reference-name", help="the same for --reference")
-    p.add_argument("--api-key-env", default="OPENAI_API_KEY", metavar="VAR",
+    p.add_argument("--api-key-env", default=_FIT["api_key_env"], metavar="VAR",
                    help="environment variable holding the endpoints' API key (never on the "
-                        "command line; default OPENAI_API_KEY)")
-    p.add_argument("--concurrency", type=int, default=8,
-                   help="requests in flight per endpoint (default 8)")
+                        f"command line; default {_FIT['api_key_env']})")
+    p.add_argument("--concurrency", type=int, default=_FIT["concurrency"],
+                   help=f"requests in flight per endpoint (default {_FIT['concurrency']})")
     p.add_argument("--max-length", type=int, metavar="TOKENS",
                    help="refuse records whose scored text is longer (default: the model's "
                         "context); a too-long record is a one-line error naming it")
@@ -365,14 +370,14 @@ def _register_train(sub) -> None:
     t.add_argument("--calibration", action="append", required=True, metavar="SPEC",
                    help="unlabeled calibration data (repeatable), e.g. sciq:unlabeled")
     t.add_argument("--out", required=True, help="adapter directory to write")
-    t.add_argument("--method", default="bilevel", choices=METHODS,
+    t.add_argument("--method", default=d["method"].default, choices=METHODS,
                    help="bilevel (CALM, the default); ablations: regularization (min g + beta "
                         "f, no constraint), iterate-theta (alternate a LoRA step on g and a "
                         "step of LoRA and tau/shift on f: no coupling, theta path kept), "
                         "iterate-alpha (alternate a LoRA step on g and a tau/shift step on f: "
                         "no coupling, alpha only), scalar (one learned temperature); "
                         "lora = plain LoRA fine-tuning without calibration")
-    t.add_argument("--mode", default="cloze", choices=["cloze", "letter"],
+    t.add_argument("--mode", default=d["mode"].default, choices=["cloze", "letter"],
                    help="multiple choice: CE on the option text (cloze) or its letter")
     chat = t.add_mutually_exclusive_group()
     chat.add_argument("--chat", dest="chat", action="store_true", default=None,

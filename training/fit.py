@@ -28,114 +28,26 @@ from calm_runtime.calibration import apply_calibration
 from calm_runtime.data import MultipleChoiceRecord, dataset_hash, load_dataset, split_indices
 from calm_runtime.errors import ConfigError, DataError, FitError
 from calm_runtime.models import model_identity, resolve_model
-from calm_runtime.prompts import DEFAULT_CLOZE_VARIANT, letter_tokens
+from calm_runtime.prompts import letter_tokens
 
 from . import daca
 from .cache import cached_option_scores
 from .engine_model import engine_identity, is_engine, require_uncalibrated
+from .fit_config import LABEL_FREE, METHODS, FitConfig
+from .fit_report import (
+    add_selective,
+    format_table,
+    served_floor,
+)
 from .remote import Endpoint, is_endpoint
-from .scoring import CLOZE_VARIANTS, MODES, OptionScores
+from .scoring import OptionScores
+from .sources import model_source
 
 __all__ = ["FitConfig", "METHODS", "LABEL_FREE", "compare_methods", "fit_adapter",
            "option_probabilities", "format_table"]
 
 logger = logging.getLogger(__name__)
 
-#: every post-hoc method; the label-free ones need a reference model, the others labels
-METHODS = ("vanilla", "naive", "daca", "daca-vector", "ts", "ts-vector")
-LABEL_FREE = ("naive", "daca", "daca-vector")
-DEFAULT_VARIANT = DEFAULT_CLOZE_VARIANT  # one default for fitting, training and the runtime
-ALL_MODES = (*MODES, "p_true")
-
-
-@dataclass(frozen=True, kw_only=True)
-class FitConfig:
-    """What to fit and evaluate.
-
-    Attributes:
-        model: the post-trained model to calibrate (a spec for ``resolve_model``, an engine
-            folder, or a served model's URL).
-        reference: the pre-trained reference model for DACA / naive alignment.
-        data: a data spec (``arc-easy``, ``sciq``, a ``.jsonl`` path, ...).
-        mode: ``cloze`` or ``letter`` for multiple choice, ``p_true`` for open QA
-            (docs/methods.md §2).
-        variant: cloze scoring variant (``sum``, ``mean``, ``char``); ignored in letter mode.
-        reference_variant: the reference model's cloze variant (default: ``variant``). DACA
-            aligns the model with the reference's probabilities, so it can only be as good
-            as the reference's own calibration, which depends on how options are scored.
-        calibration_fraction: share of the records used for fitting; the rest is the test split.
-        seed: seed of the calibration/test split.
-        n_bins: bins of ECE/MCE/AECE and the reliability diagram.
-        chat: apply the chat template in letter mode (``None``: when the tokenizer has one).
-        adapter: an existing adapter (e.g. CALM) to fit on top of; its LoRA and token
-            calibration are applied while scoring, the new temperature composes with it.
-        batch_size: questions per forward pass while scoring.
-        bootstrap: resamples of the ECE's 95% bootstrap interval (0 turns it off).
-        limit: use only the first ``limit`` records of the data (quick runs).
-        p_true_template: the P(True) template (``p_true`` mode, open-QA data).
-        max_length: refuse (one line, naming the record) any scored sequence longer than
-            this many tokens; ``None``: the model's context (``max_position_embeddings``).
-        model_name, reference_name: the served model names when ``model`` / ``reference``
-            are endpoint URLs (``None``: the single model the endpoint lists).
-        api_key_env: the environment variable holding the endpoints' API key.
-        concurrency: requests in flight per endpoint.
-        risk, risk_confidence: ``calm fit threshold``: the selective risk to stay at or
-            below, and the probability with which (see :mod:`calm_training.threshold`).
-    """
-
-    model: str
-    data: str
-    reference: str | None = None
-    mode: str = "cloze"
-    variant: str = DEFAULT_VARIANT
-    reference_variant: str | None = None
-    calibration_fraction: float = 0.3
-    seed: int = 0
-    n_bins: int = 10
-    chat: bool | None = None
-    adapter: str | None = None
-    batch_size: int = 8
-    bootstrap: int = 1000
-    limit: int | None = None
-    p_true_template: str = "kadavath"
-    max_length: int | None = None
-    model_name: str | None = None
-    reference_name: str | None = None
-    api_key_env: str = "OPENAI_API_KEY"
-    concurrency: int = 8
-    risk: float = 0.1
-    risk_confidence: float = 0.95
-
-    def __post_init__(self) -> None:
-        problems = []
-        if not 0 < self.risk < 1:
-            problems.append(f"risk {self.risk!r} must lie strictly between 0 and 1")
-        if not 0.5 <= self.risk_confidence < 1:
-            problems.append(f"risk_confidence {self.risk_confidence!r} must lie in [0.5, 1)")
-        if not isinstance(self.concurrency, int) or self.concurrency < 1:
-            problems.append(f"concurrency {self.concurrency!r} must be an integer >= 1")
-        if self.max_length is not None and (not isinstance(self.max_length, int)
-                                            or self.max_length < 2):
-            problems.append(f"max_length {self.max_length!r} must be an integer >= 2")
-        if self.mode not in ALL_MODES:
-            problems.append(f"mode {self.mode!r} is not one of {', '.join(ALL_MODES)}")
-        for name in ("variant", "reference_variant"):
-            value = getattr(self, name)
-            if value is not None and value not in CLOZE_VARIANTS:
-                problems.append(f"{name} {value!r} is not one of {', '.join(CLOZE_VARIANTS)}")
-        if not 0 < self.calibration_fraction < 1:
-            problems.append(f"calibration_fraction {self.calibration_fraction} is not in (0, 1)")
-        if self.n_bins < 1:
-            problems.append(f"n_bins {self.n_bins} must be >= 1")
-        if self.batch_size < 1:
-            problems.append(f"batch_size {self.batch_size} must be >= 1")
-        if self.limit is not None and self.limit < 2:
-            problems.append(f"limit {self.limit} must be >= 2")
-        if problems:
-            raise ConfigError("; ".join(problems) + "; fix the arguments")
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 def option_probabilities(scores: np.ndarray, temperature: float = 1.0) -> np.ndarray:
@@ -201,17 +113,6 @@ def _prepare(config: FitConfig, *, need_reference: bool, progress: bool) -> _Pre
                               if scores is not None and scores.floored is not None})
 
 
-def served_floor(floored: dict, n: int) -> dict | None:
-    """``{"model"/"reference": {"floored", "n", "share"}}`` from the count of each served
-    model's questions (of ``n``) where a scored token (an option letter, True/False) got the
-    floor: the smallest returned log-probability, an upper bound, which bounds the error of
-    those scores. ``None`` when no served model was scored that way."""
-    if not floored:
-        return None
-    return {role: {"floored": int(count), "n": n, "share": count / n if n else 0.0}
-            for role, count in floored.items()}
-
-
 def _variant(scores: OptionScores, config: FitConfig, variant: str | None = None) -> np.ndarray:
     return scores.scores((variant or config.variant) if config.mode == "cloze" else "sum")
 
@@ -261,44 +162,6 @@ def metric_row(probs: np.ndarray, labels: np.ndarray, config: FitConfig):
     conf, correct = probs.max(axis=1), (probs.argmax(axis=1) == labels).astype(float)
     add_selective(row, conf, correct, config)
     return row, (conf, correct)
-
-
-def add_selective(row: dict, conf: np.ndarray, correct: np.ndarray, config: FitConfig) -> None:
-    """The ECE's bootstrap interval, the selective-prediction metrics (AUROC, AURC and PRR
-    with bootstrap intervals; selective accuracy and coverage per threshold) and the
-    per-question ``confidence`` and ``correct``
-    arrays, so that every figure of a report can be recomputed from it."""
-    if config.bootstrap:
-        row["ece_ci95"] = list(metrics.bootstrap_interval(
-            lambda c, y: metrics.ece(c, y, config.n_bins), conf, correct,
-            n_resamples=config.bootstrap))
-    row.update(_finite_or_none(metrics.selective_report(conf, correct,
-                                                        bootstrap=config.bootstrap)))
-    row["confidence"] = [float(c) for c in conf]
-    row["correct"] = [int(c) for c in correct]
-
-
-def model_source(config: FitConfig, role: str):
-    """``config.model`` / ``config.reference`` as scoring takes it: the spec of a local model,
-    or a connected :class:`~calm_training.remote.Endpoint` for an http(s) URL."""
-    spec = getattr(config, role)
-    from .remote import connect, is_endpoint
-
-    if not is_endpoint(spec):
-        return spec
-    return connect(spec, model_name=getattr(config, f"{role}_name"),
-                   api_key_env=config.api_key_env, concurrency=config.concurrency)
-
-
-def _finite_or_none(value):
-    """NaN (an undefined metric: AUROC without a wrong answer) as None, for strict JSON."""
-    if isinstance(value, dict):
-        return {k: _finite_or_none(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_finite_or_none(v) for v in value]
-    if isinstance(value, float) and not np.isfinite(value):
-        return None
-    return value
 
 
 def _not_for_served(method: str, config: FitConfig) -> str | None:
@@ -637,62 +500,3 @@ def _write_vector(adapter: CalibrationAdapter, fit, config: FitConfig, folder: P
     adapter.tau, adapter.shift = tau, shift
 
 
-def format_table(report: dict) -> str:
-    """The comparison as a Markdown table (metrics on the test split)."""
-    cfg = report["config"]
-    ref_variant = cfg.get("reference_variant")
-    head = (f"{cfg['model']} on {cfg['data']} ({cfg['mode']}"
-            + (f", {cfg['variant']} scores" if cfg["mode"] == "cloze" else "")
-            + (f", reference {ref_variant} scores" if ref_variant else "")
-            + f"), test n={report['n_test']}"
-            + (f", fit n={report['n_calibration']}" if report.get("n_calibration") else "")
-            + f", {cfg['n_bins']} bins")
-    if "agreement_rate" in report:
-        ref = report["reference_on_test"]
-        head += (f"; reference {cfg['reference']}: agreement {report['agreement_rate']:.2f}, "
-                 f"own ECE {ref['ece']:.3f}")
-    if "answer_accuracy" in report:
-        head += f"; answer accuracy {report['answer_accuracy']:.3f}"
-    for role, floor in report.get("served_floor", {}).items():
-        head += (f"; served {role}: {floor['floored']} of {floor['n']} questions with a token "
-                 "at the floor (an upper bound)")
-    lines = [head, "",
-             "| method | T | acc | ECE [95% CI] | MCE | AECE | Brier | NLL | AUROC | AURC |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for name, row in report["methods"].items():
-        if "error" in row:
-            failed = "" if row["error"].startswith("not fitted") else "fit failed: "
-            lines.append(f"| {name} | - | {failed}{row['error']} | - | - | - | - | - | - "
-                         "| - |")
-            continue
-        fit = row.get("fit") or {}
-        temp = fit.get("temperature")
-        t_text = "vector" if "weights" in fit else ("1" if not fit else
-                                                     ("inf" if temp is None else f"{temp:.3f}"))
-        ci = row.get("ece_ci95")
-        ece_text = f"{row['ece']:.3f}" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
-        lines.append(f"| {name} | {t_text} | {row['accuracy']:.3f} | {ece_text} | "
-                     f"{row['mce']:.3f} | {row['aece']:.3f} | {row['brier']:.3f} | "
-                     f"{row['nll']:.3f} | {_number(row.get('auroc'))} | "
-                     f"{_number(row.get('aurc'))} |")
-    return "\n".join(lines)
-
-
-def format_selective_table(report: dict, thresholds=(0.5, 0.6, 0.7, 0.8, 0.9)) -> str:
-    """Selective accuracy per method: the accuracy of the answers kept at each confidence
-    threshold, with the share kept (coverage) in parentheses."""
-    lines = ["| method | " + " | ".join(f"conf >= {t}" for t in thresholds) + " |",
-             "|---|" + "---|" * len(thresholds)]
-    for name, row in report["methods"].items():
-        rows = {round(r["threshold"], 4): r for r in row.get("selective") or []}
-        cells = []
-        for t in thresholds:
-            r = rows.get(round(t, 4))
-            cells.append("-" if r is None else
-                         f"{_number(r['accuracy'])} ({r['coverage']:.2f})")
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def _number(value) -> str:
-    return "-" if value is None else f"{value:.3f}"

@@ -28,7 +28,7 @@ from calm_runtime.prompts import p_true_template
 
 from . import daca
 from .engine_model import is_engine, load_engine, scorer_fingerprint
-from .fit import add_selective, served_floor
+from .fit_report import add_selective, served_floor
 from .remote import is_endpoint, remote_answers, remote_p_true, resolve_chat
 from .scoring import generate_answers, is_correct, score_p_true
 
@@ -162,7 +162,7 @@ def open_qa_judgements(config, *, progress: bool = True) -> dict:
 def _remote_judgements(config, records, template, *, progress: bool) -> dict:
     """:func:`open_qa_judgements` when the model (and the reference) are served: both
     through their endpoints (each request cached by the remote scorer)."""
-    from .fit import model_source
+    from .sources import model_source
 
     if not all(is_endpoint(s) for s in (config.model, config.reference) if s):
         raise ConfigError("P(True) with a served model needs a served reference too (or "

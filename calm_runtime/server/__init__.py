@@ -14,7 +14,7 @@ from __future__ import annotations
 try:
     import fastapi  # noqa: F401
 except ImportError as err:  # one clear line instead of a missing-module error deep inside
-    from ..cli import missing_extra_message
+    from ..cli_common import missing_extra_message
     from ..errors import BackendUnavailableError
 
     raise BackendUnavailableError(missing_extra_message("serve", "calm_runtime.server")) from err

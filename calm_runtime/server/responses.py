@@ -1,0 +1,347 @@
+"""The response builders of :class:`~.serving._Server` (a mixin): OpenAI's completion and
+chat objects, streamed or whole, echo and constrained choices, each with calm's extension,
+and the waiting on results with the client's disconnect and the timeout."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from typing import TYPE_CHECKING
+
+import anyio
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from ..errors import CalmError
+from .batcher import END, Job
+from .guard import CLIENT_CLOSED
+from .protocol import (
+    FINISH_REASONS,
+    APIError,
+    CalmOptions,
+    chat_logprobs,
+    choice_extension,
+    completion_logprobs,
+    echo_logprobs,
+)
+
+if TYPE_CHECKING:
+    from .serving import _Server
+
+logger = logging.getLogger(__name__)
+
+
+def _event(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+class _EventStream(StreamingResponse):
+    """The SSE response: while it streams it listens for the client's disconnect (whatever
+    the ASGI server's spec version), and when the client leaves early the request's rows
+    stop decoding."""
+
+    def __init__(self, server: _Server, jobs: list[Job], events) -> None:
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+        self._server = server
+        self._jobs = jobs
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+                async def respond() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:  # the client left while an event was written
+                        pass
+                    group.cancel_scope.cancel()
+
+                group.start_soon(respond)
+                await self.listen_for_disconnect(receive)
+                group.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()
+            self._server.abandon(self._jobs)
+
+
+
+
+class _Responses:
+    """What :class:`~.serving._Server` answers with (its state is the server's)."""
+
+    def _envelope(self, rid: str, kind: str, chunk: bool = False) -> dict:
+        obj = {"completion": "text_completion",
+               "chat": "chat.completion.chunk" if chunk else "chat.completion"}[kind]
+        return {"id": rid, "object": obj, "created": int(time.time()),
+                "model": self.config.served_name, "system_fingerprint": self.fingerprint}
+
+    async def _results(self, jobs: list[Job], request: Request):
+        """The jobs' results; ``None`` when the client disconnected first (the rows are then
+        stopped), a 504 past the timeout."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.request_timeout_s
+        waiter = asyncio.gather(*(j.future for j in jobs), return_exceptions=True)
+        gone = asyncio.ensure_future(_client_gone(request.receive))
+        waiting = {waiter, gone}
+        try:
+            while True:
+                done, _ = await asyncio.wait(waiting, timeout=max(0.0, deadline - loop.time()),
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if waiter in done:
+                    return waiter.result()
+                if gone in done:
+                    if gone.exception() is None:
+                        self.abandon(jobs)
+                        return None
+                    waiting = {waiter}  # the connection cannot be watched: wait for the answer
+                    continue
+                raise self._timeout(jobs)
+        except asyncio.CancelledError:  # the server is stopping this request
+            self.abandon(jobs)
+            raise
+        finally:
+            gone.cancel()
+
+    async def constrained(self, encoded: list[list[int]], questions: list[str],
+                          choices: list[str], req, kind: str, request: Request):
+        """A constrained choice: the answer is the most probable of ``choices``; the
+        ``calm`` object carries the calibrated ``option_probabilities`` (in the given order).
+        Cloze: each choice's text continues the prompt as given; letter: the choices are
+        listed as ``A. ...`` after the question (the prompt, or the last user message)."""
+        options = req.calm or CalmOptions()
+        mode = options.choice_mode or self.lm.choice_mode  # the request's, else the engine's
+        out = []
+        for index, (ids, question) in enumerate(zip(encoded, questions, strict=True)):
+            try:
+                if mode == "cloze":
+                    picked = await self.scoring(request, self.lm.choose_continuation, ids,
+                                                choices)
+                else:
+                    if not question.strip():
+                        raise APIError(400, "letter-mode choice needs a question: a non-empty "
+                                       "prompt or user message", param="calm.choice_mode")
+                    picked = await self.scoring(request, _one_pass(self.lm.choose), question,
+                                                choices, "letter", chat=False)
+            except CalmError as exc:
+                raise APIError(400, str(exc)) from None
+            if picked is None:  # the client went away: nobody to answer
+                return Response(status_code=CLIENT_CLOSED)
+            text = choices[picked.prediction]
+            extension = {"option_probabilities": [float(p) for p in picked.probabilities],
+                         "confidence": picked.confidence, "choice_mode": mode,
+                         "variant": picked.variant,
+                         "answer_temperature": picked.answer_temperature,
+                         "calibrated": self.calibrated}
+            below = (options.abstain_below if options.abstain_below is not None
+                     else self.lm.abstain_below)  # the request's, else the engine's
+            if below is not None:
+                extension["abstained"] = picked.confidence < below
+                extension["abstain_below"] = below
+            choice = {"index": index, "finish_reason": "stop", "logprobs": None,
+                      "calm": extension}
+            if kind == "completion":
+                choice["text"] = text
+            else:
+                choice["message"] = {"role": "assistant", "content": text}
+            out.append(choice)
+        prefix = "cmpl" if kind == "completion" else "chatcmpl"
+        body = self._envelope(f"{prefix}-{uuid.uuid4().hex}", kind)
+        prompt_tokens = sum(len(ids) for ids in encoded)
+        body.update(choices=out, usage={"prompt_tokens": prompt_tokens, "completion_tokens": 0,
+                                        "total_tokens": prompt_tokens})
+        return body
+
+    async def echo(self, prompts: list[str], req, request: Request):
+        """``echo`` with ``max_tokens`` 0: every prompt token's calibrated log-probability
+        (and ``logprobs`` alternatives), text offsets and no generated text."""
+        top = req.logprobs or 0
+        choices, prompt_tokens = [], 0
+        for index, prompt in enumerate(prompts):
+            try:
+                scored = await self.scoring(request, self.lm.prompt_logprobs, prompt, top=top,
+                                            raw_logprobs=req.wants_raw)
+            except CalmError as exc:
+                raise APIError(400, str(exc), param="prompt") from None
+            if scored is None:  # the client went away: nobody to answer
+                return Response(status_code=CLIENT_CLOSED)
+            prompt_tokens += len(scored)
+            choices.append(await run_in_threadpool(self._echo_choice, index, prompt, scored,
+                                                   req, top))
+        body = self._envelope(f"cmpl-{uuid.uuid4().hex}", "completion")
+        body.update(choices=choices, usage={"prompt_tokens": prompt_tokens,
+                                            "completion_tokens": 0,
+                                            "total_tokens": prompt_tokens})
+        # a long echo with alternatives is megabytes of JSON: encoded off the event loop
+        content = await run_in_threadpool(_encode_json, body)
+        return Response(content=content, media_type="application/json")
+
+    def _echo_choice(self, index: int, prompt: str, scored, req, top: int) -> dict:
+        choice = {"index": index, "text": prompt, "finish_reason": "length",
+                  "logprobs": echo_logprobs(scored, top) if req.logprobs is not None
+                  else None}
+        choice["calm"] = {"calibrated": self.calibrated}
+        if req.wants_raw:
+            choice["calm"]["raw_logprobs"] = echo_logprobs(scored, top, raw=True)
+        return choice
+
+    async def complete(self, jobs: list[Job], req, kind: str, request: Request):
+        results = await self._results(jobs, request)
+        if results is None:  # nobody to answer
+            return Response(status_code=CLIENT_CLOSED)
+        for result in results:
+            if isinstance(result, CalmError):
+                raise APIError(400, str(result))
+            if isinstance(result, asyncio.CancelledError):
+                raise APIError(503, "the request was cancelled by the server; retry",
+                               type="server_error", code="cancelled")
+            if isinstance(result, BaseException):
+                raise result
+        choices = []
+        for index, result in enumerate(results):
+            self._observe(result)
+            g = result.generation
+            choice = {"index": index, "finish_reason": FINISH_REASONS[g.finish_reason]}
+            if kind == "completion":
+                choice["text"] = g.text
+                choice["logprobs"] = (None if req.logprobs is None
+                                      else completion_logprobs(g.tokens, req.logprobs))
+            else:
+                choice["message"] = {"role": "assistant", "content": g.text, "refusal": None}
+                choice["logprobs"] = (chat_logprobs(g.tokens, req.top_logprobs or 0,
+                                                    token_bytes=self.lm.tokenizer.token_bytes)
+                                      if req.logprobs else None)
+            choice["calm"] = {**choice_extension(g, result.p_true, req.wants_p_true),
+                              "calibrated": self.calibrated}
+            if req.wants_raw:
+                choice["calm"]["raw_logprobs"] = (
+                    completion_logprobs(g.tokens, req.logprobs, raw=True)
+                    if kind == "completion"
+                    else chat_logprobs(g.tokens, req.top_logprobs or 0, raw=True,
+                                       token_bytes=self.lm.tokenizer.token_bytes))
+            choices.append(choice)
+        prompt = sum(len(j.ids) for j in jobs)
+        completion = sum(len(r.generation.tokens) for r in results)
+        prefix = "cmpl" if kind == "completion" else "chatcmpl"
+        return {**self._envelope(f"{prefix}-{uuid.uuid4().hex}", kind), "choices": choices,
+                "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
+                          "total_tokens": prompt + completion},
+                "calm": self.identity}
+
+    async def stream(self, jobs: list[Job], req, kind: str):
+        """SSE events: one chunk per token, a final chunk per choice, usage, ``[DONE]``.
+
+        The text of a chunk is released only once no stop string can still begin in it, so
+        the chunks' texts join to exactly the non-streaming text. Closed early (the client
+        left), it stops the unfinished rows.
+        """
+        rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
+        deadline = time.monotonic() + self.config.request_timeout_s
+        stops = req.stops()
+        hold = max((len(s) for s in stops), default=1) - 1
+        usage = [0, 0]
+        ended = False  # the stream ran to its end (an error event included)
+
+        def chunk(index: int, text: str | None, logprobs, finish, extension) -> dict:
+            choice = {"index": index}
+            if kind == "completion":
+                choice["text"] = text or ""
+            else:
+                choice["delta"] = {} if text is None else {"content": text}
+            choice.update(logprobs=logprobs, finish_reason=finish, calm=extension)
+            return {**self._envelope(rid, kind, chunk=True), "choices": [choice]}
+
+        try:
+            for index, job in enumerate(jobs):
+                if kind == "chat":
+                    first = chunk(index, None, None, None, None)
+                    first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+                    yield _event(first)
+                full, sent, offset = "", 0, 0
+                while True:
+                    token = await asyncio.wait_for(job.tokens.get(), deadline - time.monotonic())
+                    if token is END:
+                        break
+                    full += token.text
+                    upto = len(full) - hold
+                    for stop in stops:
+                        at = full.find(stop, max(0, sent - hold))
+                        if at >= 0:
+                            upto = min(upto, at)
+                    text = full[sent:upto] if upto > sent else ""
+                    sent = max(sent, upto)
+                    if kind == "completion":
+                        logprobs = (None if req.logprobs is None
+                                    else completion_logprobs([token], req.logprobs, offset))
+                    else:
+                        logprobs = (chat_logprobs([token], req.top_logprobs or 0,
+                                                  token_bytes=self.lm.tokenizer.token_bytes)
+                                    if req.logprobs else None)
+                    extension = {"token_confidence": token.confidence}
+                    if req.wants_raw:
+                        extension["raw_logprobs"] = (
+                            completion_logprobs([token], req.logprobs, offset, raw=True)
+                            if kind == "completion"
+                            else chat_logprobs([token], req.top_logprobs or 0, raw=True,
+                                               token_bytes=self.lm.tokenizer.token_bytes))
+                    offset += len(token.text)
+                    yield _event(chunk(index, text, logprobs, None, extension))
+                result = await job.future
+                self._observe(result)
+                g = result.generation
+                yield _event(chunk(index, g.text[sent:] if kind == "completion" or
+                                   len(g.text) > sent else None, None,
+                                   FINISH_REASONS[g.finish_reason],
+                                   {**choice_extension(g, result.p_true, req.wants_p_true),
+                                    "calibrated": self.calibrated}))
+                usage[0] += len(job.ids)
+                usage[1] += len(g.tokens)
+            if req.stream_options and req.stream_options.include_usage:
+                yield _event({**self._envelope(rid, kind, chunk=True), "choices": [],
+                              "usage": {"prompt_tokens": usage[0], "completion_tokens": usage[1],
+                                        "total_tokens": sum(usage)}})
+            ended = True
+            yield _event("[DONE]")
+        except asyncio.TimeoutError:
+            ended = True
+            error = self._timeout(jobs)
+            self.metrics.errors.labels(error.type).inc()
+            yield _event(error.body())
+        except CalmError as exc:  # the request's input was refused while it ran (P(True))
+            ended = True
+            self.metrics.errors.labels("invalid_request_error").inc()
+            yield _event(APIError(400, str(exc)).body())
+        except Exception as exc:  # headers are sent: report in-band, log the details
+            ended = True
+            logger.error("a streaming request failed", exc_info=exc)
+            self.metrics.errors.labels("server_error").inc()
+            yield _event(APIError(500, "the server failed on this request; the details are "
+                                  "in its log", type="server_error").body())
+        finally:
+            self.abandon(jobs, client_left=not ended)
+
+
+def _encode_json(body: dict) -> bytes:
+    return json.dumps(body, ensure_ascii=False, allow_nan=False,
+                      separators=(",", ":")).encode("utf-8")
+
+
+def _one_pass(fn):
+    """``fn`` for :meth:`_Server.scoring`: one forward pass, too short to stop inside."""
+    def call(*args, should_stop=None, **kwargs):
+        return fn(*args, **kwargs)
+    return call
+
+
+async def _client_gone(receive) -> None:
+    """Return once the client has disconnected (called after the body was read, when the
+    server's ``receive`` waits for the disconnect)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+        await asyncio.sleep(0.05)  # a server that repeats empty messages: do not spin

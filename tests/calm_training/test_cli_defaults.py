@@ -1,0 +1,55 @@
+"""Every ``calm fit`` / ``calm eval`` / ``calm train`` option default is its config
+dataclass field's default (FitConfig, CalmConfig): one place for both, nothing repeated."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+pytest.importorskip("torch")
+
+from calm_runtime.cli import build_parser  # noqa: E402
+
+#: option dest -> config field where the names differ
+ALIASES = {"bins": "n_bins"}
+#: options whose text the command converts: "" (the CLI) is the empty tuple (the config)
+CONVERTED = {"lora_targets": ("", ())}
+
+
+def _command(name: str) -> argparse.ArgumentParser:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
+
+
+def _checked(command: str, config_class) -> int:
+    fields = {f.name: f.default for f in dataclasses.fields(config_class)
+              if f.default is not dataclasses.MISSING}
+    checked = 0
+    for action in _command(command)._actions:
+        field = ALIASES.get(action.dest, action.dest)
+        if (field not in fields or not action.option_strings or action.required
+                or action.help == argparse.SUPPRESS or action.default == argparse.SUPPRESS):
+            continue
+        if field in CONVERTED:
+            assert (action.default, fields[field]) == CONVERTED[field]
+        else:
+            assert action.default == fields[field], (command, action.option_strings,
+                                                     action.default, fields[field])
+        checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("command", ["fit", "eval"])
+def test_fit_and_eval_defaults_are_fitconfig_fields(command):
+    from calm_training.fit_config import FitConfig
+
+    assert _checked(command, FitConfig) >= 14
+
+
+def test_train_defaults_are_calmconfig_fields():
+    from calm_training.trainer import CalmConfig
+
+    assert _checked("train", CalmConfig) >= 30

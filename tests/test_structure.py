@@ -1,0 +1,134 @@
+"""The packages' import structure, read from the source with ``ast`` (nothing is imported).
+
+Every import that runs counts, those inside functions too: a lazy import that closes a
+cycle still ties the modules together. Imports under ``if TYPE_CHECKING:`` (annotations
+only, never executed) do not. ``from package import name`` counts as an import of the
+submodule ``package.name`` when there is one, else of the package.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+#: import name -> folder in the checkout (pyproject.toml's package-dir)
+PACKAGES = {"calm_runtime": "calm_runtime", "calm_export": "export", "calm_training": "training"}
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package, folder in PACKAGES.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = [package, *path.relative_to(ROOT / folder).with_suffix("").parts]
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join(parts)] = path
+    return found
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    base = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    out = set()
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                   and getattr(block.test, "id", None) == "TYPE_CHECKING"
+                   for stmt in block.body for n in ast.walk(stmt)}
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                stem = base[:len(base) - node.level + 1]
+                target = ".".join(stem + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            subs = [f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in modules]
+            out.update(subs)
+            if len(subs) < len(node.names):
+                out.add(target)
+    return {m for m in out if m in modules and m != name}
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan, iterative)."""
+    index, low, on_stack, stack, found, counter = {}, {}, set(), [], [], [0]
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter[0]
+        counter[0] += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter[0]
+                    counter[0] += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_no_import_cycle_between_modules():
+    graph = _graph()
+    assert len(graph) > 60  # the walk found the packages
+    assert _cycles(graph) == []
+
+
+def test_the_cycle_check_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_runtime_imports_neither_training_nor_export():
+    """``calm_runtime`` (what a server installs) finds the training and export commands
+    through entry points, never by importing those packages."""
+    graph = _graph()
+    upward = {(name, target) for name, targets in graph.items()
+              if name.split(".")[0] == "calm_runtime"
+              for target in targets if target.split(".")[0] != "calm_runtime"}
+    assert upward == set()
+
+
+def test_the_optional_commands_are_entry_points():
+    tomllib = pytest.importorskip("tomllib")
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    commands = project["entry-points"]["calm.commands"]
+    assert commands == {"train": "calm_training.cli:register",
+                        "export": "calm_export.cli:register",
+                        "score_served": "calm_training.served_score:score_served"}
+    modules = _modules()
+    for target in commands.values():
+        module, _, attribute = target.partition(":")
+        tree = ast.parse(modules[module].read_text(encoding="utf-8"))
+        assert any(isinstance(n, ast.FunctionDef) and n.name == attribute for n in tree.body)

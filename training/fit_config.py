@@ -1,0 +1,112 @@
+"""``FitConfig``: what ``calm fit`` / ``calm eval`` fit and evaluate, and the method names.
+
+Nothing here scores a model; :mod:`calm_training.fit` runs the fits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from calm_runtime.errors import ConfigError
+from calm_runtime.prompts import DEFAULT_CLOZE_VARIANT
+
+from .scoring import CLOZE_VARIANTS, MODES
+
+__all__ = ["ALL_MODES", "DEFAULT_VARIANT", "FitConfig", "LABEL_FREE", "METHODS"]
+
+#: every post-hoc method; the label-free ones need a reference model, the others labels
+METHODS = ("vanilla", "naive", "daca", "daca-vector", "ts", "ts-vector")
+LABEL_FREE = ("naive", "daca", "daca-vector")
+DEFAULT_VARIANT = DEFAULT_CLOZE_VARIANT  # one default for fitting, training and the runtime
+ALL_MODES = (*MODES, "p_true")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FitConfig:
+    """What to fit and evaluate.
+
+    Attributes:
+        model: the post-trained model to calibrate (a spec for ``resolve_model``, an engine
+            folder, or a served model's URL).
+        reference: the pre-trained reference model for DACA / naive alignment.
+        data: a data spec (``arc-easy``, ``sciq``, a ``.jsonl`` path, ...).
+        mode: ``cloze`` or ``letter`` for multiple choice, ``p_true`` for open QA
+            (docs/methods.md §2).
+        variant: cloze scoring variant (``sum``, ``mean``, ``char``); ignored in letter mode.
+        reference_variant: the reference model's cloze variant (default: ``variant``). DACA
+            aligns the model with the reference's probabilities, so it can only be as good
+            as the reference's own calibration, which depends on how options are scored.
+        calibration_fraction: share of the records used for fitting; the rest is the test split.
+        seed: seed of the calibration/test split.
+        n_bins: bins of ECE/MCE/AECE and the reliability diagram.
+        chat: apply the chat template in letter mode (``None``: when the tokenizer has one).
+        adapter: an existing adapter (e.g. CALM) to fit on top of; its LoRA and token
+            calibration are applied while scoring, the new temperature composes with it.
+        batch_size: questions per forward pass while scoring.
+        bootstrap: resamples of the ECE's 95% bootstrap interval (0 turns it off).
+        limit: use only the first ``limit`` records of the data (quick runs).
+        p_true_template: the P(True) template (``p_true`` mode, open-QA data).
+        max_length: refuse (one line, naming the record) any scored sequence longer than
+            this many tokens; ``None``: the model's context (``max_position_embeddings``).
+        model_name, reference_name: the served model names when ``model`` / ``reference``
+            are endpoint URLs (``None``: the single model the endpoint lists).
+        api_key_env: the environment variable holding the endpoints' API key.
+        concurrency: requests in flight per endpoint.
+        risk, risk_confidence: ``calm fit threshold``: the selective risk to stay at or
+            below, and the probability with which (see :mod:`calm_training.threshold`).
+    """
+
+    model: str
+    data: str
+    reference: str | None = None
+    mode: str = "cloze"
+    variant: str = DEFAULT_VARIANT
+    reference_variant: str | None = None
+    calibration_fraction: float = 0.3
+    seed: int = 0
+    n_bins: int = 10
+    chat: bool | None = None
+    adapter: str | None = None
+    batch_size: int = 8
+    bootstrap: int = 1000
+    limit: int | None = None
+    p_true_template: str = "kadavath"
+    max_length: int | None = None
+    model_name: str | None = None
+    reference_name: str | None = None
+    api_key_env: str = "OPENAI_API_KEY"
+    concurrency: int = 8
+    risk: float = 0.1
+    risk_confidence: float = 0.95
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not 0 < self.risk < 1:
+            problems.append(f"risk {self.risk!r} must lie strictly between 0 and 1")
+        if not 0.5 <= self.risk_confidence < 1:
+            problems.append(f"risk_confidence {self.risk_confidence!r} must lie in [0.5, 1)")
+        if not isinstance(self.concurrency, int) or self.concurrency < 1:
+            problems.append(f"concurrency {self.concurrency!r} must be an integer >= 1")
+        if self.max_length is not None and (not isinstance(self.max_length, int)
+                                            or self.max_length < 2):
+            problems.append(f"max_length {self.max_length!r} must be an integer >= 2")
+        if self.mode not in ALL_MODES:
+            problems.append(f"mode {self.mode!r} is not one of {', '.join(ALL_MODES)}")
+        for name in ("variant", "reference_variant"):
+            value = getattr(self, name)
+            if value is not None and value not in CLOZE_VARIANTS:
+                problems.append(f"{name} {value!r} is not one of {', '.join(CLOZE_VARIANTS)}")
+        if not 0 < self.calibration_fraction < 1:
+            problems.append(f"calibration_fraction {self.calibration_fraction} is not in (0, 1)")
+        if self.n_bins < 1:
+            problems.append(f"n_bins {self.n_bins} must be >= 1")
+        if self.batch_size < 1:
+            problems.append(f"batch_size {self.batch_size} must be >= 1")
+        if self.limit is not None and self.limit < 2:
+            problems.append(f"limit {self.limit} must be >= 2")
+        if problems:
+            raise ConfigError("; ".join(problems) + "; fix the arguments")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)

@@ -1,0 +1,115 @@
+"""The fit report's figures and tables: selective-prediction metrics, served-score floors,
+and the Markdown tables ``calm fit`` / ``calm eval`` print (shared by the multiple-choice
+and the P(True) fits).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from calm_runtime import metrics
+
+if TYPE_CHECKING:
+    from .fit_config import FitConfig
+
+__all__ = ["add_selective", "format_selective_table", "format_table", "served_floor"]
+
+
+def served_floor(floored: dict, n: int) -> dict | None:
+    """``{"model"/"reference": {"floored", "n", "share"}}`` from the count of each served
+    model's questions (of ``n``) where a scored token (an option letter, True/False) got the
+    floor: the smallest returned log-probability, an upper bound, which bounds the error of
+    those scores. ``None`` when no served model was scored that way."""
+    if not floored:
+        return None
+    return {role: {"floored": int(count), "n": n, "share": count / n if n else 0.0}
+            for role, count in floored.items()}
+
+
+def add_selective(row: dict, conf: np.ndarray, correct: np.ndarray, config: FitConfig) -> None:
+    """The ECE's bootstrap interval, the selective-prediction metrics (AUROC, AURC and PRR
+    with bootstrap intervals; selective accuracy and coverage per threshold) and the
+    per-question ``confidence`` and ``correct``
+    arrays, so that every figure of a report can be recomputed from it."""
+    if config.bootstrap:
+        row["ece_ci95"] = list(metrics.bootstrap_interval(
+            lambda c, y: metrics.ece(c, y, config.n_bins), conf, correct,
+            n_resamples=config.bootstrap))
+    row.update(_finite_or_none(metrics.selective_report(conf, correct,
+                                                        bootstrap=config.bootstrap)))
+    row["confidence"] = [float(c) for c in conf]
+    row["correct"] = [int(c) for c in correct]
+
+
+def _finite_or_none(value):
+    """NaN (an undefined metric: AUROC without a wrong answer) as None, for strict JSON."""
+    if isinstance(value, dict):
+        return {k: _finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite_or_none(v) for v in value]
+    if isinstance(value, float) and not np.isfinite(value):
+        return None
+    return value
+
+
+def format_table(report: dict) -> str:
+    """The comparison as a Markdown table (metrics on the test split)."""
+    cfg = report["config"]
+    ref_variant = cfg.get("reference_variant")
+    head = (f"{cfg['model']} on {cfg['data']} ({cfg['mode']}"
+            + (f", {cfg['variant']} scores" if cfg["mode"] == "cloze" else "")
+            + (f", reference {ref_variant} scores" if ref_variant else "")
+            + f"), test n={report['n_test']}"
+            + (f", fit n={report['n_calibration']}" if report.get("n_calibration") else "")
+            + f", {cfg['n_bins']} bins")
+    if "agreement_rate" in report:
+        ref = report["reference_on_test"]
+        head += (f"; reference {cfg['reference']}: agreement {report['agreement_rate']:.2f}, "
+                 f"own ECE {ref['ece']:.3f}")
+    if "answer_accuracy" in report:
+        head += f"; answer accuracy {report['answer_accuracy']:.3f}"
+    for role, floor in report.get("served_floor", {}).items():
+        head += (f"; served {role}: {floor['floored']} of {floor['n']} questions with a token "
+                 "at the floor (an upper bound)")
+    lines = [head, "",
+             "| method | T | acc | ECE [95% CI] | MCE | AECE | Brier | NLL | AUROC | AURC |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, row in report["methods"].items():
+        if "error" in row:
+            failed = "" if row["error"].startswith("not fitted") else "fit failed: "
+            lines.append(f"| {name} | - | {failed}{row['error']} | - | - | - | - | - | - "
+                         "| - |")
+            continue
+        fit = row.get("fit") or {}
+        temp = fit.get("temperature")
+        t_text = "vector" if "weights" in fit else ("1" if not fit else
+                                                     ("inf" if temp is None else f"{temp:.3f}"))
+        ci = row.get("ece_ci95")
+        ece_text = f"{row['ece']:.3f}" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
+        lines.append(f"| {name} | {t_text} | {row['accuracy']:.3f} | {ece_text} | "
+                     f"{row['mce']:.3f} | {row['aece']:.3f} | {row['brier']:.3f} | "
+                     f"{row['nll']:.3f} | {_number(row.get('auroc'))} | "
+                     f"{_number(row.get('aurc'))} |")
+    return "\n".join(lines)
+
+
+def format_selective_table(report: dict, thresholds=(0.5, 0.6, 0.7, 0.8, 0.9)) -> str:
+    """Selective accuracy per method: the accuracy of the answers kept at each confidence
+    threshold, with the share kept (coverage) in parentheses."""
+    lines = ["| method | " + " | ".join(f"conf >= {t}" for t in thresholds) + " |",
+             "|---|" + "---|" * len(thresholds)]
+    for name, row in report["methods"].items():
+        rows = {round(r["threshold"], 4): r for r in row.get("selective") or []}
+        cells = []
+        for t in thresholds:
+            r = rows.get(round(t, 4))
+            cells.append("-" if r is None else
+                         f"{_number(r['accuracy'])} ({r['coverage']:.2f})")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _number(value) -> str:
+    return "-" if value is None else f"{value:.3f}"

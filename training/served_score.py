@@ -1,0 +1,78 @@
+"""``calm score URL``: a served model's multiple-choice answers scored as ``calm eval``
+scores them, reported as ``calm score`` reports an engine (calm's ``calm.commands`` entry
+point ``score_served``; the runtime's CLI finds it there)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+
+from calm_runtime.artifact import CalibrationAdapter
+from calm_runtime.data import MultipleChoiceRecord
+from calm_runtime.errors import ConfigError, DataError
+from calm_runtime.prompts import CLOZE_VARIANTS, DEFAULT_CLOZE_VARIANT
+from calm_runtime.score import choices_report, require_labels
+
+from .cache import cached_option_scores
+from .fit import FitConfig, _variant, option_probabilities
+from .sources import model_source
+
+__all__ = ["score_served"]
+
+
+def score_served(args, records) -> tuple[dict, str]:
+    """``calm score URL``: the served model's option scores as ``calm eval`` gets them
+    (:func:`calm_training.cache.cached_option_scores`), the adapter's temperatures applied as
+    ``calm eval`` applies them, and the report :func:`calm_runtime.score.choices_report` makes
+    for an engine; returns the report and the report file's name stem."""
+    if records and not isinstance(records[0], MultipleChoiceRecord):
+        raise ConfigError(f"{args.data} holds open-QA records; calm score scores a served "
+                          "model's multiple-choice answers only; for P(True) use calm eval "
+                          f"--mode p_true --model {args.engine}")
+    if not records:
+        raise DataError("no records to score; check the data file or split")
+    require_labels(records)
+    adapter = CalibrationAdapter.from_pretrained(args.adapter) if args.adapter else None
+    if adapter is not None and adapter.base_model.served is None:
+        raise ConfigError(f"{args.adapter} is an adapter for the local model "
+                          f"{adapter.base_model.name}; a served model takes one fitted with "
+                          f"calm fit --model {args.engine} (or export an engine with it)")
+    recorded = (adapter.method or {}).get("variant") if adapter is not None else None
+    variant = args.variant or (recorded if recorded in CLOZE_VARIANTS else None) \
+        or DEFAULT_CLOZE_VARIANT
+    if (args.mode == "cloze" and adapter is not None and adapter.answer_temperature is not None
+            and recorded in CLOZE_VARIANTS and variant != recorded):
+        logging.getLogger(__name__).warning(
+            "scoring with variant %r but the adapter's answer_temperature was fitted with %r",
+            variant, recorded)
+    config = FitConfig(model=args.engine, data=args.data, mode=args.mode, variant=variant,
+                       n_bins=args.bins, chat=args.chat, model_name=args.model_name,
+                       api_key_env=args.api_key_env, concurrency=args.concurrency)
+    endpoint = model_source(config, "model")
+    if adapter is not None:
+        recorded_at = adapter.base_model.served
+        if (recorded_at["endpoint"], recorded_at["served_model"]) != (endpoint.base_url,
+                                                                      endpoint.model):
+            raise ConfigError(
+                f"{args.adapter} was fitted for {recorded_at['served_model']!r} at "
+                f"{recorded_at['endpoint']}, not {endpoint.model!r} at {endpoint.base_url}; "
+                "score the model it was fitted for, or fit one for this one")
+    scores = cached_option_scores(endpoint, records, mode=args.mode, chat=args.chat,
+                                  progress=not args.quiet)
+    answer_t = 1.0
+    if adapter is not None:  # a served model's adapter holds temperatures only
+        scores = dataclasses.replace(scores, values=adapter.calibrate(scores.values))
+        if args.mode == "cloze":
+            answer_t = adapter.answer_temperature or 1.0
+    probs = option_probabilities(_variant(scores, config), answer_t)
+    report = choices_report([row[:len(r.choices)] for row, r in zip(probs, records, strict=True)],
+                            [r.answer for r in records], mode=args.mode,
+                            variant=variant if args.mode == "cloze" else None,
+                            answer_temperature=answer_t, n_bins=args.bins)
+    report.update(backend=f"served model {endpoint.model!r} at {endpoint.base_url}",
+                  served_model=endpoint.model, adapter=args.adapter,
+                  temperature=adapter.temperature if adapter is not None else 1.0)
+    if args.mode == "letter":
+        report["floored"] = int(scores.floored or 0)
+    return report, re.sub(r"[^A-Za-z0-9._-]+", "_", endpoint.model) or "served"
