@@ -33,9 +33,16 @@ from calm_runtime.prompts import letter_tokens
 from . import daca
 from .cache import cached_option_scores
 from .engine_model import engine_identity, is_engine, require_uncalibrated
-from .fit_config import LABEL_FREE, METHODS, FitConfig
-from .fit_report import (
+from .fit_config import (  # noqa: F401 - FitConfig and the names stay importable from here
+    ALL_MODES,
+    DEFAULT_VARIANT,
+    LABEL_FREE,
+    METHODS,
+    FitConfig,
+)
+from .fit_report import (  # noqa: F401 - the tables stay importable from here
     add_selective,
+    format_selective_table,
     format_table,
     served_floor,
 )
@@ -43,8 +50,8 @@ from .remote import Endpoint, is_endpoint
 from .scoring import OptionScores
 from .sources import model_source
 
-__all__ = ["FitConfig", "METHODS", "LABEL_FREE", "compare_methods", "fit_adapter",
-           "option_probabilities", "format_table"]
+__all__ = ["FitConfig", "METHODS", "LABEL_FREE", "DEFAULT_VARIANT", "compare_methods",
+           "fit_adapter", "option_probabilities", "format_table", "format_selective_table"]
 
 logger = logging.getLogger(__name__)
 
