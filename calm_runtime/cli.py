@@ -43,7 +43,7 @@ from .cli_common import (  # noqa: F401 - re-exported: calm's command-line API
 )
 from .data import DATA_PARTS
 from .errors import BackendUnavailableError, ConfigError
-from .prompts import CLOZE_VARIANTS, DEFAULT_CLOZE_VARIANT
+from .prompts import CHOICE_MODES, CLOZE_VARIANTS, DEFAULT_CLOZE_VARIANT
 
 __all__ = ["main", "build_parser"]
 
@@ -298,7 +298,7 @@ def _add_score(sub) -> None:
                         "calm fit/eval use, or all (default test; NAME:PART in --data wins)")
     p.add_argument("--split", dest="part", choices=DATA_PARTS, help=argparse.SUPPRESS,
                    action=deprecated_alias("--part"))
-    p.add_argument("--mode", default="cloze", choices=["cloze", "letter"])
+    p.add_argument("--mode", default="cloze", choices=list(CHOICE_MODES))
     p.add_argument("--variant", choices=CLOZE_VARIANTS,
                    help="cloze option score (default: the engine's or adapter's recorded one, "
                         f"else {DEFAULT_CLOZE_VARIANT})")

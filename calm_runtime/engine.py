@@ -44,7 +44,7 @@ from ._manifest import (
 )
 from .calibration import SHIFT_LIMIT, TAU_RANGE, TEMPERATURE_RANGE
 from .errors import ArtifactError
-from .prompts import PTrueTemplate
+from .prompts import CHOICE_MODES, PTrueTemplate
 
 __all__ = [
     "ENGINE_SCHEMA_VERSION",
@@ -441,7 +441,7 @@ def _check_export(section: dict, where: str) -> None:
     from .artifact import check_abstention
     from .prompts import CLOZE_VARIANTS
 
-    for key, allowed in (("choice_mode", ("cloze", "letter")),
+    for key, allowed in (("choice_mode", CHOICE_MODES),
                          ("cloze_variant", CLOZE_VARIANTS)):
         value = section.get(key)
         if value is not None and value not in allowed:

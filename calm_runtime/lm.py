@@ -40,6 +40,7 @@ from .calibration import apply_calibration
 from .engine import EngineManifest
 from .errors import ArtifactError, ConfigError
 from .prompts import (
+    CHOICE_MODES,
     CLOZE_VARIANTS,
     DEFAULT_CLOZE_VARIANT,
     PTrueTemplate,
@@ -59,7 +60,7 @@ __all__ = ["CalibratedLM", "MODES", "CLOZE_VARIANTS", "recorded_cloze_variant"]
 
 logger = logging.getLogger(__name__)
 
-MODES = ("cloze", "letter")
+MODES = CHOICE_MODES
 #: a token covers at most this many times the longest token string of the vocabulary
 CHARS_PER_TOKEN_MARGIN = 4
 

@@ -29,6 +29,7 @@ __all__ = [
     "cloze_continuation",
     "letter_prompt",
     "option_letters",
+    "CHOICE_MODES",
     "CLOZE_VARIANTS",
     "DEFAULT_CLOZE_VARIANT",
     "cloze_option_scores",
@@ -105,6 +106,8 @@ def cloze_continuation(option: str) -> str:
     return f" {option}"
 
 
+#: the two ways a multiple-choice question is put to a model (docs/methods.md §2)
+CHOICE_MODES = ("cloze", "letter")
 #: How a cloze option is scored from the log-probability of its text: ``sum`` (summed),
 #: ``mean`` (per token) or ``char`` (per character of the option, lm-eval's ``acc_norm``).
 CLOZE_VARIANTS = ("sum", "mean", "char")

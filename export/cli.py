@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from calm_runtime._extras import missing
 from calm_runtime.cli_common import install_named, missing_extra_message, run_command
 from calm_runtime.errors import ConfigError
-from calm_runtime.prompts import CLOZE_VARIANTS, DEFAULT_CLOZE_VARIANT
+from calm_runtime.prompts import CHOICE_MODES, CLOZE_VARIANTS, DEFAULT_CLOZE_VARIANT
 
 from .config import (  # torch-free, like this module
     DTYPES,
@@ -85,7 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, quiet: bool = True) -> Non
     parser.add_argument("--recalibrate", metavar="DATA", default=None,
                         help="refit the temperature on the final engine's own scores of DATA "
                         "(implies --calibration-data DATA)")
-    parser.add_argument("--calibration-mode", choices=("cloze", "letter"), default=None,
+    parser.add_argument("--calibration-mode", choices=CHOICE_MODES, default=None,
                         help="how DATA is scored (default: the adapter's fit mode, else cloze)")
     parser.add_argument("--calibration-variant", choices=CLOZE_VARIANTS, default=None,
                         help="cloze score variant for DATA (default: the adapter's recorded "

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 from typing import ClassVar
 
 from calm_runtime.errors import ConfigError
-from calm_runtime.prompts import CLOZE_VARIANTS, p_true_template
+from calm_runtime.prompts import CHOICE_MODES, CLOZE_VARIANTS, p_true_template
 
 __all__ = ["ExportConfig"]
 
@@ -16,7 +16,7 @@ DTYPES = ("fp32", "fp16")
 QUANTIZE = ("int8", "int4")
 GRAPHS = ("auto", "builder", "fused", "standard")
 INT8_SCHEMES = ("blockwise", "dynamic")
-CALIBRATION_MODES = ("cloze", "letter")
+CALIBRATION_MODES = CHOICE_MODES
 EXPORTERS = ("auto", "dynamo", "torchscript")
 HEAD_LAYOUTS = ("untied", "tied-scale")
 

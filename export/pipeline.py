@@ -29,7 +29,7 @@ from calm_runtime.models import (
     model_identity,
     resolve_model,
 )
-from calm_runtime.prompts import CLOZE_VARIANTS
+from calm_runtime.prompts import CHOICE_MODES, CLOZE_VARIANTS
 
 from . import engine_writer, fuse, genai_builder, heads, quantize, recalibrate, validate
 from .checkpoint import CHECKPOINT_MANIFEST
@@ -592,7 +592,7 @@ def _choice_mode(adapter: CalibrationAdapter) -> str | None:
     fit; ``None`` when neither records one (e.g. a P(True) fit or a CALM adapter)."""
     for section in (adapter.abstention, adapter.method):
         mode = (section or {}).get("mode")
-        if mode in ("cloze", "letter"):
+        if mode in CHOICE_MODES:
             return mode
     return None
 

@@ -34,7 +34,7 @@ import numpy as np
 from calm_runtime import metrics
 from calm_runtime.data import MultipleChoiceRecord, dataset_hash, load_dataset
 from calm_runtime.errors import ConfigError, DataError, ExportValidationError, FitError
-from calm_runtime.prompts import CLOZE_VARIANTS, DEFAULT_CLOZE_VARIANT
+from calm_runtime.prompts import CHOICE_MODES, CLOZE_VARIANTS, DEFAULT_CLOZE_VARIANT
 
 from .onnx import ONNX_FILE
 
@@ -95,7 +95,7 @@ def scoring_settings(config, adapter) -> tuple[str, str | None]:
     """``(mode, cloze variant)``: the config's, else the adapter's fit, else cloze / "mean"."""
     method = adapter.method or {}
     mode = config.calibration_mode or (method.get("mode") if method.get("mode") in
-                                       ("cloze", "letter") else "cloze")
+                                       CHOICE_MODES else "cloze")
     if mode == "letter":
         return mode, None
     recorded = method.get("variant") if method.get("variant") in CLOZE_VARIANTS else None

@@ -64,6 +64,7 @@ from calm_runtime.data import (
 )
 from calm_runtime.errors import ConfigError, DataError
 from calm_runtime.prompts import (
+    CHOICE_MODES,
     CLOZE_VARIANTS,
     DEFAULT_CLOZE_VARIANT,
     cloze_context,
@@ -209,7 +210,7 @@ class _Encoder:
     def __init__(self, tokenizer, *, mode: str, chat: bool, max_length: int,
                  positions: str = "options", entropy: str = "vocab",
                  variant: str = DEFAULT_CLOZE_VARIANT) -> None:
-        if mode not in ("cloze", "letter"):
+        if mode not in CHOICE_MODES:
             raise ConfigError(f"mode must be cloze or letter, got {mode!r}")
         if positions not in CALIBRATION_POSITIONS:
             raise ConfigError(f"calibration positions must be one of "

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from calm_runtime.cli_common import deprecated_alias
 from calm_runtime.errors import BackendUnavailableError
-from calm_runtime.prompts import CLOZE_VARIANTS
+from calm_runtime.prompts import CHOICE_MODES, CLOZE_VARIANTS
 
 from .fit_config import ALL_MODES, FitConfig
 
@@ -377,7 +377,7 @@ def _register_train(sub) -> None:
                         "iterate-alpha (alternate a LoRA step on g and a tau/shift step on f: "
                         "no coupling, alpha only), scalar (one learned temperature); "
                         "lora = plain LoRA fine-tuning without calibration")
-    t.add_argument("--mode", default=d["mode"].default, choices=["cloze", "letter"],
+    t.add_argument("--mode", default=d["mode"].default, choices=list(CHOICE_MODES),
                    help="multiple choice: CE on the option text (cloze) or its letter")
     chat = t.add_mutually_exclusive_group()
     chat.add_argument("--chat", dest="chat", action="store_true", default=None,

@@ -31,6 +31,7 @@ from calm_runtime import _scoring
 from calm_runtime.data import MultipleChoiceRecord
 from calm_runtime.errors import ConfigError, DataError
 from calm_runtime.prompts import (
+    CHOICE_MODES,
     CLOZE_VARIANTS,
     DEFAULT_CLOZE_VARIANT,
     PTrueTemplate,
@@ -59,7 +60,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-MODES = ("cloze", "letter")
+MODES = CHOICE_MODES
 
 
 @dataclass

@@ -40,7 +40,7 @@ import numpy as np
 
 from calm_runtime.artifact import CalibrationAdapter
 from calm_runtime.errors import ConfigError, FitError
-from calm_runtime.prompts import CLOZE_VARIANTS, DEFAULT_CLOZE_VARIANT
+from calm_runtime.prompts import CHOICE_MODES, CLOZE_VARIANTS, DEFAULT_CLOZE_VARIANT
 
 from . import calm_data
 
@@ -177,7 +177,7 @@ class CalmConfig:
         problems = []
         if self.method not in METHODS:
             problems.append(f"method {self.method!r} is not one of {', '.join(METHODS)}")
-        if self.mode not in ("cloze", "letter"):
+        if self.mode not in CHOICE_MODES:
             problems.append(f"mode {self.mode!r} is not cloze or letter")
         if self.optimizer not in OPTIMIZERS:
             problems.append(f"optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")

@@ -1,0 +1,52 @@
+"""benchmarks/engines.py: the paired ratios and the report of several models' sections."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture()
+def engines():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import engines as module
+
+        yield module
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+        sys.modules.pop("engines", None)
+
+
+def _section(model: str, calm_ms: float) -> dict:
+    ratio = {"ratio_median": 1.0, "ratio_min": 1.0, "ratio_max": 1.0, "median_ms": calm_ms}
+    return {"command": f"python benchmarks/engines.py --model {model}", "commit": "abc1234",
+            "created": "2026-12-01 00:00 UTC", "rounds": 3, "long_rounds": 2,
+            "new_tokens": 64, "scores": {}, "score_data": "",
+            "rows": [{"arm": "calm fp32", "graph": {"kind": "genai-builder"},
+                      "build_seconds": 30.0, "bytes": 6e8, "decode": ratio,
+                      "prefill64": ratio, "prefill512": ratio}],
+            "long_context": {"new_tokens": 16,
+                             "decode_ms": {"calm fp32": {"128": 30.0, "2048": 45.0}},
+                             "growth": {"calm fp32": 1.5}},
+            "targets": [{"target": "fp32 decode", "arm": "calm fp32", "against": "builder fp32",
+                         "ratio_median": 1.09, "ratio_min": 0.92, "ratio_max": 1.15,
+                         "met": False}]}
+
+
+def test_paired_ratios_are_per_round(engines):
+    pair = engines._paired([2.0, 3.0, 8.0], [1.0, 3.0, 4.0])
+    assert pair == {"ratio_median": 2.0, "ratio_min": 1.0, "ratio_max": 2.0}
+
+
+def test_the_report_has_a_section_per_model_with_its_targets(engines):
+    text = engines.render({"models": {"smol": _section("smol", 31.9),
+                                      "gemma": _section("gemma", 63.0)}})
+    assert text.count("## smol") == 1 and text.count("## gemma") == 1
+    assert "| fp32 decode | calm fp32 | builder fp32 | 1.09 (0.92-1.15) | no |" in text
+    assert "| calm fp32 | 30.0 | 45.0 | 1.50 |" in text
+    assert "do not edit by hand" in text
