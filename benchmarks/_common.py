@@ -20,9 +20,8 @@ def git_commit() -> str:
 
 def command_line(script: str, argv) -> str:
     """The command a result file names: ``python benchmarks/SCRIPT ARGS``."""
-    import sys
-
     import shlex
+    import sys
 
     args = argv if argv is not None else sys.argv[1:]
     return f"python benchmarks/{script} {shlex.join(args)}".strip()  # quoted: runnable as is

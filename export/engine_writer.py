@@ -34,6 +34,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "tokenizer.model", "vocab.json", "merges.txt")
 CHAT_TEMPLATE = "chat_template.jinja"
 GENAI_CONFIG = "genai_config.json"
+#: ``export.graph.kind`` of onnxruntime-genai's builder graph (packed I/O, no position_ids)
+BUILDER_GRAPH = "genai-builder"
 #: option letters whose token ids the manifest records (A-J, the most a MCQA item uses)
 OPTION_LETTERS = string.ascii_uppercase[:10]
 
@@ -128,12 +130,13 @@ def write_genai_config(staging: Path, shape: DecoderShape, tokens: dict) -> dict
         },
     }
     write_json(staging / GENAI_CONFIG, config)
-    return {"file": GENAI_CONFIG, "sha256": sha256_file(staging / GENAI_CONFIG)}
+    return genai_config_entry(staging)
 
 
-def keep_genai_config(staging: Path) -> dict:
-    """The ``genai_config.json`` onnxruntime-genai's builder wrote with its graph (kept as
-    it is: it describes that graph's inputs and its in-place KV buffer)."""
+def genai_config_entry(staging: Path) -> dict:
+    """The manifest's ``export.genai_config`` for the file in ``staging``; a builder graph's
+    is the builder's own, kept as it is (it describes that graph's inputs and its in-place
+    KV buffer)."""
     return {"file": GENAI_CONFIG, "sha256": sha256_file(staging / GENAI_CONFIG)}
 
 
@@ -169,7 +172,7 @@ def build_manifest(*, kind: str, staging: Path, identity: ModelIdentity, weights
     """Assemble (and check) the manifest of the engine being built in ``staging``; a
     builder graph (``export["graph"]["kind"] == "genai-builder"``) has no position_ids."""
     summary = adapter.summary()
-    packed = (export.get("graph") or {}).get("kind") == "genai-builder"
+    packed = (export.get("graph") or {}).get("kind") == BUILDER_GRAPH
     inputs, outputs = engine_io_names(shape.num_layers, position_ids=not packed)
     return EngineManifest(
         kind=kind,

@@ -40,18 +40,24 @@ import numpy as np
 
 from calm_runtime.errors import CalmError
 
-from .onnx import EXTERNAL_DATA_FILE, ONNX_FILE, add_logits_to_keep, append_logits_affine
+from .engine_writer import BUILDER_GRAPH, GENAI_CONFIG
+from .onnx import (
+    EXTERNAL_DATA_FILE,
+    ONNX_FILE,
+    add_logits_to_keep,
+    append_logits_affine,
+    graph_opset,
+)
 
 __all__ = ["BUILDER_FAMILIES", "GRAPH_KIND", "BuilderError", "build_graph", "not_built_because"]
 
 logger = logging.getLogger(__name__)
 
-GRAPH_KIND = "genai-builder"
+GRAPH_KIND = BUILDER_GRAPH
 #: model types whose builder graph passes calm's conformance matrix (tests/calm_export/
 #: test_conformance.py); OLMo-2, Cohere and GPT-NeoX are not built by onnxruntime-genai.
 BUILDER_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "gemma2",
                     "gemma3_text")
-GENAI_CONFIG = "genai_config.json"
 
 
 class BuilderError(CalmError):
@@ -125,7 +131,7 @@ def build_graph(model, tokenizer, staging: Path, vocab_size: int, *, affine=None
 
     graph = onnx.load(str(staging / ONNX_FILE), load_external_data=False)
     ops = Counter(node.op_type for node in graph.graph.node)
-    opset = next(o.version for o in graph.opset_import if o.domain in ("", "ai.onnx"))
+    opset = graph_opset(graph, staging / ONNX_FILE)
     return {"exporter": f"onnxruntime-genai {onnxruntime_genai.__version__} model builder",
             "opset": opset, "external_data": (staging / EXTERNAL_DATA_FILE).is_file(),
             "logits_to_keep": True,

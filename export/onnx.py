@@ -24,7 +24,8 @@ from calm_runtime.engine import engine_io_names
 from calm_runtime.errors import CalmError
 
 __all__ = ["DecoderShape", "KVCacheDecoder", "OnnxExportError", "LOGITS_TO_KEEP",
-           "add_logits_to_keep", "append_logits_affine", "decoder_shape", "export_onnx"]
+           "add_logits_to_keep", "append_logits_affine", "decoder_shape", "export_onnx",
+           "graph_opset"]
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +139,10 @@ def export_onnx(model: nn.Module, shape: DecoderShape, directory: Path, *, opset
             continue
         logger.info("exported %s with the %s exporter", path.name, name)
         add_logits_to_keep(path, shape.vocab_size)
-        return {"exporter": name, "opset": _graph_opset(path), "external_data": external_data,
+        import onnx
+
+        opset = graph_opset(onnx.load(str(path), load_external_data=False), path)
+        return {"exporter": name, "opset": opset, "external_data": external_data,
                 "logits_to_keep": True}
     raise OnnxExportError("could not export the model to ONNX (" + " | ".join(failures) + "); "
                           "check that transformers supports torch.export for this architecture")
@@ -288,10 +292,8 @@ def save_onnx(model, path: Path, external: bool) -> None:
         onnx.save_model(model, str(path))
 
 
-def _graph_opset(path: Path) -> int:
-    import onnx
-
-    model = onnx.load(str(path), load_external_data=False)
+def graph_opset(model, path: Path) -> int:
+    """The default-domain opset of a loaded graph ``model`` (read from ``path``)."""
     for entry in model.opset_import:
         if entry.domain in ("", "ai.onnx"):
             return int(entry.version)

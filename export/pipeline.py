@@ -324,7 +324,7 @@ def _export(model_spec, out: Path, adapter_arg, config: ExportConfig,
 
         tokenizer_files, chat_template = engine_writer.copy_tokenizer(folder, tokenizer, staging)
         if facts["graph"]["kind"] == genai_builder.GRAPH_KIND:
-            genai = engine_writer.keep_genai_config(staging)
+            genai = engine_writer.genai_config_entry(staging)
         else:
             genai = engine_writer.write_genai_config(staging, shape, tokens)
         export_settings = {**config.to_dict(), **_versions(),

@@ -241,6 +241,7 @@ class _GraphFacts:
         self.num_layers = shape.num_layers
         self.vocab_size = shape.vocab_size
         self.io = {"inputs": inputs, "outputs": outputs}
+        self.packed = not positions
         self.model = {"num_kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim,
                       "vocab_size": shape.vocab_size}
 

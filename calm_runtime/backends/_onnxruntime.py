@@ -142,7 +142,7 @@ class OnnxRuntimeBackend(Backend):
                 "silently when the CUDA/cuDNN/TensorRT libraries are missing); install the "
                 "libraries onnxruntime-gpu needs, or pass providers=['CPUExecutionProvider']")
         #: the graph takes explicit positions (else it is packed, see the module doc)
-        self.positions = "position_ids" in manifest.io["inputs"]
+        self.positions = not manifest.packed
         self._check_io(session, manifest, path, self.positions)
         self._session = session
         #: the graph projects only the last positions when asked (``logits_to_keep``)
@@ -166,8 +166,7 @@ class OnnxRuntimeBackend(Backend):
         self.description = f"onnxruntime {ort.__version__} {active[0]}"
         self._ort = ort
         self._packed = None if self.positions else PackedCache(
-            ort, self._kv_shape, self._kv_dtype, self._kv_device, self._device_id,
-            manifest.num_layers)
+            ort, self._kv_shape, self._kv_dtype, self._kv_device, self._device_id)
 
     @staticmethod
     def _check_io(session, manifest, path, positions: bool) -> None:

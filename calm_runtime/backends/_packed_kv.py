@@ -79,21 +79,17 @@ def pack_rows(input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: n
 
 
 class PackedCache:
-    """Runs a packed graph for :class:`~calm_runtime.backends.OnnxRuntimeBackend`.
-
-    ``run_prefill(ids, mask, keep)`` and ``run_step(ids, mask, values)`` run the session
-    (``keep``: positions to project, 0 = all; ``values``: the buffers to bind as past and
-    present); ``empty(batch)`` is a zero-length past.
-    """
+    """The packed cache's buffers and bookkeeping for
+    :class:`~calm_runtime.backends.OnnxRuntimeBackend` (which runs the session): states from
+    a prefill's outputs, growth, row selection, and each later pass's mask and checks."""
 
     def __init__(self, ort, kv_shape: tuple[int, int], kv_dtype, device: str,
-                 device_id: int, layers: int) -> None:
+                 device_id: int) -> None:
         self._ort = ort
         self._heads, self._dim = kv_shape
         self._dtype = kv_dtype
         self._device = device
         self._device_id = device_id
-        self._count = 2 * layers
 
     # ------------------------------------------------------------------ buffers
     def _wrap(self, array: np.ndarray):
@@ -111,12 +107,11 @@ class PackedCache:
 
     def from_present(self, present, lengths: np.ndarray) -> PackedState:
         """A state holding a prefill's ``present`` outputs (width = the prompt's)."""
-        first = present[0] if isinstance(present[0], np.ndarray) else present[0].numpy()
-        batch, width = first.shape[0], first.shape[2]
+        arrays = [v if isinstance(v, np.ndarray) else v.numpy() for v in present]
+        batch, width = arrays[0].shape[0], arrays[0].shape[2]
         capacity = width + max(_HEADROOM, width // 2)
         host = []
-        for value in present:
-            array = value if isinstance(value, np.ndarray) else value.numpy()
+        for array in arrays:
             buffer = np.zeros((batch, self._heads, capacity, self._dim), self._dtype)
             buffer[:, :, :width] = array
             host.append(buffer)
