@@ -73,17 +73,25 @@ K = 4
 VARIANT = "mean"
 logger = logging.getLogger("calm_replication")
 
-#: settings shared by every arm (the plain LoRA recipe of the project's earlier CALM run)
+#: settings shared by every arm (the plain LoRA recipe of the project's earlier CALM run).
+#: Every setting is pinned here, at the value the recorded runs used, so that a later change
+#: of a CalmConfig default cannot change an arm silently (tests/benchmarks/test_arms_pinned.py
+#: checks them against benchmarks/results/calm_replication.json)
 COMMON = {"batch_size": 8, "calibration_batch_size": 8, "lora_rank": 8, "lora_alpha": 16.0,
-          "max_length": 256, "inner_steps": 2, "inner_lr": 0.01, "cloze_variant": VARIANT}
+          "max_length": 256, "inner_steps": 2, "inner_lr": 0.01, "cloze_variant": VARIANT,
+          "mode": "cloze", "phi": "grad", "warm_start_lr": 1e-3, "q_window": 10, "beta": 1.0,
+          "alpha_l2": 0.0, "upper_params": "all", "alpha_tokens": "all", "momentum": 0.9,
+          "freeze_alpha": False}
 SGD = {"method": "bilevel", "optimizer": "sgd", "momentum": 0.9, "outer_lr": 0.1,
        "alpha_lr": 0.02, "calibration_positions": "answer"}
 ARMS = {
-    "lora": {"method": "lora", "optimizer": "adam", "outer_lr": 1e-3},
+    "lora": {"method": "lora", "optimizer": "adam", "outer_lr": 1e-3, "alpha_lr": None,
+             "entropy": "vocab", "calibration_positions": "options"},
     "calm-adam-vocab": {"method": "bilevel", "optimizer": "adam", "outer_lr": 1e-3,
-                        "alpha_lr": 5e-3, "entropy": "vocab", "calibration_positions": "answer"},
-    "calm-sgd-vocab": {**SGD, "entropy": "vocab"},
-    "calm-sgd-options": {**SGD, "entropy": "options"},
+                        "alpha_lr": 5e-3, "entropy": "vocab", "calibration_positions": "answer",
+                        "upper_params": "all"},
+    "calm-sgd-vocab": {**SGD, "entropy": "vocab", "upper_params": "all"},
+    "calm-sgd-options": {**SGD, "entropy": "options", "upper_params": "all"},
     "calm-sgd-options-alpha": {**SGD, "entropy": "options", "upper_params": "alpha"},
     "calm-sgd-options-alpha-tok": {**SGD, "entropy": "options", "upper_params": "alpha",
                                    "alpha_tokens": "options", "alpha_l2": 1e-3},

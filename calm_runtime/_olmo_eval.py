@@ -18,6 +18,7 @@ import hashlib
 import importlib
 import importlib.util
 import logging
+import re
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -38,6 +39,9 @@ __all__ = [
     "convert_arc",
     "convert_sciq",
     "convert_triviaqa",
+    "convert_hellaswag",
+    "convert_openbookqa",
+    "convert_piqa",
     "sciq_answer_position",
 ]
 
@@ -190,6 +194,61 @@ def convert_triviaqa(folder: Path) -> list[dict[str, Any]]:
     return records
 
 
+_BRACKETED = re.compile(r"\s*\[[^\]]*\]\s*")
+
+
+def _clean_hellaswag(text: str) -> str:
+    """WikiHow rows carry markup such as ``[title]`` or ``[step]``: each bracketed tag
+    becomes a sentence break, and runs of spaces collapse to one."""
+    text = _BRACKETED.sub(". ", text.strip())
+    text = re.sub(r"(\.\s*){2,}", ". ", text)
+    return re.sub(r"\s+", " ", text).strip(" ").removeprefix(". ")
+
+
+def convert_hellaswag(folder: Path) -> list[dict[str, Any]]:
+    """HellaSwag: ``question`` = ``"ACTIVITY: CONTEXT"`` (``ctx``), ``choices`` = the four
+    endings, ``answer`` = ``int(label)``; bracketed WikiHow markup is cleaned from both."""
+    columns = ["activity_label", "ctx", "endings", "label"]
+    records = []
+    for i, row in enumerate(read_arrow_folder(folder, columns)):
+        label = str(row["label"]).strip()
+        endings = [_clean_hellaswag(e) for e in row["endings"] or []]
+        if not label.isdigit() or int(label) >= len(endings):
+            raise DataError(f"{folder}: row {i} has label {label!r} for {len(endings)} "
+                            "endings; the data folder is corrupt")
+        context = _clean_hellaswag(row["ctx"] or "")
+        records.append({"question": f"{(row['activity_label'] or '').strip()}: {context}",
+                        "choices": endings, "answer": int(label),
+                        "id": f"hellaswag/{Path(folder).name}/{i}"})
+    return records
+
+
+def convert_openbookqa(folder: Path) -> list[dict[str, Any]]:
+    """OpenBookQA: ``question_stem`` and the choices as ARC stores them (answer by label)."""
+    records = []
+    for row in read_arrow_folder(folder, ["id", "question_stem", "choices", "answerKey"]):
+        labels = [str(label).strip() for label in row["choices"]["label"]]
+        key = str(row["answerKey"]).strip()
+        if key not in labels:
+            raise DataError(f"{folder}: question {row['id']!r} has answerKey {key!r}, which is "
+                            f"not one of its labels {labels}; the data folder is corrupt")
+        records.append({"question": row["question_stem"], "choices": row["choices"]["text"],
+                        "answer": labels.index(key), "id": row["id"]})
+    return records
+
+
+def convert_piqa(folder: Path) -> list[dict[str, Any]]:
+    """PIQA: ``question`` = the goal, ``choices`` = ``[sol1, sol2]``, ``answer`` = label."""
+    records = []
+    for i, row in enumerate(read_arrow_folder(folder, ["goal", "sol1", "sol2", "label"])):
+        if row["label"] not in (0, 1):
+            raise DataError(f"{folder}: row {i} has label {row['label']!r}, not 0 or 1; the "
+                            "data folder is corrupt")
+        records.append({"question": row["goal"], "choices": [row["sol1"], row["sol2"]],
+                        "answer": int(row["label"]), "id": f"piqa/{Path(folder).name}/{i}"})
+    return records
+
+
 @dataclass(frozen=True)
 class Source:
     """A named data set: its record kind and how to convert it from ``hf_datasets/``."""
@@ -217,6 +276,13 @@ SOURCES: dict[str, Source] = {
         Source("mmlu", "multiple_choice",
                "MMLU, all 57 subjects, validation split (1,531 questions)",
                functools.partial(convert_mmlu, split="validation")),
+        Source("hellaswag", "multiple_choice",
+               "HellaSwag, validation split (10,042 contexts, four endings)",
+               _in("hellaswag/none/validation", convert_hellaswag)),
+        Source("openbookqa", "multiple_choice", "OpenBookQA, validation split (500 questions)",
+               _in("openbookqa/main/validation", convert_openbookqa)),
+        Source("piqa", "multiple_choice", "PIQA, validation split (1,838 goals, two solutions)",
+               _in("piqa/plain_text/validation", convert_piqa)),
         Source("triviaqa", "open_qa",
                "TriviaQA rc.wikipedia.nocontext, validation split (7,993 questions)",
                _in("trivia_qa/rc.wikipedia.nocontext/validation", convert_triviaqa)),

@@ -97,7 +97,7 @@ class CalmModel:
         if config.method == "scalar":
             self.alpha_names = ["log_temperature"]
             self.alpha = [torch.zeros(1, device=device, requires_grad=True)]
-        elif config.method == "lora":
+        elif config.method == "lora" or getattr(config, "freeze_alpha", False):
             self.alpha_names, self.alpha = [], []
         else:
             self.alpha_names = ["log_tau", "shift"]
@@ -225,7 +225,7 @@ class CalmModel:
                              for w, p in zip(wrt, parts, strict=True)]
                     grads = parts if grads is None else [
                         a + b for a, b in zip(grads, parts, strict=True)]
-            if wrt and grads is None:
+            if grads is None:
                 grads = [torch.zeros_like(w) for w in wrt]
             n = len(theta) if grad_theta else 0
             return (total, grads[:n] if grad_theta else None,

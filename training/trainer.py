@@ -111,6 +111,9 @@ class CalmConfig:
         alpha_tokens: ``all`` (τ, l over the whole vocabulary) or ``options`` (only the
             tokens of the options/answers in the training and calibration data).
         alpha_l2: weight of the penalty ``Σ (log τ)² + l²`` added to f (0: none).
+        freeze_alpha: keep α at the identity (no α variables at all): the method's exact
+            schedule with θ alone, the matched control of an α-learning run. The adapter
+            then has kind ``lora``.
         q_window: warn when the mean of q over the last this many steps exceeds the mean
             over the this many before.
         beta: weight of ``f`` in the ``regularization`` ablation (``g + β f``).
@@ -151,6 +154,7 @@ class CalmConfig:
     upper_params: str = "alpha"
     alpha_tokens: str = "all"
     alpha_l2: float = 0.0
+    freeze_alpha: bool = False
     q_window: int = 10
     beta: float = 1.0
     lora_rank: int = 8
@@ -496,7 +500,7 @@ class _Trainer:
             curve.append({k: self.history[-1].get(k) for k in keys})
         return CalibrationAdapter(
             base_model=self.model.identity, tau=tau, shift=shift, temperature=1.0,
-            kind=KINDS[cfg.method],
+            kind="lora" if cfg.freeze_alpha else KINDS[cfg.method],
             # "variant" is the cloze score variant, as in every adapter (export and the
             # runtime read it); the CALM solver or ablation is "solver"
             method={"name": "calm", "solver": cfg.method, "mode": cfg.mode,

@@ -1,0 +1,697 @@
+"""Does CALM do what its paper claims? An experiment with the power to say so, or to say it cannot.
+
+    python benchmarks/calm_decisive.py                 # the whole plan; finished runs are reused
+    python benchmarks/calm_decisive.py --add calm-bome-all:1 lora-matched:1   # given runs only
+    python benchmarks/calm_decisive.py --report        # merge the runs into the result files
+    python benchmarks/calm_decisive.py --smoke         # 3 steps, 12 questions per set
+
+Model: SmolLM2-135M-Instruct. Trained on SciQ (``sciq:train``, 150 labeled questions;
+``sciq:unlabeled``, 150 calibration questions without labels). In domain: SciQ's whole test
+part (700). Out of domain: all of ARC-Easy (570) and a fixed random 1,000 of PIQA's
+validation split (seed 0), 1,570 paired questions. Sets whose vanilla accuracy is within
+5 points of chance (1/K) are reported and left out of every decision.
+
+**The gate** (before any test question is read; training and unlabeled data only):
+
+1. *Letter or cloze.* LoRA (Adam, 1e-3, the step budget) trained on letter answers of
+   ``sciq:train``, read on the 150 questions of ``sciq:unlabeled`` with their labels. If a
+   one-sided binomial test against chance (1/4) gives p < 0.05, letter mode is the primary
+   regime (α on the letter tokens is the paper's class-wise α); otherwise cloze (mean
+   per-token score) with α restricted to the tokens of the options (``alpha_tokens=options``).
+2. *α that moves.* The BOME arm is probed at each α learning rate of ``--alpha-lr-grid``
+   (warm start + ``--probe-steps`` bilevel steps). α moves when the base model with the
+   learned α alone changes the mean option entropy on ``sciq:unlabeled`` by at least
+   ``--entropy-gate`` nats (0.05). The smallest learning rate that passes is used by every
+   α-learning arm; if none passes, the one with the largest change is used and the result
+   file says that α stayed inert.
+
+**Arms** (:data:`ARMS`; every setting pinned here and recorded): ``calm-bome-all`` (BOME as
+the paper states it: plain SGD over u = (θ, α), f's gradient on both), ``calm-bome-alpha``
+(f's gradient on α only: θ moves by λ∇q), ``lora-matched`` (the default arm's exact
+schedule, warm start, optimizer, steps and learning rates, with α frozen at the identity),
+the paper's ablations ``ablation-iterate`` (θ on g, then (θ, α) on f, no coupling),
+``ablation-regularization`` (g + f jointly) and ``ablation-scalar`` (α one temperature), and
+``vanilla`` (no training). Every arm is also read with temperature scaling fitted in domain on
+``sciq:unlabeled`` with its labels (no arm trained on them) and carried over to every set.
+Seeds 0, 1, 2 for the default arm and ``lora-matched``; one seed for the ablations.
+
+**The default arm** is the BOME arm (``calm-bome-all`` or ``calm-bome-alpha``, seed 0) with
+the lower option NLL on the validation split (``sciq:unlabeled`` with its labels); never on
+a test part.
+
+**The decision rule**, fixed before the runs. For each claim, Δ = metric(arm) −
+metric(comparator), estimated by a paired bootstrap (``--bootstrap`` resamples): seeds are
+resampled (paired by seed index where both sides have seeds), then questions within each
+set (the same questions for both sides); per set the metric is averaged over the chosen
+seeds, and Δ is the question-weighted mean over the claim's sets. With the 95% percentile
+interval [lo, hi] and margin m:
+
+* ECE claims (m = 0.01): **holds** if hi < 0 and the interval is not inside ±m;
+  **refuted** if lo > 0 or the interval is inside ±m; **inconclusive** otherwise.
+* Accuracy kept (non-inferiority, m = 0.03): **holds** if lo > −m; **refuted** if hi < −m;
+  **inconclusive** otherwise.
+* An ablation collapses (loses accuracy against the default arm, m = 0.03): **holds** if
+  hi < −m; **refuted** if lo > −m; **inconclusive** otherwise.
+
+Runs missing from the plan give the verdict **not run**. ECE: 10 equal-width bins; NLL and
+Brier (multi-class) are reported beside it.
+
+Writes ``OUT/calm_decisive.parts/RUN.json`` per run (resumable: present runs are reused
+unless ``--retrain``), and ``--report`` (also run at the end of the plan) writes
+``OUT/calm_decisive.json`` and ``.md`` and the README's generated block.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from _common import command_line, git_commit
+
+from calm_runtime import metrics
+from calm_runtime.artifact import CalibrationAdapter
+from calm_runtime.cli import install_named
+from calm_runtime.data import load_dataset, split_records
+from calm_training import calm_data, daca
+from calm_training.fit import option_probabilities
+from calm_training.trainer import CalmConfig, train_calm
+
+HERE = Path(__file__).resolve().parent
+logger = logging.getLogger("calm_decisive")
+
+DOMAIN = "sciq"
+OOD = ("arc-easy", "piqa")
+#: how many questions of each out-of-domain set (None: all), drawn once with PIQA_SEED
+OOD_LIMIT = {"arc-easy": None, "piqa": 1000}
+SUBSET_SEED = 0
+SEEDS = (0, 1, 2)
+CHANCE_MARGIN = 0.05
+ECE_MARGIN = 0.01
+ACC_MARGIN = 0.03
+
+#: every CalmConfig setting an arm can change, pinned (mode, alpha_tokens and alpha_lr come
+#: from the gate; the rest never depends on a CalmConfig default)
+COMMON = {"steps": 40, "warm_start_steps": 20, "warm_start_lr": 1e-3, "batch_size": 8,
+          "calibration_batch_size": 8, "lora_rank": 8, "lora_alpha": 16.0, "max_length": 256,
+          "inner_steps": 2, "inner_lr": 0.01, "optimizer": "sgd", "momentum": 0.0,
+          "outer_lr": 0.1, "phi": "grad", "eta": 0.5, "entropy": "options",
+          "cloze_variant": "mean", "calibration_positions": "answer", "alpha_l2": 0.0,
+          "q_window": 10, "beta": 1.0, "freeze_alpha": False}
+ARMS = {
+    "calm-bome-all": {"method": "bilevel", "upper_params": "all"},
+    "calm-bome-alpha": {"method": "bilevel", "upper_params": "alpha"},
+    # the default arm's settings with α frozen at the identity
+    "lora-matched": {"freeze_alpha": True},
+    "ablation-iterate": {"method": "iterate-theta"},
+    "ablation-regularization": {"method": "regularization"},
+    "ablation-scalar": {"method": "scalar"},
+}
+#: arms whose settings start from the default arm's (the rest start from COMMON)
+DERIVED = ("lora-matched", "ablation-iterate", "ablation-regularization", "ablation-scalar")
+CANDIDATES = ("calm-bome-all", "calm-bome-alpha")
+LETTER_LORA = {"method": "lora", "optimizer": "adam", "outer_lr": 1e-3, "warm_start_steps": 0}
+
+
+def arm_settings(arm: str, gate: dict, default: str | None) -> dict:
+    """The full, pinned settings of ``arm`` (every key of :data:`COMMON` and more)."""
+    base = {**COMMON, "mode": gate["mode"], "alpha_tokens": gate["alpha_tokens"],
+            "alpha_lr": gate["alpha_lr"], "upper_params": "all", "method": "bilevel"}
+    if arm in DERIVED:
+        if default is None:
+            raise SystemExit(f"{arm} derives from the default arm, which is chosen after "
+                             f"{' and '.join(f'{c}:0' for c in CANDIDATES)}; run those first")
+        base = arm_settings(default, gate, None)
+    return {**base, **ARMS[arm]}
+
+
+def _config(args, settings: dict, seed: int) -> CalmConfig:
+    return CalmConfig(model=args.model, train=(f"{DOMAIN}:train",),
+                      calibration=(f"{DOMAIN}:unlabeled",), seed=seed, **settings)
+
+
+# ---------------------------------------------------------------------------- data
+def _validation():
+    """``sciq:unlabeled`` with its labels: TS fit, default choice, gate readings."""
+    return split_records(load_dataset(f"{DOMAIN}:calibration"), calm_data.TRAIN_SPLIT_FRACTION,
+                         calm_data.TRAIN_SPLIT_SEED)[1]
+
+
+def eval_sets(limit: int | None = None) -> dict:
+    sets = {DOMAIN: load_dataset(f"{DOMAIN}:test")}
+    for name in OOD:
+        records = load_dataset(name)
+        if OOD_LIMIT[name] is not None:
+            order = list(range(len(records)))
+            random.Random(SUBSET_SEED).shuffle(order)
+            records = [records[i] for i in sorted(order[:OOD_LIMIT[name]])]
+        sets[name] = records
+    return {k: v[:limit] for k, v in sets.items()} if limit else sets
+
+
+def _evaluator(args, mode: str, model=None):
+    """An option evaluator on ``model`` (a trained CalmModel) or on a fresh base model with an
+    empty LoRA of the arms' shape."""
+    import torch
+
+    from calm_training._calm_model import CalmModel
+    from calm_training.option_eval import OptionEvaluator
+    from calm_training.scoring import uses_chat_template
+
+    if model is None:
+        config = CalmConfig(model=args.model, train=("-",), calibration=("-",),
+                            method="bilevel", lora_rank=COMMON["lora_rank"],
+                            lora_alpha=COMMON["lora_alpha"])
+        model = CalmModel(config, torch.device("cpu"))
+    chat = mode == "letter" and uses_chat_template(model.tokenizer, None)
+    return OptionEvaluator(model, mode=mode, variant=COMMON["cloze_variant"], chat=chat,
+                           max_length=COMMON["max_length"], batch_size=args.eval_batch_size)
+
+
+def _entropy(probs: np.ndarray) -> float:
+    p = np.clip(probs, 1e-12, 1.0)
+    return float(-(probs * np.log(p)).sum(axis=1).mean())
+
+
+def per_question(probs: np.ndarray, labels: np.ndarray) -> dict:
+    """conf, correct, nll, brier per question (rounded: the part files stay small)."""
+    n = labels.size
+    conf = probs.max(axis=1)
+    correct = (probs.argmax(axis=1) == labels).astype(int)
+    p_true = np.clip(probs[np.arange(n), labels], metrics.PROB_EPS, 1.0)
+    onehot = np.zeros_like(probs)
+    onehot[np.arange(n), labels] = 1.0
+    brier = ((probs - onehot) ** 2).sum(axis=1)
+    return {"conf": np.round(conf, 6).tolist(), "correct": correct.tolist(),
+            "nll": np.round(-np.log(p_true), 6).tolist(), "brier": np.round(brier, 6).tolist()}
+
+
+def summary(q: dict, k: int, bins: int, n_boot: int) -> dict:
+    conf, correct = np.asarray(q["conf"]), np.asarray(q["correct"], float)
+    lo, hi = metrics.bootstrap_interval(lambda c, y: metrics.ece(c, y, bins), conf, correct,
+                                        n_resamples=n_boot)
+    acc = float(correct.mean())
+    return {"n": int(conf.size), "accuracy": acc, "ece": float(metrics.ece(conf, correct, bins)),
+            "ece_ci": [lo, hi], "nll": float(np.mean(q["nll"])),
+            "brier": float(np.mean(q["brier"])), "mean_confidence": float(conf.mean()),
+            "near_chance": acc < 1.0 / k + CHANCE_MARGIN, "k": k}
+
+
+# ---------------------------------------------------------------------------- parts
+def _part_path(args, name: str) -> Path:
+    return Path(args.parts) / f"{name}.json"
+
+
+def read_part(args, name: str) -> dict | None:
+    path = _part_path(args, name)
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def write_part(args, name: str, part: dict) -> None:
+    path = _part_path(args, name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    part = {"command": args.command, "commit": args.commit,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), **part}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(part, separators=(",", ":"), default=str) + "\n")
+    tmp.replace(path)
+    logger.warning("wrote %s", path)
+
+
+# ---------------------------------------------------------------------------- the gate
+def binomial_p_above(successes: int, n: int, p0: float) -> float:
+    """One-sided exact binomial p-value, P(X >= successes) under Binomial(n, p0)."""
+    return float(sum(math.comb(n, k) * p0 ** k * (1 - p0) ** (n - k)
+                     for k in range(successes, n + 1)))
+
+
+def run_gate(args) -> dict:
+    found = read_part(args, "gate")
+    if found is not None and not args.retrain:
+        return found
+    started = time.perf_counter()
+    validation = _validation()
+    # 1. letter or cloze
+    settings = {**COMMON, **LETTER_LORA, "mode": "letter", "alpha_tokens": "all",
+                "alpha_lr": None, "upper_params": "alpha"}
+    result = train_calm(_config(args, settings, 0), None, progress=not args.quiet)
+    letter_eval = _evaluator(args, "letter", result.model)
+    hidden = letter_eval.hidden(validation)
+    scores, _ = letter_eval.scores(hidden)
+    right = int((scores.argmax(axis=1) == hidden.labels).sum())
+    n = int(hidden.labels.size)
+    p_value = binomial_p_above(right, n, 0.25)
+    letter = {"accuracy": right / n, "n": n, "p_value": p_value, "settings": settings}
+    mode = "letter" if p_value < 0.05 else "cloze"
+    alpha_tokens = "all" if mode == "letter" else "options"
+    logger.warning("gate: LoRA letter accuracy %.3f on %d questions (one-sided p = %.3g): %s",
+                   right / n, n, p_value, mode)
+    del result, letter_eval
+    # 2. α that moves
+    evaluator = _evaluator(args, mode)
+    evaluator.reset_lora()
+    base_hidden = evaluator.hidden(validation)
+    base_entropy = _entropy(option_probabilities(evaluator.scores(base_hidden)[0]))
+    probes = []
+    for lr in args.alpha_lr_grid:
+        gate = {"mode": mode, "alpha_tokens": alpha_tokens, "alpha_lr": lr}
+        probe = {**arm_settings("calm-bome-all", gate, None),
+                 "steps": COMMON["warm_start_steps"] + args.probe_steps}
+        result = train_calm(_config(args, probe, 0), None, progress=not args.quiet)
+        tau, shift = result.model.tau_shift()
+        entropy = _entropy(option_probabilities(evaluator.scores(base_hidden, tau, shift)[0]))
+        last = result.history[-1]
+        probes.append({"alpha_lr": lr, "base_alpha_entropy": entropy,
+                       "entropy_change": entropy - base_entropy,
+                       "tau_range": [float(tau.min()), float(tau.max())],
+                       "shift_range": [float(shift.min()), float(shift.max())],
+                       "last_lambda": last.get("lam"), "last_cos_f_q": last.get("cos_f_q")})
+        logger.warning("gate: alpha lr %g: base+alpha option entropy %.4f (base %.4f)", lr,
+                       entropy, base_entropy)
+        del result
+    moving = [p for p in probes if abs(p["entropy_change"]) >= args.entropy_gate]
+    chosen = (min(moving, key=lambda p: p["alpha_lr"]) if moving
+              else max(probes, key=lambda p: abs(p["entropy_change"])))
+    gate = {"mode": mode, "alpha_tokens": alpha_tokens, "alpha_lr": chosen["alpha_lr"],
+            "alpha_moves": bool(moving), "entropy_gate": args.entropy_gate,
+            "base_entropy": base_entropy, "probe_steps": args.probe_steps, "probes": probes,
+            "letter": letter, "validation_n": len(validation),
+            "wall_s": round(time.perf_counter() - started, 1)}
+    write_part(args, "gate", gate)
+    return read_part(args, "gate")
+
+
+# ---------------------------------------------------------------------------- one run
+def run_one(args, arm: str, seed: int, gate: dict, default: str | None) -> dict:
+    name = arm if arm == "vanilla" else f"{arm}-s{seed}"
+    found = read_part(args, name)
+    if found is not None and not args.retrain:
+        logger.info("reusing %s", name)
+        return found
+    started = time.perf_counter()
+    evaluator = _evaluator(args, gate["mode"])
+    validation = _validation()
+    evaluator.reset_lora()
+    base_val = evaluator.hidden(validation)
+    base_entropy = _entropy(option_probabilities(evaluator.scores(base_val)[0]))
+    run: dict = {"arm": arm, "seed": seed}
+    alphas = {"alpha": (None, None)}
+    if arm != "vanilla":
+        settings = arm_settings(arm, gate, default)
+        out = Path(args.adapters) / name
+        result = train_calm(_config(args, settings, seed), out, overwrite=True,
+                            progress=not args.quiet)
+        adapter = CalibrationAdapter.from_pretrained(out)
+        training = adapter.metrics["training"]
+        last = training["last"] or {}
+        tau, shift = adapter.tau, adapter.shift
+        entropy = _entropy(option_probabilities(evaluator.scores(base_val, tau, shift)[0]))
+        run |= {"settings": settings, "adapter": str(out), "train_s": training["seconds"],
+                "steps": training["steps"], "tau_range": [float(tau.min()), float(tau.max())],
+                "shift_range": [float(shift.min()), float(shift.max())],
+                "last": {k: last.get(k) for k in ("f", "g", "g_identity", "q", "lam",
+                                                  "cos_f_q", "grad_q_norm")},
+                "curve": training.get("curve"),
+                "base_alpha_entropy_change": entropy - base_entropy}
+        del result
+        evaluator.model.load_lora(adapter.lora_path)
+        alphas = {"alpha": (tau, shift)}
+        if not settings.get("freeze_alpha") and settings["method"] != "lora":
+            alphas["no-alpha"] = (None, None)
+    hidden_val = evaluator.hidden(validation)
+    temperatures, validation_nll = {}, {}
+    for variant, (tau, shift) in alphas.items():
+        s = evaluator.scores(hidden_val, tau, shift)[0]
+        temperatures[variant] = daca.fit_temperature_scaling(s, hidden_val.labels).temperature
+        validation_nll[variant] = metrics.nll(option_probabilities(s), hidden_val.labels)
+    run |= {"temperature": temperatures, "validation_nll": validation_nll, "sets": {}}
+    for set_name, records in eval_sets(args.eval_limit).items():
+        hidden = evaluator.hidden(records, progress=not args.quiet)
+        k = max(len(r.choices) for r in records)
+        out_set = {"in_domain": set_name == DOMAIN, "k": k, "variants": {}}
+        for variant, (tau, shift) in alphas.items():
+            scores = evaluator.scores(hidden, tau, shift)[0]
+            for suffix, t in (("", 1.0), ("+ts", temperatures[variant])):
+                q = per_question(option_probabilities(scores, t), hidden.labels)
+                out_set["variants"][variant + suffix] = {
+                    "summary": summary(q, k, args.bins, args.bootstrap), "questions": q}
+        run["sets"][set_name] = out_set
+        logger.info("%s on %s evaluated", name, set_name)
+    run["wall_s"] = round(time.perf_counter() - started, 1)
+    write_part(args, name, run)
+    return read_part(args, name)
+
+
+def choose_default(args, gate: dict) -> dict | None:
+    found = read_part(args, "default")
+    if found is not None and not args.retrain:
+        return found
+    runs = {arm: read_part(args, f"{arm}-s0") for arm in CANDIDATES}
+    if any(r is None for r in runs.values()):
+        return None
+    nll = {arm: r["validation_nll"]["alpha"] for arm, r in runs.items()}
+    arm = min(nll, key=nll.get)
+    write_part(args, "default", {"arm": arm, "validation_nll": nll,
+                                 "rule": "the BOME arm with the lower option NLL on the "
+                                 f"validation split ({DOMAIN}:unlabeled with its labels), seed 0"})
+    return read_part(args, "default")
+
+
+def plan(default: str | None) -> list[tuple[str, int]]:
+    """The runs in the order they are made (the default-derived ones once it is known)."""
+    runs = [("vanilla", 0)] + [(c, 0) for c in CANDIDATES]
+    if default is None:
+        return runs
+    for seed in SEEDS:
+        runs += [(default, seed), ("lora-matched", seed)]
+    runs += [(a, 0) for a in ("ablation-iterate", "ablation-regularization", "ablation-scalar")]
+    return list(dict.fromkeys(runs))
+
+
+def run_plan(args) -> int:
+    gate = run_gate(args)
+    wanted = [_parse_run(text) for text in args.add] if args.add else None
+    while True:
+        chosen = choose_default(args, gate)
+        default = chosen["arm"] if chosen else None
+        todo = plan(default) if wanted is None else wanted
+        pending = [(a, s) for a, s in todo
+                   if args.retrain or read_part(args, a if a == "vanilla" else f"{a}-s{s}")
+                   is None]
+        if not pending:
+            break
+        arm, seed = pending[0]
+        run_one(args, arm, seed, gate, default)
+        if wanted is not None:
+            wanted.remove((arm, seed))
+        if args.retrain:
+            args.retrain = False  # once per run, not forever
+    return report(args)
+
+
+def _parse_run(text: str) -> tuple[str, int]:
+    arm, _, seed = text.partition(":")
+    if arm not in ARMS and arm != "vanilla":
+        raise SystemExit(f"--add {text}: unknown arm {arm!r}; choose from vanilla, "
+                         f"{', '.join(ARMS)}")
+    if seed and not seed.isdigit():
+        raise SystemExit(f"--add {text}: the seed must be a whole number (ARM:SEED)")
+    return arm, int(seed or 0)
+
+
+# ---------------------------------------------------------------------------- decisions
+def _arrays(part: dict, set_name: str, variant: str) -> dict:
+    q = part["sets"][set_name]["variants"][variant]["questions"]
+    return {k: np.asarray(v, float) for k, v in q.items()}
+
+
+def _metric(a: dict, metric: str, idx: np.ndarray, bins: int) -> float:
+    if metric == "ece":
+        return float(metrics.ece(a["conf"][idx], a["correct"][idx], bins))
+    if metric == "accuracy":
+        return float(a["correct"][idx].mean())
+    return float(a[metric][idx].mean())
+
+
+def paired_delta(side_a: list[dict], side_b: list[dict], sets: list[str], metric: str,
+                 n_boot: int, bins: int = 10, seed: int = 0) -> dict:
+    """Δ = metric(a) − metric(b): point estimate and 95% interval (module docstring).
+
+    ``side_a`` and ``side_b`` are per-seed lists of ``{set: arrays}``; a side with one
+    element is used as is in every resample, two sides of equal length are paired by index.
+    """
+    rng = np.random.default_rng(seed)
+    n = {s: side_a[0][s]["conf"].size for s in sets}
+    weights = np.array([n[s] for s in sets], float) / sum(n.values())
+
+    def estimate(seeds_a, seeds_b, questions):
+        deltas = []
+        for s in sets:
+            idx = questions[s]
+            ma = np.mean([_metric(side_a[i][s], metric, idx, bins) for i in seeds_a])
+            mb = np.mean([_metric(side_b[i][s], metric, idx, bins) for i in seeds_b])
+            deltas.append(ma - mb)
+        return float(np.dot(weights, deltas))
+
+    everything = {s: np.arange(n[s]) for s in sets}
+    point = estimate(range(len(side_a)), range(len(side_b)), everything)
+    paired = len(side_a) == len(side_b)
+    draws = []
+    for _ in range(n_boot):
+        sa = rng.integers(0, len(side_a), len(side_a))
+        sb = sa if paired else rng.integers(0, len(side_b), len(side_b))
+        questions = {s: rng.integers(0, n[s], n[s]) for s in sets}
+        draws.append(estimate(sa, sb, questions))
+    lo, hi = np.percentile(draws, [2.5, 97.5])
+    return {"delta": point, "ci": [float(lo), float(hi)], "seeds": [len(side_a), len(side_b)],
+            "n": int(sum(n.values()))}
+
+
+def verdict(kind: str, lo: float, hi: float) -> str:
+    if kind == "ece":
+        inside = -ECE_MARGIN < lo and hi < ECE_MARGIN
+        if lo > 0 or inside:
+            return "refuted"
+        return "holds" if hi < 0 else "inconclusive"
+    if kind == "kept":
+        return "holds" if lo > -ACC_MARGIN else "refuted" if hi < -ACC_MARGIN else "inconclusive"
+    if kind == "collapses":
+        return "holds" if hi < -ACC_MARGIN else "refuted" if lo > -ACC_MARGIN else "inconclusive"
+    raise ValueError(kind)
+
+
+def claims(parts: dict, default: str | None, n_boot: int, bins: int) -> list[dict]:
+    """The paper's claims (and α's own share), each with its verdict and interval."""
+    vanilla = parts.get("vanilla")
+    ood = [s for s in OOD if vanilla and not
+           vanilla["sets"][s]["variants"]["alpha"]["summary"]["near_chance"]]
+
+    def side(arm, variant, sets):
+        found = [parts[f"{arm}-s{s}"] for s in SEEDS if f"{arm}-s{s}" in parts] \
+            if arm != "vanilla" else ([vanilla] if vanilla else [])
+        return [{s: _arrays(p, s, variant) for s in sets} for p in found]
+
+    specs = [
+        ("OOD conf-ECE below lora-matched+TS", "ece", "ece", (default, "alpha"),
+         ("lora-matched", "alpha+ts"), ood),
+        ("OOD conf-ECE below vanilla+TS", "ece", "ece", (default, "alpha"),
+         ("vanilla", "alpha+ts"), ood),
+        ("OOD conf-ECE below lora-matched (no TS)", "ece", "ece", (default, "alpha"),
+         ("lora-matched", "alpha"), ood),
+        ("α's own share: OOD ECE with α below the same θ without α", "ece", "ece",
+         (default, "alpha"), (default, "no-alpha"), ood),
+        ("accuracy kept in domain (vs lora-matched)", "kept", "accuracy", (default, "alpha"),
+         ("lora-matched", "alpha"), [DOMAIN]),
+        ("accuracy kept out of domain (vs lora-matched)", "kept", "accuracy",
+         (default, "alpha"), ("lora-matched", "alpha"), ood),
+        ("in domain: ECE below vanilla", "ece", "ece", (default, "alpha"), ("vanilla", "alpha"),
+         [DOMAIN]),
+        ("in domain: accuracy kept vs vanilla", "kept", "accuracy", (default, "alpha"),
+         ("vanilla", "alpha"), [DOMAIN]),
+        ("iterate ablation collapses in accuracy (vs default arm)", "collapses", "accuracy",
+         ("ablation-iterate", "alpha"), (default, "alpha"), [DOMAIN]),
+        ("regularization ablation collapses in accuracy (vs default arm)", "collapses",
+         "accuracy", ("ablation-regularization", "alpha"), (default, "alpha"), [DOMAIN]),
+        ("per-vocabulary α beats one learned temperature: OOD ECE below the scalar ablation",
+         "ece", "ece", (default, "alpha"), ("ablation-scalar", "alpha"), ood),
+    ]
+    out = []
+    for text, kind, metric, (arm_a, var_a), (arm_b, var_b), sets in specs:
+        row = {"claim": text, "kind": kind, "metric": metric, "arm": f"{arm_a}/{var_a}",
+               "comparator": f"{arm_b}/{var_b}", "sets": sets}
+        a = side(arm_a, var_a, sets) if arm_a and sets else []
+        b = side(arm_b, var_b, sets) if arm_b and sets else []
+        if not a or not b:
+            out.append({**row, "verdict": "not run"})
+            continue
+        d = paired_delta(a, b, sets, metric, n_boot, bins)
+        out.append({**row, **d, "verdict": verdict(kind, *d["ci"])})
+    out.append({"claim": "CFT (calibration-aware fine-tuning) as the training-time baseline",
+                "verdict": "not run", "why": "calm has no CFT implementation yet"})
+    return out
+
+
+# ---------------------------------------------------------------------------- report
+def load_parts(args) -> dict:
+    folder = Path(args.parts)
+    return {p.stem: json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))}
+
+
+def report(args) -> int:
+    parts = load_parts(args)
+    gate, chosen = parts.pop("gate", None), parts.pop("default", None)
+    if gate is None:
+        print(f"no gate results in {args.parts}; run the plan first", file=sys.stderr)
+        return 1
+    default = chosen["arm"] if chosen else None
+    results = claims(parts, default, args.decision_bootstrap, args.bins)
+    runs = {}
+    for name, part in parts.items():
+        runs[name] = {k: v for k, v in part.items() if k not in ("sets", "curve")}
+        runs[name]["sets"] = {s: {v: d["summary"] for v, d in info["variants"].items()}
+                              for s, info in part["sets"].items()}
+    commits = ",".join(dict.fromkeys(p["commit"] for p in [gate, *parts.values()]))
+    payload = {"command": args.command, "run_commands": sorted({p["command"] for p in
+                                                                 [gate, *parts.values()]}),
+               "commit": commits, "gate": gate, "default": chosen, "claims": results,
+               "runs": runs, "planned": [f"{a}:{s}" for a, s in plan(default)],
+               "decision_rule": __doc__.split("**The decision rule**, fixed before the runs.")[1]
+               .split("Writes")[0].strip()}
+    out = Path(args.out)
+    (out / "calm_decisive.json").write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    (out / "calm_decisive.md").write_text(render(payload) + "\n")
+    readme = Path(args.readme)
+    if readme.is_file():
+        text = readme.read_text()
+        if README_START in text and README_END in text:
+            head, rest = text.split(README_START, 1)
+            _, tail = rest.split(README_END, 1)
+            readme.write_text(head + README_START + "\n" + readme_block(payload) + "\n"
+                              + README_END + tail)
+    print(render(payload))
+    return 0
+
+
+README_START = "<!-- generated by benchmarks/calm_decisive.py --report: start -->"
+README_END = "<!-- generated by benchmarks/calm_decisive.py --report: end -->"
+
+
+def _claim_line(c: dict) -> str:
+    if c["verdict"] == "not run":
+        why = c.get("why") or "a run it needs is not in the results yet"
+        return f"| {c['claim']} | **not run** | - | {why} |"
+    return (f"| {c['claim']} | **{c['verdict']}** | {c['delta']:+.3f} "
+            f"[{c['ci'][0]:+.3f}, {c['ci'][1]:+.3f}] | {c['arm']} − {c['comparator']}, "
+            f"{c['metric']}, {'+'.join(c['sets'])}, seeds {c['seeds'][0]} vs {c['seeds'][1]}, "
+            f"n={c['n']} |")
+
+
+def _gate_lines(gate: dict) -> list[str]:
+    letter = gate["letter"]
+    lines = [f"- Letter mode after LoRA: accuracy {letter['accuracy']:.3f} on {letter['n']} "
+             f"validation questions, one-sided binomial p = {letter['p_value']:.3g} against "
+             f"chance: the regime is **{gate['mode']}** (α tokens: {gate['alpha_tokens']}).",
+             f"- α probes (warm start + {gate['probe_steps']} BOME steps; base model + learned α, "
+             f"mean option entropy on the validation split, base {gate['base_entropy']:.4f} "
+             f"nats; gate {gate['entropy_gate']} nats):"]
+    for p in gate["probes"]:
+        lines.append(f"  - α lr {p['alpha_lr']:g}: entropy change {p['entropy_change']:+.4f}, "
+                     f"τ ∈ [{p['tau_range'][0]:.3f}, {p['tau_range'][1]:.3f}], "
+                     f"l ∈ [{p['shift_range'][0]:.4f}, {p['shift_range'][1]:.4f}]")
+    lines.append(f"- α {'moves' if gate['alpha_moves'] else 'stays inert (no probe passed)'}; "
+                 f"α learning rate used: {gate['alpha_lr']:g}.")
+    return lines
+
+
+def render(payload: dict) -> str:
+    gate, default = payload["gate"], payload["default"]
+    done = set(payload["runs"])
+    missing = [r for r in payload["planned"]
+               if (r.split(":")[0] if r.startswith("vanilla") else
+                   "{}-s{}".format(*r.split(":"))) not in done]
+    lines = [f"Generated by `{payload['command']}` from the runs of "
+             f"{'; '.join(f'`{c}`' for c in payload['run_commands'])} at {payload['commit']}.",
+             "", "## The gate", "", *_gate_lines(gate), "",
+             "## Default arm", "",
+             (f"**{default['arm']}** ({default['rule']}; NLL "
+              + ", ".join(f"{a} {v:.4f}" for a, v in default["validation_nll"].items()) + ")"
+              if default else "not chosen yet (its seed-0 candidates are missing)"), "",
+             "## Claims", "", "| claim | verdict | Δ [95% CI] | what |", "|---|---|---|---|",
+             *[_claim_line(c) for c in payload["claims"]], "",
+             f"Runs not yet made: {', '.join(missing) if missing else 'none'}.", "",
+             "## Runs", "",
+             "| run | set | variant | acc | ECE [95% CI] | NLL | Brier | mean conf | τ range |"
+             " base+α ΔH | λ last | cos(∇f,∇q) last |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, run in payload["runs"].items():
+        last = run.get("last") or {}
+        tau = run.get("tau_range")
+        tau_text = f"[{tau[0]:.3f}, {tau[1]:.3f}]" if tau else "-"
+        dh = run.get("base_alpha_entropy_change")
+        for set_name, variants in run["sets"].items():
+            for variant, s in variants.items():
+                chance = " *" if s["near_chance"] else ""
+
+                def num(v, fmt=".3g"):
+                    return "-" if v is None else format(v, fmt)
+                lines.append(
+                    f"| {name} | {set_name} | {variant} | {s['accuracy']:.3f}{chance} | "
+                    f"{s['ece']:.3f} [{s['ece_ci'][0]:.3f}, {s['ece_ci'][1]:.3f}] | "
+                    f"{s['nll']:.3f} | {s['brier']:.3f} | {s['mean_confidence']:.3f} | "
+                    f"{tau_text} | {num(dh, '+.4f')} | {num(last.get('lam'))} | "
+                    f"{num(last.get('cos_f_q'))} |")
+    lines += ["", "`*`: accuracy within 5 points of chance (1/K); left out of the decisions.",
+              "", "## Decision rule (fixed before the runs)", "", payload["decision_rule"]]
+    return "\n".join(lines)
+
+
+def readme_block(payload: dict) -> str:
+    gate, default = payload["gate"], payload["default"]
+    lines = [f"Generated by `python benchmarks/calm_decisive.py --report` from "
+             f"`benchmarks/results/calm_decisive.json` (commit {payload['commit']}): "
+             f"SmolLM2-135M-Instruct trained on SciQ, out of domain ARC-Easy and PIQA, "
+             f"{gate['mode']} mode. Default arm: "
+             f"**{default['arm'] if default else 'not chosen yet'}**. "
+             f"{'α moved' if gate['alpha_moves'] else 'α stayed at the identity'} in the gate "
+             f"(α learning rate {gate['alpha_lr']:g}).", "",
+             "| claim | verdict | Δ [95% CI] | what |", "|---|---|---|---|",
+             *[_claim_line(c) for c in payload["claims"]]]
+    return "\n".join(lines)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--add", nargs="+", metavar="ARM[:SEED]",
+                        help="make only these runs (after the gate), then report")
+    parser.add_argument("--report", action="store_true", help="merge the runs made so far")
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--alpha-lr-grid", type=float, nargs="+", default=[0.02, 0.2, 2.0])
+    parser.add_argument("--entropy-gate", type=float, default=0.05)
+    parser.add_argument("--probe-steps", type=int, default=10)
+    parser.add_argument("--eval-limit", type=int, default=None)
+    parser.add_argument("--eval-batch-size", type=int, default=16)
+    parser.add_argument("--bins", type=int, default=10)
+    parser.add_argument("--bootstrap", type=int, default=1000,
+                        help="resamples of each ECE interval in the run tables")
+    parser.add_argument("--decision-bootstrap", type=int, default=2000,
+                        help="resamples of each claim's paired interval")
+    parser.add_argument("--smoke", action="store_true", help="3 steps, 12 questions per set")
+    parser.add_argument("--retrain", action="store_true", help="redo runs that exist")
+    parser.add_argument("--adapters", default=str(HERE.parent / "calm-out/calm-decisive/adapters"))
+    parser.add_argument("--out", default=str(HERE / "results"))
+    parser.add_argument("--readme", default=str(HERE.parent / "README.md"),
+                        help="--report rewrites this file's generated block")
+    parser.add_argument("-q", "--quiet", action="store_true")
+    args = parser.parse_args(argv)
+    args.command = command_line("calm_decisive.py", argv)
+    args.commit = git_commit()
+    args.parts = str(Path(args.out) / "calm_decisive.parts")
+    if args.smoke:
+        COMMON.update(steps=3, warm_start_steps=1)
+        args.probe_steps, args.eval_limit, args.bootstrap = 1, 12, 50
+        args.decision_bootstrap = 50
+        args.adapters = args.adapters.replace("calm-decisive", "calm-decisive-smoke")
+        args.parts = str(Path(args.out) / "calm_decisive_smoke.parts")
+        args.readme = ""
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.report:
+        return report(args)
+    install_named([args.model], (DOMAIN, *OOD))
+    return run_plan(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

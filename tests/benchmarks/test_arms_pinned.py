@@ -1,0 +1,72 @@
+"""Every arm of the CALM benchmarks pins every training setting: a later change of a
+CalmConfig default cannot change what an arm runs (an arm that relied on the default of
+``upper_params`` once became another arm when that default changed)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from calm_training.trainer import CalmConfig
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+#: what a run supplies (model, data, seed and the run's machinery), not an arm's setting
+PER_RUN = {"model", "train", "calibration", "seed", "limit", "checkpoint_every", "device",
+           "init_lora", "chat", "lora_targets", "grad_accumulation"}
+SETTINGS = {f.name for f in dataclasses.fields(CalmConfig)} - PER_RUN
+DEFAULTS = {f.name: f.default for f in dataclasses.fields(CalmConfig)}
+
+
+@pytest.fixture(scope="module")
+def scripts():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        yield {name: importlib.import_module(name)
+               for name in ("calm_replication", "calm_decisive")}
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+def test_replication_arms_pin_every_setting_at_the_recorded_value(scripts):
+    bench = scripts["calm_replication"]
+    set_by_the_run = {"steps", "warm_start_steps", "eta"}  # flags of the script, recorded
+    recorded = json.loads((BENCHMARKS / "results/calm_replication.json").read_text())
+    for arm, own in bench.ARMS.items():
+        settings = {**bench.COMMON, **own}
+        assert SETTINGS - set_by_the_run <= set(settings), (arm, SETTINGS - set(settings))
+        for direction, info in recorded["directions"].items():
+            ran = info["runs"][arm]["settings"]
+            probed = {"outer_lr", "alpha_lr"} if arm in bench.PROBE_LR else set()
+            for key in set(settings) - probed:
+                # a setting added after the run: it ran as that setting's default
+                value = ran.get(key, DEFAULTS[key])
+                assert value == settings[key], (direction, arm, key, value, settings[key])
+    # the α-only arm and its predecessor differ only where they say they do
+    sgd, alpha = (bench.ARMS[a] for a in ("calm-sgd-options", "calm-sgd-options-alpha"))
+    assert (sgd["upper_params"], alpha["upper_params"]) == ("all", "alpha")
+
+
+def test_decisive_arms_pin_every_setting(scripts):
+    bench = scripts["calm_decisive"]
+    gate = {"mode": "cloze", "alpha_tokens": "options", "alpha_lr": 0.2}
+    for default in bench.CANDIDATES:
+        for arm in bench.ARMS:
+            settings = bench.arm_settings(arm, gate, default)
+            assert SETTINGS <= set(settings), (arm, SETTINGS - set(settings))
+            CalmConfig(model="m", train=("x:train",), calibration=("x:unlabeled",),
+                       **settings)  # valid as a whole
+        matched = bench.arm_settings("lora-matched", gate, default)
+        # the matched control is the default arm's schedule with α frozen, nothing else
+        assert {k: v for k, v in matched.items() if k != "freeze_alpha"} == \
+            {k: v for k, v in bench.arm_settings(default, gate, None).items()
+             if k != "freeze_alpha"}
+        assert matched["freeze_alpha"] is True
+    assert bench.arm_settings("calm-bome-all", gate, None)["upper_params"] == "all"
+    assert bench.arm_settings("calm-bome-alpha", gate, None)["upper_params"] == "alpha"
+    with pytest.raises(SystemExit, match="chosen after"):
+        bench.arm_settings("lora-matched", gate, None)
