@@ -40,7 +40,7 @@ the lower option NLL on the validation split (``sciq:unlabeled`` with its labels
 a test part.
 
 **The decision rule**, fixed before the runs. For each claim, Δ = metric(arm) −
-metric(comparator), estimated by a paired bootstrap (``--bootstrap`` resamples): seeds are
+metric(comparator), estimated by a paired bootstrap (``--decision-bootstrap`` resamples): seeds are
 resampled (paired by seed index where both sides have seeds), then questions within each
 set (the same questions for both sides); per set the metric is averaged over the chosen
 seeds, and Δ is the question-weighted mean over the claim's sets. With the 95% percentile
@@ -664,7 +664,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="resamples of each claim's paired interval")
     parser.add_argument("--smoke", action="store_true", help="3 steps, 12 questions per set")
     parser.add_argument("--retrain", action="store_true", help="redo runs that exist")
-    parser.add_argument("--adapters", default=str(HERE.parent / "calm-out/calm-decisive/adapters"))
+    parser.add_argument("--adapters",
+                        default=str(HERE.parent / "calm-out" / "calm-decisive" / "adapters"))
     parser.add_argument("--out", default=str(HERE / "results"))
     parser.add_argument("--readme", default=str(HERE.parent / "README.md"),
                         help="--report rewrites this file's generated block")

@@ -43,6 +43,7 @@ from .cli_common import (  # noqa: F401 - re-exported: calm's command-line API
 )
 from .data import DATA_PARTS
 from .errors import BackendUnavailableError, ConfigError
+from .models import DEFAULT_API_KEY_ENV
 from .prompts import CHOICE_MODES, CLOZE_VARIANTS, DEFAULT_CLOZE_VARIANT
 
 __all__ = ["main", "build_parser"]
@@ -311,9 +312,9 @@ def _add_score(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=24, help="open QA answer length")
     p.add_argument("--model-name", help="served model name when ENGINE is an http(s) "
                    "endpoint (default: the one model it lists)")
-    p.add_argument("--api-key-env", default="OPENAI_API_KEY", metavar="VAR",
+    p.add_argument("--api-key-env", default=DEFAULT_API_KEY_ENV, metavar="VAR",
                    help="environment variable holding the endpoint's API key (never on the "
-                        "command line; default OPENAI_API_KEY)")
+                        f"command line; default {DEFAULT_API_KEY_ENV})")
     p.add_argument("--concurrency", type=int, default=8,
                    help="requests in flight to the endpoint (default 8)")
     p.add_argument("--out", help="JSON report path (default calm-out/reports/score-*.json)")

@@ -47,9 +47,13 @@ __all__ = [
     "model_identity",
     "load_model_and_tokenizer",
     "model_fingerprint",
+    "DEFAULT_API_KEY_ENV",
 ]
 
 logger = logging.getLogger(__name__)
+
+#: the environment variable an OpenAI-compatible endpoint's API key is read from by default
+DEFAULT_API_KEY_ENV = "OPENAI_API_KEY"
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from calm_runtime.models import (
     model_identity,
     resolve_model,
 )
-from calm_runtime.prompts import CHOICE_MODES, CLOZE_VARIANTS
+from calm_runtime.prompts import CHOICE_MODES, CLOZE_VARIANTS, DEFAULT_P_TRUE_TEMPLATE
 
 from . import engine_writer, fuse, genai_builder, heads, quantize, recalibrate, validate
 from .checkpoint import CHECKPOINT_MANIFEST
@@ -551,7 +551,7 @@ def _load_adapter(adapter_arg) -> tuple[CalibrationAdapter | None, Path | None]:
 def _template(config: ExportConfig, adapter: CalibrationAdapter):
     recorded = adapter.p_true_template
     if config.p_true_template is None:
-        return recorded if recorded is not None else "kadavath"
+        return recorded if recorded is not None else DEFAULT_P_TRUE_TEMPLATE
     if recorded is not None:
         from calm_runtime.prompts import p_true_template
 

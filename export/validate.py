@@ -19,7 +19,12 @@ from pathlib import Path
 import numpy as np
 
 from calm_runtime.errors import ExportValidationError
-from calm_runtime.prompts import cloze_context, letter_prompt, p_true_template
+from calm_runtime.prompts import (
+    DEFAULT_P_TRUE_TEMPLATE,
+    cloze_context,
+    letter_prompt,
+    p_true_template,
+)
 
 __all__ = [
     "Case",
@@ -40,7 +45,7 @@ logger = logging.getLogger(__name__)
 Runner = Callable[[np.ndarray, np.ndarray, np.ndarray, object], tuple[np.ndarray, object]]
 
 
-def default_prompts(template: str | dict = "kadavath") -> list[str]:
+def default_prompts(template: str | dict = DEFAULT_P_TRUE_TEMPLATE) -> list[str]:
     """Three short prompts in the formats the runtime scores (P(True), letters, cloze)."""
     return [
         p_true_template(template).render("What is the capital of France?", "Paris"),

@@ -435,6 +435,9 @@ def _register_train(sub) -> None:
                    help="train tau/shift on the whole vocabulary (all) or only on the tokens "
                         "of the options/answers in the training and calibration data "
                         f"(options; identity elsewhere) (default {d['alpha_tokens'].default})")
+    t.add_argument("--freeze-alpha", action="store_true",
+                   help="keep tau/shift at the identity and run the method's schedule with "
+                        "the LoRA alone: the matched control of a CALM run (adapter kind lora)")
     t.add_argument("--calibration-positions", default=d["calibration_positions"].default,
                    choices=["options", "answer"],
                    help="cloze: entropy at every option-token position (options) or only "

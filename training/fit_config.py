@@ -9,7 +9,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from calm_runtime.errors import ConfigError
-from calm_runtime.prompts import DEFAULT_CLOZE_VARIANT
+from calm_runtime.models import DEFAULT_API_KEY_ENV
+from calm_runtime.prompts import DEFAULT_CLOZE_VARIANT, DEFAULT_P_TRUE_TEMPLATE
 
 from .scoring import CLOZE_VARIANTS, MODES
 
@@ -71,11 +72,11 @@ class FitConfig:
     batch_size: int = 8
     bootstrap: int = 1000
     limit: int | None = None
-    p_true_template: str = "kadavath"
+    p_true_template: str = DEFAULT_P_TRUE_TEMPLATE
     max_length: int | None = None
     model_name: str | None = None
     reference_name: str | None = None
-    api_key_env: str = "OPENAI_API_KEY"
+    api_key_env: str = DEFAULT_API_KEY_ENV
     concurrency: int = 8
     risk: float = 0.1
     risk_confidence: float = 0.95

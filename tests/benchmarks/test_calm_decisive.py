@@ -1,0 +1,118 @@
+"""The decisive CALM benchmark's decision machinery on synthetic runs: the gate's binomial
+test, the paired bootstrap, the verdict rule written before the runs, and the report."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        yield importlib.import_module("calm_decisive")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+def _questions(n, accuracy, confidence, seed):
+    """Per-question records of a model right on ``accuracy`` of ``n`` questions that says
+    ``confidence`` (± noise)."""
+    rng = np.random.default_rng(seed)
+    correct = (rng.random(n) < accuracy).astype(int)
+    conf = np.clip(confidence + 0.02 * rng.standard_normal(n), 0.26, 0.999)
+    p_true = np.where(correct == 1, conf, (1 - conf) / 3)
+    return {"conf": conf.tolist(), "correct": correct.tolist(),
+            "nll": (-np.log(p_true)).tolist(), "brier": ((1 - p_true) ** 2).tolist()}
+
+
+def _part(bench, arm, seed, confidence, accuracy=0.6, variants=("alpha", "alpha+ts")):
+    sets = {}
+    for i, name in enumerate((bench.DOMAIN, *bench.OOD)):
+        out = {}
+        for j, variant in enumerate(variants):
+            q = _questions(400, accuracy, confidence, seed * 100 + i * 10 + j)
+            out[variant] = {"summary": bench.summary(q, 4, 10, 20), "questions": q}
+        sets[name] = {"in_domain": name == bench.DOMAIN, "k": 4, "variants": out}
+    return {"arm": arm, "seed": seed, "commit": "abc1234", "command": "python x",
+            "validation_nll": {"alpha": 1.0}, "sets": sets}
+
+
+def test_binomial_p_value_and_verdicts(bench):
+    assert bench.binomial_p_above(5, 10, 0.25) == pytest.approx(0.0781269, abs=1e-6)
+    assert bench.binomial_p_above(0, 10, 0.25) == pytest.approx(1.0)
+    # ECE: below 0 holds; above 0 or inside ±0.01 is refuted; straddling is inconclusive
+    assert bench.verdict("ece", -0.05, -0.02) == "holds"
+    assert bench.verdict("ece", 0.01, 0.04) == "refuted"
+    assert bench.verdict("ece", -0.008, 0.006) == "refuted"
+    assert bench.verdict("ece", -0.04, 0.02) == "inconclusive"
+    # accuracy kept: non-inferiority at −3 points
+    assert bench.verdict("kept", -0.02, 0.01) == "holds"
+    assert bench.verdict("kept", -0.09, -0.04) == "refuted"
+    assert bench.verdict("kept", -0.05, 0.01) == "inconclusive"
+    # an ablation collapses: it loses more than 3 points
+    assert bench.verdict("collapses", -0.2, -0.05) == "holds"
+    assert bench.verdict("collapses", -0.02, 0.03) == "refuted"
+
+
+def test_paired_bootstrap_separates_a_real_difference_from_none(bench):
+    calibrated = [{s: {k: np.asarray(v, float) for k, v in
+                       _questions(500, 0.6, 0.6, seed).items()} for s in ("a", "b")}
+                  for seed in range(3)]
+    overconfident = [{s: {k: np.asarray(v, float) for k, v in
+                          _questions(500, 0.6, 0.9, 10 + seed).items()} for s in ("a", "b")}
+                     for seed in range(3)]
+    d = bench.paired_delta(calibrated, overconfident, ["a", "b"], "ece", 300)
+    assert d["delta"] < -0.2 and d["ci"][1] < 0 and d["seeds"] == [3, 3] and d["n"] == 1000
+    same = bench.paired_delta(calibrated, calibrated, ["a", "b"], "ece", 100)
+    assert same["delta"] == 0 and same["ci"] == [0.0, 0.0]
+    assert bench.verdict("ece", *same["ci"]) == "refuted"  # equivalent: no improvement
+    # a one-seed comparator is used in every resample
+    one = bench.paired_delta(calibrated, overconfident[:1], ["a"], "accuracy", 100)
+    assert one["seeds"] == [3, 1] and math.isfinite(one["delta"])
+
+
+def test_report_gives_every_claim_a_verdict_or_not_run(bench, tmp_path):
+    parts = tmp_path / "calm_decisive.parts"
+    parts.mkdir()
+    gate = {"mode": "cloze", "alpha_tokens": "options", "alpha_lr": 0.2, "alpha_moves": True,
+            "entropy_gate": 0.05, "base_entropy": 1.2, "probe_steps": 10, "commit": "abc1234",
+            "command": "python gate", "probes": [
+                {"alpha_lr": 0.2, "entropy_change": 0.07, "tau_range": [0.9, 1.1],
+                 "shift_range": [-0.01, 0.01]}],
+            "letter": {"accuracy": 0.27, "n": 150, "p_value": 0.3}}
+    runs = {"gate": gate, "default": {"arm": "calm-bome-all", "rule": "lowest NLL",
+                                      "validation_nll": {"calm-bome-all": 1.0}},
+            "vanilla": _part(bench, "vanilla", 0, 0.9)}
+    for seed in bench.SEEDS:
+        runs[f"calm-bome-all-s{seed}"] = _part(bench, "calm-bome-all", seed, 0.6,
+                                               variants=("alpha", "alpha+ts", "no-alpha",
+                                                         "no-alpha+ts"))
+        runs[f"lora-matched-s{seed}"] = _part(bench, "lora-matched", seed, 0.8)
+    for name, part in runs.items():
+        (parts / f"{name}.json").write_text(json.dumps(part))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{bench.README_START}\nPLACEHOLDER\n{bench.README_END}\nrest\n")
+    args = bench.parse_args(["--report", "--out", str(tmp_path), "--readme", str(readme),
+                             "--decision-bootstrap", "200"])
+    assert bench.report(args) == 0
+    payload = json.loads((tmp_path / "calm_decisive.json").read_text())
+    verdicts = {c["claim"]: c["verdict"] for c in payload["claims"]}
+    assert verdicts["OOD conf-ECE below lora-matched (no TS)"] == "holds"
+    assert verdicts["OOD conf-ECE below vanilla+TS"] in ("holds", "refuted", "inconclusive")
+    assert verdicts["iterate ablation collapses in accuracy (vs default arm)"] == "not run"
+    assert "CFT" in " ".join(c for c, v in verdicts.items() if v == "not run")
+    assert set(verdicts.values()) <= {"holds", "refuted", "inconclusive", "not run"}
+    md = (tmp_path / "calm_decisive.md").read_text()
+    assert "ablation-iterate:0" in md and "Decision rule" in md
+    text = readme.read_text()
+    assert "PLACEHOLDER" not in text and "calm-bome-all" in text and text.endswith("rest\n")
