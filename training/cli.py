@@ -343,7 +343,13 @@ examples:
 
 
 def _register_train(sub) -> None:
-    from calm_training.trainer import ALPHA_TOKENS, METHODS, OPTIMIZERS, UPPER_PARAMS, CalmConfig
+    from calm_training.calm_config import (
+        ALPHA_TOKENS,
+        METHODS,
+        OPTIMIZERS,
+        UPPER_PARAMS,
+        CalmConfig,
+    )
 
     d = CalmConfig.__dataclass_fields__
     t = sub.add_parser("train", help="CALM: train LoRA + per-token calibration (bilevel)",

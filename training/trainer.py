@@ -27,7 +27,6 @@ folder, provenance and the training curve.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import os
@@ -40,235 +39,23 @@ import numpy as np
 
 from calm_runtime.artifact import CalibrationAdapter
 from calm_runtime.errors import ConfigError, FitError
-from calm_runtime.prompts import CHOICE_MODES, CLOZE_VARIANTS, DEFAULT_CLOZE_VARIANT
 
 from . import calm_data
+from .calm_config import (  # noqa: F401 - re-exported: the trainer's public names
+    ALPHA_TOKENS,
+    DEFAULT_LR,
+    KINDS,
+    METHODS,
+    OPTIMIZERS,
+    PHI_MODES,
+    UPPER_PARAMS,
+    CalmConfig,
+)
 
 __all__ = ["METHODS", "OPTIMIZERS", "PHI_MODES", "UPPER_PARAMS", "ALPHA_TOKENS", "CalmConfig",
            "TrainResult", "train_calm", "latest_checkpoint"]
 
 logger = logging.getLogger(__name__)
-
-#: bilevel: BOME (docs/methods.md §4); regularization: min g + β f; iterate-theta: alternate a θ
-#: step on g and a (θ, α) step on f, no coupling; iterate-alpha: alternate a θ step on g and an
-#: α step on f, no coupling; scalar: BOME with α one learned temperature; lora: plain LoRA
-#: fine-tuning (no α)
-METHODS = ("bilevel", "regularization", "iterate-theta", "iterate-alpha", "scalar", "lora")
-OPTIMIZERS = ("adam", "sgd")
-PHI_MODES = ("grad", "value")  # the same as calm_training.bilevel.PHI_MODES (torch-free here)
-UPPER_PARAMS = ("all", "alpha")
-ALPHA_TOKENS = ("all", "options")
-#: (LoRA, α) outer learning rates when none is given: plain SGD needs steps about a hundred
-#: times larger than Adam's per-coordinate normalised ones. SGD's 0.1 is the rate the CALM
-#: replication's probe on the training split chose for SciQ (on ARC-Easy 0.5 came out ahead
-#: by 0.005 nats of option NLL; on SciQ 0.5 diverged); α's keeps the ratio 0.2
-#: (benchmarks/results/calm_replication.md)
-DEFAULT_LR = {"sgd": (0.1, 0.02), "adam": (1e-3, 5e-3)}
-KINDS = {"bilevel": "calm", "regularization": "calm_regularization",
-         "iterate-theta": "calm_iterate_theta", "iterate-alpha": "calm_iterate_alpha",
-         "scalar": "calm_scalar", "lora": "lora"}
-
-
-@dataclass(frozen=True, kw_only=True)
-class CalmConfig:
-    """Settings of one CALM training run.
-
-    Attributes:
-        model: the model to fine-tune (packaged name, folder or .gguf; ``resolve_model``).
-        train: labeled training data specs (``NAME:train``, see :mod:`calm_training.calm_data`).
-        calibration: unlabeled calibration data specs (``NAME:unlabeled``).
-        method: one of :data:`METHODS`.
-        mode: ``cloze`` (CE on the correct option's text) or ``letter`` (CE on its letter)
-            for multiple-choice records; open-QA records always use their answer text.
-        chat: letter mode only: apply the chat template (``None``: when the tokenizer has one).
-        steps: outer steps (optimizer updates).
-        batch_size: global training examples per step (all ranks and micro-batches).
-        calibration_batch_size: global calibration examples per step (default batch_size).
-        grad_accumulation: micro-batches per rank and step (bounds memory; same result).
-        inner_steps: ``T_inner``, gradient steps on the LoRA copy ``θ~`` per outer step.
-        inner_lr: step size of those inner steps (plain gradient descent).
-        outer_lr: learning rate of the outer optimiser for the LoRA weights (``None``: the
-            optimizer's default, :data:`DEFAULT_LR`).
-        alpha_lr: learning rate for α (``None``: the optimizer's default).
-        optimizer: ``sgd`` (with ``momentum`` 0 it is the step BOME's guarantee is about) or
-            ``adam`` for the outer update (``None``: ``sgd`` for the CALM methods, ``adam`` for
-            plain ``lora``, the usual fine-tuning recipe and the replication's baseline).
-        momentum: SGD momentum (default 0: momentum carries earlier directions into the
-            step and voids the guarantee that it decreases q).
-        phi: ``grad`` (``φ = η‖∇q‖²``) or ``value`` (``φ = η q``).
-        eta: ``η`` of ``φ``.
-        warm_start_steps: the first this many of ``steps`` are plain LoRA steps (Adam at
-            ``warm_start_lr``, α fixed at the identity) before the method's own steps
-            (``None``: half of ``steps``; never for ``lora``).
-        warm_start_lr: Adam's learning rate during the warm start.
-        init_lora: start θ from this peft LoRA folder (or a calm adapter with ``lora/``).
-        entropy: the upper objective: ``options`` (entropy of the K-option distribution the
-            evaluation reads) or ``vocab`` (full next-token entropy at the answer positions).
-        cloze_variant: the cloze score variant of the options entropy (``sum``, ``mean``,
-            ``char``), the one evaluation uses.
-        upper_params: ``all`` (f's gradient moves θ and α) or ``alpha`` (α only; θ then
-            moves through ``λ∇q``).
-        alpha_tokens: ``all`` (τ, l over the whole vocabulary) or ``options`` (only the
-            tokens of the options/answers in the training and calibration data).
-        alpha_l2: weight of the penalty ``Σ (log τ)² + l²`` added to f (0: none).
-        freeze_alpha: keep α at the identity (no α variables at all): the method's exact
-            schedule with θ alone, the matched control of an α-learning run. The adapter
-            then has kind ``lora``.
-        q_window: warn when the mean of q over the last this many steps exceeds the mean
-            over the this many before.
-        beta: weight of ``f`` in the ``regularization`` ablation (``g + β f``).
-        lora_rank, lora_alpha, lora_targets: the peft LoRA (dropout 0, B initialised to 0).
-        max_length: longest sequence in tokens (contexts are cut from the left).
-        calibration_positions: cloze mode: where the entropy is taken on calibration
-            questions: ``options`` (every option-token position of every option, as the
-            cloze scores read them) or ``answer`` (where the answer starts; K times cheaper).
-        seed: seeds the LoRA initialisation and the batch order.
-        limit: use only the first ``limit`` records of each data spec.
-        checkpoint_every: write a checkpoint every this many steps (0: never).
-        device: ``cpu``, ``cuda``, ``cuda:N`` (default: ``cuda:LOCAL_RANK`` when available).
-    """
-
-    model: str
-    train: tuple[str, ...]
-    calibration: tuple[str, ...]
-    method: str = "bilevel"
-    mode: str = "cloze"
-    chat: bool | None = None
-    steps: int = 200
-    batch_size: int = 8
-    calibration_batch_size: int | None = None
-    grad_accumulation: int = 1
-    inner_steps: int = 2
-    inner_lr: float = 0.01
-    outer_lr: float | None = None
-    alpha_lr: float | None = None
-    optimizer: str | None = None
-    momentum: float = 0.0
-    phi: str = "grad"
-    eta: float = 0.5
-    warm_start_steps: int | None = None
-    warm_start_lr: float = 1e-3
-    init_lora: str | None = None
-    entropy: str = "options"
-    cloze_variant: str = DEFAULT_CLOZE_VARIANT
-    upper_params: str = "alpha"
-    alpha_tokens: str = "all"
-    alpha_l2: float = 0.0
-    freeze_alpha: bool = False
-    q_window: int = 10
-    beta: float = 1.0
-    lora_rank: int = 8
-    lora_alpha: float = 16.0
-    #: empty: the model's attention projections (q/k/v/o_proj, Phi-3's qkv_proj/o_proj,
-    #: GPT-NeoX's query_key_value/dense; _calm_model.default_lora_targets)
-    lora_targets: tuple[str, ...] = ()
-    max_length: int = 256
-    calibration_positions: str = "options"
-    seed: int = 0
-    limit: int | None = None
-    checkpoint_every: int = 0
-    device: str | None = None
-
-    #: added to ‖∇q‖² in λ's denominator: keeps λ finite when θ is at the inner optimum
-    LAMBDA_EPSILON = 1e-12
-
-    def __post_init__(self) -> None:
-        for name in ("train", "calibration", "lora_targets"):
-            value = getattr(self, name)
-            object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value))
-        if self.optimizer is None:
-            object.__setattr__(self, "optimizer", "adam" if self.method == "lora" else "sgd")
-        problems = []
-        if self.method not in METHODS:
-            problems.append(f"method {self.method!r} is not one of {', '.join(METHODS)}")
-        if self.mode not in CHOICE_MODES:
-            problems.append(f"mode {self.mode!r} is not cloze or letter")
-        if self.optimizer not in OPTIMIZERS:
-            problems.append(f"optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
-        if self.calibration_positions not in calm_data.CALIBRATION_POSITIONS:
-            problems.append(f"calibration_positions {self.calibration_positions!r} is not one "
-                            f"of {', '.join(calm_data.CALIBRATION_POSITIONS)}")
-        if self.phi not in PHI_MODES:
-            problems.append(f"phi {self.phi!r} is not one of {', '.join(PHI_MODES)}")
-        for name, allowed in (("entropy", calm_data.ENTROPY_KINDS),
-                              ("cloze_variant", CLOZE_VARIANTS),
-                              ("upper_params", UPPER_PARAMS), ("alpha_tokens", ALPHA_TOKENS)):
-            if getattr(self, name) not in allowed:
-                problems.append(f"{name} {getattr(self, name)!r} is not one of "
-                                f"{', '.join(allowed)}")
-        if (self.warm_start_steps is not None and not _is_int(self.warm_start_steps, 0)) \
-                or not _is_int(self.q_window, 2):
-            problems.append(f"warm_start_steps must be an integer >= 0 and q_window >= 2, got "
-                            f"{self.warm_start_steps!r}, {self.q_window!r}")
-        elif _is_int(self.steps, 1) and self.method != "lora" \
-                and self.warm_start_steps is not None and self.warm_start_steps >= self.steps:
-            problems.append(f"warm_start_steps {self.warm_start_steps} leaves none of the "
-                            f"{self.steps} steps to the {self.method} method; raise --steps")
-        if self.init_lora is not None and not isinstance(self.init_lora, str):
-            object.__setattr__(self, "init_lora", os.fspath(self.init_lora))
-        if not self.train or not self.calibration:
-            problems.append("give at least one train and one calibration data spec")
-        for name in ("steps", "batch_size", "grad_accumulation", "inner_steps", "lora_rank",
-                     "max_length"):
-            if not _is_int(getattr(self, name), 1):
-                problems.append(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
-        for name in ("calibration_batch_size", "limit"):
-            if getattr(self, name) is not None and not _is_int(getattr(self, name), 1):
-                problems.append(f"{name} must be an integer >= 1 or None, got "
-                                f"{getattr(self, name)!r}")
-        if not _is_int(self.checkpoint_every, 0) or not _is_int(self.seed, 0):
-            problems.append(f"checkpoint_every and seed must be integers >= 0, got "
-                            f"{self.checkpoint_every!r}, {self.seed!r}")
-        for name in ("inner_lr", "lora_alpha", "warm_start_lr"):
-            if not _positive(getattr(self, name)):
-                problems.append(f"{name} must be a positive number, got {getattr(self, name)!r}")
-        for name in ("outer_lr", "alpha_lr"):
-            if getattr(self, name) is not None and not _positive(getattr(self, name)):
-                problems.append(f"{name} must be a positive number or None, got "
-                                f"{getattr(self, name)!r}")
-        for name in ("eta", "beta", "momentum", "alpha_l2"):
-            value = getattr(self, name)
-            if not (_positive(value) or value == 0):
-                problems.append(f"{name} must be a finite number >= 0, got {value!r}")
-        if self.momentum >= 1:
-            problems.append(f"momentum must be < 1, got {self.momentum!r}")
-        if problems:
-            raise ConfigError("; ".join(problems) + "; fix the training settings")
-
-    @property
-    def cal_batch_size(self) -> int:
-        return self.calibration_batch_size or self.batch_size
-
-    @property
-    def theta_lr(self) -> float:
-        """The outer learning rate of the LoRA: ``outer_lr`` or the optimizer's default."""
-        return self.outer_lr if self.outer_lr is not None else DEFAULT_LR[self.optimizer][0]
-
-    @property
-    def alpha_step_lr(self) -> float:
-        """The outer learning rate of α: ``alpha_lr`` or the optimizer's default."""
-        return self.alpha_lr if self.alpha_lr is not None else DEFAULT_LR[self.optimizer][1]
-
-    @property
-    def warm_steps(self) -> int:
-        """Warm-start steps: ``warm_start_steps``, or half of ``steps`` (0 for ``lora``)."""
-        if self.method == "lora":
-            return 0
-        return self.warm_start_steps if self.warm_start_steps is not None else self.steps // 2
-
-    def to_dict(self) -> dict:
-        out = dataclasses.asdict(self)
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
-
-
-def _is_int(value, minimum: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
-
-
-def _positive(value) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and math.isfinite(value) and value > 0)
-
 
 @dataclass
 class TrainResult:
