@@ -14,6 +14,7 @@ from conftest import JSONHandler, loopback_server
 
 from calm_runtime.data import MultipleChoiceRecord
 from calm_runtime.errors import CalmError, ConfigError
+from calm_training import endpoint as http_endpoint
 from calm_training import remote
 
 RECORDS = [MultipleChoiceRecord(f"question {i}?", ("yes", "no", "maybe"), i % 3)
@@ -153,7 +154,7 @@ def test_timeouts_are_retried_then_reported(server, monkeypatch):
         calls.append(1)
         raise TimeoutError("timed out")
 
-    monkeypatch.setattr(remote, "_exchange", slow)
+    monkeypatch.setattr(http_endpoint, "_exchange", slow)
     endpoint = remote.Endpoint(url, "tiny", retries=2, sleep=lambda s: None)
     with pytest.raises(remote.RemoteError, match="failed 3 times .*TimeoutError"):
         endpoint.request("POST", "/completions", {"prompt": "x"})

@@ -13,6 +13,7 @@ import pytest
 from conftest import JSONHandler, loopback_server
 
 from calm_runtime.errors import ConfigError
+from calm_training import endpoint as http_endpoint
 from calm_training import remote
 
 SECRET = "sk-top-secret-123"
@@ -82,7 +83,7 @@ def test_a_trickling_server_is_cut_at_the_deadline():
 
 
 def test_an_answer_larger_than_the_bound_is_refused(monkeypatch):
-    monkeypatch.setattr(remote, "MAX_RESPONSE_BYTES", 1 << 16)
+    monkeypatch.setattr(http_endpoint, "MAX_RESPONSE_BYTES", 1 << 16)
 
     class Huge(BaseHTTPRequestHandler):
         def do_POST(self):

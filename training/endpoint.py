@@ -1,0 +1,282 @@
+"""The HTTP side of an OpenAI-compatible endpoint: :class:`Endpoint` (one API call with
+retries, a total deadline per attempt, a bounded answer, no redirects), :func:`connect`
+(checks the served model) and the helpers that keep keys and control characters out of
+what calm prints. Standard library only; the scoring on top is in :mod:`.remote`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import json
+import os
+import random
+import socket
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from calm_runtime.errors import CalmError, ConfigError
+from calm_runtime.models import DEFAULT_API_KEY_ENV
+
+__all__ = ["Endpoint", "RemoteError", "MAX_RESPONSE_BYTES", "abort_requests", "connect",
+           "is_endpoint", "printable", "redact_url"]
+
+
+class RemoteError(CalmError):
+    """The endpoint could not be used: unreachable, refusing, or answering out of protocol.
+    ``status``: the HTTP status of a refused request, else ``None``."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def is_endpoint(spec: object) -> bool:
+    return isinstance(spec, str) and spec.startswith(("http://", "https://"))
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """A served model: ``base_url`` (``.../v1``) and the served ``model`` name.
+
+    The API key is read from ``api_key_env`` when a request is made and is never stored.
+    """
+
+    base_url: str
+    model: str
+    api_key_env: str = DEFAULT_API_KEY_ENV
+    concurrency: int = 8
+    timeout: float = 120.0
+    retries: int = 6
+    backoff: float = 0.5
+    #: Called with the seconds to wait before a retry (tests replace it).
+    sleep: Callable[[float], None] = field(default=time.sleep, compare=False, repr=False)
+
+    @property
+    def identity(self) -> dict:
+        """What an adapter records about the model (no key)."""
+        return {"endpoint": self.base_url, "served_model": self.model}
+
+    def cache_key(self) -> str:
+        return hashlib.sha256(f"{self.base_url}\n{self.model}".encode()).hexdigest()[:32]
+
+    # ------------------------------------------------------------------ HTTP
+    def _headers(self) -> dict[str, str]:
+        headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        key = os.environ.get(self.api_key_env)
+        if key:
+            if not key.isprintable() or key != key.strip():
+                raise ConfigError(f"the environment variable {self.api_key_env} holds spaces or "
+                                  "control characters (a line break?); set it to the key alone")
+            headers["Authorization"] = f"Bearer {key}"
+        return headers
+
+    def request(self, method: str, path: str, body: dict | None = None) -> dict:
+        """One API call with retries; the decoded JSON object, or a one-line RemoteError.
+
+        Each attempt has a total deadline of ``timeout`` seconds (a server that trickles its
+        answer is cut off there, not only one that stalls), the answer is read up to
+        :data:`MAX_RESPONSE_BYTES`, redirects are refused (the key would go with them), and
+        a host that does not resolve is not retried."""
+        url = self.base_url.rstrip("/") + path
+        shown = redact_url(url)
+        data = None if body is None else json.dumps(body).encode()
+        last = "no attempt"
+        for attempt in range(self.retries + 1):
+            if attempt:
+                delay = min(self.backoff * 2 ** (attempt - 1), 30.0) * (1 + random.random() / 4)
+                self.sleep(delay)
+            try:
+                status, raw = _exchange(method, url, data, self._headers(), self.timeout)
+            except _Redirect as exc:
+                raise RemoteError(f"{shown} answered HTTP {exc.status}, a redirect to "
+                                  f"{redact_url(exc.location)}; calm does not follow redirects "
+                                  "(the API key would go with them): pass the final URL",
+                                  status=exc.status) from None
+            except socket.gaierror as exc:
+                raise RemoteError(f"cannot resolve the host of {shown} "
+                                  f"({printable(str(exc.strerror or exc))}); check the URL") \
+                    from None
+            except (OSError, http.client.HTTPException) as exc:
+                last = f"{type(exc).__name__}: {printable(str(exc))[:200]}"
+                continue
+            if status >= 400:
+                detail = _error_detail(raw)
+                if status == 429 or status >= 500:
+                    last = f"HTTP {status}{detail}"
+                    continue
+                raise RemoteError(f"{shown} answered HTTP {status}{detail}; check the model "
+                                  "name, the key and the request settings", status=status)
+            try:
+                payload = json.loads(raw)
+            except (ValueError, RecursionError):
+                raise RemoteError(f"{shown} answered something that is not JSON "
+                                  f"({raw[:80]!r}); is this an OpenAI-compatible API?") from None
+            if not isinstance(payload, dict):
+                raise RemoteError(f"{shown} answered a JSON {type(payload).__name__}, not an "
+                                  "object; is this an OpenAI-compatible API?")
+            return payload
+        raise RemoteError(f"{shown} failed {self.retries + 1} times (last: {last}); check that "
+                          "the server is up and not overloaded, then rerun (scores already "
+                          "received are cached)")
+
+
+#: The largest answer read from an endpoint (a completion with logprobs is kilobytes; an
+#: echo of a long prompt with alternatives a few megabytes).
+MAX_RESPONSE_BYTES = 64 << 20
+
+#: connections in flight, so that an interruption can end them at once (see abort_requests)
+_ACTIVE: set = set()
+_ACTIVE_LOCK = threading.Lock()
+
+
+class _Redirect(Exception):
+    def __init__(self, status: int, location: str) -> None:
+        super().__init__(status, location)
+        self.status, self.location = status, location
+
+
+def _exchange(method: str, url: str, data: bytes | None, headers: dict, timeout: float):
+    """``(status, body)`` of one HTTP exchange, ended by a watchdog at ``timeout`` seconds
+    after it started whatever the server does; a 3xx raises :class:`_Redirect`."""
+    parts = urllib.parse.urlsplit(url)
+    kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    conn = kind(parts.hostname, parts.port, timeout=timeout)
+    expired = threading.Event()
+    held: list = []  # the socket: http.client drops conn.sock once a response owns it
+
+    def cut() -> None:
+        expired.set()
+        for sock in held:
+            _shutdown(sock)
+
+    watchdog = threading.Timer(timeout, cut)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        conn.connect()
+        held.append(conn.sock)
+        with _ACTIVE_LOCK:
+            _ACTIVE.add(conn.sock)
+        if expired.is_set():
+            raise TimeoutError(f"no complete answer within {timeout:g} s")
+        target = parts.path + (f"?{parts.query}" if parts.query else "")
+        conn.request(method, target, body=data, headers=headers)
+        response = conn.getresponse()
+        if 300 <= response.status < 400:
+            raise _Redirect(response.status, response.getheader("Location") or "?")
+        declared = response.getheader("Content-Length")
+        if declared and declared.isdigit() and int(declared) > MAX_RESPONSE_BYTES:
+            raise RemoteError(f"{redact_url(url)} announced a {int(declared):,}-byte answer, "
+                              f"more than calm reads ({MAX_RESPONSE_BYTES:,}); is this an "
+                              "OpenAI-compatible API?")
+        chunks, size = [], 0
+        while True:
+            chunk = response.read(1 << 16)
+            if not chunk:
+                break
+            size += len(chunk)
+            if size > MAX_RESPONSE_BYTES:
+                raise RemoteError(f"{redact_url(url)} answered more than "
+                                  f"{MAX_RESPONSE_BYTES:,} bytes; is this an OpenAI-compatible "
+                                  "API?")
+            chunks.append(chunk)
+        if expired.is_set():  # the watchdog's shutdown reads as an early end of the answer
+            raise TimeoutError(f"no complete answer within {timeout:g} s")
+        return response.status, b"".join(chunks)
+    except (OSError, http.client.HTTPException):
+        if expired.is_set():
+            raise TimeoutError(f"no complete answer within {timeout:g} s") from None
+        raise
+    finally:
+        watchdog.cancel()
+        with _ACTIVE_LOCK:
+            for sock in held:
+                _ACTIVE.discard(sock)
+        conn.close()
+        for sock in held:
+            sock.close()
+
+
+def _shutdown(sock) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked reading it
+    except OSError:
+        pass
+
+
+def abort_requests() -> None:
+    """End every request in flight at once (an interrupted run: nothing waits for them)."""
+    with _ACTIVE_LOCK:
+        active = list(_ACTIVE)
+    for sock in active:
+        _shutdown(sock)
+
+
+def redact_url(url: str) -> str:
+    """``url`` without userinfo, query or fragment (where keys hide), control characters
+    escaped: what calm prints and records of an endpoint."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        host = parts.hostname or ""
+        if parts.port:
+            host = f"{host}:{parts.port}"
+        shown = urllib.parse.urlunsplit((parts.scheme, host, parts.path, "", ""))
+        if parts.query or parts.fragment or parts.username or parts.password:
+            shown += " (credentials and query removed)"
+    except ValueError:
+        shown = "the endpoint URL"
+    return printable(shown)
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters (terminal escape sequences) escaped."""
+    return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" if ord(c) < 256
+                   else f"\\u{ord(c):04x}" for c in text)
+
+
+def _error_detail(raw: bytes) -> str:
+    try:
+        body = json.loads(raw or b"{}")
+        message = body.get("error", {}).get("message") if isinstance(body, dict) else None
+    except (ValueError, AttributeError, RecursionError):
+        message = None
+    return f" ({printable(str(message)[:200])})" if message else ""
+
+
+def connect(url: str, *, model_name: str | None = None, api_key_env: str = DEFAULT_API_KEY_ENV,
+            concurrency: int = 8, timeout: float = 120.0, retries: int = 6) -> Endpoint:
+    """The :class:`Endpoint` for ``url``, its served model checked with ``GET /models``."""
+    try:
+        parsed = urllib.parse.urlsplit(url)
+        parsed.port  # noqa: B018 - a bad port raises here
+    except ValueError:
+        raise ConfigError(f"{redact_url(url)} is not a valid URL; pass the API's base URL, "
+                          "e.g. http://127.0.0.1:8000/v1") from None
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise ConfigError(f"{redact_url(url)} is not an http(s) URL; pass the API's base URL, "
+                          "e.g. http://127.0.0.1:8000/v1")
+    if parsed.username or parsed.password or parsed.query or parsed.fragment:
+        raise ConfigError(f"{redact_url(url)}: the URL carries credentials or a query; calm "
+                          "never records them: pass the base URL alone and the key through "
+                          "--api-key-env VAR")
+    if concurrency < 1:
+        raise ConfigError(f"concurrency must be >= 1, got {concurrency}")
+    endpoint = Endpoint(url.rstrip("/"), model_name or "", api_key_env=api_key_env,
+                        concurrency=concurrency, timeout=timeout, retries=retries)
+    listing = endpoint.request("GET", "/models")
+    served = [m.get("id") for m in listing.get("data") or [] if isinstance(m, dict)]
+    served = [s for s in served if isinstance(s, str)]
+    if model_name is None:
+        if len(served) != 1:
+            raise ConfigError(f"{url} serves {len(served)} models ({', '.join(served[:5])}); "
+                              "name one with --model-name / --reference-name")
+        model_name = served[0]
+    elif served and model_name not in served:
+        raise ConfigError(f"{url} does not serve {model_name!r} (it serves "
+                          f"{', '.join(served[:5])}); fix --model-name / --reference-name")
+    return Endpoint(endpoint.base_url, model_name, api_key_env=api_key_env,
+                    concurrency=concurrency, timeout=timeout, retries=retries)
