@@ -23,16 +23,16 @@ import numpy as np
 
 from calm_runtime import metrics
 from calm_runtime._fs import check_creatable
-from calm_runtime.artifact import CalibrationAdapter, ModelIdentity
+from calm_runtime.artifact import CalibrationAdapter
 from calm_runtime.calibration import apply_calibration
 from calm_runtime.data import MultipleChoiceRecord, dataset_hash, load_dataset, split_indices
 from calm_runtime.errors import ConfigError, DataError, FitError
-from calm_runtime.models import model_identity, resolve_model
+from calm_runtime.models import resolve_model
 from calm_runtime.prompts import letter_tokens
 
 from . import daca
 from .cache import cached_option_scores
-from .engine_model import engine_identity, is_engine, require_uncalibrated
+from .engine_model import is_engine, require_uncalibrated
 from .fit_config import (  # noqa: F401 - FitConfig and the names stay importable from here
     ALL_MODES,
     DEFAULT_VARIANT,
@@ -46,9 +46,13 @@ from .fit_report import (  # noqa: F401 - the tables stay importable from here
     format_table,
     served_floor,
 )
-from .remote import Endpoint, is_endpoint
+from .remote import is_endpoint
 from .scoring import OptionScores
-from .sources import model_source
+from .sources import (  # noqa: F401 - prompt_format stays importable from here
+    _identity,
+    model_source,
+    prompt_format,
+)
 
 __all__ = ["FitConfig", "METHODS", "LABEL_FREE", "DEFAULT_VARIANT", "compare_methods",
            "fit_adapter", "option_probabilities", "format_table", "format_selective_table"]
@@ -394,47 +398,6 @@ def _fit_threshold_adapter(config: FitConfig, out, *, overwrite: bool, progress:
                           "settings": config.to_dict()}
     adapter.save_pretrained(out, overwrite=overwrite)
     return adapter, {"fit": fit.to_dict(), "test_split": test}
-
-
-def prompt_format(config: FitConfig) -> str:
-    """``"chat"`` or ``"plain"``: how the fit's prompts reach the model. Cloze prompts are
-    always text; letter and P(True) prompts follow ``config.chat`` (``None``: the chat
-    template when the model has one; a served model has one when it answers chat
-    completions), the same rule for a local, exported or served model."""
-    if config.mode == "cloze":
-        return "plain"
-    source = model_source(config, "model")
-    if isinstance(source, Endpoint):
-        from .remote import resolve_chat
-
-        chat = resolve_chat(source, config.chat)
-    else:
-        folder = Path(config.model) if is_engine(config.model) else resolve_model(config.model)
-        has = (folder / "chat_template.jinja").is_file() or bool(
-            _json_field(folder / "tokenizer_config.json", "chat_template"))
-        chat = has if config.chat is None else bool(config.chat)
-    return "chat" if chat else "plain"
-
-
-def _json_field(path: Path, key: str):
-    import json
-
-    try:
-        return json.loads(path.read_text(encoding="utf-8")).get(key)
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
-def _identity(config: FitConfig, role: str) -> ModelIdentity:
-    """The identity an adapter records for ``config.model`` / ``config.reference``: a local
-    model's (vocabulary, tokenizer hash) or a served model's (endpoint, served name)."""
-    source = model_source(config, role)
-    if isinstance(source, Endpoint):
-        return ModelIdentity.served_model(source.base_url, source.model)
-    spec = getattr(config, role)
-    if is_engine(spec):
-        return engine_identity(spec)
-    return model_identity(resolve_model(spec), name=spec if not Path(spec).exists() else None)
 
 
 def _base_adapter(config: FitConfig):
