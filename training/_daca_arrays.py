@@ -1,0 +1,83 @@
+"""The arrays DACA's fits share: input checks, the agreement set (the items where the model
+and the reference pick the same option), softmax and mean entropy (docs/methods.md §3)."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from calm_runtime.errors import ConfigError, FitError
+
+logger = logging.getLogger("calm_training.daca")
+
+# The agreement set is "tiny" (warn, still fit) below either threshold.
+MIN_AGREEMENT_ITEMS = 20
+MIN_AGREEMENT_RATE = 0.05
+P_TRUE_EPS = 1e-6  # P(True) is clipped to [eps, 1 - eps] before taking logs.
+
+
+def _agreement_set(plm_logits, polm_logits, mask, min_agreement, min_agreement_rate):
+    """``(p, g, n, agreement_rate)`` with ``p = softmax(f)`` and ``g`` restricted to the
+    agreeing items when ``mask``; raises on an empty set, warns on a tiny one."""
+    f = _as_matrix(plm_logits, "plm_logits")
+    g = _as_matrix(polm_logits, "polm_logits")
+    if f.shape != g.shape:
+        raise ConfigError(f"PLM option logits have shape {f.shape} but PoLM {g.shape}; both "
+                          "need one row per item and the same K options.")
+    agree = f.argmax(axis=1) == g.argmax(axis=1)
+    n, n_agree = f.shape[0], int(agree.sum())
+    rate = n_agree / n if n else 0.0
+    p = _softmax(f)
+    if not mask:
+        return p, g, n, rate
+    if n_agree == 0:
+        raise FitError(f"the PLM and PoLM agree on none of the {n} items, so DACA has no "
+                       "items to fit on; check that both use the same option order.")
+    if n_agree < min_agreement or rate < min_agreement_rate:
+        logger.warning("DACA agreement set is tiny: %d of %d items (%.1f%%); the fit is "
+                       "poorly determined.", n_agree, n, 100 * rate)
+    return p[agree], g[agree], n, rate
+
+
+def _as_matrix(x, name: str) -> np.ndarray:
+    a = np.asarray(x, dtype=np.float64)
+    if a.ndim != 2 or a.shape[1] < 2:
+        raise ConfigError(f"{name} must be an [N, K] array with K >= 2 options, got shape "
+                          f"{a.shape}.")
+    if not np.isfinite(a).all():
+        raise ConfigError(f"{name} has {int((~np.isfinite(a)).sum())} non-finite entries; "
+                          "drop or fix those items before fitting.")
+    return a
+
+
+def _as_labels(labels, shape) -> np.ndarray:
+    y = np.asarray(labels)
+    if y.shape != (shape[0],) or not np.issubdtype(y.dtype, np.integer):
+        raise ConfigError(f"labels must be {shape[0]} integer option indices, got shape "
+                          f"{y.shape} and dtype {y.dtype}.")
+    if y.size and (y.min() < 0 or y.max() >= shape[1]):
+        raise ConfigError(f"labels must lie in [0, {shape[1]}), got range "
+                          f"[{int(y.min())}, {int(y.max())}].")
+    return y
+
+
+def _p_true_logits(x, name: str) -> np.ndarray:
+    p = np.asarray(x, dtype=np.float64)
+    if p.ndim != 1 or not np.isfinite(p).all() or (p < 0).any() or (p > 1).any():
+        raise ConfigError(f"{name} must be a 1-D array of probabilities in [0, 1], got shape "
+                          f"{p.shape}.")
+    p = np.clip(p, P_TRUE_EPS, 1.0 - P_TRUE_EPS)
+    return np.stack([np.log(p), np.log1p(-p)], axis=1)
+
+
+def _softmax(z: np.ndarray) -> np.ndarray:
+    e = np.exp(z - z.max(axis=1, keepdims=True))
+    return e / e.sum(axis=1, keepdims=True)
+
+
+def _mean_entropy(p: np.ndarray) -> float:
+    if p.shape[0] == 0:
+        return 0.0
+    logp = np.log(np.where(p > 0, p, 1.0))
+    return float(-np.mean(np.sum(p * logp, axis=1)))
