@@ -27,10 +27,11 @@ from calm_runtime.models import load_model_and_tokenizer
 from calm_runtime.prompts import p_true_template
 
 from . import daca
+from .answers import generate_answers, score_p_true
 from .engine_model import is_engine, load_engine, scorer_fingerprint
 from .fit_report import add_selective, served_floor
 from .remote import is_endpoint, remote_answers, remote_p_true, resolve_chat
-from .scoring import generate_answers, is_correct, score_p_true
+from .scoring import is_correct
 
 __all__ = ["P_TRUE_METHODS", "compare_p_true", "fit_p_true", "open_qa_judgements"]
 

@@ -414,7 +414,7 @@ def _completion_text(payload: dict, body: dict | None = None) -> str:
 
 def remote_answers(endpoint: Endpoint, questions: Sequence[str], *, max_new_tokens: int = 24,
                    progress: bool = True) -> list[str]:
-    """Greedy answers like :func:`~calm_training.scoring.generate_answers`: the completion
+    """Greedy answers like :func:`~calm_training.answers.generate_answers`: the completion
     of ``"Question: ...\nAnswer:"`` (``max_new_tokens`` of it, no stop sequence: a stop at
     ``"\n"`` would end an answer that starts with a newline, which the local path strips),
     stripped and cut at the first newline."""
@@ -428,7 +428,7 @@ def remote_answers(endpoint: Endpoint, questions: Sequence[str], *, max_new_toke
 def remote_p_true(endpoint: Endpoint, questions: Sequence[str], answers: Sequence[str],
                   template: PTrueTemplate, *, progress: bool = True, chat: bool = False
                   ) -> tuple[np.ndarray, RemoteStats]:
-    """Two-way logits ``[N, 2]`` (true, false) like :func:`~calm_training.scoring.score_p_true`
+    """Two-way logits ``[N, 2]`` (true, false) like :func:`~calm_training.answers.score_p_true`
     (with ``chat``: through ``/v1/chat/completions``, the tokens without a leading space)."""
     stats = RemoteStats(total=len(questions))
     pair = ((template.true_token.lstrip(), template.false_token.lstrip()) if chat

@@ -130,7 +130,7 @@ def test_recorded_variant_is_the_default(runtime_engine, lm):
 @pytest.mark.parametrize(("template", "chat"), [(None, None), (None, False), ("yes-no", False)])
 def test_p_true_equals_training_scoring(lm, runtime_reference_model, hf_tokenizer, chat,
                                         template):
-    from calm_training.scoring import score_p_true
+    from calm_training.answers import score_p_true
 
     model, adapter = runtime_reference_model
     questions = ["What is the capital of France?", "Who wrote Hamlet?", "2 + 2 ="]

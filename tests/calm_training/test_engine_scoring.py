@@ -13,6 +13,7 @@ pytest.importorskip("onnxruntime")
 from calm_runtime.data import MultipleChoiceRecord, OpenQARecord, write_jsonl  # noqa: E402
 from calm_runtime.errors import ConfigError  # noqa: E402
 from calm_runtime.prompts import p_true_template  # noqa: E402
+from calm_training.answers import generate_answers, score_p_true  # noqa: E402
 from calm_training.cache import cached_option_scores  # noqa: E402
 from calm_training.engine_model import (  # noqa: E402
     engine_fingerprint,
@@ -21,11 +22,7 @@ from calm_training.engine_model import (  # noqa: E402
     load_engine,
 )
 from calm_training.fit import FitConfig, compare_methods, fit_adapter  # noqa: E402
-from calm_training.scoring import (  # noqa: E402
-    generate_answers,
-    score_multiple_choice,
-    score_p_true,
-)
+from calm_training.scoring import score_multiple_choice  # noqa: E402
 
 QUESTIONS = ["Which number is prime?", "Where do penguins live?", "What colour is the sky?",
              "Which animal barks?", "What is two plus two?", "Which planet is red?"]

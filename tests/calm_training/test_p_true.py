@@ -15,8 +15,8 @@ from calm_runtime.errors import DataError  # noqa: E402
 from calm_runtime.models import load_model_and_tokenizer  # noqa: E402
 from calm_runtime.prompts import p_true_template  # noqa: E402
 from calm_training import p_true  # noqa: E402
+from calm_training.answers import score_p_true  # noqa: E402
 from calm_training.fit import FitConfig, compare_methods, fit_adapter  # noqa: E402
-from calm_training.scoring import score_p_true  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

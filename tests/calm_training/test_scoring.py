@@ -17,11 +17,11 @@ from calm_runtime.prompts import (  # noqa: E402
     letter_prompt,
     p_true_template,
 )
+from calm_training.answers import score_p_true  # noqa: E402
 from calm_training.scoring import (  # noqa: E402
     is_correct,
     normalize_answer,
     score_multiple_choice,
-    score_p_true,
 )
 
 WORDS = ("question answer the a of is to in what which cat dog sun moon red blue green "
