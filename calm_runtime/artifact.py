@@ -65,6 +65,7 @@ from .calibration import (
     fused_head,
 )
 from .errors import ArtifactError, IncompatibleModelError
+from .prompts import CHOICE_MODES, CLOZE_VARIANTS
 
 __all__ = [
     "ADAPTER_SCHEMA_VERSION",
@@ -388,6 +389,23 @@ class CalibrationAdapter:
             "has_lora": self.lora_path is not None,
             "calibrated_outputs": self.calibrated_outputs(),
         }
+
+    @property
+    def cloze_variant(self) -> str | None:
+        """The cloze score variant the adapter's option calibration was fitted with (its
+        ``method.variant``), or ``None`` when it records none."""
+        value = (self.method or {}).get("variant")
+        return value if value in CLOZE_VARIANTS else None
+
+    @property
+    def choice_mode(self) -> str | None:
+        """``cloze`` or ``letter``: the mode of the abstention threshold, else of the fit;
+        ``None`` when neither records one (e.g. a P(True) fit or a CALM adapter)."""
+        for section in (self.abstention, self.method):
+            mode = (section or {}).get("mode")
+            if mode in CHOICE_MODES:
+                return mode
+        return None
 
     def has_token_calibration(self) -> bool:
         """Whether the fusable part (``tau``, ``shift``, ``temperature``) is not the identity:

@@ -18,6 +18,7 @@ from calm_runtime.prompts import p_true_template
 from .onnx import DecoderShape
 
 __all__ = [
+    "tool_versions",
     "TOKENIZER_FILES",
     "GENAI_CONFIG",
     "copy_tokenizer",
@@ -203,3 +204,20 @@ def build_manifest(*, kind: str, staging: Path, identity: ModelIdentity, weights
         validation=validation,
         root=staging,
     )
+
+
+def tool_versions() -> dict:
+    """``{"versions": {...}}``: the libraries an engine was built with, for its manifest."""
+    import onnx
+    import torch
+    import transformers
+
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__,
+                "onnx": onnx.__version__}
+    try:
+        import peft
+
+        versions["peft"] = peft.__version__
+    except ImportError:
+        pass
+    return {"versions": versions}

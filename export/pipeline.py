@@ -29,9 +29,10 @@ from calm_runtime.models import (
     model_identity,
     resolve_model,
 )
-from calm_runtime.prompts import CHOICE_MODES, CLOZE_VARIANTS, DEFAULT_P_TRUE_TEMPLATE
+from calm_runtime.prompts import DEFAULT_P_TRUE_TEMPLATE
 
-from . import engine_writer, fuse, genai_builder, heads, quantize, recalibrate, validate
+from . import engine_writer, fuse, genai_builder, heads, recalibrate, validate
+from .build_stages import build_tensorrt, build_variant, validate_graph
 from .checkpoint import CHECKPOINT_MANIFEST
 from .config import ExportConfig
 from .onnx import ONNX_FILE, KVCacheDecoder, decoder_shape, export_onnx, fuse_graph
@@ -260,7 +261,7 @@ def _export(model_spec, out: Path, adapter_arg, config: ExportConfig,
                 facts = genai_builder.build_graph(model, tokenizer, staging, shape.vocab_size,
                                                   affine=affine)
                 stages.start("validate")
-                checked = _validate_graph(staging, shape, config, tokenizer, pad_id, cases,
+                checked = validate_graph(staging, shape, config, tokenizer, pad_id, cases,
                                           references, tolerance)
             except (genai_builder.BuilderError, ExportValidationError) as exc:
                 if config.graph == "builder":
@@ -282,7 +283,7 @@ def _export(model_spec, out: Path, adapter_arg, config: ExportConfig,
         gc.collect()
         if checked is None:
             stages.start("validate")
-            checked = _validate_graph(staging, shape, config, tokenizer, pad_id, cases,
+            checked = validate_graph(staging, shape, config, tokenizer, pad_id, cases,
                                       references, tolerance)
         if reason is not None and config.graph == "auto":
             facts["graph"]["builder_not_used"] = reason
@@ -303,7 +304,7 @@ def _export(model_spec, out: Path, adapter_arg, config: ExportConfig,
         fp32_root, variant_facts, dtype = None, None, "float32"
         if config.variant:
             stages.start("quantize")
-            fp32_root, variant_facts, variant_report = _build_variant(
+            fp32_root, variant_facts, variant_report = build_variant(
                 staging, shape, config, cases, references, got, drift_cases, drift_base,
                 scale, external, facts["graph"])
             report.update(variant_report)
@@ -315,7 +316,7 @@ def _export(model_spec, out: Path, adapter_arg, config: ExportConfig,
         trt_settings = None
         if config.format == "tensorrt":
             stages.start("tensorrt")
-            trt_settings, trt_report = _build_tensorrt(staging, shape, config, cases,
+            trt_settings, trt_report = build_tensorrt(staging, shape, config, cases,
                                                        references, scale, trt_facts)
             report["tensorrt"] = trt_report
             model_files.append(trt_settings["plan"])
@@ -327,7 +328,7 @@ def _export(model_spec, out: Path, adapter_arg, config: ExportConfig,
             genai = engine_writer.genai_config_entry(staging)
         else:
             genai = engine_writer.write_genai_config(staging, shape, tokens)
-        export_settings = {**config.to_dict(), **_versions(),
+        export_settings = {**config.to_dict(), **engine_writer.tool_versions(),
                            "exporter_used": facts["exporter"], "external_data": external,
                            # "genai-builder" (onnxruntime-genai's builder graph), "ort-fused"
                            # (calm's, RMSNorm as ONNX Runtime contrib ops) or "standard"
@@ -339,10 +340,10 @@ def _export(model_spec, out: Path, adapter_arg, config: ExportConfig,
                            "logits_to_keep": facts["logits_to_keep"],
                            "tensorrt": trt_settings,
                            # the cloze score answer_temperature was fitted on (runtime reads it)
-                           "cloze_variant": _cloze_variant(adapter),
+                           "cloze_variant": adapter.cloze_variant,
                            # the mode (cloze/letter) the calibration was fitted on: the
                            # server's default for constrained choices
-                           "choice_mode": _choice_mode(adapter),
+                           "choice_mode": adapter.choice_mode,
                            # chat or plain: the prompt format the calibration was fitted on
                            # (calm serve says when chat traffic differs)
                            "prompt_format": (adapter.provenance or {}).get("prompt_format"),
@@ -434,7 +435,8 @@ def _export_checkpoint(model, tokenizer, out: Path, folder: Path, identity, adap
         source = {"name": identity.name, "vocab_size": identity.vocab_size,
                   "tokenizer_sha256": identity.tokenizer_sha256,
                   "weights_sha256": engine_writer.weights_sha256(folder)}
-        settings = {"format": "hf", "greedy_steps": config.greedy_steps, **_versions()}
+        settings = {"format": "hf", "greedy_steps": config.greedy_steps,
+                    **engine_writer.tool_versions()}
         manifest = checkpoint.write_manifest(
             staging, source=source,
             adapter_info=engine_writer.adapter_source(
@@ -461,83 +463,6 @@ def _export_own_graph(model, shape, staging: Path, config: ExportConfig, externa
     return facts
 
 
-def _validate_graph(staging: Path, shape, config: ExportConfig, tokenizer, pad_id: int, cases,
-                    references, tolerance: float):
-    """Run the graph in staging through calm's runtime backend against the reference; raises
-    :class:`ExportValidationError` when it is off. Also rolls out the drift prompts a
-    variant is measured on."""
-    runner, runtime = validate.onnx_runner(staging / ONNX_FILE, shape)
-    got = validate.run_cases(runner, cases, config.greedy_steps, references)
-    drift_cases = validate.build_cases(tokenizer, quantize.DRIFT_PROMPTS, pad_id) \
-        if config.variant else []
-    drift_base = validate.run_cases(runner, drift_cases, config.greedy_steps)
-    del runner
-    single, double = validate.compare_all(cases, references, got, tolerance)
-    overall = single.merge(double)
-    validate.check("the exported ONNX engine", overall, tolerance)
-    return got, drift_cases, drift_base, single, double, overall, runtime
-
-
-def _build_variant(staging: Path, shape, config: ExportConfig, cases, references, got,
-                   drift_cases, drift_base, scale: float, external: bool, base_graph: dict):
-    """Build the int8 or fp16 graph from the validated fp32 one and measure its drift.
-
-    The fp32 graph moves to ``staging/.fp32`` (removed before the manifest is written).
-    fp16 is validated against the reference like fp32, with the fp16 tolerance; int8 must
-    keep the fp32 top token at ``int8_min_agreement`` of the drift positions.
-    """
-    fp32_root = quantize.stash_fp32(staging)
-    source, target = fp32_root / ONNX_FILE, staging / ONNX_FILE
-    if config.variant == "int8":
-        facts = quantize.quantize_int8(source, target, config, external=external)
-    elif config.variant == "int4":
-        facts = quantize.quantize_int4(source, target, config, external=external)
-    else:
-        facts = quantize.convert_fp16(source, target, external=external)
-    if base_graph["kind"] == genai_builder.GRAPH_KIND:  # its MatMuls quantised, nothing else
-        facts["graph"] = dict(base_graph)
-    else:
-        facts["graph"] = {"kind": "standard", "fused_ops": {}}
-    if config.graph in ("fused", "auto") and base_graph["kind"] != genai_builder.GRAPH_KIND:
-        # the drift and the fp16 check below measure the fused graph
-        facts["graph"] = fuse_graph(target, shape, external=external)
-        facts["bytes"] = sum(p.stat().st_size for p in staging.glob(f"{ONNX_FILE}*"))
-    runner, _ = validate.onnx_runner(target, shape)
-    mine = validate.run_cases(runner, cases, config.greedy_steps, references)
-    mine_drift = validate.run_cases(runner, drift_cases, config.greedy_steps, drift_base)
-    del runner
-    drift = quantize.measure_drift([*cases, *drift_cases], [*got, *drift_base],
-                                   [*mine, *mine_drift])
-    facts["drift"] = drift
-    logger.info("%s drift vs fp32 over %d positions: top-1 agreement %.3f, mean total "
-                "variation %.4f, max |dp| %.3g", config.variant, drift["positions"],
-                drift["greedy_agreement"], drift["mean_total_variation"],
-                drift["max_prob_change"])
-    if config.variant in ("int8", "int4"):
-        minimum = getattr(config, f"{config.variant}_min_agreement")
-        if drift["greedy_agreement"] < minimum:
-            advice = ("keep more modules in fp32 (--int8-exclude), use --int8-scheme "
-                      "blockwise (ExportConfig.int8_block_size for a smaller block), or export "
-                      "fp32" if config.variant == "int8" else
-                      "use --quantize int8 or export fp32 (ExportConfig.int4_block_size for a "
-                      "smaller block)")
-            raise ExportValidationError(
-                f"the {config.variant} engine keeps the fp32 top token at "
-                f"{drift['greedy_agreement']:.1%} of {drift['positions']} positions (minimum "
-                f"{minimum:.0%}); {advice}; no engine was written")
-        return fp32_root, facts, {f"{config.variant}_min_agreement": minimum}
-    tolerance = config.tolerance(scale, "fp16")
-    single, double = validate.compare_all(cases, references, mine, tolerance)
-    overall = single.merge(double)
-    validate.check("the fp16 ONNX engine", overall, tolerance)
-    return fp32_root, facts, {"fp16": {
-        "max_abs_diff": overall.max_abs_diff, "worst_at": overall.where, "tolerance": tolerance,
-        "batch2_max_abs_diff": double.max_abs_diff, "greedy_match": True,
-        "greedy_ties": single.greedy_ties + double.greedy_ties,
-        "runtime": "onnxruntime CPUExecutionProvider (ops without fp16 CPU kernels run in fp32 "
-                   "between casts; GPU providers were not part of this validation)"}}
-
-
 def _load_adapter(adapter_arg) -> tuple[CalibrationAdapter | None, Path | None]:
     if adapter_arg is None:
         return None, None
@@ -559,55 +484,3 @@ def _template(config: ExportConfig, adapter: CalibrationAdapter):
             logger.warning("the adapter was fitted with another P(True) template; the engine "
                            "records the one passed to calm-export")
     return config.p_true_template
-
-
-def _build_tensorrt(staging: Path, shape, config: ExportConfig, cases, references, scale,
-                    facts: dict):
-    from .tensorrt import PLAN_FILE, build_plan, tensorrt_runner
-
-    fp16 = config.dtype == "fp16"
-    if config.max_sequence_length > shape.max_position_embeddings:
-        raise ConfigError(f"max_sequence_length {config.max_sequence_length} exceeds the model's "
-                          f"{shape.max_position_embeddings} positions; lower it")
-    settings = build_plan(staging / ONNX_FILE, staging / PLAN_FILE, shape, fp16=fp16,
-                          max_batch=config.max_batch_size, max_total=config.max_sequence_length)
-    settings.update(facts)
-    tolerance = config.tolerance(scale, "fp16" if fp16 else "fp32")
-    got = validate.run_cases(tensorrt_runner(staging / PLAN_FILE, shape), cases,
-                             config.greedy_steps, references)
-    single, double = validate.compare_all(cases, references, got, tolerance)
-    validate.check("the TensorRT engine", single.merge(double), tolerance)
-    return settings, {"max_abs_diff": single.merge(double).max_abs_diff, "tolerance": tolerance,
-                      "batch2_max_abs_diff": double.max_abs_diff, "greedy_match": True,
-                      "greedy_ties": single.greedy_ties + double.greedy_ties}
-
-
-def _cloze_variant(adapter: CalibrationAdapter) -> str | None:
-    value = (adapter.method or {}).get("variant")
-    return value if value in CLOZE_VARIANTS else None
-
-
-def _choice_mode(adapter: CalibrationAdapter) -> str | None:
-    """``cloze`` or ``letter``: the mode of the adapter's abstention threshold, else of its
-    fit; ``None`` when neither records one (e.g. a P(True) fit or a CALM adapter)."""
-    for section in (adapter.abstention, adapter.method):
-        mode = (section or {}).get("mode")
-        if mode in CHOICE_MODES:
-            return mode
-    return None
-
-
-def _versions() -> dict:
-    import onnx
-    import torch
-    import transformers
-
-    versions = {"torch": torch.__version__, "transformers": transformers.__version__,
-                "onnx": onnx.__version__}
-    try:
-        import peft
-
-        versions["peft"] = peft.__version__
-    except ImportError:
-        pass
-    return {"versions": versions}

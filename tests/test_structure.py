@@ -132,3 +132,15 @@ def test_the_optional_commands_are_entry_points():
         module, _, attribute = target.partition(":")
         tree = ast.parse(modules[module].read_text(encoding="utf-8"))
         assert any(isinstance(n, ast.FunctionDef) and n.name == attribute for n in tree.body)
+
+
+#: a module a reader can hold in their head; split anything larger by what it does
+MAX_MODULE_LINES = 500
+
+
+def test_no_module_is_over_the_size_limit():
+    sizes = {str(path.relative_to(ROOT)): len(path.read_text(encoding="utf-8").splitlines())
+             for folder in PACKAGES.values() for path in (ROOT / folder).rglob("*.py")}
+    assert len(sizes) > 50
+    over = {name: n for name, n in sizes.items() if n > MAX_MODULE_LINES}
+    assert not over, f"modules over {MAX_MODULE_LINES} lines: {over}"

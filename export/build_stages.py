@@ -1,0 +1,116 @@
+"""The stages of calm-export after the graph is written: validating the fp32 graph against
+the reference, building a quantised or fp16 variant (with its drift report), and the
+TensorRT engine. Each proves what it built matches the reference or raises."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from calm_runtime.errors import ConfigError, ExportValidationError
+
+from . import genai_builder, quantize, validate
+from .config import ExportConfig
+from .onnx import ONNX_FILE, fuse_graph
+
+__all__ = ["build_tensorrt", "build_variant", "validate_graph"]
+
+logger = logging.getLogger("calm_export.pipeline")
+
+
+def validate_graph(staging: Path, shape, config: ExportConfig, tokenizer, pad_id: int, cases,
+                    references, tolerance: float):
+    """Run the graph in staging through calm's runtime backend against the reference; raises
+    :class:`ExportValidationError` when it is off. Also rolls out the drift prompts a
+    variant is measured on."""
+    runner, runtime = validate.onnx_runner(staging / ONNX_FILE, shape)
+    got = validate.run_cases(runner, cases, config.greedy_steps, references)
+    drift_cases = validate.build_cases(tokenizer, quantize.DRIFT_PROMPTS, pad_id) \
+        if config.variant else []
+    drift_base = validate.run_cases(runner, drift_cases, config.greedy_steps)
+    del runner
+    single, double = validate.compare_all(cases, references, got, tolerance)
+    overall = single.merge(double)
+    validate.check("the exported ONNX engine", overall, tolerance)
+    return got, drift_cases, drift_base, single, double, overall, runtime
+
+
+def build_variant(staging: Path, shape, config: ExportConfig, cases, references, got,
+                   drift_cases, drift_base, scale: float, external: bool, base_graph: dict):
+    """Build the int8 or fp16 graph from the validated fp32 one and measure its drift.
+
+    The fp32 graph moves to ``staging/.fp32`` (removed before the manifest is written).
+    fp16 is validated against the reference like fp32, with the fp16 tolerance; int8 must
+    keep the fp32 top token at ``int8_min_agreement`` of the drift positions.
+    """
+    fp32_root = quantize.stash_fp32(staging)
+    source, target = fp32_root / ONNX_FILE, staging / ONNX_FILE
+    if config.variant == "int8":
+        facts = quantize.quantize_int8(source, target, config, external=external)
+    elif config.variant == "int4":
+        facts = quantize.quantize_int4(source, target, config, external=external)
+    else:
+        facts = quantize.convert_fp16(source, target, external=external)
+    if base_graph["kind"] == genai_builder.GRAPH_KIND:  # its MatMuls quantised, nothing else
+        facts["graph"] = dict(base_graph)
+    else:
+        facts["graph"] = {"kind": "standard", "fused_ops": {}}
+    if config.graph in ("fused", "auto") and base_graph["kind"] != genai_builder.GRAPH_KIND:
+        # the drift and the fp16 check below measure the fused graph
+        facts["graph"] = fuse_graph(target, shape, external=external)
+        facts["bytes"] = sum(p.stat().st_size for p in staging.glob(f"{ONNX_FILE}*"))
+    runner, _ = validate.onnx_runner(target, shape)
+    mine = validate.run_cases(runner, cases, config.greedy_steps, references)
+    mine_drift = validate.run_cases(runner, drift_cases, config.greedy_steps, drift_base)
+    del runner
+    drift = quantize.measure_drift([*cases, *drift_cases], [*got, *drift_base],
+                                   [*mine, *mine_drift])
+    facts["drift"] = drift
+    logger.info("%s drift vs fp32 over %d positions: top-1 agreement %.3f, mean total "
+                "variation %.4f, max |dp| %.3g", config.variant, drift["positions"],
+                drift["greedy_agreement"], drift["mean_total_variation"],
+                drift["max_prob_change"])
+    if config.variant in ("int8", "int4"):
+        minimum = getattr(config, f"{config.variant}_min_agreement")
+        if drift["greedy_agreement"] < minimum:
+            advice = ("keep more modules in fp32 (--int8-exclude), use --int8-scheme "
+                      "blockwise (ExportConfig.int8_block_size for a smaller block), or export "
+                      "fp32" if config.variant == "int8" else
+                      "use --quantize int8 or export fp32 (ExportConfig.int4_block_size for a "
+                      "smaller block)")
+            raise ExportValidationError(
+                f"the {config.variant} engine keeps the fp32 top token at "
+                f"{drift['greedy_agreement']:.1%} of {drift['positions']} positions (minimum "
+                f"{minimum:.0%}); {advice}; no engine was written")
+        return fp32_root, facts, {f"{config.variant}_min_agreement": minimum}
+    tolerance = config.tolerance(scale, "fp16")
+    single, double = validate.compare_all(cases, references, mine, tolerance)
+    overall = single.merge(double)
+    validate.check("the fp16 ONNX engine", overall, tolerance)
+    return fp32_root, facts, {"fp16": {
+        "max_abs_diff": overall.max_abs_diff, "worst_at": overall.where, "tolerance": tolerance,
+        "batch2_max_abs_diff": double.max_abs_diff, "greedy_match": True,
+        "greedy_ties": single.greedy_ties + double.greedy_ties,
+        "runtime": "onnxruntime CPUExecutionProvider (ops without fp16 CPU kernels run in fp32 "
+                   "between casts; GPU providers were not part of this validation)"}}
+
+
+def build_tensorrt(staging: Path, shape, config: ExportConfig, cases, references, scale,
+                    facts: dict):
+    from .tensorrt import PLAN_FILE, build_plan, tensorrt_runner
+
+    fp16 = config.dtype == "fp16"
+    if config.max_sequence_length > shape.max_position_embeddings:
+        raise ConfigError(f"max_sequence_length {config.max_sequence_length} exceeds the model's "
+                          f"{shape.max_position_embeddings} positions; lower it")
+    settings = build_plan(staging / ONNX_FILE, staging / PLAN_FILE, shape, fp16=fp16,
+                          max_batch=config.max_batch_size, max_total=config.max_sequence_length)
+    settings.update(facts)
+    tolerance = config.tolerance(scale, "fp16" if fp16 else "fp32")
+    got = validate.run_cases(tensorrt_runner(staging / PLAN_FILE, shape), cases,
+                             config.greedy_steps, references)
+    single, double = validate.compare_all(cases, references, got, tolerance)
+    validate.check("the TensorRT engine", single.merge(double), tolerance)
+    return settings, {"max_abs_diff": single.merge(double).max_abs_diff, "tolerance": tolerance,
+                      "batch2_max_abs_diff": double.max_abs_diff, "greedy_match": True,
+                      "greedy_ties": single.greedy_ties + double.greedy_ties}
