@@ -373,8 +373,8 @@ def _score_served(args, records) -> tuple[dict, str]:
     return score_served(args, records)
 
 
-BENCHMARKS = ("calibration", "latency", "scoring", "calm_replication", "serve_load", "p_true",
-              "threshold", "token_calibration", "engines", "int4_blocks")
+BENCHMARKS = ("calibration", "latency", "scoring", "calm_decisive", "calm_replication",
+              "serve_load", "p_true", "threshold", "token_calibration", "engines", "int4_blocks")
 
 
 def _add_bench(sub) -> None:

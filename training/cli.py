@@ -354,21 +354,15 @@ def _register_train(sub) -> None:
     d = CalmConfig.__dataclass_fields__
     t = sub.add_parser("train", help="CALM: train LoRA + per-token calibration (bilevel)",
                        description="Fine-tune a LoRA adapter with cross-entropy while the per-"
-                       "vocabulary temperatures and shifts maximise an entropy on an unlabeled "
-                       "calibration set (BOME, docs/methods.md section 4). The defaults are the "
-                       "arm that won the project's CALM replication "
-                       "(benchmarks/results/calm_replication.md): a plain-LoRA warm start of "
-                       "half the steps, then BOME's own step (plain SGD without momentum, "
-                       "learning rate 0.1, which a probe on SciQ's training split chose), the "
-                       "entropy of the K-option distribution that evaluation reads (--entropy "
-                       "options) and f's gradient on tau/shift only (--upper-params alpha). It "
-                       "is the arm with the step BOME's guarantee is about, and it kept plain "
-                       "LoRA's accuracy in both directions (ARC-Easy and SciQ) without "
-                       "flattening the model's output; its in-domain ECE there was not below "
-                       "plain LoRA's. SGD with momentum 0.9 diverged on SciQ, and the full-"
-                       "vocabulary entropy (--entropy vocab) flattened the output and cost 8-25 "
-                       "accuracy points; --outer-optimizer adam is kept as an option (no such "
-                       "guarantee).",
+                       "vocabulary temperatures and shifts (tau, shift) maximise an entropy on an "
+                       "unlabeled calibration set (BOME, docs/methods.md section 4). Defaults: a "
+                       "plain-LoRA warm start of half the steps, then BOME's own step (plain SGD "
+                       "without momentum), the entropy of the K-option distribution that "
+                       "evaluation reads, and f's gradient on tau/shift only (--upper-params "
+                       "alpha). What these settings do, measured against the paper's claims "
+                       "with intervals, and whether tau/shift move at all: "
+                       "benchmarks/results/calm_decisive.md; --freeze-alpha runs the same "
+                       "schedule with tau/shift at the identity (the matched control).",
                        epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("--model", required=True, help="packaged name, folder or .gguf file")
     t.add_argument("--train", action="append", required=True, metavar="SPEC",
