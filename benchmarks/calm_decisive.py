@@ -79,6 +79,7 @@ from calm_runtime import metrics
 from calm_runtime.artifact import CalibrationAdapter
 from calm_runtime.cli import install_named
 from calm_runtime.data import load_dataset, split_records
+from calm_runtime.errors import FitError
 from calm_training import calm_data, daca
 from calm_training.fit import option_probabilities
 from calm_training.trainer import CalmConfig, train_calm
@@ -238,46 +239,77 @@ def run_gate(args) -> dict:
     started = time.perf_counter()
     validation = _validation()
     # 1. letter or cloze
-    settings = {**COMMON, **LETTER_LORA, "mode": "letter", "alpha_tokens": "all",
-                "alpha_lr": None, "upper_params": "alpha"}
-    result = train_calm(_config(args, settings, 0), None, progress=not args.quiet)
-    letter_eval = _evaluator(args, "letter", result.model)
-    hidden = letter_eval.hidden(validation)
-    scores, _ = letter_eval.scores(hidden)
-    right = int((scores.argmax(axis=1) == hidden.labels).sum())
-    n = int(hidden.labels.size)
-    p_value = binomial_p_above(right, n, 0.25)
-    letter = {"accuracy": right / n, "n": n, "p_value": p_value, "settings": settings}
+    letter = read_part(args, "gate-letter")
+    if letter is None or args.retrain:
+        settings = {**COMMON, **LETTER_LORA, "mode": "letter", "alpha_tokens": "all",
+                    "alpha_lr": None, "upper_params": "alpha"}
+        result = train_calm(_config(args, settings, 0), None, progress=not args.quiet)
+        letter_eval = _evaluator(args, "letter", result.model)
+        hidden = letter_eval.hidden(validation)
+        scores, _ = letter_eval.scores(hidden)
+        right = int((scores.argmax(axis=1) == hidden.labels).sum())
+        n = int(hidden.labels.size)
+        write_part(args, "gate-letter", {"accuracy": right / n, "n": n,
+                                         "p_value": binomial_p_above(right, n, 0.25),
+                                         "settings": settings})
+        letter = read_part(args, "gate-letter")
+        del result, letter_eval
+    right, n, p_value = round(letter["accuracy"] * letter["n"]), letter["n"], letter["p_value"]
     mode = "letter" if p_value < 0.05 else "cloze"
     alpha_tokens = "all" if mode == "letter" else "options"
     logger.warning("gate: LoRA letter accuracy %.3f on %d questions (one-sided p = %.3g): %s",
                    right / n, n, p_value, mode)
-    del result, letter_eval
     # 2. α that moves
     evaluator = _evaluator(args, mode)
     evaluator.reset_lora()
     base_hidden = evaluator.hidden(validation)
     base_entropy = _entropy(option_probabilities(evaluator.scores(base_hidden)[0]))
-    probes = []
-    for lr in args.alpha_lr_grid:
+
+    def probe(lr):
+        found = read_part(args, f"gate-probe-{lr:g}")
+        if found is not None and not args.retrain:
+            return found
         gate = {"mode": mode, "alpha_tokens": alpha_tokens, "alpha_lr": lr}
-        probe = {**arm_settings("calm-bome-all", gate, None),
-                 "steps": COMMON["warm_start_steps"] + args.probe_steps}
-        result = train_calm(_config(args, probe, 0), None, progress=not args.quiet)
+        settings = {**arm_settings("calm-bome-all", gate, None),
+                    "steps": COMMON["warm_start_steps"] + args.probe_steps}
+        try:
+            result = train_calm(_config(args, settings, 0), None, progress=not args.quiet)
+        except FitError as exc:  # a learning rate too large for α: recorded, never chosen
+            logger.warning("gate: alpha lr %g diverged (%s)", lr, exc)
+            write_part(args, f"gate-probe-{lr:g}", {"alpha_lr": lr, "diverged": str(exc)})
+            return read_part(args, f"gate-probe-{lr:g}")
         tau, shift = result.model.tau_shift()
         entropy = _entropy(option_probabilities(evaluator.scores(base_hidden, tau, shift)[0]))
         last = result.history[-1]
-        probes.append({"alpha_lr": lr, "base_alpha_entropy": entropy,
-                       "entropy_change": entropy - base_entropy,
-                       "tau_range": [float(tau.min()), float(tau.max())],
-                       "shift_range": [float(shift.min()), float(shift.max())],
-                       "last_lambda": last.get("lam"), "last_cos_f_q": last.get("cos_f_q")})
         logger.warning("gate: alpha lr %g: base+alpha option entropy %.4f (base %.4f)", lr,
                        entropy, base_entropy)
-        del result
-    moving = [p for p in probes if abs(p["entropy_change"]) >= args.entropy_gate]
+        write_part(args, f"gate-probe-{lr:g}", {
+            "alpha_lr": lr, "base_alpha_entropy": entropy,
+            "entropy_change": entropy - base_entropy,
+            "tau_range": [float(tau.min()), float(tau.max())],
+            "shift_range": [float(shift.min()), float(shift.max())],
+            "last_lambda": last.get("lam"), "last_cos_f_q": last.get("cos_f_q")})
+        return read_part(args, f"gate-probe-{lr:g}")
+
+    probes = [probe(lr) for lr in args.alpha_lr_grid]
+    stable = [p for p in probes if "diverged" not in p]
+    passing = [p for p in stable if abs(p["entropy_change"]) >= args.entropy_gate]
+    diverged = [p["alpha_lr"] for p in probes if "diverged" in p]
+    if not passing and stable and diverged:
+        # one geometric midpoint between the largest stable rate and the smallest diverging
+        # one above it, so that a too-coarse grid does not decide that α cannot move
+        top = max(p["alpha_lr"] for p in stable)
+        above = [lr for lr in diverged if lr > top]
+        if above:
+            probes.append(probe(float(f"{math.sqrt(top * min(above)):.3g}")))
+    stable = [p for p in probes if "diverged" not in p]
+    if not stable:
+        raise SystemExit("gate: every α learning rate diverged; lower --alpha-lr-grid")
+    moving = [p for p in stable if abs(p["entropy_change"]) >= args.entropy_gate]
     chosen = (min(moving, key=lambda p: p["alpha_lr"]) if moving
-              else max(probes, key=lambda p: abs(p["entropy_change"])))
+              else max(stable, key=lambda p: abs(p["entropy_change"])))
+    probes = [{k: v for k, v in p.items() if k not in ("command", "commit", "date")}
+              for p in probes]
     gate = {"mode": mode, "alpha_tokens": alpha_tokens, "alpha_lr": chosen["alpha_lr"],
             "alpha_moves": bool(moving), "entropy_gate": args.entropy_gate,
             "base_entropy": base_entropy, "probe_steps": args.probe_steps, "probes": probes,
@@ -305,8 +337,13 @@ def run_one(args, arm: str, seed: int, gate: dict, default: str | None) -> dict:
     if arm != "vanilla":
         settings = arm_settings(arm, gate, default)
         out = Path(args.adapters) / name
-        result = train_calm(_config(args, settings, seed), out, overwrite=True,
-                            progress=not args.quiet)
+        try:
+            result = train_calm(_config(args, settings, seed), out, overwrite=True,
+                                progress=not args.quiet)
+        except FitError as exc:  # recorded as diverged: a verdict needing it is "not run"
+            logger.warning("%s diverged (%s)", name, exc)
+            write_part(args, name, {**run, "settings": settings, "diverged": str(exc)})
+            return read_part(args, name)
         adapter = CalibrationAdapter.from_pretrained(out)
         training = adapter.metrics["training"]
         last = training["last"] or {}
@@ -355,7 +392,9 @@ def choose_default(args, gate: dict) -> dict | None:
     runs = {arm: read_part(args, f"{arm}-s0") for arm in CANDIDATES}
     if any(r is None for r in runs.values()):
         return None
-    nll = {arm: r["validation_nll"]["alpha"] for arm, r in runs.items()}
+    nll = {arm: r["validation_nll"]["alpha"] for arm, r in runs.items() if "diverged" not in r}
+    if not nll:
+        raise SystemExit("both BOME candidates diverged; no default arm (see their parts)")
     arm = min(nll, key=nll.get)
     write_part(args, "default", {"arm": arm, "validation_nll": nll,
                                  "rule": "the BOME arm with the lower option NLL on the "
@@ -519,8 +558,10 @@ def claims(parts: dict, default: str | None, n_boot: int, bins: int) -> list[dic
 
 # ---------------------------------------------------------------------------- report
 def load_parts(args) -> dict:
+    """Every part by name; the gate's own pieces (``gate-*``) are read through ``gate``."""
     folder = Path(args.parts)
-    return {p.stem: json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))}
+    return {p.stem: json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))
+            if not p.stem.startswith("gate-")}
 
 
 def report(args) -> int:
@@ -530,6 +571,8 @@ def report(args) -> int:
         print(f"no gate results in {args.parts}; run the plan first", file=sys.stderr)
         return 1
     default = chosen["arm"] if chosen else None
+    diverged = {name: part["diverged"] for name, part in parts.items() if "diverged" in part}
+    parts = {name: part for name, part in parts.items() if "diverged" not in part}
     results = claims(parts, default, args.decision_bootstrap, args.bins)
     runs = {}
     for name, part in parts.items():
@@ -540,7 +583,8 @@ def report(args) -> int:
     payload = {"command": args.command, "run_commands": sorted({p["command"] for p in
                                                                  [gate, *parts.values()]}),
                "commit": commits, "gate": gate, "default": chosen, "claims": results,
-               "runs": runs, "planned": [f"{a}:{s}" for a, s in plan(default)],
+               "runs": runs, "diverged": diverged,
+               "planned": [f"{a}:{s}" for a, s in plan(default)],
                "decision_rule": __doc__.split("**The decision rule**, fixed before the runs.")[1]
                .split("Writes")[0].strip()}
     out = Path(args.out)
@@ -581,6 +625,9 @@ def _gate_lines(gate: dict) -> list[str]:
              f"mean option entropy on the validation split, base {gate['base_entropy']:.4f} "
              f"nats; gate {gate['entropy_gate']} nats):"]
     for p in gate["probes"]:
+        if "diverged" in p:
+            lines.append(f"  - α lr {p['alpha_lr']:g}: diverged ({p['diverged']})")
+            continue
         lines.append(f"  - α lr {p['alpha_lr']:g}: entropy change {p['entropy_change']:+.4f}, "
                      f"τ ∈ [{p['tau_range'][0]:.3f}, {p['tau_range'][1]:.3f}], "
                      f"l ∈ [{p['shift_range'][0]:.4f}, {p['shift_range'][1]:.4f}]")
@@ -592,6 +639,7 @@ def _gate_lines(gate: dict) -> list[str]:
 def render(payload: dict) -> str:
     gate, default = payload["gate"], payload["default"]
     done = set(payload["runs"])
+    done |= set(payload.get("diverged", {}))
     missing = [r for r in payload["planned"]
                if (r.split(":")[0] if r.startswith("vanilla") else
                    "{}-s{}".format(*r.split(":"))) not in done]
@@ -605,6 +653,8 @@ def render(payload: dict) -> str:
              "## Claims", "", "| claim | verdict | Δ [95% CI] | what |", "|---|---|---|---|",
              *[_claim_line(c) for c in payload["claims"]], "",
              f"Runs not yet made: {', '.join(missing) if missing else 'none'}.", "",
+             *[f"Diverged (no results; its verdicts are not run): {name}: {why}" for name, why
+               in payload.get("diverged", {}).items()], "",
              "## Runs", "",
              "| run | set | variant | acc | ECE [95% CI] | NLL | Brier | mean conf | τ range |"
              " base+α ΔH | λ last | cos(∇f,∇q) last |",
