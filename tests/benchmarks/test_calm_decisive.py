@@ -98,6 +98,12 @@ def test_report_gives_every_claim_a_verdict_or_not_run(bench, tmp_path):
                                                variants=("alpha", "alpha+ts", "no-alpha",
                                                          "no-alpha+ts"))
         runs[f"lora-matched-s{seed}"] = _part(bench, "lora-matched", seed, 0.8)
+    # a run that diverged is recorded without results; the gate's own pieces are not runs
+    runs["ablation-regularization-s0"] = {"arm": "ablation-regularization", "seed": 0,
+                                          "commit": "abc1234", "command": "python x",
+                                          "diverged": "step 30: f is nan"}
+    runs["gate-probe-2"] = {"alpha_lr": 2.0, "diverged": "step 30: f is nan",
+                            "commit": "abc1234", "command": "python x"}
     for name, part in runs.items():
         (parts / f"{name}.json").write_text(json.dumps(part))
     readme = tmp_path / "README.md"
@@ -110,9 +116,15 @@ def test_report_gives_every_claim_a_verdict_or_not_run(bench, tmp_path):
     assert verdicts["OOD conf-ECE below lora-matched (no TS)"] == "holds"
     assert verdicts["OOD conf-ECE below vanilla+TS"] in ("holds", "refuted", "inconclusive")
     assert verdicts["iterate ablation collapses in accuracy (vs default arm)"] == "not run"
+    assert verdicts["regularization ablation collapses in accuracy (vs default arm)"] == \
+        "not run"
+    assert payload["diverged"] == {"ablation-regularization-s0": "step 30: f is nan"}
+    assert "gate-probe-2" not in payload["runs"]
     assert "CFT" in " ".join(c for c, v in verdicts.items() if v == "not run")
     assert set(verdicts.values()) <= {"holds", "refuted", "inconclusive", "not run"}
     md = (tmp_path / "calm_decisive.md").read_text()
     assert "ablation-iterate:0" in md and "Decision rule" in md
+    assert "ablation-regularization:0" not in md.split("Runs not yet made")[1].split("\n")[0]
+    assert "Diverged (no results" in md
     text = readme.read_text()
     assert "PLACEHOLDER" not in text and "calm-bome-all" in text and text.endswith("rest\n")
