@@ -34,7 +34,7 @@ import numpy as np
 from calm_runtime import metrics
 from calm_runtime.data import MultipleChoiceRecord, dataset_hash, load_dataset
 from calm_runtime.errors import ConfigError, DataError, ExportValidationError, FitError
-from calm_runtime.prompts import CHOICE_MODES, CLOZE_VARIANTS, DEFAULT_CLOZE_VARIANT
+from calm_runtime.prompts import CHOICE_MODES, DEFAULT_CLOZE_VARIANT
 
 from .onnx import ONNX_FILE
 
@@ -98,7 +98,7 @@ def scoring_settings(config, adapter) -> tuple[str, str | None]:
                                        CHOICE_MODES else "cloze")
     if mode == "letter":
         return mode, None
-    recorded = method.get("variant") if method.get("variant") in CLOZE_VARIANTS else None
+    recorded = adapter.cloze_variant
     variant = config.calibration_variant or recorded or DEFAULT_CLOZE_VARIANT
     if (recorded and variant != recorded and adapter.answer_temperature is not None
             and not config.recalibrate):

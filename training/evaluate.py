@@ -12,7 +12,6 @@ import numpy as np
 
 from calm_runtime.artifact import CalibrationAdapter
 from calm_runtime.plot import write_reliability_diagram, write_risk_coverage
-from calm_runtime.prompts import CLOZE_VARIANTS
 
 from .cache import cached_option_scores
 from .fit import (
@@ -44,9 +43,9 @@ def evaluate_adapter(config: FitConfig, adapter_dir: str | os.PathLike, *,
     adapter = CalibrationAdapter.from_pretrained(adapter_dir)
     records = _load_records(config)
     base_config = FitConfig(**{**config.to_dict(), "adapter": None})
-    recorded = (adapter.method or {}).get("variant")
+    recorded = adapter.cloze_variant
     if (config.mode == "cloze" and adapter.answer_temperature is not None
-            and recorded in CLOZE_VARIANTS and recorded != config.variant):
+            and recorded is not None and recorded != config.variant):
         # answer_temperature is a temperature of one score variant; the runtime follows the
         # recorded one too
         logger.warning("%s: answer_temperature was fitted on %r cloze scores; evaluating "

@@ -11,7 +11,7 @@ import re
 from calm_runtime.artifact import CalibrationAdapter
 from calm_runtime.data import MultipleChoiceRecord
 from calm_runtime.errors import ConfigError, DataError
-from calm_runtime.prompts import CLOZE_VARIANTS, DEFAULT_CLOZE_VARIANT
+from calm_runtime.prompts import DEFAULT_CLOZE_VARIANT
 from calm_runtime.score import choices_report, require_labels
 
 from .cache import cached_option_scores
@@ -38,11 +38,10 @@ def score_served(args, records) -> tuple[dict, str]:
         raise ConfigError(f"{args.adapter} is an adapter for the local model "
                           f"{adapter.base_model.name}; a served model takes one fitted with "
                           f"calm fit --model {args.engine} (or export an engine with it)")
-    recorded = (adapter.method or {}).get("variant") if adapter is not None else None
-    variant = args.variant or (recorded if recorded in CLOZE_VARIANTS else None) \
-        or DEFAULT_CLOZE_VARIANT
+    recorded = adapter.cloze_variant if adapter is not None else None
+    variant = args.variant or recorded or DEFAULT_CLOZE_VARIANT
     if (args.mode == "cloze" and adapter is not None and adapter.answer_temperature is not None
-            and recorded in CLOZE_VARIANTS and variant != recorded):
+            and recorded is not None and variant != recorded):
         logging.getLogger(__name__).warning(
             "scoring with variant %r but the adapter's answer_temperature was fitted with %r",
             variant, recorded)
