@@ -6,6 +6,8 @@ import argparse
 import subprocess
 from pathlib import Path
 
+from calm_runtime.prompts import CHOICE_MODES
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -35,5 +37,5 @@ def model_pair_parser(doc: str | None) -> argparse.ArgumentParser:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--reference", default="gemma-3-270m")
     parser.add_argument("--data", default="arc-easy")
-    parser.add_argument("--mode", default="cloze", choices=["cloze", "letter"])
+    parser.add_argument("--mode", default="cloze", choices=list(CHOICE_MODES))
     return parser

@@ -29,6 +29,7 @@ from pathlib import Path
 from _common import command_line, git_commit
 
 from calm_runtime.cli import install_named
+from calm_runtime.prompts import CHOICE_MODES
 from calm_training.evaluate import write_report
 from calm_training.fit import FitConfig, compare_methods, format_selective_table, format_table
 
@@ -49,7 +50,7 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--reference", default="gemma-3-270m")
     parser.add_argument("--data", nargs="+", default=["arc-easy", "sciq"])
-    parser.add_argument("--modes", nargs="+", default=["cloze", "letter"],
+    parser.add_argument("--modes", nargs="+", default=list(CHOICE_MODES),
                         choices=["cloze", "letter", "p_true"])
     parser.add_argument("--variants", nargs="+", default=["mean", "sum"],
                         choices=["sum", "mean", "char"])

@@ -48,6 +48,7 @@ from calm_runtime.artifact import CalibrationAdapter
 from calm_runtime.cli import install_named
 from calm_runtime.data import load_dataset, split_indices
 from calm_runtime.errors import ConfigError, FitError
+from calm_runtime.prompts import CHOICE_MODES
 from calm_training import daca
 from calm_training.cache import cached_option_scores
 from calm_training.calm_data import TRAIN_PART, TRAIN_SPLIT_FRACTION, TRAIN_SPLIT_SEED
@@ -69,8 +70,8 @@ def main(argv=None) -> int:
     parser.add_argument("--reference", default="gemma-3-270m")
     parser.add_argument("--data", nargs="+", default=["arc-easy", "sciq", "mmlu",
                                                       "arc-challenge"])
-    parser.add_argument("--modes", nargs="+", default=["cloze", "letter"],
-                        choices=["cloze", "letter"])
+    parser.add_argument("--modes", nargs="+", default=list(CHOICE_MODES),
+                        choices=list(CHOICE_MODES))
     parser.add_argument("--variant", default=DEFAULT_VARIANT, choices=["sum", "mean", "char"],
                         help="cloze option score of both models (default %(default)s)")
     parser.add_argument("--test-limit", action="append", default=[], metavar="NAME=N",

@@ -27,6 +27,8 @@ from pathlib import Path
 import numpy as np
 from _common import command_line, git_commit
 
+from calm_runtime.prompts import CHOICE_MODES
+
 HERE = Path(__file__).resolve().parent
 logger = logging.getLogger("scoring")
 
@@ -48,8 +50,8 @@ def main(argv=None) -> int:
                              "adapter (repeatable)")
     parser.add_argument("--data", default="arc-easy")
     parser.add_argument("--limit", type=int, default=200, help="first N questions of the data")
-    parser.add_argument("--modes", nargs="+", default=["cloze", "letter"],
-                        choices=["cloze", "letter"])
+    parser.add_argument("--modes", nargs="+", default=list(CHOICE_MODES),
+                        choices=list(CHOICE_MODES))
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)

@@ -32,9 +32,6 @@ from .results import Choice
 
 logger = logging.getLogger("calm_runtime.lm")
 
-MODES = CHOICE_MODES
-
-
 def recorded_cloze_variant(manifest: EngineManifest) -> str | None:
     """The cloze variant the engine's calibration was fitted with, if the manifest says.
 
@@ -68,8 +65,8 @@ class Judging:
         ``"Question: ...\\nAnswer:"`` by ``variant`` (default: the one the engine records,
         else ``"mean"``), and the probabilities are ``softmax(scores / answer_temperature)``.
         """
-        if mode not in MODES:
-            raise ConfigError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+        if mode not in CHOICE_MODES:
+            raise ConfigError(f"unknown mode {mode!r}; choose one of {', '.join(CHOICE_MODES)}")
         if len(questions) != len(options):
             raise ConfigError(f"{len(questions)} questions but {len(options)} option lists; "
                               "pass one list of options per question")

@@ -34,16 +34,16 @@ import numpy as np
 from . import _scoring
 from ._generation import DecodeSettings, GenerationRun
 from ._inputs import _check_text, _label, _non_negative, _positive
-from ._judging import MODES, Judging, recorded_cloze_variant
+from ._judging import Judging, recorded_cloze_variant
 from ._tokenizer import EngineTokenizer
 from .backends import Backend, create_backend
 from .engine import EngineManifest
 from .errors import ArtifactError, ConfigError
-from .prompts import CLOZE_VARIANTS, DEFAULT_CLOZE_VARIANT
+from .prompts import CHOICE_MODES, CLOZE_VARIANTS, DEFAULT_CLOZE_VARIANT
 from .results import Alternative, Generation, PromptToken, Token
 from .sampling import SamplingParams, raw_log_softmax
 
-__all__ = ["CalibratedLM", "MODES", "CLOZE_VARIANTS", "recorded_cloze_variant"]
+__all__ = ["CalibratedLM", "CLOZE_VARIANTS", "recorded_cloze_variant"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ def recorded_choice_mode(manifest: EngineManifest) -> str | None:
     abstention = export.get("abstention")
     if value is None and isinstance(abstention, Mapping):
         value = abstention.get("mode")
-    return value if value in MODES else None
+    return value if value in CHOICE_MODES else None
 
 
 class CalibratedLM(Judging):

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 from calm_runtime.errors import ConfigError
 from calm_runtime.models import DEFAULT_API_KEY_ENV
-from calm_runtime.prompts import DEFAULT_CLOZE_VARIANT, DEFAULT_P_TRUE_TEMPLATE
+from calm_runtime.prompts import CHOICE_MODES, DEFAULT_CLOZE_VARIANT, DEFAULT_P_TRUE_TEMPLATE
 
-from .scoring import CLOZE_VARIANTS, MODES
+from .scoring import CLOZE_VARIANTS
 
 __all__ = ["ALL_MODES", "DEFAULT_VARIANT", "FitConfig", "LABEL_FREE", "METHODS"]
 
@@ -20,7 +20,7 @@ __all__ = ["ALL_MODES", "DEFAULT_VARIANT", "FitConfig", "LABEL_FREE", "METHODS"]
 METHODS = ("vanilla", "naive", "daca", "daca-vector", "ts", "ts-vector")
 LABEL_FREE = ("naive", "daca", "daca-vector")
 DEFAULT_VARIANT = DEFAULT_CLOZE_VARIANT  # one default for fitting, training and the runtime
-ALL_MODES = (*MODES, "p_true")
+ALL_MODES = (*CHOICE_MODES, "p_true")
 
 
 @dataclass(frozen=True, kw_only=True)

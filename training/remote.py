@@ -40,6 +40,7 @@ from calm_runtime._paths import cache_dir
 from calm_runtime.data import MultipleChoiceRecord
 from calm_runtime.errors import CalmError, ConfigError
 from calm_runtime.prompts import (
+    CHOICE_MODES,
     PTrueTemplate,
     cloze_context,
     cloze_continuation,
@@ -58,7 +59,7 @@ from .endpoint import (  # noqa: F401 - re-exported: the endpoint API lives besi
     printable,
     redact_url,
 )
-from .scoring import MODES, OptionScores
+from .scoring import OptionScores
 
 __all__ = ["Endpoint", "RemoteError", "TOP_LOGPROBS", "connect", "is_endpoint",
            "remote_answers", "remote_option_scores", "remote_p_true", "serves_chat"]
@@ -353,8 +354,8 @@ def remote_option_scores(endpoint: Endpoint, records: Sequence[MultipleChoiceRec
     as text to ``/v1/completions``; letter prompts there too, or with ``chat`` as the user's
     message to ``/v1/chat/completions`` (letters without a leading space, as the local path
     reads them after a chat prompt)."""
-    if mode not in MODES:
-        raise ConfigError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+    if mode not in CHOICE_MODES:
+        raise ConfigError(f"unknown mode {mode!r}; choose one of {', '.join(CHOICE_MODES)}")
     k_max = max(len(r.choices) for r in records)
     n = len(records)
     values = np.full((n, k_max), np.nan)

@@ -46,7 +46,6 @@ from calm_runtime.score import is_correct, normalize_answer
 from .engine_model import EngineModel
 
 __all__ = [
-    "MODES",
     "CLOZE_VARIANTS",
     "OptionScores",
     "score_multiple_choice",
@@ -57,7 +56,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-MODES = CHOICE_MODES
 
 
 @dataclass
@@ -322,8 +320,8 @@ def score_multiple_choice(model, tokenizer, records: Sequence[MultipleChoiceReco
     """
     from tqdm.auto import tqdm
 
-    if mode not in MODES:
-        raise ConfigError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+    if mode not in CHOICE_MODES:
+        raise ConfigError(f"unknown mode {mode!r}; choose one of {', '.join(CHOICE_MODES)}")
     if batch_size < 1:
         raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
     if not records:
