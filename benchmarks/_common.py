@@ -11,6 +11,21 @@ from calm_runtime.prompts import CHOICE_MODES
 HERE = Path(__file__).resolve().parent
 
 
+def rewrite_generated_block(readme: str | Path, start: str, end: str, block: str) -> bool:
+    """Replace what lies between the ``start`` and ``end`` markers of ``readme`` with
+    ``block``; False (nothing written) when the file or a marker is missing."""
+    path = Path(readme)
+    if not path.is_file():
+        return False
+    text = path.read_text()
+    if start not in text or end not in text:
+        return False
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    path.write_text(head + start + "\n" + block + "\n" + end + tail)
+    return True
+
+
 def git_commit() -> str:
     """The short commit hash the benchmark ran on (named in every result file)."""
     try:

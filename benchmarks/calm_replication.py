@@ -57,7 +57,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _common import git_commit
+from _common import git_commit, rewrite_generated_block
 
 from calm_runtime import metrics
 from calm_runtime.artifact import CalibrationAdapter
@@ -397,15 +397,8 @@ def report(args) -> int:
     out = Path(args.out)
     (out / "calm_replication.json").write_text(json.dumps(payload, indent=1, default=str) + "\n")
     (out / "calm_replication.md").write_text(render(payload) + "\n")
-    readme = Path(args.readme)
-    if readme.is_file():
-        text = readme.read_text()
-        if README_START in text and README_END in text:
-            head, rest = text.split(README_START, 1)
-            _, tail = rest.split(README_END, 1)
-            readme.write_text(head + README_START + "\n" + readme_block(payload) + "\n"
-                              + README_END + tail)
-            print(f"updated the generated block of {readme}")
+    if rewrite_generated_block(args.readme, README_START, README_END, readme_block(payload)):
+        print(f"updated the generated block of {args.readme}")
     print(render(payload))
     return 0
 

@@ -144,14 +144,19 @@ def convert_arc(folder: Path) -> list[dict[str, Any]]:
     Labels are letters (``A``-``E``) for most questions and digits (``1``-``4``) for a few;
     the key is looked up among the question's own labels, so both work.
     """
+    return _convert_keyed(folder, "question")
+
+
+def _convert_keyed(folder: Path, question: str) -> list[dict[str, Any]]:
+    """Rows whose answer is ``answerKey`` among ``choices.label`` (ARC, OpenBookQA)."""
     records = []
-    for row in read_arrow_folder(folder, ["id", "question", "choices", "answerKey"]):
+    for row in read_arrow_folder(folder, ["id", question, "choices", "answerKey"]):
         labels = [str(label).strip() for label in row["choices"]["label"]]
         key = str(row["answerKey"]).strip()
         if key not in labels:
             raise DataError(f"{folder}: question {row['id']!r} has answerKey {key!r}, which is "
                             f"not one of its labels {labels}; the data folder is corrupt")
-        records.append({"question": row["question"], "choices": row["choices"]["text"],
+        records.append({"question": row[question], "choices": row["choices"]["text"],
                         "answer": labels.index(key), "id": row["id"]})
     return records
 
@@ -225,16 +230,7 @@ def convert_hellaswag(folder: Path) -> list[dict[str, Any]]:
 
 def convert_openbookqa(folder: Path) -> list[dict[str, Any]]:
     """OpenBookQA: ``question_stem`` and the choices as ARC stores them (answer by label)."""
-    records = []
-    for row in read_arrow_folder(folder, ["id", "question_stem", "choices", "answerKey"]):
-        labels = [str(label).strip() for label in row["choices"]["label"]]
-        key = str(row["answerKey"]).strip()
-        if key not in labels:
-            raise DataError(f"{folder}: question {row['id']!r} has answerKey {key!r}, which is "
-                            f"not one of its labels {labels}; the data folder is corrupt")
-        records.append({"question": row["question_stem"], "choices": row["choices"]["text"],
-                        "answer": labels.index(key), "id": row["id"]})
-    return records
+    return _convert_keyed(folder, "question_stem")
 
 
 def convert_piqa(folder: Path) -> list[dict[str, Any]]:
