@@ -86,19 +86,25 @@ def test_fit_threshold_to_engine_to_choices(tiny_llama_tied, mc_file, tmp_path):
 
 
 def test_the_engine_records_the_mode_its_calibration_was_fitted_in():
-    """calm-export's ``choice_mode``: the threshold's mode, else the fit's; the runtime reads
-    it, and falls back to the abstention's mode (older engines), else cloze."""
+    """The adapter's ``choice_mode`` (which calm-export records): the threshold's mode, else
+    the fit's; the runtime reads it, and falls back to the abstention's mode (older engines),
+    else cloze."""
     from types import SimpleNamespace
 
-    from calm_export.pipeline import _choice_mode
+    from calm_runtime.artifact import CalibrationAdapter, ModelIdentity
     from calm_runtime.lm import recorded_choice_mode
 
-    adapter = SimpleNamespace
-    assert _choice_mode(adapter(abstention={"mode": "letter"}, method={"mode": "cloze"})) \
+    def adapter(abstention, method):
+        return CalibrationAdapter.identity(ModelIdentity("m", 8), abstention=abstention,
+                                           method=method)
+
+    assert adapter({"threshold": 0.5, "mode": "letter"}, {"mode": "cloze"}).choice_mode \
         == "letter"
-    assert _choice_mode(adapter(abstention=None, method={"mode": "letter"})) == "letter"
-    assert _choice_mode(adapter(abstention=None, method={"mode": "p_true"})) is None
-    assert _choice_mode(adapter(abstention=None, method=None)) is None
+    assert adapter(None, {"mode": "letter"}).choice_mode == "letter"
+    assert adapter(None, {"mode": "p_true"}).choice_mode is None
+    assert adapter(None, {}).choice_mode is None
+    assert adapter(None, {"variant": "sum"}).cloze_variant == "sum"
+    assert adapter(None, {"variant": "nope"}).cloze_variant is None
     manifest = SimpleNamespace
     assert recorded_choice_mode(manifest(export={"choice_mode": "letter"})) == "letter"
     assert recorded_choice_mode(manifest(export={"abstention": {"mode": "letter"}})) == "letter"
