@@ -142,6 +142,20 @@ def build_graph(model, tokenizer, staging: Path, vocab_size: int, *, affine=None
                                            if v is not None]}}
 
 
+def _drop_handlers_on(stream) -> None:
+    """Remove the logging handlers that the builder's libraries attached while stdout and
+    stderr pointed at ``stream`` (about to be closed): later log records would fail."""
+    import logging
+
+    loggers = [logging.getLogger(), *(logger for logger in
+                                      logging.Logger.manager.loggerDict.values()
+                                      if isinstance(logger, logging.Logger))]
+    for logger in loggers:
+        for handler in list(logger.handlers):
+            if getattr(handler, "stream", None) is stream:
+                logger.removeHandler(handler)
+
+
 def _run_builder(source: Path, output: Path, cache: Path, log: Path) -> None:
     """The builder in this process (torch and transformers are loaded already), its prints
     and progress bars into ``log``."""
@@ -156,5 +170,7 @@ def _run_builder(source: Path, output: Path, cache: Path, log: Path) -> None:
             reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
             raise BuilderError(f"onnxruntime-genai's builder failed ({type(exc).__name__}: "
                                f"{reason})") from None
+        finally:
+            _drop_handlers_on(sink)
     if not (output / ONNX_FILE).is_file():
         raise BuilderError("onnxruntime-genai's builder wrote no model.onnx")

@@ -333,3 +333,26 @@ def test_logits_to_keep_needs_a_recognisable_head(tmp_path):
     with pytest.raises(OnnxExportError, match="cannot find the LM head") as info:
         add_logits_to_keep(path, 10)
     assert "\n" not in str(info.value) and path.read_bytes() == before
+
+
+def test_handlers_the_builder_attached_to_its_log_are_dropped():
+    """A library that configured logging while the builder's output went to its log file
+    leaves a handler on that file; calm removes it before the file closes, so later log
+    records do not fail with 'I/O operation on closed file'."""
+    import io
+    import logging
+
+    from calm_export.genai_builder import _drop_handlers_on
+
+    sink, other = io.StringIO(), io.StringIO()
+    library = logging.getLogger("some.builder.library")
+    on_sink, on_other = logging.StreamHandler(sink), logging.StreamHandler(other)
+    library.addHandler(on_sink)
+    logging.getLogger().addHandler(on_other)
+    try:
+        _drop_handlers_on(sink)
+        assert on_sink not in library.handlers
+        assert on_other in logging.getLogger().handlers
+    finally:
+        library.removeHandler(on_sink)
+        logging.getLogger().removeHandler(on_other)
