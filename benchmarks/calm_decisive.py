@@ -723,6 +723,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.probe_steps, args.eval_limit, args.bootstrap = 1, 12, 50
         args.decision_bootstrap = 50
         args.adapters = args.adapters.replace("calm-decisive", "calm-decisive-smoke")
+        if args.out == str(HERE / "results"):  # a smoke run never replaces the results
+            args.out = str(HERE.parent / "calm-out" / "calm-decisive-smoke")
+        Path(args.out).mkdir(parents=True, exist_ok=True)
         args.parts = str(Path(args.out) / "calm_decisive_smoke.parts")
         args.readme = ""
     return args
