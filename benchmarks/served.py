@@ -153,7 +153,7 @@ def main(argv=None) -> int:
             config = FitConfig(model=model_url, reference=reference_url,
                                concurrency=concurrency, **common)
             began = time.perf_counter()
-            remote_option_scores(model_source(config, "model"), records, mode=args.mode)
+            remote_option_scores(model_source(config, "model").endpoint, records, mode=args.mode)
             timings[concurrency] = round(time.perf_counter() - began, 1)
             logger.info("model through its endpoint at concurrency %d: %.1f s", concurrency,
                         timings[concurrency])

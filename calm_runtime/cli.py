@@ -325,9 +325,10 @@ def _score(args) -> int:
     from pathlib import Path
 
     from .data import load_dataset
+    from .models import is_endpoint
     from .score import format_report, score_records, write_report
 
-    served = args.engine.startswith(("http://", "https://"))
+    served = is_endpoint(args.engine)
     if served:
         given = [flag for flag, value in (("--backend", args.backend),
                                           ("--providers", args.providers),

@@ -48,12 +48,19 @@ __all__ = [
     "load_model_and_tokenizer",
     "model_fingerprint",
     "DEFAULT_API_KEY_ENV",
+    "is_endpoint",
 ]
 
 logger = logging.getLogger(__name__)
 
 #: the environment variable an OpenAI-compatible endpoint's API key is read from by default
 DEFAULT_API_KEY_ENV = "OPENAI_API_KEY"
+
+
+def is_endpoint(spec: object) -> bool:
+    """Whether a ``--model`` / ``--reference`` / ``calm score`` spec is the http(s) base URL
+    of a served model (the rule every command shares)."""
+    return isinstance(spec, str) and spec.startswith(("http://", "https://"))
 
 
 @dataclass(frozen=True)

@@ -134,6 +134,41 @@ def test_the_optional_commands_are_entry_points():
         assert any(isinstance(n, ast.FunctionDef) and n.name == attribute for n in tree.body)
 
 
+#: where a spec's kind (local model, engine, served model) may be told apart: the resolver,
+#: and the runtime's ``calm score`` (an engine or a URL), which cannot import training
+KIND_TESTS = {"is_engine": {"training/sources.py"},
+              "is_endpoint": {"training/sources.py", "calm_runtime/cli.py"},
+              "isinstance Endpoint": {"training/sources.py"}}
+
+
+def _kind_tests(tree: ast.AST) -> set[str]:
+    found = set()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        name = getattr(node.func, "id", getattr(node.func, "attr", None))
+        if name in ("is_engine", "is_endpoint"):
+            found.add(name)
+        elif name == "isinstance" and len(node.args) == 2 and "Endpoint" in ast.unparse(
+                node.args[1]):
+            found.add("isinstance Endpoint")
+    return found
+
+
+def test_the_model_kind_is_decided_in_the_resolver_only():
+    where: dict[str, set[str]] = {name: set() for name in KIND_TESTS}
+    for folder in PACKAGES.values():
+        for path in (ROOT / folder).rglob("*.py"):
+            for name in _kind_tests(ast.parse(path.read_text(encoding="utf-8"))):
+                where[name].add(str(path.relative_to(ROOT)))
+    assert where == KIND_TESTS
+
+
+def test_the_kind_check_finds_a_kind_test():
+    tree = ast.parse("if isinstance(model, remote.Endpoint) or is_engine(spec): pass")
+    assert _kind_tests(tree) == {"isinstance Endpoint", "is_engine"}
+
+
 #: a module a reader can hold in their head; split anything larger by what it does
 MAX_MODULE_LINES = 500
 

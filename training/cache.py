@@ -19,11 +19,9 @@ from calm_runtime._fs import sha256_bytes, sha256_file
 from calm_runtime._paths import cache_dir
 from calm_runtime.artifact import MANIFEST_NAME, CalibrationAdapter
 from calm_runtime.data import MultipleChoiceRecord, dataset_hash
-from calm_runtime.errors import ConfigError
-from calm_runtime.models import load_model_and_tokenizer, resolve_model
 
-from .engine_model import is_engine, load_engine, scorer_fingerprint
 from .scoring import OptionScores, score_multiple_choice
+from .sources import ModelSource, as_source
 
 __all__ = ["SCORER_VERSION", "cached_option_scores", "adapter_fingerprint"]
 
@@ -46,38 +44,36 @@ def adapter_fingerprint(adapter_dir: str | os.PathLike | None) -> str | None:
     return sha256_bytes("\n".join(parts).encode())
 
 
-def cached_option_scores(model: str, records: Sequence[MultipleChoiceRecord], *, mode: str,
-                         adapter_dir: str | os.PathLike | None = None,
+def cached_option_scores(model: ModelSource | str, records: Sequence[MultipleChoiceRecord], *,
+                         mode: str, adapter_dir: str | os.PathLike | None = None,
                          chat: bool | None = None, batch_size: int = 8,
                          progress: bool = True, loaded=None,
                          max_length: int | None = None) -> OptionScores:
     """Option scores of ``records`` by ``model`` (+ adapter), from the cache when possible.
+
+    ``model`` is a :class:`~calm_training.sources.ModelSource`, or a spec or connected
+    endpoint that :func:`~calm_training.sources.as_source` resolves.
 
     ``loaded`` may pass an already loaded ``(model, tokenizer)`` for the same spec and
     adapter, to avoid reloading when several data sets are scored in one run.
     """
     from safetensors.numpy import load_file, save_file
 
-    from .remote import Endpoint, remote_option_scores, resolve_chat
+    source = as_source(model)
+    source.check_adapter(adapter_dir)
+    if source.served:  # a served model: its own per-request cache
+        from .remote import remote_option_scores
 
-    if isinstance(model, Endpoint):  # a served model: its own per-request cache
-        if adapter_dir is not None:
-            raise ConfigError("a served model is scored as it is served; fitting on top of an "
-                              "adapter (--adapter) needs the model locally")
-        use_chat = mode == "letter" and resolve_chat(model, chat)
+        use_chat = mode == "letter" and source.chat(chat)
         if use_chat:
             logger.info("letter prompts go to %s as chat messages (/v1/chat/completions, the "
-                        "served chat template); --no-chat sends them as text", model.base_url)
-        scores, stats = remote_option_scores(model, records, mode=mode, progress=progress,
-                                             chat=use_chat)
+                        "served chat template); --no-chat sends them as text",
+                        source.endpoint.base_url)
+        scores, stats = remote_option_scores(source.endpoint, records, mode=mode,
+                                             progress=progress, chat=use_chat)
         scores.floored = stats.floored
         return scores
-    engine = is_engine(model)
-    if engine and adapter_dir is not None:
-        raise ConfigError(f"{model} is an engine: it scores with the calibration it was exported "
-                          "with; pass the source model with --adapter, or export the engine "
-                          "with that adapter")
-    key_material = {"scorer": SCORER_VERSION, "model": scorer_fingerprint(model),
+    key_material = {"scorer": SCORER_VERSION, "model": source.fingerprint(),
                     "adapter": adapter_fingerprint(adapter_dir), "data": dataset_hash(records),
                     "mode": mode, "chat": chat}
     key = sha256_bytes(json.dumps(key_material, sort_keys=True).encode())
@@ -85,17 +81,14 @@ def cached_option_scores(model: str, records: Sequence[MultipleChoiceRecord], *,
     if path.is_file():
         try:
             scores = OptionScores.from_arrays(mode, load_file(str(path)))
-            logger.info("scores for %s on %d records (%s) from cache %s", model, len(records),
-                        mode, path.name)
+            logger.info("scores for %s on %d records (%s) from cache %s", source.spec,
+                        len(records), mode, path.name)
             return scores
         except Exception as exc:  # noqa: BLE001 - a broken cache entry is recomputed
             logger.warning("ignoring unreadable score cache %s (%s)", path, exc)
     adapter = CalibrationAdapter.from_pretrained(adapter_dir) if adapter_dir else None
-    if loaded is None and engine:
-        lm, tokenizer, _ = load_engine(model)
-    elif loaded is None:
-        lm, tokenizer, identity = load_model_and_tokenizer(
-            resolve_model(model), lora_path=adapter.lora_path if adapter else None)
+    if loaded is None:
+        lm, tokenizer, identity = source.load(lora_path=adapter.lora_path if adapter else None)
         if adapter is not None:
             adapter.base_model.check_compatible(identity)
     else:

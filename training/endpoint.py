@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from calm_runtime.errors import CalmError, ConfigError
-from calm_runtime.models import DEFAULT_API_KEY_ENV
+from calm_runtime.models import DEFAULT_API_KEY_ENV, is_endpoint  # noqa: F401 - re-exported
 
 __all__ = ["Endpoint", "RemoteError", "MAX_RESPONSE_BYTES", "abort_requests", "connect",
            "is_endpoint", "printable", "redact_url"]
@@ -32,10 +32,6 @@ class RemoteError(CalmError):
     def __init__(self, message: str, status: int | None = None) -> None:
         super().__init__(message)
         self.status = status
-
-
-def is_endpoint(spec: object) -> bool:
-    return isinstance(spec, str) and spec.startswith(("http://", "https://"))
 
 
 @dataclass(frozen=True)

@@ -13,23 +13,15 @@ only from uncalibrated engines (an adapter applies to the source model's own log
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from types import SimpleNamespace
 
 from calm_runtime._fs import sha256_bytes
 from calm_runtime.artifact import ModelIdentity
-from calm_runtime.engine import ENGINE_MANIFEST_NAME, EngineManifest
+from calm_runtime.engine import EngineManifest
 from calm_runtime.errors import ConfigError
 
-__all__ = ["EngineModel", "is_engine", "load_engine", "engine_fingerprint", "engine_identity",
-           "require_uncalibrated", "scorer_fingerprint"]
-
-
-def is_engine(spec: object) -> bool:
-    """Whether ``spec`` is a folder holding an engine manifest (``calm_engine.json``)."""
-    if not isinstance(spec, (str, os.PathLike)) or isinstance(spec, bytes):
-        return False
-    return (Path(spec) / ENGINE_MANIFEST_NAME).is_file()
+__all__ = ["EngineModel", "load_engine", "engine_fingerprint", "engine_identity",
+           "require_uncalibrated"]
 
 
 class EngineModel:
@@ -80,13 +72,6 @@ def engine_fingerprint(spec: str | os.PathLike) -> str:
     files = _manifest(spec).listed_files()
     return "engine:" + sha256_bytes("\n".join(f"{name}:{files[name]}"
                                               for name in sorted(files)).encode())
-
-
-def scorer_fingerprint(spec: str | os.PathLike) -> str:
-    """The score-cache key of what scores: an engine folder or a local model spec."""
-    from calm_runtime.models import model_fingerprint, resolve_model
-
-    return engine_fingerprint(spec) if is_engine(spec) else model_fingerprint(resolve_model(spec))
 
 
 def engine_identity(spec: str | os.PathLike, manifest: EngineManifest | None = None

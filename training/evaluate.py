@@ -23,7 +23,6 @@ from .fit import (
     option_probabilities,
     require_labels,
 )
-from .remote import Endpoint
 from .scoring import OptionScores
 
 __all__ = ["evaluate_adapter", "write_report"]
@@ -55,7 +54,7 @@ def evaluate_adapter(config: FitConfig, adapter_dir: str | os.PathLike, *,
     vanilla = cached_option_scores(source, records, mode=config.mode, chat=config.chat,
                                    batch_size=config.batch_size, progress=progress,
                                    max_length=config.max_length)
-    if isinstance(source, Endpoint):  # a served model's adapter holds temperatures only
+    if source.served:  # a served model's adapter holds temperatures only
         calibrated = dataclasses.replace(vanilla, values=vanilla.values / adapter.temperature)
     else:
         calibrated = cached_option_scores(source, records, mode=config.mode,

@@ -27,12 +27,10 @@ from calm_runtime.artifact import CalibrationAdapter
 from calm_runtime.calibration import apply_calibration
 from calm_runtime.data import MultipleChoiceRecord, dataset_hash, load_dataset, split_indices
 from calm_runtime.errors import ConfigError, DataError, FitError
-from calm_runtime.models import resolve_model
 from calm_runtime.prompts import letter_tokens
 
 from . import daca
 from .cache import cached_option_scores
-from .engine_model import is_engine, require_uncalibrated
 from .fit_config import (  # noqa: F401 - FitConfig and the names stay importable from here
     ALL_MODES,
     DEFAULT_VARIANT,
@@ -46,10 +44,8 @@ from .fit_report import (  # noqa: F401 - the tables stay importable from here
     format_table,
     served_floor,
 )
-from .remote import is_endpoint
 from .scoring import OptionScores
 from .sources import (  # noqa: F401 - prompt_format stays importable from here
-    _identity,
     model_source,
     prompt_format,
 )
@@ -181,10 +177,8 @@ def _not_for_served(method: str, config: FitConfig) -> str | None:
     log-probabilities (logits minus a per-question constant) where the local path reads
     logits: the fit would depend on which one it saw (and a served model's adapter holds
     temperatures only)."""
-    from .remote import is_endpoint
-
-    served = is_endpoint(config.model) or (method == "daca-vector"
-                                           and is_endpoint(config.reference))
+    served = model_source(config, "model").served or (
+        method == "daca-vector" and model_source(config, "reference").served)
     if config.mode == "letter" and method.endswith("-vector") and served:
         return ("not fitted for a served model: vector scaling is not shift-invariant and an "
                 "endpoint returns log-probabilities, not logits; use daca, naive or ts")
@@ -257,14 +251,14 @@ def fit_adapter(config: FitConfig, method: str, out: str | Path, *, overwrite: b
     if (Path(out).exists() or Path(out).is_symlink()) and not overwrite:
         raise ConfigError(f"{out} already exists; choose another --out or pass --overwrite")
     check_creatable(Path(out))  # before any scoring
-    if is_engine(config.model):
-        require_uncalibrated(config.model, "an adapter fitted on its scores")
+    polm = model_source(config, "model")
+    polm.require_uncalibrated("an adapter fitted on its scores")
     if method == "threshold":
         return _fit_threshold_adapter(config, out, overwrite=overwrite, progress=progress)
     if config.mode == "p_true":
         return _fit_p_true_adapter(config, method, out, overwrite=overwrite)
     if method.endswith("-vector") and any(
-            is_endpoint(s) for s in (config.model, config.reference) if s):
+            s is not None and s.served for s in (polm, model_source(config, "reference"))):
         raise ConfigError(f"{method} writes per-token weights, which need the model's token "
                           "ids; a served model takes daca, naive or ts")
     prep = _prepare(config, need_reference=method in LABEL_FREE, progress=progress)
@@ -275,8 +269,7 @@ def fit_adapter(config: FitConfig, method: str, out: str | Path, *, overwrite: b
     vanilla = prep.polm
     token_record = None
     if isinstance(fit, daca.VectorFit):
-        _write_vector(adapter, fit, config, Path(config.model) if is_engine(config.model)
-                      else resolve_model(config.model))
+        _write_vector(adapter, fit, config, polm.folder())
     elif config.mode == "cloze":
         fit, token_record = _cloze_fits(config, method, prep, base, adapter, fit, progress)
         adapter.answer_temperature = fit.temperature
@@ -297,7 +290,7 @@ def fit_adapter(config: FitConfig, method: str, out: str | Path, *, overwrite: b
     adapter.metrics = {"calibration_split": cal_metrics}
     adapter.provenance = {
         "model": identity.to_dict(),
-        "reference": (_identity(config, "reference").to_dict()
+        "reference": (model_source(config, "reference").identity().to_dict()
                       if method in LABEL_FREE else None),
         "data": config.data, "data_hash": dataset_hash(prep.records),
         "split": {"part": "calibration", "fraction": config.calibration_fraction,
@@ -401,10 +394,9 @@ def _fit_threshold_adapter(config: FitConfig, out, *, overwrite: bool, progress:
 
 
 def _base_adapter(config: FitConfig):
-    identity = _identity(config, "model")
-    if identity.served is not None and config.adapter:
-        raise ConfigError("fitting on top of an adapter (--adapter) needs the model locally; "
-                          "a served model is calibrated as it is served")
+    source = model_source(config, "model")
+    source.check_adapter(config.adapter)
+    identity = source.identity()
     base = (CalibrationAdapter.from_pretrained(config.adapter) if config.adapter
             else CalibrationAdapter.identity(identity))
     base.base_model.check_compatible(identity)
@@ -429,7 +421,7 @@ def _fit_p_true_adapter(config: FitConfig, method: str, out, *, overwrite: bool)
                       "settings": config.to_dict()}
     adapter.provenance = {
         "model": identity.to_dict(),
-        "reference": (_identity(config, "reference").to_dict()
+        "reference": (model_source(config, "reference").identity().to_dict()
                       if method in LABEL_FREE else None),
         "data": config.data, "data_hash": data_hash,
         "split": {"part": "calibration", "fraction": config.calibration_fraction,

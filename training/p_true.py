@@ -23,15 +23,14 @@ from calm_runtime._fs import sha256_bytes
 from calm_runtime._paths import cache_dir
 from calm_runtime.data import OpenQARecord, dataset_hash, load_dataset, split_indices
 from calm_runtime.errors import ConfigError, DataError, FitError
-from calm_runtime.models import load_model_and_tokenizer
 from calm_runtime.prompts import p_true_template
 
 from . import daca
 from .answers import generate_answers, score_p_true
-from .engine_model import is_engine, load_engine, scorer_fingerprint
 from .fit_report import add_selective, served_floor
-from .remote import is_endpoint, remote_answers, remote_p_true, resolve_chat
+from .remote import remote_answers, remote_p_true
 from .scoring import is_correct
+from .sources import model_source
 
 __all__ = ["P_TRUE_METHODS", "compare_p_true", "fit_p_true", "open_qa_judgements"]
 
@@ -129,59 +128,52 @@ def open_qa_judgements(config, *, progress: bool = True) -> dict:
     """PoLM answers, their correctness, and each model's two-way P(True) logits (cached)."""
     records = _records(config)
     template = p_true_template(config.p_true_template)
-    if is_endpoint(config.model) or is_endpoint(config.reference):
-        return _remote_judgements(config, records, template, progress=progress)
+    sources = {"polm": model_source(config, "model")}
+    if config.reference:
+        sources["plm"] = model_source(config, "reference")
+    if any(s.served for s in sources.values()):
+        return _remote_judgements(config, sources, records, template, progress=progress)
     base = {"version": ANSWER_VERSION, "data": dataset_hash(records),
-            "polm": scorer_fingerprint(config.model)}
+            "polm": sources["polm"].fingerprint()}
     loaded = {}
 
-    def model(spec):
-        if spec not in loaded:
-            loaded[spec] = (load_engine(spec) if is_engine(spec)
-                            else load_model_and_tokenizer(spec))[:2]
-        return loaded[spec]
+    def model(source):
+        if source.spec not in loaded:
+            loaded[source.spec] = source.load()[:2]
+        return loaded[source.spec]
 
     answers = _load_or(_cache_path("answers", base), lambda: generate_answers(
-        *model(config.model), [r.question for r in records], progress=progress,
+        *model(sources["polm"]), [r.question for r in records], progress=progress,
         max_length=config.max_length))
     correct = [is_correct(a, r.answers) for a, r in zip(answers, records, strict=True)]
     out = {"records": records, "answers": answers, "correct": np.array(correct, dtype=float)}
-    judges = {"polm": config.model}
-    if config.reference:
-        judges["plm"] = config.reference
-    for role, spec in judges.items():
-        material = {**base, "judge": scorer_fingerprint(spec),
+    for role, source in sources.items():
+        material = {**base, "judge": source.fingerprint(),
                     "template": template.to_dict(), "chat": config.chat}
-        logits = _load_or(_cache_path("ptrue", material), lambda spec=spec: score_p_true(
-            *model(spec), [r.question for r in records], answers, template, chat=config.chat,
+        logits = _load_or(_cache_path("ptrue", material), lambda source=source: score_p_true(
+            *model(source), [r.question for r in records], answers, template, chat=config.chat,
             batch_size=config.batch_size, progress=progress,
             max_length=config.max_length).tolist())
         out[role] = np.asarray(logits, dtype=float)
     return out
 
 
-def _remote_judgements(config, records, template, *, progress: bool) -> dict:
+def _remote_judgements(config, sources: dict, records, template, *, progress: bool) -> dict:
     """:func:`open_qa_judgements` when the model (and the reference) are served: both
     through their endpoints (each request cached by the remote scorer)."""
-    from .sources import model_source
-
-    if not all(is_endpoint(s) for s in (config.model, config.reference) if s):
+    if not all(s.served for s in sources.values()):
         raise ConfigError("P(True) with a served model needs a served reference too (or "
                           "none); pass both as endpoint URLs")
     questions = [r.question for r in records]
-    polm = model_source(config, "model")
-    answers = remote_answers(polm, questions, progress=progress)
+    polm = sources["polm"]
+    answers = remote_answers(polm.endpoint, questions, progress=progress)
     correct = [is_correct(a, r.answers) for a, r in zip(answers, records, strict=True)]
-    out = {"records": records, "answers": answers, "correct": np.array(correct, dtype=float)}
-    out["polm"], stats = remote_p_true(polm, questions, answers, template, progress=progress,
-                                       chat=resolve_chat(polm, config.chat))
-    out["floored"] = {"model": stats.floored}
-    if config.reference:
-        reference = model_source(config, "reference")
-        out["plm"], stats = remote_p_true(reference, questions, answers, template,
-                                          progress=progress,
-                                          chat=resolve_chat(reference, config.chat))
-        out["floored"]["reference"] = stats.floored
+    out = {"records": records, "answers": answers, "correct": np.array(correct, dtype=float),
+           "floored": {}}
+    for role, source in sources.items():
+        out[role], stats = remote_p_true(source.endpoint, questions, answers, template,
+                                         progress=progress, chat=source.chat(config.chat))
+        out["floored"]["model" if role == "polm" else "reference"] = stats.floored
     return out
 
 

@@ -48,7 +48,7 @@ def score_served(args, records) -> tuple[dict, str]:
     config = FitConfig(model=args.engine, data=args.data, mode=args.mode, variant=variant,
                        n_bins=args.bins, chat=args.chat, model_name=args.model_name,
                        api_key_env=args.api_key_env, concurrency=args.concurrency)
-    endpoint = model_source(config, "model")
+    endpoint = model_source(config, "model").endpoint
     if adapter is not None:
         recorded_at = adapter.base_model.served
         if (recorded_at["endpoint"], recorded_at["served_model"]) != (endpoint.base_url,

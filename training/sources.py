@@ -1,34 +1,221 @@
-"""Where ``--model`` / ``--reference`` point, decided here: a packaged name or transformers
-folder, an exported engine, or a served endpoint. The fit reads a source's identity and
-prompt format through these functions, not by testing the spec itself."""
+"""Where ``--model`` / ``--reference`` point, decided once, here.
+
+A spec is a packaged name or transformers folder (:class:`LocalModel`), an exported engine
+folder (:class:`EngineSource`) or an http(s) URL of a served model (:class:`ServedModel`).
+:func:`resolve_source` makes that decision; everything below it asks the source what it can
+do (its identity, score-cache fingerprint, prompt format, loaded model, whether an adapter
+can be applied on top of it) and never tests the spec again.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from calm_runtime.artifact import ModelIdentity
-from calm_runtime.models import model_identity, resolve_model
+from calm_runtime.engine import ENGINE_MANIFEST_NAME
+from calm_runtime.errors import ConfigError
+from calm_runtime.models import DEFAULT_API_KEY_ENV
 
-from .engine_model import engine_identity, is_engine
-from .remote import Endpoint
+from .endpoint import Endpoint, connect, is_endpoint
 
 if TYPE_CHECKING:
     from .fit_config import FitConfig
 
-__all__ = ["model_source", "prompt_format"]
+__all__ = ["ModelSource", "LocalModel", "EngineSource", "ServedModel", "resolve_source",
+           "as_source", "model_source", "prompt_format", "is_engine"]
 
 
-def model_source(config: FitConfig, role: str):
-    """``config.model`` / ``config.reference`` as scoring takes it: the spec of a local model,
-    or a connected :class:`~calm_training.remote.Endpoint` for an http(s) URL."""
+def is_engine(spec: object) -> bool:
+    """Whether ``spec`` is a folder holding an engine manifest (``calm_engine.json``)."""
+    if not isinstance(spec, (str, os.PathLike)) or isinstance(spec, bytes):
+        return False
+    return (Path(spec) / ENGINE_MANIFEST_NAME).is_file()
+
+
+class ModelSource:
+    """What scores: one interface over a local model, an engine and a served model."""
+
+    #: ``"model"``, ``"engine"`` or ``"served"``
+    kind: ClassVar[str]
+    #: how the source is named in messages ("an engine", ...)
+    described: ClassVar[str]
+    #: whether it hands out full next-token distributions (token-level fits, vector weights)
+    full_logits: ClassVar[bool] = False
+    served: ClassVar[bool] = False
+
+    def __init__(self, spec: str) -> None:
+        self.spec = str(spec)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.spec!r})"
+
+    def identity(self) -> ModelIdentity:
+        """What an adapter fitted on this source records as its base model."""
+        raise NotImplementedError
+
+    def fingerprint(self) -> str:
+        """The score-cache key of what scores (local sources)."""
+        raise NotImplementedError
+
+    def folder(self) -> Path:
+        """The folder holding the tokenizer files (local sources)."""
+        raise ConfigError(f"{self.spec} is served: its files are not on this machine; pass "
+                          "the model's folder")
+
+    def load(self, lora_path: str | os.PathLike | None = None):
+        """``(model, tokenizer, identity)`` ready to score (local sources)."""
+        raise NotImplementedError
+
+    def chat(self, chat: bool | None) -> bool:
+        """Whether letter and P(True) prompts go through the chat template: ``chat`` as
+        given, or (``None``) whether the model has one; the same rule for every source."""
+        folder = self.folder()
+        has = (folder / "chat_template.jinja").is_file() or bool(
+            _json_field(folder / "tokenizer_config.json", "chat_template"))
+        return has if chat is None else bool(chat)
+
+    def check_adapter(self, adapter_dir) -> None:
+        """A one-line error when an adapter (``--adapter``) cannot be applied on top."""
+
+    def require_uncalibrated(self, what: str) -> None:
+        """A one-line error when the source's scores already carry a calibration that
+        ``what`` would be fitted on top of."""
+
+
+class LocalModel(ModelSource):
+    """A packaged model name or a transformers folder, loaded with torch."""
+
+    kind = "model"
+    described = "a transformers model"
+    full_logits = True
+
+    def folder(self) -> Path:
+        from calm_runtime.models import resolve_model
+
+        return resolve_model(self.spec)
+
+    def identity(self) -> ModelIdentity:
+        from calm_runtime.models import model_identity
+
+        return model_identity(self.folder(),
+                              name=self.spec if not Path(self.spec).exists() else None)
+
+    def fingerprint(self) -> str:
+        from calm_runtime.models import model_fingerprint
+
+        return model_fingerprint(self.folder())
+
+    def load(self, lora_path=None):
+        from calm_runtime.models import load_model_and_tokenizer
+
+        return load_model_and_tokenizer(self.folder(), lora_path=lora_path)
+
+
+class EngineSource(ModelSource):
+    """An exported engine folder, scored with onnxruntime."""
+
+    kind = "engine"
+    described = "an engine"
+
+    def folder(self) -> Path:
+        return Path(self.spec)
+
+    def identity(self) -> ModelIdentity:
+        from .engine_model import engine_identity
+
+        return engine_identity(self.spec)
+
+    def fingerprint(self) -> str:
+        from .engine_model import engine_fingerprint
+
+        return engine_fingerprint(self.spec)
+
+    def load(self, lora_path=None):
+        from .engine_model import load_engine
+
+        if lora_path is not None:
+            raise ConfigError(f"{self.spec} is an engine: a LoRA is merged at export; export "
+                              "the engine with that adapter")
+        return load_engine(self.spec)
+
+    def check_adapter(self, adapter_dir) -> None:
+        if adapter_dir is not None:
+            raise ConfigError(f"{self.spec} is an engine: it scores with the calibration it was "
+                              "exported with; pass the source model with --adapter, or export "
+                              "the engine with that adapter")
+
+    def require_uncalibrated(self, what: str) -> None:
+        from .engine_model import require_uncalibrated
+
+        require_uncalibrated(self.spec, what)
+
+
+class ServedModel(ModelSource):
+    """An OpenAI-compatible endpoint; connected (``GET /models``) on first use."""
+
+    kind = "served"
+    described = "served"
+    served = True
+
+    def __init__(self, spec: str, *, model_name: str | None = None,
+                 api_key_env: str = DEFAULT_API_KEY_ENV, concurrency: int = 8,
+                 endpoint: Endpoint | None = None) -> None:
+        super().__init__(spec)
+        self._connect = dict(model_name=model_name, api_key_env=api_key_env,
+                             concurrency=concurrency)
+        if endpoint is not None:
+            self.__dict__["endpoint"] = endpoint
+
+    @cached_property
+    def endpoint(self) -> Endpoint:
+        return connect(self.spec, **self._connect)
+
+    def identity(self) -> ModelIdentity:
+        return ModelIdentity.served_model(self.endpoint.base_url, self.endpoint.model)
+
+    def chat(self, chat: bool | None) -> bool:
+        from .remote import resolve_chat
+
+        return resolve_chat(self.endpoint, chat)
+
+    def check_adapter(self, adapter_dir) -> None:
+        if adapter_dir is not None:
+            raise ConfigError("a served model is scored as it is served; fitting on top of an "
+                              "adapter (--adapter) needs the model locally")
+
+
+def resolve_source(spec: str | os.PathLike, *, model_name: str | None = None,
+                   api_key_env: str = DEFAULT_API_KEY_ENV, concurrency: int = 8) -> ModelSource:
+    """The one place a ``--model`` / ``--reference`` spec is told apart."""
+    if is_endpoint(spec):
+        return ServedModel(str(spec), model_name=model_name, api_key_env=api_key_env,
+                           concurrency=concurrency)
+    if is_engine(spec):
+        return EngineSource(str(spec))
+    return LocalModel(str(spec))
+
+
+def as_source(model) -> ModelSource:
+    """``model`` as a :class:`ModelSource`: a source as it is, a connected
+    :class:`~calm_training.endpoint.Endpoint`, or a spec to resolve."""
+    if isinstance(model, ModelSource):
+        return model
+    if isinstance(model, Endpoint):
+        return ServedModel(model.base_url, endpoint=model)
+    return resolve_source(model)
+
+
+def model_source(config: FitConfig, role: str) -> ModelSource | None:
+    """``config.model`` / ``config.reference`` resolved (``None`` without a reference)."""
     spec = getattr(config, role)
-    from .remote import connect, is_endpoint
-
-    if not is_endpoint(spec):
-        return spec
-    return connect(spec, model_name=getattr(config, f"{role}_name"),
-                   api_key_env=config.api_key_env, concurrency=config.concurrency)
+    if spec is None:
+        return None
+    return resolve_source(spec, model_name=getattr(config, f"{role}_name"),
+                          api_key_env=config.api_key_env, concurrency=config.concurrency)
 
 
 def prompt_format(config: FitConfig) -> str:
@@ -38,35 +225,11 @@ def prompt_format(config: FitConfig) -> str:
     completions), the same rule for a local, exported or served model."""
     if config.mode == "cloze":
         return "plain"
-    source = model_source(config, "model")
-    if isinstance(source, Endpoint):
-        from .remote import resolve_chat
-
-        chat = resolve_chat(source, config.chat)
-    else:
-        folder = Path(config.model) if is_engine(config.model) else resolve_model(config.model)
-        has = (folder / "chat_template.jinja").is_file() or bool(
-            _json_field(folder / "tokenizer_config.json", "chat_template"))
-        chat = has if config.chat is None else bool(config.chat)
-    return "chat" if chat else "plain"
+    return "chat" if model_source(config, "model").chat(config.chat) else "plain"
 
 
 def _json_field(path: Path, key: str):
-    import json
-
     try:
         return json.loads(path.read_text(encoding="utf-8")).get(key)
     except (OSError, ValueError, AttributeError):
         return None
-
-
-def _identity(config: FitConfig, role: str) -> ModelIdentity:
-    """The identity an adapter records for ``config.model`` / ``config.reference``: a local
-    model's (vocabulary, tokenizer hash) or a served model's (endpoint, served name)."""
-    source = model_source(config, role)
-    if isinstance(source, Endpoint):
-        return ModelIdentity.served_model(source.base_url, source.model)
-    spec = getattr(config, role)
-    if is_engine(spec):
-        return engine_identity(spec)
-    return model_identity(resolve_model(spec), name=spec if not Path(spec).exists() else None)

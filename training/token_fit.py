@@ -168,44 +168,44 @@ def token_level_fit(method: str, *, model, tokenizer, records, chosen: np.ndarra
                  "positions": int(len(mine.targets)), "questions": int(keep.size), **fit.to_dict()}
 
 
-def cloze_token_temperature(method: str, *, model: str, reference: str | None, records,
+def cloze_token_temperature(method: str, *, model, reference, records,
                             chosen: np.ndarray, agree: np.ndarray | None,
                             labels: np.ndarray | None, base_adapter=None, batch_size: int = 8,
                             max_length: int | None = None, progress: bool = False):
-    """:func:`token_level_fit` from model specs (packaged names or folders): loads the
+    """:func:`token_level_fit` from model sources (or specs they resolve from): loads the
     model (with ``base_adapter``'s LoRA and token calibration) and, for label-free methods,
     the reference when it shares the model's tokenizer. Engines and served models have no
     full next-token logits to fit on here: the fit is then option-level only, with the
     reason recorded."""
-    from calm_runtime.models import load_model_and_tokenizer, model_identity, resolve_model
-
-    from .engine_model import is_engine
-    from .remote import is_endpoint
+    from .sources import as_source
 
     if method not in TOKEN_METHODS:
         return None, {"fitted": False, "reason": f"{method} has no token-level counterpart"}
-    for role, spec in (("model", model), ("reference", reference if method != "ts" else None)):
-        if spec is not None and (is_engine(spec) or is_endpoint(spec)):
+    sources = {"model": as_source(model)}
+    if method != "ts" and reference is not None:
+        sources["reference"] = as_source(reference)
+    for role, source in sources.items():
+        if not source.full_logits:
             return None, {"fitted": False,
-                          "reason": f"the {role} is {'an engine' if is_engine(spec) else 'served'}"
-                                    "; a token-level fit reads full next-token distributions "
-                                    "from a transformers model (option-level only)"}
+                          "reason": f"the {role} is {source.described}; a token-level fit "
+                                    "reads full next-token distributions from a transformers "
+                                    "model (option-level only)"}
     same = False
     if method != "ts":
         if reference is None:
             return None, {"fitted": False, "reason": "no reference model"}
-        mine = model_identity(resolve_model(model)).tokenizer_sha256
-        theirs = model_identity(resolve_model(reference)).tokenizer_sha256
+        mine = sources["model"].identity().tokenizer_sha256
+        theirs = sources["reference"].identity().tokenizer_sha256
         same = mine is not None and mine == theirs
         if not same:
             return None, {"fitted": False, "reason": NO_SHARED_TOKENIZER}
     lora = base_adapter.lora_path if base_adapter is not None else None
-    lm, tokenizer, _ = load_model_and_tokenizer(model, lora_path=lora)
+    lm, tokenizer, _ = sources["model"].load(lora_path=lora)
     calibration = (base_adapter if base_adapter is not None
                    and base_adapter.has_token_calibration() else None)
     ref = ref_tokenizer = None
     if method != "ts":
-        ref, ref_tokenizer, _ = load_model_and_tokenizer(reference)
+        ref, ref_tokenizer, _ = sources["reference"].load()
     logger.info("fitting the token-level %s temperature on the answer positions of %d "
                 "calibration questions", method, len(records))
     return token_level_fit(method, model=lm, tokenizer=tokenizer, records=records,

@@ -18,11 +18,11 @@ from calm_training.cache import cached_option_scores  # noqa: E402
 from calm_training.engine_model import (  # noqa: E402
     engine_fingerprint,
     engine_identity,
-    is_engine,
     load_engine,
 )
 from calm_training.fit import FitConfig, compare_methods, fit_adapter  # noqa: E402
 from calm_training.scoring import score_multiple_choice  # noqa: E402
+from calm_training.sources import EngineSource, LocalModel, is_engine, resolve_source  # noqa: E402
 
 QUESTIONS = ["Which number is prime?", "Where do penguins live?", "What colour is the sky?",
              "Which animal barks?", "What is two plus two?", "Which planet is red?"]
@@ -79,6 +79,11 @@ def test_cache_and_identity(runtime_engine, engine, tmp_path, monkeypatch):
     engine_dir = runtime_engine[2]
     assert is_engine(engine_dir) and not is_engine(runtime_engine[0])
     assert not is_engine("gemma-3-270m") and not is_engine(None)
+    source = resolve_source(engine_dir)
+    assert isinstance(source, EngineSource) and not source.full_logits
+    assert source.identity() == engine_identity(engine_dir)
+    assert source.fingerprint() == engine_fingerprint(engine_dir)
+    assert isinstance(resolve_source(runtime_engine[0]), LocalModel)
     assert engine_fingerprint(engine_dir).startswith("engine:")
     assert engine_identity(engine_dir).vocab_size == engine[0].manifest.vocab_size
     records = _records()
