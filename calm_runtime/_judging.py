@@ -22,6 +22,7 @@ from .prompts import (
     cloze_context,
     cloze_continuation,
     cloze_option_scores,
+    cloze_variant_for,
     letter_prompt,
     letter_tokens,
     option_char_count,
@@ -77,14 +78,7 @@ class Judging:
         size = _positive(batch_size, "batch_size")
         if mode == "letter":
             return self._choose_letters(questions, options, chat, size)
-        variant = variant or self.default_variant
-        if variant not in CLOZE_VARIANTS:
-            raise ConfigError(f"unknown cloze variant {variant!r}; choose one of "
-                              f"{', '.join(CLOZE_VARIANTS)}")
-        recorded = recorded_cloze_variant(self.manifest)
-        if recorded is not None and variant != recorded:
-            logger.warning("scoring with variant %r but the engine's answer_temperature was "
-                           "fitted with %r", variant, recorded)
+        variant = self._cloze_variant(variant)
         contexts, conts = [], []
         for n, (q, opts) in enumerate(zip(questions, options, strict=True)):
             self._check_chars(q + max(opts, key=len, default=""),
@@ -112,6 +106,14 @@ class Judging:
                                    self.abstain_below))
         return choices
 
+    def _cloze_variant(self, asked: str | None) -> str:
+        """``asked``, or the recorded variant, by :func:`~calm_runtime.prompts.cloze_variant_for`:
+        another variant than the one the answer temperature was fitted on is refused."""
+        return cloze_variant_for(asked, recorded_cloze_variant(self.manifest),
+                                 bound=self.answer_temperature is not None, what="the engine",
+                                 fix="drop the variant to use the recorded one, or serve an "
+                                     "engine whose calibration was fitted on that variant")
+
     def choose_continuation(self, prompt_ids: Sequence[int], options: Sequence[str], *,
                             variant: str | None = None, should_stop=None) -> Choice:
         """Calibrated probabilities of ``options`` as continuations of an encoded prompt, each
@@ -124,10 +126,7 @@ class Judging:
             if not isinstance(option, str) or not option.strip():
                 raise ConfigError(f"every option must be a non-empty string, got {option!r}")
             _check_text(option, "an option")
-        variant = variant or self.default_variant
-        if variant not in CLOZE_VARIANTS:
-            raise ConfigError(f"unknown cloze variant {variant!r}; choose one of "
-                              f"{', '.join(CLOZE_VARIANTS)}")
+        variant = self._cloze_variant(variant)
         context = [int(i) for i in prompt_ids]
         if not context:
             raise ConfigError("the prompt is empty; a choice needs a context to continue")

@@ -302,7 +302,7 @@ def _add_score(sub) -> None:
     p.add_argument("--mode", default="cloze", choices=list(CHOICE_MODES))
     p.add_argument("--variant", choices=CLOZE_VARIANTS,
                    help="cloze option score (default: the engine's or adapter's recorded one, "
-                        f"else {DEFAULT_CLOZE_VARIANT})")
+                        f"else {DEFAULT_CLOZE_VARIANT}; another one than it records is refused)")
     _add_chat_options(p, "(letter mode and P(True); default: when the tokenizer has one)")
     p.add_argument("--bins", type=int, default=10, help="bins of ECE/MCE/AECE")
     p.add_argument("--limit", type=int,

@@ -33,6 +33,7 @@ __all__ = [
     "CLOZE_VARIANTS",
     "DEFAULT_CLOZE_VARIANT",
     "cloze_option_scores",
+    "cloze_variant_for",
     "option_char_count",
 ]
 
@@ -115,6 +116,29 @@ CLOZE_VARIANTS = ("sum", "mean", "char")
 #: mean scores gave the better-calibrated reference model in the project's calibration
 #: benchmark (benchmarks/results/calibration.md), which is what DACA relies on.
 DEFAULT_CLOZE_VARIANT = "mean"
+
+
+def cloze_variant_for(asked: str | None, recorded: str | None, *, bound: bool, what: str,
+                      fix: str) -> str:
+    """The cloze variant to score with, by the one rule every command and the runtime follow.
+
+    An answer temperature is a temperature of the scores of the variant it was fitted on.
+    ``recorded`` is the variant an adapter or engine records (``None``: none recorded) and
+    ``bound`` whether an answer temperature hangs on it. The recorded variant is the default;
+    asking for another one (``asked``) while it is bound is a :class:`ConfigError` naming
+    ``what`` and the ``fix``, never a silent switch or a warning. Without a record, the asked
+    variant or :data:`DEFAULT_CLOZE_VARIANT`.
+    """
+    for value in (asked, recorded):
+        if value is not None and value not in CLOZE_VARIANTS:
+            raise ConfigError(f"unknown cloze variant {value!r}; choose one of "
+                              f"{', '.join(CLOZE_VARIANTS)}")
+    if asked is None or asked == recorded:
+        return recorded or DEFAULT_CLOZE_VARIANT
+    if recorded is None or not bound:
+        return asked
+    raise ConfigError(f"{what}'s answer_temperature was fitted on {recorded!r} cloze scores, "
+                      f"not {asked!r}; {fix}")
 
 
 def option_char_count(option: str) -> int:

@@ -89,7 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, quiet: bool = True) -> Non
                         help="how DATA is scored (default: the adapter's fit mode, else cloze)")
     parser.add_argument("--calibration-variant", choices=CLOZE_VARIANTS, default=None,
                         help="cloze score variant for DATA (default: the adapter's recorded "
-                        f"one, else {DEFAULT_CLOZE_VARIANT})")
+                        f"one, else {DEFAULT_CLOZE_VARIANT}; another one needs --recalibrate)")
     parser.add_argument("--int8-scheme", choices=INT8_SCHEMES, default=_DEFAULTS["int8_scheme"],
                         help="with --quantize int8: blockwise (MatMulNBits) or dynamic "
                         "(default blockwise)")

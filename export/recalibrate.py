@@ -34,7 +34,7 @@ import numpy as np
 from calm_runtime import metrics
 from calm_runtime.data import MultipleChoiceRecord, dataset_hash, load_dataset
 from calm_runtime.errors import ConfigError, DataError, ExportValidationError, FitError
-from calm_runtime.prompts import CHOICE_MODES, DEFAULT_CLOZE_VARIANT
+from calm_runtime.prompts import CHOICE_MODES, cloze_variant_for
 
 from .onnx import ONNX_FILE
 
@@ -98,13 +98,10 @@ def scoring_settings(config, adapter) -> tuple[str, str | None]:
                                        CHOICE_MODES else "cloze")
     if mode == "letter":
         return mode, None
-    recorded = adapter.cloze_variant
-    variant = config.calibration_variant or recorded or DEFAULT_CLOZE_VARIANT
-    if (recorded and variant != recorded and adapter.answer_temperature is not None
-            and not config.recalibrate):
-        raise ConfigError(f"the adapter's answer_temperature was fitted on {recorded!r} cloze "
-                          f"scores, not {variant!r}; drop --calibration-variant or pass "
-                          "--recalibrate to refit it")
+    variant = cloze_variant_for(
+        config.calibration_variant, adapter.cloze_variant,
+        bound=adapter.answer_temperature is not None and not config.recalibrate,
+        what="the adapter", fix="drop --calibration-variant or pass --recalibrate to refit it")
     return mode, variant
 
 

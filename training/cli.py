@@ -60,7 +60,7 @@ def register(sub) -> None:
 
     ev = sub.add_parser("eval", help="vanilla vs calibrated metrics on the test split",
                         epilog=EVAL_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_common(ev, DEFAULT_VARIANT)
+    _add_common(ev, None)
     ev.add_argument("--adapter", dest="eval_adapter", help="adapter directory to evaluate")
     ev.add_argument("--compare", action="store_true",
                     help="fit and compare every post-hoc method (vanilla, naive, DACA, TS, "
@@ -91,7 +91,7 @@ def register(sub) -> None:
     _register_train(sub)
 
 
-def _add_common(p, default_variant: str) -> None:
+def _add_common(p, default_variant: str | None) -> None:
     p.add_argument("--model", required=True, help="model to calibrate: packaged name, folder, "
                    ".gguf file, engine folder (calm-export; scored with ONNX Runtime) or the "
                    "http(s) base URL of an OpenAI-compatible API (.../v1)")
@@ -104,7 +104,10 @@ def _add_common(p, default_variant: str) -> None:
                    help="P(True) template name (p_true mode): kadavath or yes-no")
     p.add_argument("--variant", default=default_variant, choices=CLOZE_VARIANTS,
                    help="cloze option score: summed, per-token mean or per-character "
-                        f"log-probability (default {default_variant})")
+                        "log-probability (default "
+                        + (default_variant or "the --adapter's recorded one, else "
+                           f"{_FIT['variant']}; another one than it records is refused")
+                        + ")")
     p.add_argument("--reference-variant", choices=CLOZE_VARIANTS,
                    help="the reference model's cloze score (default: --variant)")
     p.add_argument("--calibration-fraction", type=float, default=_FIT["calibration_fraction"],
@@ -139,7 +142,7 @@ def _config(args):
     from calm_training.fit import FitConfig
 
     return FitConfig(model=args.model, reference=args.reference, data=args.data,
-                     mode=args.mode, variant=args.variant,
+                     mode=args.mode, variant=args.variant or _FIT["variant"],
                      reference_variant=args.reference_variant,
                      calibration_fraction=args.calibration_fraction,
                      seed=args.seed, n_bins=args.bins, chat=args.chat,
@@ -227,6 +230,11 @@ def _eval(args) -> int:
     )
 
     config = _config(args)
+    if args.eval_adapter and args.variant is None:  # the one the adapter records
+        from calm_runtime.artifact import CalibrationAdapter
+
+        recorded = CalibrationAdapter.from_pretrained(args.eval_adapter).cloze_variant
+        config = dataclasses.replace(config, variant=recorded or _FIT["variant"])
     if args.compare:
         methods = ("vanilla", "naive", "daca", "daca-vector", "ts", "ts-vector")
         if args.mode == "p_true":

@@ -12,6 +12,7 @@ import numpy as np
 
 from calm_runtime.artifact import CalibrationAdapter
 from calm_runtime.plot import write_reliability_diagram, write_risk_coverage
+from calm_runtime.prompts import cloze_variant_for
 
 from .cache import cached_option_scores
 from .fit import (
@@ -40,16 +41,13 @@ def evaluate_adapter(config: FitConfig, adapter_dir: str | os.PathLike, *,
     from calm_runtime.data import split_indices
 
     adapter = CalibrationAdapter.from_pretrained(adapter_dir)
+    if config.mode == "cloze":  # the recorded variant or a one-line error, never a switch
+        cloze_variant_for(config.variant, adapter.cloze_variant,
+                          bound=adapter.answer_temperature is not None, what=str(adapter_dir),
+                          fix=f"evaluate with variant {adapter.cloze_variant!r} (calm eval "
+                              "does when --variant is not given)")
     records = _load_records(config)
     base_config = FitConfig(**{**config.to_dict(), "adapter": None})
-    recorded = adapter.cloze_variant
-    if (config.mode == "cloze" and adapter.answer_temperature is not None
-            and recorded is not None and recorded != config.variant):
-        # answer_temperature is a temperature of one score variant; the runtime follows the
-        # recorded one too
-        logger.warning("%s: answer_temperature was fitted on %r cloze scores; evaluating "
-                       "with %r, not %r", adapter_dir, recorded, recorded, config.variant)
-        base_config = FitConfig(**{**base_config.to_dict(), "variant": recorded})
     source = model_source(config, "model")
     vanilla = cached_option_scores(source, records, mode=config.mode, chat=config.chat,
                                    batch_size=config.batch_size, progress=progress,

@@ -5,13 +5,12 @@ point ``score_served``; the runtime's CLI finds it there)."""
 from __future__ import annotations
 
 import dataclasses
-import logging
 import re
 
 from calm_runtime.artifact import CalibrationAdapter
 from calm_runtime.data import MultipleChoiceRecord
 from calm_runtime.errors import ConfigError, DataError
-from calm_runtime.prompts import DEFAULT_CLOZE_VARIANT
+from calm_runtime.prompts import cloze_variant_for
 from calm_runtime.score import choices_report, require_labels
 
 from .cache import cached_option_scores
@@ -38,13 +37,12 @@ def score_served(args, records) -> tuple[dict, str]:
         raise ConfigError(f"{args.adapter} is an adapter for the local model "
                           f"{adapter.base_model.name}; a served model takes one fitted with "
                           f"calm fit --model {args.engine} (or export an engine with it)")
-    recorded = adapter.cloze_variant if adapter is not None else None
-    variant = args.variant or recorded or DEFAULT_CLOZE_VARIANT
-    if (args.mode == "cloze" and adapter is not None and adapter.answer_temperature is not None
-            and recorded is not None and variant != recorded):
-        logging.getLogger(__name__).warning(
-            "scoring with variant %r but the adapter's answer_temperature was fitted with %r",
-            variant, recorded)
+    variant = cloze_variant_for(
+        args.variant, adapter.cloze_variant if adapter is not None else None,
+        bound=args.mode == "cloze" and adapter is not None
+        and adapter.answer_temperature is not None,
+        what=str(args.adapter), fix="drop --variant to use the recorded one, or fit an adapter "
+                                    f"with calm fit --variant {args.variant}")
     config = FitConfig(model=args.engine, data=args.data, mode=args.mode, variant=variant,
                        n_bins=args.bins, chat=args.chat, model_name=args.model_name,
                        api_key_env=args.api_key_env, concurrency=args.concurrency)

@@ -16,6 +16,9 @@ from calm_runtime.cli import build_parser  # noqa: E402
 ALIASES = {"bins": "n_bins"}
 #: options whose text the command converts: "" (the CLI) is the empty tuple (the config)
 CONVERTED = {"lora_targets": ("", ())}
+#: (command, option dest) whose default is the adapter's recorded value: None on the command
+#: line, the config field when the adapter records none
+RECORDED = {("eval", "variant")}
 
 
 def _command(name: str) -> argparse.ArgumentParser:
@@ -38,7 +41,9 @@ def _checked(command: str, config_class) -> int:
                 or action.help == argparse.SUPPRESS or action.default == argparse.SUPPRESS):
             continue
         default = applied[action.dest]  # what a command line without the option gets
-        if field in CONVERTED:
+        if (command, action.dest) in RECORDED:
+            assert default is None, (command, action.option_strings, default)
+        elif field in CONVERTED:
             assert (default, fields[field]) == CONVERTED[field]
         else:
             assert default == fields[field], (command, action.option_strings, default,

@@ -173,17 +173,32 @@ def test_bad_input(tiny_llama_tied, mc_file, tmp_path):
 
 
 def test_eval_follows_the_variant_the_answer_temperature_was_fitted_on(
-        tiny_llama_tied, mc_file, tmp_path, caplog):
+        tiny_llama_tied, mc_file, tmp_path, monkeypatch, capsys):
+    """One policy (docs/cli.md): the recorded variant is the default, another one is a
+    one-line error, never a silent switch."""
+    from calm_runtime.cli import main
+
+    monkeypatch.setenv("CALM_CACHE", str(tmp_path / "cache"))
     data = _relabel_by_model(_config(tiny_llama_tied, mc_file), mc_file, tmp_path, "cloze")
     fitted = _config(tiny_llama_tied, data, mode="cloze", variant="sum")
     adapter, _ = fit_adapter(fitted, "ts", tmp_path / "ts-sum", progress=False)
     assert adapter.method["variant"] == "sum" and adapter.answer_temperature is not None
     asked = _config(tiny_llama_tied, data, mode="cloze", variant="mean")
-    report = evaluate_adapter(asked, tmp_path / "ts-sum", progress=False)
-    assert "answer_temperature was fitted on 'sum' cloze scores" in caplog.text
+    with pytest.raises(ConfigError, match="fitted on 'sum' cloze scores, not 'mean'"):
+        evaluate_adapter(asked, tmp_path / "ts-sum", progress=False)
+    report = evaluate_adapter(fitted, tmp_path / "ts-sum", progress=False)
     assert report["config"]["variant"] == "sum"
-    assert report["methods"] == evaluate_adapter(fitted, tmp_path / "ts-sum",
-                                                 progress=False)["methods"]
+    common = ["eval", "--model", str(tiny_llama_tied), "--data", str(data), "--mode", "cloze",
+              "--adapter", str(tmp_path / "ts-sum"), "--report-dir", str(tmp_path / "r"), "-q"]
+    assert main(common) == 0  # no --variant: the recorded one
+    written = json.loads(next((tmp_path / "r").glob("*.json")).read_text())
+    assert written["config"]["variant"] == "sum"
+    for name, row in report["methods"].items():  # the same scores as the API's call
+        assert written["methods"][name]["ece"] == pytest.approx(row["ece"])
+    capsys.readouterr()
+    assert main([*common, "--variant", "char"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "fitted on 'sum' cloze scores, not 'char'" in err and len(err.splitlines()) == 1
 
 
 RSS_WRAPPER = r'''

@@ -211,3 +211,25 @@ def test_a_cloze_only_engine_says_its_token_logprobs_are_uncalibrated(cloze_only
     assert main(["generate", str(cloze_only_engine), PROMPT, "--max-new-tokens", "2"]) == 0
     shown = capsys.readouterr().out
     assert "UNCALIBRATED" in shown and "calibrated probability" not in shown
+
+
+def test_another_variant_than_the_answer_temperature_was_fitted_on_is_refused(
+        cloze_only_engine):
+    """One policy (docs/cli.md): the recorded variant is the default; another one is a
+    one-line error, not a warning beside numbers the temperature does not fit."""
+    from calm_runtime.errors import ConfigError
+    from calm_runtime.lm import CalibratedLM
+
+    engine = CalibratedLM.load(cloze_only_engine, threads=1)
+    try:
+        recorded = engine.choose("Which is a pet?", ["a cat", "a rock"])
+        assert recorded.variant == "mean"
+        same = engine.choose("Which is a pet?", ["a cat", "a rock"], variant="mean")
+        np.testing.assert_array_equal(same.probabilities, recorded.probabilities)
+        with pytest.raises(ConfigError, match="fitted on 'mean' cloze scores, not 'sum'"):
+            engine.choose("Which is a pet?", ["a cat", "a rock"], variant="sum")
+        with pytest.raises(ConfigError, match="fitted on 'mean' cloze scores, not 'char'"):
+            engine.choose_continuation(engine.tokenizer.encode(PROMPT), ["mat", "hat"],
+                                       variant="char")
+    finally:
+        engine.close()
