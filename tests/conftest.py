@@ -288,6 +288,26 @@ def runtime_lm(runtime_engine):
 
 
 @pytest.fixture(scope="module")
+def runtime_engine_dir(runtime_engine):
+    """The runtime engine's folder."""
+    return runtime_engine[2]
+
+
+@pytest.fixture(scope="module")
+def runtime_served(runtime_engine, runtime_lm):
+    """The base URL of ``calm serve`` on :func:`runtime_lm` (served as ``tiny``, at most 64
+    new tokens a request)."""
+    pytest.importorskip("fastapi")
+    from calm_runtime.server import ServeConfig, create_app
+    from calm_runtime.server.background import serve_in_background
+
+    config = ServeConfig(engine=str(runtime_engine[2]), model_name="tiny", threads=1,
+                         max_tokens_limit=64)
+    with serve_in_background(create_app(config, runtime_lm)) as (url, _):
+        yield url
+
+
+@pytest.fixture(scope="module")
 def runtime_openai(runtime_engine):
     """An ``openai`` client of ``calm serve`` on the runtime engine (served as ``tiny``)."""
     openai = pytest.importorskip("openai")

@@ -17,7 +17,6 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from calm_runtime.lm import CalibratedLM  # noqa: E402
 from calm_runtime.server import ServeConfig, create_app  # noqa: E402
 from calm_runtime.server.background import serve_in_background as running  # noqa: E402
 
@@ -27,27 +26,8 @@ NAME = "tiny"
 
 
 @pytest.fixture(scope="module")
-def engine_dir(runtime_engine):
-    return runtime_engine[2]
-
-
-@pytest.fixture(scope="module")
-def direct(engine_dir):
-    lm = CalibratedLM.load(engine_dir, threads=1)
-    yield lm
-    lm.close()
-
-
-@pytest.fixture(scope="module")
-def served(engine_dir):
-    config = ServeConfig(engine=str(engine_dir), model_name=NAME, threads=1, max_tokens_limit=64)
-    with running(create_app(config)) as (url, _):
-        yield url
-
-
-@pytest.fixture(scope="module")
-def client(served):
-    return openai.OpenAI(base_url=served + "/v1", api_key="unused", max_retries=0)
+def client(runtime_served):
+    return openai.OpenAI(base_url=runtime_served + "/v1", api_key="unused", max_retries=0)
 
 
 def _close(a, b, tol=1e-4):
@@ -55,10 +35,10 @@ def _close(a, b, tol=1e-4):
 
 
 # ---------------------------------------------------------------------- answers equal direct calls
-def test_completion_matches_direct_call(client, direct):
+def test_completion_matches_direct_call(client, runtime_lm):
     out = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=12, temperature=0,
                                     logprobs=3)
-    ref = direct.generate(PROMPTS[0], max_new_tokens=12, top_alternatives=3)
+    ref = runtime_lm.generate(PROMPTS[0], max_new_tokens=12, top_alternatives=3)
     choice = out.choices[0]
     assert choice.text == ref.text
     assert choice.finish_reason == {"eos": "stop", "stop": "stop", "length": "length"}[
@@ -80,11 +60,11 @@ def test_completion_matches_direct_call(client, direct):
     assert out.model_extra["calm"]["calibration"]["fused"] is True
 
 
-def test_chat_matches_direct_call_with_logprobs(client, direct):
+def test_chat_matches_direct_call_with_logprobs(client, runtime_lm):
     out = client.chat.completions.create(
         model=NAME, messages=[{"role": "user", "content": "Name a color."}], max_tokens=10,
         temperature=0, logprobs=True, top_logprobs=2)
-    ref = direct.generate("Name a color.", max_new_tokens=10, chat=True, top_alternatives=2)
+    ref = runtime_lm.generate("Name a color.", max_new_tokens=10, chat=True, top_alternatives=2)
     choice = out.choices[0]
     assert choice.message.role == "assistant"
     assert choice.message.content == ref.text
@@ -94,21 +74,21 @@ def test_chat_matches_direct_call_with_logprobs(client, direct):
     _close(choice.model_extra["calm"]["token_confidences"], [t.confidence for t in ref.tokens])
 
 
-def test_p_true_on_request(client, direct):
+def test_p_true_on_request(client, runtime_lm):
     out = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=6, temperature=0,
                                     extra_body={"calm": {"p_true": True}})
     text = out.choices[0].text
-    _close(out.choices[0].model_extra["calm"]["p_true"], direct.p_true(PROMPTS[0], text))
+    _close(out.choices[0].model_extra["calm"]["p_true"], runtime_lm.p_true(PROMPTS[0], text))
     chat = client.chat.completions.create(model=NAME, max_tokens=6, temperature=0,
                                           messages=[{"role": "user", "content": "Say yes."}],
                                           extra_body={"calm": {"p_true": True}})
     answer = chat.choices[0].message.content
-    _close(chat.choices[0].model_extra["calm"]["p_true"], direct.p_true("Say yes.", answer))
+    _close(chat.choices[0].model_extra["calm"]["p_true"], runtime_lm.p_true("Say yes.", answer))
 
 
-def test_streaming_equals_non_streaming(client, direct):
+def test_streaming_equals_non_streaming(client, runtime_lm):
     for stop in (None, ["e"], [" t", "xyz"]):
-        ref = direct.generate(PROMPTS[1], max_new_tokens=20, stop=stop or ())
+        ref = runtime_lm.generate(PROMPTS[1], max_new_tokens=20, stop=stop or ())
         chunks = list(client.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=20,
                                                 temperature=0, stop=stop, stream=True,
                                                 stream_options={"include_usage": True}))
@@ -123,8 +103,8 @@ def test_streaming_equals_non_streaming(client, direct):
         assert chunks[-1].usage.completion_tokens == len(ref.tokens)
 
 
-def test_chat_streaming(client, direct):
-    ref = direct.generate("Tell me about the sun.", max_new_tokens=15, chat=True)
+def test_chat_streaming(client, runtime_lm):
+    ref = runtime_lm.generate("Tell me about the sun.", max_new_tokens=15, chat=True)
     stream = client.chat.completions.create(
         model=NAME, messages=[{"role": "user", "content": "Tell me about the sun."}],
         max_tokens=15, temperature=0, stream=True, logprobs=True)
@@ -136,23 +116,23 @@ def test_chat_streaming(client, direct):
     _close(logprobs, [t.logprob for t in ref.tokens])
 
 
-def test_seeded_sampling_matches_direct_call(client, direct):
+def test_seeded_sampling_matches_direct_call(client, runtime_lm):
     out = client.completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=12,
                                     temperature=0.9, top_p=0.95, seed=7)
-    ref = direct.generate(PROMPTS[2], max_new_tokens=12, temperature=0.9, top_p=0.95, seed=7)
+    ref = runtime_lm.generate(PROMPTS[2], max_new_tokens=12, temperature=0.9, top_p=0.95, seed=7)
     assert out.choices[0].text == ref.text
 
 
-def test_models_and_health(client, served):
+def test_models_and_health(client, runtime_served):
     models = client.models.list()
     assert [m.id for m in models.data] == [NAME]
-    health = httpx.get(served + "/health").json()
+    health = httpx.get(runtime_served + "/health").json()
     assert health["status"] == "ok" and health["model"] == NAME
 
 
-def test_metrics_are_prometheus_text(client, served):
+def test_metrics_are_prometheus_text(client, runtime_served):
     client.completions.create(model=NAME, prompt=PROMPTS[3], max_tokens=4, temperature=0)
-    response = httpx.get(served + "/metrics")
+    response = httpx.get(runtime_served + "/metrics")
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain")
     body = response.text
@@ -180,8 +160,8 @@ def test_metrics_are_prometheus_text(client, served):
     (b'{"model": "tiny", "prompt": ""}', 400, "empty"),
     (b'{"model": "other", "prompt": "hi"}', 404, "not served here"),
 ])
-def test_bad_requests_get_openai_errors(served, body, status, fragment):
-    response = httpx.post(served + "/v1/completions", content=body,
+def test_bad_requests_get_openai_errors(runtime_served, body, status, fragment):
+    response = httpx.post(runtime_served + "/v1/completions", content=body,
                           headers={"content-type": "application/json"})
     assert response.status_code == status
     error = response.json()["error"]
@@ -189,15 +169,15 @@ def test_bad_requests_get_openai_errors(served, body, status, fragment):
     assert set(error) == {"message", "type", "param", "code"}
 
 
-def test_too_long_prompt_and_body(client, served, direct):
+def test_too_long_prompt_and_body(client, runtime_served, runtime_lm):
     with pytest.raises(openai.BadRequestError, match="shorten the prompt"):
         client.completions.create(model=NAME, prompt="word " * 400, max_tokens=4)
     fills_context = "a" * 255  # BOS + 255 byte tokens: the whole context, no room to generate
-    assert len(direct.encode_prompt(fills_context)) == direct.max_context
+    assert len(runtime_lm.encode_prompt(fills_context)) == runtime_lm.max_context
     with pytest.raises(openai.BadRequestError, match="at most 255") as caught:
         client.completions.create(model=NAME, prompt=fills_context, max_tokens=4)
     assert caught.value.code == "context_length_exceeded"
-    response = httpx.post(served + "/v1/completions", content=b"x" * 1_000_001)
+    response = httpx.post(runtime_served + "/v1/completions", content=b"x" * 1_000_001)
     assert response.status_code == 413
     assert response.json()["error"]["code"] == "request_too_large"
 
@@ -212,18 +192,18 @@ def test_chat_errors(client):
         client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "x"}])
 
 
-def test_unknown_path_is_an_openai_404(served):
-    response = httpx.get(served + "/v1/engines/../../etc/passwd")
+def test_unknown_path_is_an_openai_404(runtime_served):
+    response = httpx.get(runtime_served + "/v1/engines/../../etc/passwd")
     assert response.status_code == 404
     assert "error" in response.json()
 
 
 # ---------------------------------------------------------------------- auth
-def test_api_key(engine_dir, monkeypatch, direct):
+def test_api_key(runtime_engine_dir, monkeypatch, runtime_lm):
     monkeypatch.setenv("CALM_TEST_KEY", "s3cret")
-    config = ServeConfig(engine=str(engine_dir), model_name=NAME, threads=1,
+    config = ServeConfig(engine=str(runtime_engine_dir), model_name=NAME, threads=1,
                          api_key_env="CALM_TEST_KEY")
-    with running(create_app(config, direct)) as (url, _):
+    with running(create_app(config, runtime_lm)) as (url, _):
         bad = openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             bad.completions.create(model=NAME, prompt="hi", max_tokens=2)
@@ -234,17 +214,18 @@ def test_api_key(engine_dir, monkeypatch, direct):
         assert good.completions.create(model=NAME, prompt="hi", max_tokens=2).choices
 
 
-def test_unset_key_variable_is_refused(engine_dir, direct, monkeypatch):
+def test_unset_key_variable_is_refused(runtime_engine_dir, runtime_lm, monkeypatch):
     monkeypatch.delenv("CALM_TEST_NO_KEY", raising=False)
     from calm_runtime.errors import ConfigError
 
     with pytest.raises(ConfigError, match="CALM_TEST_NO_KEY"):
-        create_app(ServeConfig(engine=str(engine_dir), api_key_env="CALM_TEST_NO_KEY"), direct)
+        create_app(ServeConfig(engine=str(runtime_engine_dir), api_key_env="CALM_TEST_NO_KEY"),
+                   runtime_lm)
 
 
 # ---------------------------------------------------------------------- load
-def _serial(direct, prompts, max_tokens):
-    return {p: direct.generate(p, max_new_tokens=max_tokens) for p in set(prompts)}
+def _serial(runtime_lm, prompts, max_tokens):
+    return {p: runtime_lm.generate(p, max_new_tokens=max_tokens) for p in set(prompts)}
 
 
 def _hammer(url, prompts, clients: int, per_client: int, max_tokens: int):
@@ -267,10 +248,10 @@ def _hammer(url, prompts, clients: int, per_client: int, max_tokens: int):
     return [x for p in parts for x in p[0]], [e for p in parts for e in p[1]]
 
 
-def test_load_is_batched_error_free_and_equal_to_serial(engine_dir, direct):
-    config = ServeConfig(engine=str(engine_dir), model_name=NAME, threads=1,
+def test_load_is_batched_error_free_and_equal_to_serial(runtime_engine_dir, runtime_lm):
+    config = ServeConfig(engine=str(runtime_engine_dir), model_name=NAME, threads=1,
                          max_batch_size=8, batch_window_ms=20)
-    refs = _serial(direct, PROMPTS, 16)
+    refs = _serial(runtime_lm, PROMPTS, 16)
     with running(create_app(config)) as (url, _):
         results, errors = _hammer(url, PROMPTS, clients=16, per_client=5, max_tokens=16)
         metrics = httpx.get(url + "/metrics").text
@@ -285,10 +266,11 @@ def test_load_is_batched_error_free_and_equal_to_serial(engine_dir, direct):
     assert count < 80  # concurrent requests shared batches
 
 
-def test_overload_gives_429_and_recovers(engine_dir, direct):
-    config = ServeConfig(engine=str(engine_dir), model_name=NAME, threads=1, max_batch_size=1,
+def test_overload_gives_429_and_recovers(runtime_engine_dir, runtime_lm):
+    config = ServeConfig(engine=str(runtime_engine_dir), model_name=NAME, threads=1,
+                         max_batch_size=1,
                          max_queue=2, batch_window_ms=0)
-    with running(create_app(config, direct)) as (url, _):
+    with running(create_app(config, runtime_lm)) as (url, _):
         results, errors = _hammer(url, PROMPTS, clients=12, per_client=2, max_tokens=64)
         assert errors, "a queue of 2 rows should overflow under 12 concurrent clients"
         assert all(isinstance(e, openai.RateLimitError) for e in errors)
@@ -296,24 +278,24 @@ def test_overload_gives_429_and_recovers(engine_dir, direct):
         cli = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         again = cli.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=4,
                                        temperature=0)
-        assert again.choices[0].text == direct.generate(PROMPTS[0], max_new_tokens=4).text
+        assert again.choices[0].text == runtime_lm.generate(PROMPTS[0], max_new_tokens=4).text
 
 
-def test_timeout_gives_504(engine_dir, direct):
-    config = ServeConfig(engine=str(engine_dir), model_name=NAME, request_timeout_s=0.001)
-    with running(create_app(config, direct)) as (url, _):
+def test_timeout_gives_504(runtime_engine_dir, runtime_lm):
+    config = ServeConfig(engine=str(runtime_engine_dir), model_name=NAME, request_timeout_s=0.001)
+    with running(create_app(config, runtime_lm)) as (url, _):
         response = httpx.post(url + "/v1/completions", json={
             "model": NAME, "prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0})
         assert response.status_code == 504
         assert response.json()["error"]["code"] == "timeout"
 
 
-def test_graceful_shutdown_finishes_in_flight_requests(engine_dir, direct):
+def test_graceful_shutdown_finishes_in_flight_requests(runtime_engine_dir, runtime_lm):
     import json
 
-    config = ServeConfig(engine=str(engine_dir), model_name=NAME, threads=1)
-    ref = direct.generate(PROMPTS[4], max_new_tokens=64)
-    with running(create_app(config, direct)) as (url, server):
+    config = ServeConfig(engine=str(runtime_engine_dir), model_name=NAME, threads=1)
+    ref = runtime_lm.generate(PROMPTS[4], max_new_tokens=64)
+    with running(create_app(config, runtime_lm)) as (url, server):
         body = {"model": NAME, "prompt": PROMPTS[4], "max_tokens": 64, "temperature": 0,
                 "stream": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
@@ -348,19 +330,19 @@ print(json.dumps({"status": r.status_code,
 '''
 
 
-def test_server_is_torch_free(engine_dir):
+def test_server_is_torch_free(runtime_engine_dir):
     import json
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-c", SERVER_CHILD, str(engine_dir)],
+    done = subprocess.run([sys.executable, "-c", SERVER_CHILD, str(runtime_engine_dir)],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report == {"status": 200, "loaded": []}
 
 
-def test_cli_serves_with_two_workers_and_stops_on_sigterm(engine_dir, direct):
+def test_cli_serves_with_two_workers_and_stops_on_sigterm(runtime_engine_dir, runtime_lm):
     """`calm serve ENGINE --workers 2` as a user runs it: two processes, SIGTERM stops it."""
     import signal
     import socket
@@ -371,7 +353,7 @@ def test_cli_serves_with_two_workers_and_stops_on_sigterm(engine_dir, direct):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     process = subprocess.Popen(
-        [sys.executable, "-m", "calm_runtime.cli", "-q", "serve", str(engine_dir), "--port",
+        [sys.executable, "-m", "calm_runtime.cli", "-q", "serve", str(runtime_engine_dir), "--port",
          str(port), "--workers", "2", "--model-name", NAME, "--threads", "1"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -388,7 +370,7 @@ def test_cli_serves_with_two_workers_and_stops_on_sigterm(engine_dir, direct):
         cli = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         for prompt in PROMPTS[:3]:
             out = cli.completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=0)
-            assert out.choices[0].text == direct.generate(prompt, max_new_tokens=8).text
+            assert out.choices[0].text == runtime_lm.generate(prompt, max_new_tokens=8).text
     finally:
         process.send_signal(signal.SIGTERM)
         code = process.wait(60)

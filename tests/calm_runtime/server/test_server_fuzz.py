@@ -30,7 +30,6 @@ hypothesis = pytest.importorskip("hypothesis")
 
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 
-from calm_runtime.lm import CalibratedLM  # noqa: E402
 from calm_runtime.server import ServeConfig, create_app  # noqa: E402
 from calm_runtime.server.background import serve_in_background as running  # noqa: E402
 
@@ -54,33 +53,22 @@ CASES = {"total": 0}
 pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning:calm_runtime")
 
 
-@pytest.fixture(scope="module")
-def engine_dir(runtime_engine):
-    return runtime_engine[2]
-
-
-@pytest.fixture(scope="module")
-def lm(engine_dir):
-    model = CalibratedLM.load(engine_dir, threads=1)
-    yield model
-    model.close()
-
-
-def _config(engine_dir, **extra) -> ServeConfig:
+def _config(runtime_engine_dir, **extra) -> ServeConfig:
     # small limits keep each generated request cheap: at most 8 tokens for 8 rows
-    return ServeConfig(engine=str(engine_dir), model_name=NAME, threads=1, max_tokens_limit=8,
+    return ServeConfig(engine=str(runtime_engine_dir), model_name=NAME, threads=1,
+                       max_tokens_limit=8,
                        default_max_tokens=4, max_queue=8, max_batch_size=4,
                        batch_window_ms=1, request_timeout_s=REQUEST_TIMEOUT_S - 5,
                        max_body_bytes=100_000, **extra)
 
 
 @pytest.fixture(scope="module")
-def servers(engine_dir, lm):
+def servers(runtime_engine_dir, runtime_lm):
     """``{"open": (url, schema), "keyed": (url, schema)}``: two live servers."""
     os.environ[KEY_ENV] = KEY
     try:
-        open_app = create_app(_config(engine_dir), lm)
-        keyed_app = create_app(_config(engine_dir, api_key_env=KEY_ENV), lm)
+        open_app = create_app(_config(runtime_engine_dir), runtime_lm)
+        keyed_app = create_app(_config(runtime_engine_dir, api_key_env=KEY_ENV), runtime_lm)
         with running(open_app) as (open_url, _), running(keyed_app) as (keyed_url, _):
             yield {"open": (open_url, open_app.openapi()),
                    "keyed": (keyed_url, keyed_app.openapi())}
@@ -170,12 +158,12 @@ def _fuzz(url: str, raw: dict, path: str, method: str, mode, headers: dict,
 @pytest.mark.parametrize("server, key", [("open", None), ("keyed", KEY), ("keyed", None),
                                          ("keyed", "wrong")],
                          ids=["no-key-configured", "right-key", "no-key-sent", "wrong-key"])
-def test_fuzzed_requests_never_fail_the_server(servers, engine_dir, server, key):
+def test_fuzzed_requests_never_fail_the_server(servers, runtime_engine_dir, server, key):
     url, raw = servers[server]
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     authorised = server == "open" or key == KEY
     modes = [schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE]
-    leaks = (*LEAKS, str(engine_dir), str(engine_dir.parent))
+    leaks = (*LEAKS, str(runtime_engine_dir), str(runtime_engine_dir.parent))
     ran, statuses = {}, collections.Counter()
     for path, method in _operations(raw):
         for mode in modes if method == "POST" else modes[:1]:  # a GET has nothing to spoil

@@ -30,25 +30,6 @@ NAME = "tiny"
 STEP_S = 0.02
 
 
-@pytest.fixture(scope="module")
-def engine_dir(runtime_engine):
-    return runtime_engine[2]
-
-
-@pytest.fixture(scope="module")
-def direct(engine_dir):
-    lm = CalibratedLM.load(engine_dir, threads=1)
-    yield lm
-    lm.close()
-
-
-@pytest.fixture(scope="module")
-def served(engine_dir, direct):
-    config = ServeConfig(engine=str(engine_dir), model_name=NAME, threads=1, max_tokens_limit=64)
-    with running(create_app(config, direct)) as (url, _):
-        yield url
-
-
 class _SlowEndlessBackend:
     """The engine's backend, ``STEP_S`` slower per forward pass and never emitting EOS."""
 
@@ -83,11 +64,11 @@ class _SlowTokenizer:
 
 
 @pytest.fixture(scope="module")
-def slow_served(engine_dir, direct):
-    slow = CalibratedLM(direct.manifest,
-                        _SlowEndlessBackend(direct.backend, direct.tokenizer.eos_token_ids),
-                        direct.tokenizer)
-    config = ServeConfig(engine=str(engine_dir), model_name=NAME, threads=1,
+def slow_served(runtime_engine_dir, runtime_lm):
+    slow = CalibratedLM(runtime_lm.manifest,
+                        _SlowEndlessBackend(runtime_lm.backend, runtime_lm.tokenizer.eos_token_ids),
+                        runtime_lm.tokenizer)
+    config = ServeConfig(engine=str(runtime_engine_dir), model_name=NAME, threads=1,
                          max_tokens_limit=250, batch_window_ms=0)
     with running(create_app(config, slow)) as (url, _):
         yield url
@@ -158,12 +139,12 @@ def test_abandoned_request_stops_its_generation(slow_served):
     assert _wait_for_metric(url, "calm_requests_cancelled_total", before + 1) == before + 1
 
 
-def test_server_timeout_stops_its_generation(engine_dir, direct):
+def test_server_timeout_stops_its_generation(runtime_engine_dir, runtime_lm):
     """A request past ``request_timeout_s`` gets 504 and its decode stops too."""
-    slow = CalibratedLM(direct.manifest,
-                        _SlowEndlessBackend(direct.backend, direct.tokenizer.eos_token_ids),
-                        direct.tokenizer)
-    config = ServeConfig(engine=str(engine_dir), model_name=NAME, threads=1,
+    slow = CalibratedLM(runtime_lm.manifest,
+                        _SlowEndlessBackend(runtime_lm.backend, runtime_lm.tokenizer.eos_token_ids),
+                        runtime_lm.tokenizer)
+    config = ServeConfig(engine=str(runtime_engine_dir), model_name=NAME, threads=1,
                          max_tokens_limit=250, batch_window_ms=0, request_timeout_s=0.3)
     with running(create_app(config, slow)) as (url, _):
         response = httpx.post(url + "/v1/completions", timeout=30,
@@ -173,13 +154,13 @@ def test_server_timeout_stops_its_generation(engine_dir, direct):
         assert _metric(url, "calm_requests_cancelled_total") == 0  # a timeout, not a client
 
 
-def test_a_batch_mate_that_leaves_does_not_disturb_the_others(engine_dir, direct):
+def test_a_batch_mate_that_leaves_does_not_disturb_the_others(runtime_engine_dir, runtime_lm):
     """Two streams decode as one batch; the one whose client leaves is dropped from it, the
     other streams on to exactly what it gets alone."""
-    slow = CalibratedLM(direct.manifest,
-                        _SlowEndlessBackend(direct.backend, direct.tokenizer.eos_token_ids),
-                        direct.tokenizer)
-    config = ServeConfig(engine=str(engine_dir), model_name=NAME, threads=1,
+    slow = CalibratedLM(runtime_lm.manifest,
+                        _SlowEndlessBackend(runtime_lm.backend, runtime_lm.tokenizer.eos_token_ids),
+                        runtime_lm.tokenizer)
+    config = ServeConfig(engine=str(runtime_engine_dir), model_name=NAME, threads=1,
                          max_tokens_limit=250, batch_window_ms=300)
     want = slow.generate("The cat", max_new_tokens=30)
     with running(create_app(config, slow)) as (url, _):
@@ -207,13 +188,13 @@ def test_a_batch_mate_that_leaves_does_not_disturb_the_others(engine_dir, direct
         assert _wait_for_metric(url, "calm_requests_cancelled_total", 1) == 1
 
 
-def test_p_true_refused_for_one_row_leaves_its_batch_mates_alone(engine_dir, direct):
+def test_p_true_refused_for_one_row_leaves_its_batch_mates_alone(runtime_engine_dir, runtime_lm):
     """A row whose P(True) prompt overflows the context gets a 400 naming it; the request
     batched with it is answered as usual (it used to get the same 400)."""
-    config = ServeConfig(engine=str(engine_dir), model_name=NAME, threads=1,
+    config = ServeConfig(engine=str(runtime_engine_dir), model_name=NAME, threads=1,
                          batch_window_ms=300)
     long_prompt = "a" * 240  # fits with 4 new tokens; the P(True) prompt around it does not
-    with running(create_app(config, direct)) as (url, _):
+    with running(create_app(config, runtime_lm)) as (url, _):
         out = {}
 
         def send(name, body):
@@ -230,12 +211,12 @@ def test_p_true_refused_for_one_row_leaves_its_batch_mates_alone(engine_dir, dir
         assert _metric(url, "calm_batch_size_count") == 1
     assert "P(True) prompt" in _error(out["p_true"], 400)["message"]
     assert out["plain"].status_code == 200
-    assert out["plain"].json()["choices"][0]["text"] == direct.generate(
+    assert out["plain"].json()["choices"][0]["text"] == runtime_lm.generate(
         "The cat", max_new_tokens=4).text
 
 
 # ---------------------------------------------------------------------- 2. body size
-def test_chunked_body_over_the_limit_is_refused_while_it_arrives(engine_dir, direct):
+def test_chunked_body_over_the_limit_is_refused_while_it_arrives(runtime_engine_dir, runtime_lm):
     """A chunked body 1000 times the limit is answered 413 after reading about the limit
     (it used to be buffered whole before the size check)."""
     limit, chunk, chunks = 64_000, 32_768, 2_000  # 64 MB offered
@@ -247,9 +228,9 @@ def test_chunked_body_over_the_limit_is_refused_while_it_arrives(engine_dir, dir
             consumed += 1
             yield b" " * chunk
 
-    config = ServeConfig(engine=str(engine_dir), model_name=NAME, threads=1,
+    config = ServeConfig(engine=str(runtime_engine_dir), model_name=NAME, threads=1,
                          max_body_bytes=limit)
-    with running(create_app(config, direct)) as (url, _):
+    with running(create_app(config, runtime_lm)) as (url, _):
         response = httpx.post(url + "/v1/completions", content=body(), timeout=30,
                               headers={"content-type": "application/json"})
         assert _error(response, 413)["code"] == "request_too_large"
@@ -263,10 +244,10 @@ def test_chunked_body_over_the_limit_is_refused_while_it_arrives(engine_dir, dir
         assert 'calm_requests_total{code="413",endpoint="/v1/completions"} 1.0' in counted
 
 
-def test_body_over_the_limit_by_content_length_is_refused_unread(engine_dir, direct):
-    config = ServeConfig(engine=str(engine_dir), model_name=NAME, threads=1,
+def test_body_over_the_limit_by_content_length_is_refused_unread(runtime_engine_dir, runtime_lm):
+    config = ServeConfig(engine=str(runtime_engine_dir), model_name=NAME, threads=1,
                          max_body_bytes=1_000)
-    with running(create_app(config, direct)) as (url, _):
+    with running(create_app(config, runtime_lm)) as (url, _):
         response = httpx.post(url + "/v1/chat/completions", content=b"{" + b" " * 5_000 + b"}")
         assert _error(response, 413)["code"] == "request_too_large"
         assert response.headers["connection"] == "close"  # the unread body is not drained
@@ -275,7 +256,7 @@ def test_body_over_the_limit_by_content_length_is_refused_unread(engine_dir, dir
 
 
 # ---------------------------------------------------------------------- 3. prompt length
-def test_huge_prompt_is_refused_before_tokenising(served):
+def test_huge_prompt_is_refused_before_tokenising(runtime_served):
     """990,000 characters: a 400 at once, and /health stays responsive meanwhile (the
     prompt used to be tokenised on the event loop first: 1.6 s, /health stalled)."""
     prompt = "a" * 990_000
@@ -283,7 +264,7 @@ def test_huge_prompt_is_refused_before_tokenising(served):
 
     def send():
         started = time.monotonic()
-        result["response"] = httpx.post(served + "/v1/completions", timeout=30,
+        result["response"] = httpx.post(runtime_served + "/v1/completions", timeout=30,
                                         json={"model": NAME, "prompt": prompt, "max_tokens": 2})
         result["elapsed"] = time.monotonic() - started
 
@@ -292,7 +273,7 @@ def test_huge_prompt_is_refused_before_tokenising(served):
     health = []
     while worker.is_alive():
         started = time.monotonic()
-        assert httpx.get(served + "/health", timeout=10).status_code == 200
+        assert httpx.get(runtime_served + "/health", timeout=10).status_code == 200
         health.append(time.monotonic() - started)
     worker.join()
     error = _error(result["response"], 400)
@@ -302,25 +283,26 @@ def test_huge_prompt_is_refused_before_tokenising(served):
     # client's JSON encoding, in this process, included)
     assert result["elapsed"] < 1.0
     assert max(health) < 0.75
-    chat = httpx.post(served + "/v1/chat/completions", json={
+    chat = httpx.post(runtime_served + "/v1/chat/completions", json={
         "model": NAME, "messages": [{"role": "user", "content": prompt[:300_000]}]})
     assert _error(chat, 400)["code"] == "context_length_exceeded"
 
 
-def test_prompt_character_cap_is_derived_from_the_token_cap(served, direct):
-    cap = (direct.max_context - 1) * PROMPT_CHARS_PER_TOKEN
-    over = httpx.post(served + "/v1/completions",
+def test_prompt_character_cap_is_derived_from_the_token_cap(runtime_served, runtime_lm):
+    cap = (runtime_lm.max_context - 1) * PROMPT_CHARS_PER_TOKEN
+    over = httpx.post(runtime_served + "/v1/completions",
                       json={"model": NAME, "prompt": "a" * (cap + 1), "max_tokens": 2})
     assert f"at most {cap} characters" in _error(over, 400)["message"]
     # at the cap the prompt is tokenised and refused by its token count instead
-    at = httpx.post(served + "/v1/completions",
+    at = httpx.post(runtime_served + "/v1/completions",
                     json={"model": NAME, "prompt": "a" * cap, "max_tokens": 2})
     assert "tokens" in _error(at, 400)["message"]
 
 
-def test_tokenising_runs_off_the_event_loop(engine_dir, direct):
-    slow = CalibratedLM(direct.manifest, direct.backend, _SlowTokenizer(direct.tokenizer, 1.0))
-    config = ServeConfig(engine=str(engine_dir), model_name=NAME, threads=1)
+def test_tokenising_runs_off_the_event_loop(runtime_engine_dir, runtime_lm):
+    slow = CalibratedLM(runtime_lm.manifest, runtime_lm.backend,
+                        _SlowTokenizer(runtime_lm.tokenizer, 1.0))
+    config = ServeConfig(engine=str(runtime_engine_dir), model_name=NAME, threads=1)
     with running(create_app(config, slow)) as (url, _):
         result = {}
         worker = threading.Thread(target=lambda: result.update(response=httpx.post(
@@ -375,8 +357,9 @@ def _post_twice_on_one_connection(url: str, path: str, body: bytes) -> tuple:
     ("/v1/completions", b'{"model": "tiny", "prompt": "hi", "seed": 1' + b"0" * 5_000 + b"}",
      "JSON", None),
 ])
-def test_malformed_text_is_a_400_and_keeps_the_connection(served, path, body, fragment, param):
-    status, payload, after = _post_twice_on_one_connection(served, path, body)
+def test_malformed_text_is_a_400_and_keeps_the_connection(runtime_served, path, body, fragment,
+                                                          param):
+    status, payload, after = _post_twice_on_one_connection(runtime_served, path, body)
     assert status == 400, payload
     assert set(payload["error"]) == {"message", "type", "param", "code"}
     assert fragment in payload["error"]["message"]
@@ -384,12 +367,12 @@ def test_malformed_text_is_a_400_and_keeps_the_connection(served, path, body, fr
     assert after == 200
 
 
-def test_surrogate_pairs_are_valid_text(served, direct):
+def test_surrogate_pairs_are_valid_text(runtime_served, runtime_lm):
     body = {"model": NAME, "prompt": "smile \U0001F600", "max_tokens": 3, "temperature": 0}
-    response = httpx.post(served + "/v1/completions",
+    response = httpx.post(runtime_served + "/v1/completions",
                           content=json.dumps(body, ensure_ascii=True))  # "\ud83d\ude00"
     assert response.status_code == 200
-    assert response.json()["choices"][0]["text"] == direct.generate(
+    assert response.json()["choices"][0]["text"] == runtime_lm.generate(
         "smile \U0001F600", max_new_tokens=3).text
 
 
@@ -422,7 +405,7 @@ def test_surrogate_pairs_are_valid_text(served, direct):
     ("/v1/chat/completions", "max_tokens", True),
     ("/v1/chat/completions", "messages", [{"role": "user", "content": 5}]),
 ])
-def test_parameters_are_strictly_typed(served, path, field, value):
+def test_parameters_are_strictly_typed(runtime_served, path, field, value):
     """Wrong JSON types are refused by name; an integral float for an integer is that integer
     (JSON Schema's ``integer`` takes ``2.0``), a fractional one is refused."""
     body = {"model": NAME, "max_tokens": 2}
@@ -436,18 +419,18 @@ def test_parameters_are_strictly_typed(served, path, field, value):
         field = f"{field}.{next(iter(value))}"
     else:
         body[field] = value
-    error = _error(httpx.post(served + path, json=body), 400)
+    error = _error(httpx.post(runtime_served + path, json=body), 400)
     assert error["param"] == field, error
     assert field in error["message"]
 
 
-def test_integral_numbers_are_accepted_where_openai_takes_numbers(served):
-    response = httpx.post(served + "/v1/completions", json={
+def test_integral_numbers_are_accepted_where_openai_takes_numbers(runtime_served):
+    response = httpx.post(runtime_served + "/v1/completions", json={
         "model": NAME, "prompt": "Hi", "max_tokens": 2, "temperature": 0, "top_p": 1,
         "presence_penalty": 0, "frequency_penalty": 0})
     assert response.status_code == 200, response.text
 
 
-def test_integral_floats_are_integers(served):
+def test_integral_floats_are_integers(runtime_served):
     body = {"model": NAME, "prompt": "Hi", "max_tokens": 2.0, "seed": 7.0, "top_k": 5.0}
-    assert httpx.post(served + "/v1/completions", json=body).status_code == 200
+    assert httpx.post(runtime_served + "/v1/completions", json=body).status_code == 200
