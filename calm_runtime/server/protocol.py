@@ -20,14 +20,16 @@ from __future__ import annotations
 
 import math
 import typing
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..results import Generation, Token
 
 __all__ = ["CompletionRequest", "ChatRequest", "ErrorResponse", "APIError", "FINISH_REASONS",
-           "completion_logprobs", "chat_logprobs", "echo_logprobs", "choice_extension"]
+           "Usage", "AssistantMessage", "CompletionChoice", "ChatChoice", "CompletionResponse",
+           "ChatCompletionResponse", "completion_logprobs", "chat_logprobs", "echo_logprobs",
+           "choice_extension"]
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 
@@ -246,6 +248,62 @@ class ErrorResponse(BaseModel):
 
 
 # ---------------------------------------------------------------------- responses
+# What the non-streaming endpoints answer (the stream's chunks are built per token in
+# responses.py, in the same shapes).
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, prompt: int, completion: int = 0) -> Usage:
+        return cls(prompt_tokens=prompt, completion_tokens=completion,
+                   total_tokens=prompt + completion)
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+    refusal: None = None
+
+
+class _Choice(BaseModel):
+    index: int
+    finish_reason: Literal["stop", "length"]
+    #: OpenAI's ``logprobs`` object of the choice (calibrated), or null when not asked
+    logprobs: Any = None
+    #: calm's extension: token/sequence confidences, P(True), option probabilities, ...
+    calm: dict[str, Any]
+
+
+class CompletionChoice(_Choice):
+    text: str
+
+
+class ChatChoice(_Choice):
+    message: AssistantMessage
+
+
+class _Envelope(BaseModel):
+    id: str
+    created: int
+    model: str
+    system_fingerprint: str
+    usage: Usage
+    #: the engine and its calibration
+    calm: dict[str, Any]
+
+
+class CompletionResponse(_Envelope):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+
+
+class ChatCompletionResponse(_Envelope):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+
+
 def _logprob(confidence: float) -> float:
     return math.log(confidence) if confidence > 0 else -1e4  # JSON has no -inf
 

@@ -22,7 +22,13 @@ from .guard import CLIENT_CLOSED
 from .protocol import (
     FINISH_REASONS,
     APIError,
+    AssistantMessage,
     CalmOptions,
+    ChatChoice,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionResponse,
+    Usage,
     chat_logprobs,
     choice_extension,
     completion_logprobs,
@@ -79,6 +85,22 @@ class _Responses:
                "chat": "chat.completion.chunk" if chunk else "chat.completion"}[kind]
         return {"id": rid, "object": obj, "created": int(time.time()),
                 "model": self.config.served_name, "system_fingerprint": self.fingerprint}
+
+    def _response(self, kind: str, choices: list, usage: Usage) -> dict:
+        """A non-streaming response body, built through its model (protocol.py)."""
+        model = CompletionResponse if kind == "completion" else ChatCompletionResponse
+        prefix = "cmpl" if kind == "completion" else "chatcmpl"
+        return model(id=f"{prefix}-{uuid.uuid4().hex}", created=int(time.time()),
+                     model=self.config.served_name, system_fingerprint=self.fingerprint,
+                     choices=choices, usage=usage, calm=self.identity).model_dump()
+
+    @staticmethod
+    def _choice(kind: str, index: int, text: str, finish: str, logprobs, calm: dict):
+        if kind == "completion":
+            return CompletionChoice(index=index, text=text, finish_reason=finish,
+                                    logprobs=logprobs, calm=calm)
+        return ChatChoice(index=index, message=AssistantMessage(content=text),
+                          finish_reason=finish, logprobs=logprobs, calm=calm)
 
     async def _results(self, jobs: list[Job], request: Request):
         """The jobs' results; ``None`` when the client disconnected first (the rows are then
@@ -142,19 +164,8 @@ class _Responses:
             if below is not None:
                 extension["abstained"] = picked.confidence < below
                 extension["abstain_below"] = below
-            choice = {"index": index, "finish_reason": "stop", "logprobs": None,
-                      "calm": extension}
-            if kind == "completion":
-                choice["text"] = text
-            else:
-                choice["message"] = {"role": "assistant", "content": text}
-            out.append(choice)
-        prefix = "cmpl" if kind == "completion" else "chatcmpl"
-        body = self._envelope(f"{prefix}-{uuid.uuid4().hex}", kind)
-        prompt_tokens = sum(len(ids) for ids in encoded)
-        body.update(choices=out, usage={"prompt_tokens": prompt_tokens, "completion_tokens": 0,
-                                        "total_tokens": prompt_tokens})
-        return body
+            out.append(self._choice(kind, index, text, "stop", None, extension))
+        return self._response(kind, out, Usage.of(sum(len(ids) for ids in encoded)))
 
     async def echo(self, prompts: list[str], req, request: Request):
         """``echo`` with ``max_tokens`` 0: every prompt token's calibrated log-probability
@@ -172,22 +183,18 @@ class _Responses:
             prompt_tokens += len(scored)
             choices.append(await run_in_threadpool(self._echo_choice, index, prompt, scored,
                                                    req, top))
-        body = self._envelope(f"cmpl-{uuid.uuid4().hex}", "completion")
-        body.update(choices=choices, usage={"prompt_tokens": prompt_tokens,
-                                            "completion_tokens": 0,
-                                            "total_tokens": prompt_tokens})
-        # a long echo with alternatives is megabytes of JSON: encoded off the event loop
-        content = await run_in_threadpool(_encode_json, body)
+        # a long echo with alternatives is megabytes of JSON: built and encoded off the loop
+        content = await run_in_threadpool(
+            lambda: _encode_json(self._response("completion", choices, Usage.of(prompt_tokens))))
         return Response(content=content, media_type="application/json")
 
-    def _echo_choice(self, index: int, prompt: str, scored, req, top: int) -> dict:
-        choice = {"index": index, "text": prompt, "finish_reason": "length",
-                  "logprobs": echo_logprobs(scored, top) if req.logprobs is not None
-                  else None}
-        choice["calm"] = {"calibrated": self.calibrated}
+    def _echo_choice(self, index: int, prompt: str, scored, req, top: int) -> CompletionChoice:
+        calm = {"calibrated": self.calibrated}
         if req.wants_raw:
-            choice["calm"]["raw_logprobs"] = echo_logprobs(scored, top, raw=True)
-        return choice
+            calm["raw_logprobs"] = echo_logprobs(scored, top, raw=True)
+        return self._choice("completion", index, prompt, "length",
+                            echo_logprobs(scored, top) if req.logprobs is not None else None,
+                            calm)
 
     async def complete(self, jobs: list[Job], req, kind: str, request: Request):
         results = await self._results(jobs, request)
@@ -205,32 +212,25 @@ class _Responses:
         for index, result in enumerate(results):
             self._observe(result)
             g = result.generation
-            choice = {"index": index, "finish_reason": FINISH_REASONS[g.finish_reason]}
             if kind == "completion":
-                choice["text"] = g.text
-                choice["logprobs"] = (None if req.logprobs is None
-                                      else completion_logprobs(g.tokens, req.logprobs))
+                logprobs = (None if req.logprobs is None
+                            else completion_logprobs(g.tokens, req.logprobs))
             else:
-                choice["message"] = {"role": "assistant", "content": g.text, "refusal": None}
-                choice["logprobs"] = (chat_logprobs(g.tokens, req.top_logprobs or 0,
-                                                    token_bytes=self.lm.tokenizer.token_bytes)
-                                      if req.logprobs else None)
-            choice["calm"] = {**choice_extension(g, result.p_true, req.wants_p_true),
-                              "calibrated": self.calibrated}
+                logprobs = (chat_logprobs(g.tokens, req.top_logprobs or 0,
+                                          token_bytes=self.lm.tokenizer.token_bytes)
+                            if req.logprobs else None)
+            calm = {**choice_extension(g, result.p_true, req.wants_p_true),
+                    "calibrated": self.calibrated}
             if req.wants_raw:
-                choice["calm"]["raw_logprobs"] = (
+                calm["raw_logprobs"] = (
                     completion_logprobs(g.tokens, req.logprobs, raw=True)
                     if kind == "completion"
                     else chat_logprobs(g.tokens, req.top_logprobs or 0, raw=True,
                                        token_bytes=self.lm.tokenizer.token_bytes))
-            choices.append(choice)
-        prompt = sum(len(j.ids) for j in jobs)
-        completion = sum(len(r.generation.tokens) for r in results)
-        prefix = "cmpl" if kind == "completion" else "chatcmpl"
-        return {**self._envelope(f"{prefix}-{uuid.uuid4().hex}", kind), "choices": choices,
-                "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
-                          "total_tokens": prompt + completion},
-                "calm": self.identity}
+            choices.append(self._choice(kind, index, g.text, FINISH_REASONS[g.finish_reason],
+                                        logprobs, calm))
+        return self._response(kind, choices, Usage.of(
+            sum(len(j.ids) for j in jobs), sum(len(r.generation.tokens) for r in results)))
 
     async def stream(self, jobs: list[Job], req, kind: str):
         """SSE events: one chunk per token, a final chunk per choice, usage, ``[DONE]``.

@@ -375,3 +375,35 @@ def test_cli_serves_with_two_workers_and_stops_on_sigterm(runtime_engine_dir, ru
         process.send_signal(signal.SIGTERM)
         code = process.wait(60)
     assert code == 0
+
+
+def test_answers_are_the_documented_response_models(runtime_served, runtime_engine_dir,
+                                                    runtime_lm):
+    """Every non-streaming answer parses as its response model (protocol.py), and the
+    OpenAPI document names those models for the 200s."""
+    from calm_runtime.server.protocol import ChatCompletionResponse, CompletionResponse
+
+    bodies = {
+        CompletionResponse: [
+            {"model": NAME, "prompt": PROMPTS[1], "max_tokens": 3, "logprobs": 2},
+            {"model": NAME, "prompt": PROMPTS[1], "max_tokens": 0, "echo": True, "logprobs": 1},
+            {"model": NAME, "prompt": PROMPTS[0], "guided_choice": ["red", "blue"]}],
+        ChatCompletionResponse: [
+            {"model": NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
+             "logprobs": True, "top_logprobs": 1},
+            {"model": NAME, "messages": [{"role": "user", "content": "Red or blue?"}],
+             "guided_choice": ["red", "blue"]}]}
+    for model, requests in bodies.items():
+        path = "/v1/completions" if model is CompletionResponse else "/v1/chat/completions"
+        for body in requests:
+            response = httpx.post(runtime_served + path, json=body, timeout=60)
+            assert response.status_code == 200, response.text
+            parsed = model.model_validate(response.json())
+            assert parsed.model_dump() == response.json()  # nothing outside the model
+            assert parsed.calm["engine"] == NAME
+    schema = create_app(ServeConfig(engine=str(runtime_engine_dir), model_name=NAME),
+                        runtime_lm).openapi()
+    for path, model in (("/v1/completions", CompletionResponse),
+                        ("/v1/chat/completions", ChatCompletionResponse)):
+        ok = schema["paths"][path]["post"]["responses"]["200"]["content"]["application/json"]
+        assert ok["schema"]["$ref"].endswith("/" + model.__name__)
