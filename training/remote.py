@@ -40,7 +40,6 @@ from calm_runtime._paths import cache_dir
 from calm_runtime.data import MultipleChoiceRecord
 from calm_runtime.errors import CalmError, ConfigError
 from calm_runtime.prompts import (
-    CHOICE_MODES,
     PTrueTemplate,
     cloze_context,
     cloze_continuation,
@@ -354,14 +353,8 @@ def remote_option_scores(endpoint: Endpoint, records: Sequence[MultipleChoiceRec
     as text to ``/v1/completions``; letter prompts there too, or with ``chat`` as the user's
     message to ``/v1/chat/completions`` (letters without a leading space, as the local path
     reads them after a chat prompt)."""
-    if mode not in CHOICE_MODES:
-        raise ConfigError(f"unknown mode {mode!r}; choose one of {', '.join(CHOICE_MODES)}")
-    k_max = max(len(r.choices) for r in records)
-    n = len(records)
-    values = np.full((n, k_max), np.nan)
-    n_tokens = np.ones((n, k_max), dtype=np.int64)
-    n_chars = np.ones((n, k_max), dtype=np.int64)
-    labels = np.array([-1 if r.answer is None else r.answer for r in records], dtype=np.int64)
+    out = OptionScores.empty(records, mode)
+    values, n_tokens, n_chars, n = out.values, out.n_tokens, out.n_chars, len(records)
     stats = RemoteStats(total=n)
     if mode == "letter":
         letters = [letter_tokens(len(r.choices), chat=chat) for r in records]
@@ -401,8 +394,7 @@ def remote_option_scores(endpoint: Endpoint, records: Sequence[MultipleChoiceRec
                        "among the top %d alternatives nor scorable by echo; it got the "
                        "smallest returned log-probability (an upper bound)", stats.floored, n,
                        100 * stats.floored_share, TOP_LOGPROBS)
-    return OptionScores(mode=mode, values=values, n_tokens=n_tokens, n_chars=n_chars,
-                        labels=labels), stats
+    return out, stats
 
 
 def _completion_text(payload: dict, body: dict | None = None) -> str:

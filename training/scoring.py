@@ -76,6 +76,21 @@ class OptionScores:
     #: returned alternatives nor scorable by echo (it got the floor); None when local
     floored: int | None = None
 
+    @classmethod
+    def empty(cls, records: Sequence[MultipleChoiceRecord], mode: str) -> OptionScores:
+        """The scores of ``records`` before any is read (NaN values, one token and character
+        per option, the labels): every scorer (torch, engine, served) fills these in place."""
+        if mode not in CHOICE_MODES:
+            raise ConfigError(f"unknown mode {mode!r}; choose one of {', '.join(CHOICE_MODES)}")
+        if not records:
+            raise DataError("no records to score; check the data file or split")
+        shape = (len(records), max(len(r.choices) for r in records))
+        return cls(mode=mode, values=np.full(shape, np.nan),
+                   n_tokens=np.ones(shape, dtype=np.int64),
+                   n_chars=np.ones(shape, dtype=np.int64),
+                   labels=np.array([-1 if r.answer is None else r.answer for r in records],
+                                   dtype=np.int64))
+
     @property
     def n_options(self) -> np.ndarray:
         return (~np.isnan(self.values)).sum(axis=1)
@@ -320,18 +335,10 @@ def score_multiple_choice(model, tokenizer, records: Sequence[MultipleChoiceReco
     """
     from tqdm.auto import tqdm
 
-    if mode not in CHOICE_MODES:
-        raise ConfigError(f"unknown mode {mode!r}; choose one of {', '.join(CHOICE_MODES)}")
     if batch_size < 1:
         raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
-    if not records:
-        raise DataError("no records to score; check the data file or split")
-    k_max = max(len(r.choices) for r in records)
-    n = len(records)
-    values = np.full((n, k_max), np.nan)
-    n_tokens = np.ones((n, k_max), dtype=np.int64)
-    n_chars = np.ones((n, k_max), dtype=np.int64)
-    labels = np.array([-1 if r.answer is None else r.answer for r in records], dtype=np.int64)
+    out = OptionScores.empty(records, mode)
+    values, n_tokens, n_chars = out.values, out.n_tokens, out.n_chars
     pad = _pad_id(tokenizer)
     limit = context_limit(model, max_length)
     was_training = model.training
@@ -346,8 +353,7 @@ def score_multiple_choice(model, tokenizer, records: Sequence[MultipleChoiceReco
                            limit)
     finally:
         model.train(was_training)
-    return OptionScores(mode=mode, values=values, n_tokens=n_tokens, n_chars=n_chars,
-                        labels=labels)
+    return out
 
 
 def _score_cloze(model, tokenizer, records, values, n_tokens, n_chars, batch_size, pad,
