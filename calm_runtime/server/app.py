@@ -48,10 +48,8 @@ from .metrics import CONTENT_TYPE_LATEST
 from .openapi import _openapi, _request_body
 from .protocol import (
     APIError,
-    ChatCompletionResponse,
     ChatRequest,
     CompletionRequest,
-    CompletionResponse,
     ErrorResponse,
 )
 from .responses import _EventStream
@@ -69,11 +67,6 @@ _ERROR_RESPONSES = {
         (404, "another model"), (413, "a body over the size limit"),
         (429, "the queue is full"), (503, "the server is shutting down"),
         (504, "past the request timeout"))}
-
-
-def _answer(model) -> dict:
-    return {"model": model, "description": "the answer; with stream, server-sent events of "
-                                           "chunks of the same shape, then [DONE]"}
 
 
 def create_app(config: ServeConfig, lm: CalibratedLM | None = None) -> FastAPI:
@@ -128,7 +121,7 @@ def create_app(config: ServeConfig, lm: CalibratedLM | None = None) -> FastAPI:
                                             "calm": server.identity}]}
 
     @app.post("/v1/completions", openapi_extra=_request_body(CompletionRequest),
-              responses={200: _answer(CompletionResponse), **_ERROR_RESPONSES})
+              responses=_ERROR_RESPONSES)
     async def completions(request: Request):
         server.authorize(request)
         req = await server.parse(request, CompletionRequest)
@@ -171,7 +164,7 @@ def create_app(config: ServeConfig, lm: CalibratedLM | None = None) -> FastAPI:
         return await server.complete(jobs, req, "completion", request)
 
     @app.post("/v1/chat/completions", openapi_extra=_request_body(ChatRequest),
-              responses={200: _answer(ChatCompletionResponse), **_ERROR_RESPONSES})
+              responses=_ERROR_RESPONSES)
     async def chat(request: Request):
         server.authorize(request)
         req = await server.parse(request, ChatRequest)

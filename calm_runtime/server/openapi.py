@@ -9,8 +9,10 @@ from .protocol import (
     MAX_CHOICE_CHARS,
     MAX_CHOICES,
     MIN_CHOICES,
+    ChatCompletionResponse,
     ChatRequest,
     CompletionRequest,
+    CompletionResponse,
 )
 from .serving import CHAT_MESSAGES_DOCUMENTED, TOKENS_PER_CHAR, _raw_recoverable, _Server
 
@@ -34,6 +36,18 @@ def _openapi(app: FastAPI, server: _Server) -> dict:
             components.update(body.pop("$defs", {}))
             _document_limits(body, server)
             components[model.__name__] = body
+        # the answers' models, as the request models: the routes build their answers through
+        # them (responses.py), and the document is written here, in one place
+        for path, model in (("/v1/completions", CompletionResponse),
+                            ("/v1/chat/completions", ChatCompletionResponse)):
+            body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(body.pop("$defs", {}))
+            components[model.__name__] = body
+            schema["paths"][path]["post"]["responses"]["200"] = {
+                "description": "the answer; with stream, server-sent events of chunks of the "
+                               "same shape, then [DONE]",
+                "content": {"application/json": {"schema": {
+                    "$ref": f"#/components/schemas/{model.__name__}"}}}}
         if server.has_key:
             schema["components"]["securitySchemes"] = {"bearer": {"type": "http",
                                                                   "scheme": "bearer"}}
