@@ -65,7 +65,7 @@ from .calibration import (
     fused_head,
 )
 from .errors import ArtifactError, IncompatibleModelError
-from .prompts import CHOICE_MODES, CLOZE_VARIANTS
+from .fit_record import FitRecord
 
 __all__ = [
     "ADAPTER_SCHEMA_VERSION",
@@ -391,21 +391,20 @@ class CalibrationAdapter:
         }
 
     @property
+    def fit_record(self) -> FitRecord:
+        """How this adapter was fitted (mode, cloze variant, answer temperature, choice
+        mode), typed: see :class:`~calm_runtime.fit_record.FitRecord`."""
+        return FitRecord.parse(self.method, self.abstention, self.answer_temperature)
+
+    @property
     def cloze_variant(self) -> str | None:
-        """The cloze score variant the adapter's option calibration was fitted with (its
-        ``method.variant``), or ``None`` when it records none."""
-        value = (self.method or {}).get("variant")
-        return value if value in CLOZE_VARIANTS else None
+        """``fit_record.cloze_variant``."""
+        return self.fit_record.cloze_variant
 
     @property
     def choice_mode(self) -> str | None:
-        """``cloze`` or ``letter``: the mode of the abstention threshold, else of the fit;
-        ``None`` when neither records one (e.g. a P(True) fit or a CALM adapter)."""
-        for section in (self.abstention, self.method):
-            mode = (section or {}).get("mode")
-            if mode in CHOICE_MODES:
-                return mode
-        return None
+        """``fit_record.choice_mode``."""
+        return self.fit_record.choice_mode
 
     def has_token_calibration(self) -> bool:
         """Whether the fusable part (``tau``, ``shift``, ``temperature``) is not the identity:

@@ -93,14 +93,13 @@ def load_calibration_data(spec: str, limit: int | None = None) -> CalibrationDat
 
 def scoring_settings(config, adapter) -> tuple[str, str | None]:
     """``(mode, cloze variant)``: the config's, else the adapter's fit, else cloze / "mean"."""
-    method = adapter.method or {}
-    mode = config.calibration_mode or (method.get("mode") if method.get("mode") in
-                                       CHOICE_MODES else "cloze")
+    record = adapter.fit_record
+    mode = config.calibration_mode or (record.mode if record.mode in CHOICE_MODES else "cloze")
     if mode == "letter":
         return mode, None
     variant = cloze_variant_for(
-        config.calibration_variant, adapter.cloze_variant,
-        bound=adapter.answer_temperature is not None and not config.recalibrate,
+        config.calibration_variant, record.cloze_variant,
+        bound=record.binds_variant and not config.recalibrate,
         what="the adapter", fix="drop --calibration-variant or pass --recalibrate to refit it")
     return mode, variant
 

@@ -42,8 +42,8 @@ def evaluate_adapter(config: FitConfig, adapter_dir: str | os.PathLike, *,
 
     adapter = CalibrationAdapter.from_pretrained(adapter_dir)
     if config.mode == "cloze":  # the recorded variant or a one-line error, never a switch
-        cloze_variant_for(config.variant, adapter.cloze_variant,
-                          bound=adapter.answer_temperature is not None, what=str(adapter_dir),
+        cloze_variant_for(config.variant, adapter.fit_record.cloze_variant,
+                          bound=adapter.fit_record.binds_variant, what=str(adapter_dir),
                           fix=f"evaluate with variant {adapter.cloze_variant!r} (calm eval "
                               "does when --variant is not given)")
     records = _load_records(config)

@@ -10,6 +10,7 @@ import re
 from calm_runtime.artifact import CalibrationAdapter
 from calm_runtime.data import MultipleChoiceRecord
 from calm_runtime.errors import ConfigError, DataError
+from calm_runtime.fit_record import FitRecord
 from calm_runtime.prompts import cloze_variant_for
 from calm_runtime.score import choices_report, require_labels
 
@@ -37,10 +38,9 @@ def score_served(args, records) -> tuple[dict, str]:
         raise ConfigError(f"{args.adapter} is an adapter for the local model "
                           f"{adapter.base_model.name}; a served model takes one fitted with "
                           f"calm fit --model {args.engine} (or export an engine with it)")
+    record = adapter.fit_record if adapter is not None else FitRecord()
     variant = cloze_variant_for(
-        args.variant, adapter.cloze_variant if adapter is not None else None,
-        bound=args.mode == "cloze" and adapter is not None
-        and adapter.answer_temperature is not None,
+        args.variant, record.cloze_variant, bound=args.mode == "cloze" and record.binds_variant,
         what=str(args.adapter), fix="drop --variant to use the recorded one, or fit an adapter "
                                     f"with calm fit --variant {args.variant}")
     config = FitConfig(model=args.engine, data=args.data, mode=args.mode, variant=variant,

@@ -797,3 +797,25 @@ def test_missing_migration_is_a_schema_error(saved: Path, monkeypatch):
 def test_the_real_migration_table_is_consistent():
     # every step below the current version exists, none above it
     assert set(artifact_module.MIGRATIONS) == set(range(1, ADAPTER_SCHEMA_VERSION))
+
+
+def test_the_fit_record_is_typed_and_read_from_the_sections():
+    from calm_runtime.fit_record import FitRecord
+
+    cloze = CalibrationAdapter.identity(_identity(), answer_temperature=1.5,
+                                        method={"name": "ts", "mode": "cloze", "variant": "sum"})
+    assert cloze.fit_record == FitRecord(mode="cloze", cloze_variant="sum",
+                                         answer_temperature=1.5, choice_mode="cloze")
+    assert cloze.fit_record.binds_variant and cloze.cloze_variant == "sum"
+    assert cloze.choice_mode == "cloze"
+    letter = CalibrationAdapter.identity(_identity(), temperature=2.0,
+                                         method={"name": "ts", "mode": "letter"})
+    assert letter.fit_record == FitRecord(mode="letter", choice_mode="letter")
+    assert not letter.fit_record.binds_variant
+    p_true = CalibrationAdapter.identity(_identity(), method={"name": "ts", "mode": "p_true"})
+    assert p_true.fit_record.mode == "p_true" and p_true.choice_mode is None
+    assert CalibrationAdapter.identity(_identity()).fit_record == FitRecord()
+    # the abstention threshold's mode is the choice mode; unknown values are not recorded
+    assert FitRecord.parse({"mode": "cloze", "variant": "median"}, {"mode": "letter"},
+                           None) == FitRecord(mode="cloze", choice_mode="letter")
+    assert FitRecord.parse(["not", "a", "section"], None, None) == FitRecord()
