@@ -177,8 +177,8 @@ def _not_for_served(method: str, config: FitConfig) -> str | None:
     log-probabilities (logits minus a per-question constant) where the local path reads
     logits: the fit would depend on which one it saw (and a served model's adapter holds
     temperatures only)."""
-    served = model_source(config, "model").served or (
-        method == "daca-vector" and model_source(config, "reference").served)
+    reference = model_source(config, "reference") if method == "daca-vector" else None
+    served = model_source(config, "model").served or (reference is not None and reference.served)
     if config.mode == "letter" and method.endswith("-vector") and served:
         return ("not fitted for a served model: vector scaling is not shift-invariant and an "
                 "endpoint returns log-probabilities, not logits; use daca, naive or ts")
