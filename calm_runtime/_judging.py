@@ -109,7 +109,7 @@ class Judging:
     def _cloze_variant(self, asked: str | None) -> str:
         """``asked``, or the recorded variant, by :func:`~calm_runtime.prompts.cloze_variant_for`:
         another variant than the one the answer temperature was fitted on is refused."""
-        return cloze_variant_for(asked, recorded_cloze_variant(self.manifest),
+        return cloze_variant_for(asked, self.recorded_variant,
                                  bound=self.answer_temperature is not None, what="the engine",
                                  fix="drop the variant to use the recorded one, or serve an "
                                      "engine whose calibration was fitted on that variant")

@@ -88,6 +88,8 @@ class CalibratedLM(Judging):
         tokenizer.max_chars = (self.max_context * tokenizer.longest_token_chars()
                                * CHARS_PER_TOKEN_MARGIN)
         recorded = recorded_cloze_variant(manifest)
+        #: the cloze variant the engine's answer temperature was fitted on, if it records one
+        self.recorded_variant: str | None = recorded
         self.default_variant: str = recorded or DEFAULT_CLOZE_VARIANT
         #: answers with a confidence below this are marked abstained (calm fit threshold,
         #: recorded in the engine by calm-export); None: never
