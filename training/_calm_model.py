@@ -94,10 +94,11 @@ class CalmModel:
         self.theta = [p for _, p in named]
         vocab = self.identity.vocab_size
         self.alpha_index = None
+        self.cft_parts = {"ce": 0.0, "l_cal": 0.0}
         if config.method == "scalar":
             self.alpha_names = ["log_temperature"]
             self.alpha = [torch.zeros(1, device=device, requires_grad=True)]
-        elif config.method == "lora" or getattr(config, "freeze_alpha", False):
+        elif config.method in ("lora", "cft") or getattr(config, "freeze_alpha", False):
             self.alpha_names, self.alpha = [], []
         else:
             self.alpha_names = ["log_tau", "shift"]
@@ -199,10 +200,12 @@ class CalmModel:
                    else torch.ones(vocab))
             return tau.numpy().copy(), np.zeros(vocab, np.float32)
 
-    def objective(self, batches, loss: str, *, alpha_l2: float = 0.0):
+    def objective(self, batches, loss: str, *, alpha_l2: float = 0.0, cft: dict | None = None):
         """An :data:`~calm_training.bilevel.Objective` summed over micro-``batches`` (their
         weights already divide by the rank's example count): ``ce``, ``neg_entropy`` (full
-        vocabulary) or ``neg_option_entropy`` (the K-option distribution). ``alpha_l2`` adds
+        vocabulary), ``neg_option_entropy`` (the K-option distribution) or ``cft`` (the
+        calibration-aware fine-tuning loss; ``cft`` holds the keyword arguments of
+        :func:`calm_training.cft.cft_loss` but the batch's). ``alpha_l2`` adds
         ``alpha_l2 · Σ α²`` over the trained α entries once (not per batch)."""
 
         def objective(theta, alpha, grad_theta, grad_alpha):
@@ -217,7 +220,7 @@ class CalmModel:
                     if batch is None:
                         value = l2 * sum((a.double() ** 2).sum() for a in alpha)
                     else:
-                        value = self.loss(theta, alpha, batch, loss)
+                        value = self.loss(theta, alpha, batch, loss, cft=cft)
                 total += value.detach().double().cpu()
                 if wrt and value.requires_grad:
                     parts = torch.autograd.grad(value, wrt, allow_unused=True)
@@ -233,9 +236,19 @@ class CalmModel:
 
         return objective
 
-    def loss(self, theta, alpha, batch, loss: str):
-        """One batch's weighted loss (a scalar tensor)."""
+    def loss(self, theta, alpha, batch, loss: str, *, cft: dict | None = None):
+        """One batch's weighted loss (a scalar tensor). ``cft`` adds its two parts to
+        :attr:`cft_parts` (reset by the caller)."""
         logp = self.calibrate(self.logits(theta, batch), alpha).log_softmax(-1)
+        if loss == "cft":
+            from .cft import cft_loss
+
+            value, ce, l_cal = cft_loss(option_log_probs(logp, batch), answer_ce(logp, batch),
+                                        batch.option_mask, weights=batch.example_weights,
+                                        **cft)
+            self.cft_parts["ce"] += float(ce.detach())
+            self.cft_parts["l_cal"] += float(l_cal.detach())
+            return value
         if loss == "ce":
             per = -logp.gather(1, batch.targets.clamp(min=0)[:, None]).squeeze(1)
         elif loss == "neg_entropy":
@@ -258,6 +271,20 @@ def option_scores(logp, batch):
     flat = torch.zeros(batch.option_mask.numel(), dtype=logp.dtype, device=logp.device)
     flat = flat.index_add(0, batch.slots, token_logp * batch.scales.to(logp.dtype))
     return flat.view(batch.option_mask.shape).masked_fill(~batch.option_mask, float("-inf"))
+
+
+def answer_ce(logp, batch):
+    """Per-example cross-entropy ``[E]`` on the answer's tokens (their mean) of a labeled
+    option batch: the positions of option ``labels[e]``."""
+    k_max = batch.option_mask.shape[1]
+    example, option = batch.slots // k_max, batch.slots % k_max
+    on_answer = (option == batch.labels[example]).to(logp.dtype)
+    token_logp = logp.gather(1, batch.targets[:, None]).squeeze(1)
+    size = batch.option_mask.shape[0]
+    total = torch.zeros(size, dtype=logp.dtype, device=logp.device)
+    total = total.index_add(0, example, -token_logp * on_answer)
+    count = torch.zeros_like(total).index_add(0, example, on_answer)
+    return total / count.clamp(min=1.0)
 
 
 def option_log_probs(logp, batch):

@@ -13,14 +13,18 @@ from calm_runtime.prompts import CHOICE_MODES, CLOZE_VARIANTS, DEFAULT_CLOZE_VAR
 
 from . import calm_data
 
-__all__ = ["METHODS", "OPTIMIZERS", "PHI_MODES", "UPPER_PARAMS", "ALPHA_TOKENS", "DEFAULT_LR",
-           "KINDS", "CalmConfig"]
+__all__ = ["METHODS", "THETA_ONLY", "OPTIMIZERS", "PHI_MODES", "UPPER_PARAMS", "ALPHA_TOKENS",
+           "DEFAULT_LR", "KINDS", "CalmConfig"]
 
 #: bilevel: BOME (docs/methods.md §4); regularization: min g + β f; iterate-theta: alternate a θ
 #: step on g and a (θ, α) step on f, no coupling; iterate-alpha: alternate a θ step on g and an
 #: α step on f, no coupling; scalar: BOME with α one learned temperature; lora: plain LoRA
-#: fine-tuning (no α)
-METHODS = ("bilevel", "regularization", "iterate-theta", "iterate-alpha", "scalar", "lora")
+#: fine-tuning (no α); cft: calibration-aware fine-tuning, the training-time baseline (no α;
+#: calm_training.cft)
+METHODS = ("bilevel", "regularization", "iterate-theta", "iterate-alpha", "scalar", "lora",
+           "cft")
+#: methods without α and without a warm start (plain fine-tuning of θ on their own loss)
+THETA_ONLY = ("lora", "cft")
 OPTIMIZERS = ("adam", "sgd")
 PHI_MODES = ("grad", "value")  # the same as calm_training.bilevel.PHI_MODES (torch-free here)
 UPPER_PARAMS = ("all", "alpha")
@@ -33,7 +37,7 @@ ALPHA_TOKENS = ("all", "options")
 DEFAULT_LR = {"sgd": (0.1, 0.02), "adam": (1e-3, 5e-3)}
 KINDS = {"bilevel": "calm", "regularization": "calm_regularization",
          "iterate-theta": "calm_iterate_theta", "iterate-alpha": "calm_iterate_alpha",
-         "scalar": "calm_scalar", "lora": "lora"}
+         "scalar": "calm_scalar", "lora": "lora", "cft": "cft"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,6 +82,9 @@ class CalmConfig:
         alpha_tokens: ``all`` (τ, l over the whole vocabulary) or ``options`` (only the
             tokens of the options/answers in the training and calibration data).
         alpha_l2: weight of the penalty ``Σ (log τ)² + l²`` added to f (0: none).
+        cft_weight: ``cft`` only: ``w`` in ``(1 − w)·CE + w·c·L_cal`` (calm_training.cft).
+        cft_scale: ``cft`` only: ``c``, the scale of the calibration term.
+        cft_bins: ``cft`` only: equal-width confidence bins of ``L_cal``.
         freeze_alpha: keep α at the identity (no α variables at all): the method's exact
             schedule with θ alone, the matched control of an α-learning run. The adapter
             then has kind ``lora``.
@@ -122,6 +129,9 @@ class CalmConfig:
     alpha_tokens: str = "all"
     alpha_l2: float = 0.0
     freeze_alpha: bool = False
+    cft_weight: float = 0.5
+    cft_scale: float = 1e-3
+    cft_bins: int = 10
     q_window: int = 10
     beta: float = 1.0
     lora_rank: int = 8
@@ -144,7 +154,8 @@ class CalmConfig:
             value = getattr(self, name)
             object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value))
         if self.optimizer is None:
-            object.__setattr__(self, "optimizer", "adam" if self.method == "lora" else "sgd")
+            object.__setattr__(self, "optimizer",
+                               "adam" if self.method in THETA_ONLY else "sgd")
         problems = []
         if self.method not in METHODS:
             problems.append(f"method {self.method!r} is not one of {', '.join(METHODS)}")
@@ -167,7 +178,7 @@ class CalmConfig:
                 or not _is_int(self.q_window, 2):
             problems.append(f"warm_start_steps must be an integer >= 0 and q_window >= 2, got "
                             f"{self.warm_start_steps!r}, {self.q_window!r}")
-        elif _is_int(self.steps, 1) and self.method != "lora" \
+        elif _is_int(self.steps, 1) and self.method not in THETA_ONLY \
                 and self.warm_start_steps is not None and self.warm_start_steps >= self.steps:
             problems.append(f"warm_start_steps {self.warm_start_steps} leaves none of the "
                             f"{self.steps} steps to the {self.method} method; raise --steps")
@@ -197,6 +208,12 @@ class CalmConfig:
             value = getattr(self, name)
             if not (_positive(value) or value == 0):
                 problems.append(f"{name} must be a finite number >= 0, got {value!r}")
+        if not (_positive(self.cft_weight) or self.cft_weight == 0) or self.cft_weight > 1:
+            problems.append(f"cft_weight must be in [0, 1], got {self.cft_weight!r}")
+        if not (_positive(self.cft_scale) or self.cft_scale == 0):
+            problems.append(f"cft_scale must be a finite number >= 0, got {self.cft_scale!r}")
+        if not _is_int(self.cft_bins, 2):
+            problems.append(f"cft_bins must be an integer >= 2, got {self.cft_bins!r}")
         if self.momentum >= 1:
             problems.append(f"momentum must be < 1, got {self.momentum!r}")
         if problems:
@@ -218,8 +235,9 @@ class CalmConfig:
 
     @property
     def warm_steps(self) -> int:
-        """Warm-start steps: ``warm_start_steps``, or half of ``steps`` (0 for ``lora``)."""
-        if self.method == "lora":
+        """Warm-start steps: ``warm_start_steps``, or half of ``steps`` (0 for ``lora`` and
+        ``cft``)."""
+        if self.method in THETA_ONLY:
             return 0
         return self.warm_start_steps if self.warm_start_steps is not None else self.steps // 2
 

@@ -167,7 +167,7 @@ class Example:
     distribution enters the loss, with the target token there (``-1``: entropy only).
 
     Option-entropy examples also give, per position, the option it scores (``options``)
-    and its weight in that option's score (``scales``).
+    and its weight in that option's score (``scales``); labeled ones (CFT) their answer.
     """
 
     sequences: tuple[tuple[int, ...], ...]
@@ -175,6 +175,7 @@ class Example:
     targets: tuple[int, ...]
     options: tuple[int, ...] | None = None
     scales: tuple[float, ...] | None = None
+    label: int | None = None
 
 
 def _fit_length(context: list[int], continuation: list[int], max_length: int):
@@ -326,6 +327,22 @@ def encode_calibration(records: Sequence[Record], tokenizer, *, mode: str, chat:
     return [encoder.encode(r, labeled=False) for r in records]
 
 
+def encode_labeled_options(records: Sequence[Record], tokenizer, *, mode: str, chat: bool,
+                           max_length: int, variant: str = DEFAULT_CLOZE_VARIANT
+                           ) -> list[Example]:
+    """Labeled examples that score every option (CFT: cross-entropy on the answer and the
+    K-option distribution of ``variant`` cloze scores or of the letters)."""
+    encoder = _Encoder(tokenizer, mode=mode, chat=chat, max_length=max_length,
+                       entropy="options", variant=variant)
+    out = []
+    for record in records:
+        if not isinstance(record, MultipleChoiceRecord):
+            raise DataError("calibration-aware fine-tuning needs multiple-choice training "
+                            f"records and got a {type(record).__name__}; use --method lora")
+        out.append(replace(encoder.option_example(record), label=record.answer))
+    return out
+
+
 def answer_token_ids(records: Sequence[Record], tokenizer, *, mode: str, chat: bool) -> set[int]:
     """Every token an answer can be read from: the tokens of every option text (cloze) or
     the option letters (letter) of multiple-choice records, and of every answer alias of
@@ -354,7 +371,8 @@ class TokenBatch:
     entropy counts. Option-entropy batches also carry ``slots`` (``[P]``, the option
     ``example * k_max + k`` each position scores), ``scales`` (``[P]``, its weight in that
     score), ``option_mask`` (``[E, k_max]``, which options exist) and ``example_weights``
-    (``[E]``, ``1 / normaliser``); they are ``None`` otherwise.
+    (``[E]``, ``1 / normaliser``); they are ``None`` otherwise. Labeled option batches
+    (CFT) carry ``labels`` (``[E]``, the answer's option index).
     """
 
     input_ids: object  # torch.LongTensor [S, L]
@@ -366,11 +384,13 @@ class TokenBatch:
     scales: object = None  # torch.FloatTensor [P]
     option_mask: object = None  # torch.BoolTensor [E, k_max]
     example_weights: object = None  # torch.FloatTensor [E]
+    labels: object = None  # torch.LongTensor [E]
 
     def to(self, device) -> TokenBatch:
         return TokenBatch(*(None if t is None else t.to(device) for t in (
             self.input_ids, self.attention_mask, self.flat_positions, self.targets,
-            self.weights, self.slots, self.scales, self.option_mask, self.example_weights)))
+            self.weights, self.slots, self.scales, self.option_mask, self.example_weights,
+            self.labels)))
 
 
 def collate(examples: Sequence[Example], normaliser: int, pad_id: int) -> TokenBatch:
@@ -411,6 +431,8 @@ def collate(examples: Sequence[Example], normaliser: int, pad_id: int) -> TokenB
                    "scales": torch.as_tensor(scales, dtype=torch.float32),
                    "option_mask": option_mask,
                    "example_weights": torch.full((len(examples),), 1.0 / normaliser)}
+        if all(e.label is not None for e in examples):
+            options["labels"] = torch.as_tensor([e.label for e in examples], dtype=torch.long)
     return TokenBatch(ids, mask, torch.as_tensor(flat, dtype=torch.long),
                       torch.as_tensor(targets, dtype=torch.long),
                       torch.as_tensor(weights, dtype=torch.float32), **options)

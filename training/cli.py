@@ -384,7 +384,8 @@ def _register_train(sub) -> None:
                         "step of LoRA and tau/shift on f: no coupling, theta path kept), "
                         "iterate-alpha (alternate a LoRA step on g and a tau/shift step on f: "
                         "no coupling, alpha only), scalar (one learned temperature); "
-                        "lora = plain LoRA fine-tuning without calibration")
+                        "lora = plain LoRA fine-tuning without calibration; cft = calibration-"
+                        "aware fine-tuning, the training-time baseline (docs/methods.md)")
     t.add_argument("--mode", default=d["mode"].default, choices=list(CHOICE_MODES),
                    help="multiple choice: CE on the option text (cloze) or its letter")
     chat = t.add_mutually_exclusive_group()
@@ -412,6 +413,8 @@ def _register_train(sub) -> None:
              "the upper objective"),
             ("q-window", int, "warn when q's mean over the last N steps exceeds the N before"),
             ("beta", float, "weight of f in the regularization ablation"),
+            ("cft-weight", float, "cft: w of (1-w)*CE + w*scale*L_cal"),
+            ("cft-scale", float, "cft: scale of L_cal"), ("cft-bins", int, "cft: L_cal's bins"),
             ("lora-rank", int, "LoRA rank"), ("lora-alpha", float, "LoRA alpha"),
             ("max-length", int, "longest sequence in tokens"), ("seed", int, "seed"),
             ("limit", int, "use only the first N records of each data spec"),

@@ -129,12 +129,20 @@ class _Trainer:
         self.cal_examples = calm_data.encode_calibration(
             cal, **encode, positions=config.calibration_positions, entropy=config.entropy,
             variant=config.cloze_variant)
+        self.cft = None
+        if config.method == "cft":
+            self.train_examples = calm_data.encode_labeled_options(
+                train, self.model.tokenizer, mode=config.mode, chat=chat,
+                max_length=config.max_length, variant=config.cloze_variant)
         if config.alpha_tokens == "options":
             self.model.restrict_alpha(calm_data.answer_token_ids(
                 [*train, *cal], self.model.tokenizer, mode=config.mode, chat=chat))
         if config.init_lora is not None:
             self.model.load_lora(_lora_folder(config.init_lora))
         self.pad = _pad_id(self.model.tokenizer)
+        if config.method == "cft":  # the E-step: bin accuracies of the starting model
+            self.cft = {"bins": self._cft_bins(), "weight": config.cft_weight,
+                        "scale": config.cft_scale, "global_batch": config.batch_size}
         groups = [{"params": self.model.theta, "lr": config.theta_lr}]
         if self.model.alpha:
             groups.append({"params": self.model.alpha, "lr": config.alpha_step_lr})
@@ -169,13 +177,37 @@ class _Trainer:
         return [calm_data.collate([examples[i] for i in chunk], len(idx), self.pad)
                 .to(self.device) for chunk in np.array_split(idx, self.config.grad_accumulation)]
 
+    def _cft_bins(self):
+        """Confidence-bin accuracies and sizes of the training split at the starting θ."""
+        import torch
+
+        from ._calm_model import option_log_probs
+        from .cft import estimate_bins
+
+        m, size = self.model, self.config.batch_size
+        probs, labels = [], []
+        with torch.no_grad():
+            for start in range(0, len(self.train_examples), size):
+                chunk = self.train_examples[start:start + size]
+                batch = calm_data.collate(chunk, len(chunk), self.pad).to(self.device)
+                logp = m.calibrate(m.logits([t.detach() for t in m.theta], batch),
+                                   m.alpha).log_softmax(-1)
+                probs += list(option_log_probs(logp, batch).exp().double().cpu().numpy())
+                labels += batch.labels.tolist()
+        bins = estimate_bins(np.stack(probs), np.asarray(labels), self.config.cft_bins)
+        logger.info("cft: training-split bin accuracies %s (sizes %s)",
+                    [round(a, 3) for a in bins.accuracy], list(bins.count))
+        return bins
+
     def one_step(self) -> dict:
         import torch
 
         from .bilevel import bome_step, descent_step, iterate_step, regularization_step
 
         cfg, m = self.config, self.model
-        lower = m.objective(self._batches(self.train_examples, cfg.batch_size, 0), "ce")
+        m.cft_parts = {"ce": 0.0, "l_cal": 0.0}
+        lower = m.objective(self._batches(self.train_examples, cfg.batch_size, 0),
+                            "cft" if self.cft else "ce", cft=self.cft)
         upper_loss = "neg_option_entropy" if cfg.entropy == "options" else "neg_entropy"
         upper = m.objective(self._batches(self.cal_examples, cfg.cal_batch_size, 1), upper_loss,
                             alpha_l2=cfg.alpha_l2)
@@ -202,7 +234,12 @@ class _Trainer:
             g_identity = stats.g
         self.step += 1
         tau, shift = m.tau_shift()
-        return {"step": self.step, "phase": phase, **stats.to_dict(), "g_identity": g_identity,
+        if self.cft:  # this rank's parts of g (the CE and L_cal of its share of the batch)
+            stats = {**stats.to_dict(), "cft_ce": m.cft_parts["ce"],
+                     "cft_l_cal": m.cft_parts["l_cal"]}
+        else:
+            stats = stats.to_dict()
+        return {"step": self.step, "phase": phase, **stats, "g_identity": g_identity,
                 "tau_min": float(tau.min()), "tau_max": float(tau.max()),
                 "tau_mean": float(tau.mean()), "shift_min": float(shift.min()),
                 "shift_max": float(shift.max()), "shift_mean": float(shift.mean())}
@@ -280,7 +317,8 @@ class _Trainer:
         cfg = self.config
         tau, shift = self.model.tau_shift()
         keys = ("step", "phase", "f", "g", "g_identity", "q", "lam", "grad_q_norm",
-                "d_dot_grad_q", "cos_f_q", "tau_min", "tau_max", "shift_min", "shift_max")
+                "d_dot_grad_q", "cos_f_q", "tau_min", "tau_max", "shift_min", "shift_max",
+                *(("cft_ce", "cft_l_cal") if self.cft else ()))
         every = max(1, math.ceil(len(self.history) / 50))
         curve = [{k: r.get(k) for k in keys} for r in self.history[::every]]
         if self.history and curve[-1]["step"] != self.history[-1]["step"]:
@@ -294,7 +332,8 @@ class _Trainer:
                     "variant": cfg.cloze_variant if cfg.mode == "cloze" else None,
                     "alpha": self.model.alpha_names, "settings": cfg.to_dict(),
                     "alpha_token_count": (None if self.model.alpha_index is None
-                                          else int(self.model.alpha_index.numel()))},
+                                          else int(self.model.alpha_index.numel())),
+                    **({"cft_bins": self.cft["bins"].to_dict()} if self.cft else {})},
             metrics={"training": {"steps": self.step, "seconds": round(seconds, 3),
                                   "q_growth_warnings": self.q_warnings,
                                   "inner_increases": self.inner_increases,

@@ -1,0 +1,158 @@
+"""Calibration-aware fine-tuning (calm_training.cft): the loss against the published formula,
+its cross-entropy against CALM's lower level, and a training run on a tiny random Llama."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("peft")
+
+from calm_runtime.artifact import CalibrationAdapter  # noqa: E402
+from calm_runtime.cli import main  # noqa: E402
+from calm_runtime.errors import ConfigError, DataError  # noqa: E402
+from calm_training import calm_data  # noqa: E402
+from calm_training.cft import CftBins, cft_loss, estimate_bins, other_targets  # noqa: E402
+from calm_training.trainer import CalmConfig, train_calm  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("private_calm_cache")
+
+
+def _published(probs, labels_acc, counts, ce, weight, scale, batch):
+    """The loss written out per question for four options, with the authors' constants
+    (log 3 and 3 = K − 1): [(p_max − acc_b)² + Σ_j (p_(j) − t_j)²] / N_b, summed."""
+    l_cal = 0.0
+    for p, acc, n in zip(probs, labels_acc, counts, strict=True):
+        order = sorted(p, reverse=True)
+        top, others = order[0], order[1:]
+        if acc == 1.0:
+            targets = [0.0, 0.0, 0.0]
+        else:
+            gamma = math.log(3) / others[0] / (1 - acc)
+            shaped = [math.tanh(gamma * o) for o in others]
+            a = (1 - acc) / (sum(shaped) + 3)
+            targets = [a * s + a for s in shaped]
+        l_cal += ((top - acc) ** 2 + sum((o - t) ** 2 for o, t in zip(others, targets,
+                                                                        strict=True))) / n
+    ce_mean = float(np.mean(ce))
+    return (1 - weight) * ce_mean + weight * scale * l_cal, ce_mean, l_cal
+
+
+def test_the_loss_is_the_published_formula_and_the_others_share_the_rest():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(6, 4)) * 2
+    probs = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
+    bins = CftBins(accuracy=(0.0, 0.3, 0.45, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 1.0),
+                   count=(4, 5, 6, 7, 8, 9, 10, 11, 12, 13))
+    index = np.minimum((probs.max(1) * 10).astype(int), 9)
+    ce = rng.uniform(0.5, 2.0, size=6)
+    weights = torch.full((6,), 1 / 6, dtype=torch.float64)
+    loss, ce_part, l_cal = cft_loss(torch.log(torch.as_tensor(probs)), torch.as_tensor(ce),
+                                    torch.ones(6, 4, dtype=torch.bool), bins, weight=0.3,
+                                    scale=0.5, weights=weights, global_batch=6)
+    want = _published(probs, [bins.accuracy[i] for i in index],
+                      [bins.count[i] for i in index], ce, 0.3, 0.5, 6)
+    assert [float(loss), float(ce_part), float(l_cal)] == pytest.approx(want, rel=1e-10)
+    # the other options' targets sum to 1 − acc and keep their order
+    others = torch.tensor([[0.3, 0.2, 0.1], [0.5, 0.05, 0.05]], dtype=torch.float64)
+    acc = torch.tensor([0.55, 0.2], dtype=torch.float64)
+    targets = other_targets(others, acc, torch.ones(2, 3, dtype=torch.bool))
+    assert targets.sum(-1).tolist() == pytest.approx([0.45, 0.8])
+    assert (targets[0, :-1] > targets[0, 1:]).all()
+
+
+def test_a_bin_empty_before_training_adds_nothing_and_weight_zero_is_the_cross_entropy():
+    probs = torch.tensor([[0.97, 0.01, 0.01, 0.01], [0.4, 0.3, 0.2, 0.1]], dtype=torch.float64)
+    bins = CftBins(accuracy=(0.0,) * 4 + (0.5,) + (0.0,) * 5, count=(0,) * 4 + (3,) + (0,) * 5)
+    weights = torch.full((2,), 0.5, dtype=torch.float64)
+    ce = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    _, _, l_cal = cft_loss(probs.log(), ce, torch.ones(2, 4, dtype=torch.bool), bins,
+                           weight=1.0, scale=1.0, weights=weights, global_batch=2)
+    # only the question in the 0.4 bin counts: (0.4 − 0.5)² + its others' terms, over 3
+    others = probs[1:, 1:]
+    t = other_targets(others, torch.tensor([0.5], dtype=torch.float64),
+                      torch.ones(1, 3, dtype=torch.bool))
+    assert float(l_cal) == pytest.approx((0.01 + float(((others - t) ** 2).sum())) / 3)
+    loss, ce_part, _ = cft_loss(probs.log(), ce, torch.ones(2, 4, dtype=torch.bool), bins,
+                                weight=0.0, scale=1.0, weights=weights, global_batch=2)
+    assert float(loss) == float(ce_part) == 1.5
+
+
+def test_bin_estimates():
+    probs = np.array([[0.7, 0.1, 0.1, 0.1], [0.95, 0.03, 0.01, 0.01], [0.72, 0.2, 0.05, 0.03],
+                      [1.0, 0.0, 0.0, 0.0]])
+    bins = estimate_bins(probs, np.array([0, 1, 1, 0]), 10)
+    assert bins.count == (0,) * 7 + (2, 0, 2)  # 1.0 falls in the top bin
+    assert bins.accuracy[7] == 0.5 and bins.accuracy[9] == 0.5
+    with pytest.raises(ConfigError, match="labels"):
+        estimate_bins(probs, np.array([0, 1]), 10)
+
+
+@pytest.mark.parametrize("mode", ["cloze", "letter"])
+def test_the_cross_entropy_part_is_the_lower_level_cross_entropy(mode, tiny_llama_tied,
+                                                                  mc_file):
+    from calm_training._calm_model import CalmModel, answer_ce
+    from calm_training.scoring import _pad_id
+
+    config = CalmConfig(model=str(tiny_llama_tied), train=(f"{mc_file}:train",),
+                        calibration=(f"{mc_file}:unlabeled",), method="cft", mode=mode,
+                        chat=False, lora_rank=4, max_length=64)
+    m = CalmModel(config, torch.device("cpu"))
+    with torch.no_grad():  # a LoRA away from zero, so that θ matters
+        for t in m.theta:
+            t.normal_(0, 0.05)
+    records, _ = calm_data.load_records(config.train, labeled=True)
+    encode = {"tokenizer": m.tokenizer, "mode": mode, "chat": False, "max_length": 64}
+    pad = _pad_id(m.tokenizer)
+    plain = calm_data.collate(calm_data.encode_training(records, **encode), len(records), pad)
+    options = calm_data.collate(calm_data.encode_labeled_options(records, **encode),
+                                len(records), pad)
+    assert options.labels.tolist() == [r.answer for r in records]
+    with torch.no_grad():
+        want = float(m.loss(m.theta, [], plain, "ce"))
+        logp = m.logits(m.theta, options).log_softmax(-1)
+        got = float((answer_ce(logp, options) * options.example_weights).sum())
+    assert got == pytest.approx(want, rel=1e-5)
+
+
+def test_cft_trains_a_lora_toward_the_bin_accuracies(tiny_llama_tied, mc_file, tmp_path):
+    config = CalmConfig(model=str(tiny_llama_tied), train=(f"{mc_file}:train",),
+                        calibration=(f"{mc_file}:unlabeled",), method="cft", batch_size=6,
+                        steps=8, outer_lr=1e-2, cft_weight=1.0, cft_scale=1.0, lora_rank=4,
+                        max_length=64)
+    assert config.optimizer == "adam" and config.warm_steps == 0
+    result = train_calm(config, tmp_path / "cft", progress=False)
+    loaded = CalibrationAdapter.from_pretrained(tmp_path / "cft")
+    assert loaded.kind == "cft" and loaded.lora_path is not None
+    assert (loaded.tau == 1).all() and (loaded.shift == 0).all() and result.model.alpha == []
+    assert sum(loaded.method["cft_bins"]["count"]) == 6  # the whole training split
+    calibration = [row["cft_l_cal"] for row in result.history]
+    # full batch, calibration loss alone: it falls (seed 0: see the assertion message)
+    assert calibration[-1] < 0.5 * calibration[0], calibration
+    assert all(row["g"] == pytest.approx(row["cft_l_cal"]) for row in result.history)
+
+
+def test_cft_settings_and_data_are_checked(tiny_llama_tied, tmp_path, capsys):
+    import json
+
+    qa_file = tmp_path / "qa.jsonl"
+    qa_file.write_text("".join(json.dumps({"question": f"what is item {i}?",
+                                           "answers": [f"item {i}"]}) + "\n"
+                               for i in range(12)))
+    with pytest.raises(ConfigError) as info:
+        CalmConfig(model="m", train=("x:train",), calibration=("x:unlabeled",), method="cft",
+                   cft_weight=1.5, cft_bins=1, cft_scale=-1.0)
+    for word in ("cft_weight", "cft_bins", "cft_scale"):
+        assert word in str(info.value)
+    with pytest.raises(DataError, match="multiple-choice"):
+        calm_data.encode_labeled_options(
+            calm_data.load_records([str(qa_file)], labeled=True)[0], None, mode="cloze",
+            chat=False, max_length=64)
+    rc = main(["train", "--model", str(tiny_llama_tied), "--train", f"{qa_file}:train",
+               "--calibration", f"{qa_file}:unlabeled", "--out", str(tmp_path / "x"),
+               "--method", "cft", "--steps", "1", "--batch-size", "2", "--entropy", "vocab"])
+    assert rc == 1 and not (tmp_path / "x").exists()
+    assert "--method lora" in capsys.readouterr().err
