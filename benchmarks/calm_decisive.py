@@ -655,6 +655,30 @@ def _gate_lines(gate: dict) -> list[str]:
     return lines
 
 
+def _cft_lines(runs: dict) -> list[str]:
+    """What each CFT run trained against and how large its two loss terms were at the end."""
+    rows = [(name, run) for name, run in runs.items() if run.get("cft_bins")]
+    if not rows:
+        return []
+    lines = ["", "## CFT runs", "",
+             "Bins estimated before training on the training split (accuracy/size per "
+             "equal-width confidence bin, empty bins left out), and the last step's "
+             "cross-entropy and L_cal with their weighted shares of the loss, "
+             "(1 − w)·CE and w·c·L_cal.", "",
+             "| run | w | c | bins (acc/size) | CE last | L_cal last | (1 − w)·CE | w·c·L_cal |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, run in rows:
+        w, c = run["settings"]["cft_weight"], run["settings"]["cft_scale"]
+        b, last = run["cft_bins"], run.get("last") or {}
+        bins = ", ".join(f"{k / len(b['count']):.1f}: {a:.2f}/{n}" for k, (a, n) in
+                         enumerate(zip(b["accuracy"], b["count"], strict=True)) if n)
+        ce, cal = last.get("cft_ce"), last.get("cft_l_cal")
+        lines.append(f"| {name} | {w:g} | {c:g} | {bins} | {ce:.4g} | {cal:.4g} | "
+                     f"{(1 - w) * ce:.4g} | {w * c * cal:.3g} |" if ce is not None else
+                     f"| {name} | {w:g} | {c:g} | {bins} | - | - | - | - |")
+    return lines
+
+
 def render(payload: dict) -> str:
     gate, default = payload["gate"], payload["default"]
     done = set(payload["runs"])
@@ -695,6 +719,7 @@ def render(payload: dict) -> str:
                     f"{s['nll']:.3f} | {s['brier']:.3f} | {s['mean_confidence']:.3f} | "
                     f"{tau_text} | {num(dh, '+.4f')} | {num(last.get('lam'))} | "
                     f"{num(last.get('cos_f_q'))} |")
+    lines += _cft_lines(payload["runs"])
     lines += ["", "`*`: accuracy within 5 points of chance (1/K); left out of the decisions.",
               "", "## Decision rule (fixed before the runs)", "", payload["decision_rule"]]
     return "\n".join(lines)

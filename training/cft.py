@@ -1,4 +1,5 @@
-"""Calibration-aware fine-tuning (CFT), the training-time baseline of CALM (docs/methods.md §5).
+"""Calibration-aware fine-tuning (CFT), the training-time baseline of CALM (docs/methods.md §4,
+"CFT").
 
 The objective, on labeled multiple-choice questions, is
 
@@ -20,7 +21,7 @@ The objective, on labeled multiple-choice questions, is
 * ``w`` (``cft_weight``, 0.5) and ``c`` (``cft_scale``, 1e-3) are the defaults of the
   authors' published trainer. The targets are not detached, as there.
 
-Where calm differs from that code (docs/methods.md §5 names each): every bin is
+Where calm differs from that code (docs/methods.md §4 names each): every bin is
 regularised (its loop leaves out the top one, confidence ≥ 0.9); a bin that held no training
 question at estimation time has no accuracy and adds nothing (its code divides by 0); K is
 the question's option count (the code fixes four letters, log 3 and 3 = K − 1).

@@ -344,6 +344,7 @@ examples:
   calm train --model smollm2-135m-instruct --train arc-easy:train \\
       --calibration sciq:unlabeled --out adapters/calm-smollm2
   calm train ... --method lora --out adapters/lora-smollm2     # the plain LoRA reference
+  calm train ... --method cft --out adapters/cft-smollm2       # the training-time baseline
   torchrun --nproc_per_node 2 -m calm_runtime.cli train ...      # data parallel
   calm fit daca --model smollm2-135m-instruct --reference gemma-3-270m --data arc-easy \\
       --adapter adapters/calm-smollm2 --out adapters/calm-daca   # compose with DACA

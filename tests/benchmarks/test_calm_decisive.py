@@ -98,6 +98,12 @@ def test_report_gives_every_claim_a_verdict_or_not_run(bench, tmp_path):
                                                variants=("alpha", "alpha+ts", "no-alpha",
                                                          "no-alpha+ts"))
         runs[f"lora-matched-s{seed}"] = _part(bench, "lora-matched", seed, 0.8)
+    # a CFT run (one seed): its claims are decided, its bins and loss terms reported
+    runs["cft-s0"] = {**_part(bench, "cft", 0, 0.7),
+                      "settings": {"cft_weight": 1.0, "cft_scale": 1e-3},
+                      "cft_bins": {"accuracy": [0.0] * 3 + [0.4] + [0.0] * 6,
+                                   "count": [0] * 3 + [12] + [0] * 6},
+                      "last": {"cft_ce": 1.25, "cft_l_cal": 0.05}}
     # a run that diverged is recorded without results; the gate's own pieces are not runs
     runs["ablation-regularization-s0"] = {"arm": "ablation-regularization", "seed": 0,
                                           "commit": "abc1234", "command": "python x",
@@ -120,11 +126,17 @@ def test_report_gives_every_claim_a_verdict_or_not_run(bench, tmp_path):
         "not run"
     assert payload["diverged"] == {"ablation-regularization-s0": "step 30: f is nan"}
     assert "gate-probe-2" not in payload["runs"]
-    assert "CFT" in " ".join(c for c, v in verdicts.items() if v == "not run")
+    assert verdicts["OOD conf-ECE below CFT (calibration loss alone)"] != "not run"
+    assert verdicts["OOD conf-ECE below CFT (CE + calibration term)"] == "not run"
+    cft = next(c for c in payload["claims"]
+               if c["claim"] == "OOD conf-ECE below CFT (calibration loss alone)")
+    assert cft["seeds"] == [3, 1] and cft["delta"] < 0  # 0.6 vs 0.7 confidence at 0.6 acc
     assert set(verdicts.values()) <= {"holds", "refuted", "inconclusive", "not run"}
     md = (tmp_path / "calm_decisive.md").read_text()
     assert "ablation-iterate:0" in md and "Decision rule" in md
     assert "ablation-regularization:0" not in md.split("Runs not yet made")[1].split("\n")[0]
     assert "Diverged (no results" in md
+    cft_row = md.split("## CFT runs")[1].split("| cft-s0 |")[1].split("\n")[0]
+    assert "0.3: 0.40/12" in cft_row and "| 0 | 5e-05 |" in cft_row  # (1 − w)·CE, w·c·L_cal
     text = readme.read_text()
     assert "PLACEHOLDER" not in text and "calm-bome-all" in text and text.endswith("rest\n")
