@@ -81,9 +81,14 @@ def other_targets(others, acc, present):
     k_minus_1 = present.sum(-1, keepdim=True).to(others.dtype)
     acc = acc[:, None].to(others.dtype)
     spare = 1.0 - acc
-    second = others[:, :1].clamp(min=1e-12)
-    gamma = torch.log(k_minus_1.clamp(min=1.0)) / (second * spare.clamp(min=1e-12))
-    shaped = torch.tanh(gamma * others) * present
+    # γ·p_(j) = log(K − 1) / (1 − acc) · p_(j) / p_(2), read as 0 when p_(2) = 0 (the clamps
+    # only keep the branches that torch.where discards finite, so that no NaN reaches a
+    # gradient; acc = 1 is the zero target below)
+    second = others[:, :1]
+    ratio = torch.where(second > 0, others / second.clamp(min=torch.finfo(others.dtype).tiny),
+                        torch.zeros_like(others))
+    gamma = torch.log(k_minus_1.clamp(min=1.0)) / spare.clamp(min=1e-12)
+    shaped = torch.tanh(gamma * ratio) * present
     a = spare / (shaped.sum(-1, keepdim=True) + k_minus_1)
     return torch.where(acc >= 1.0, torch.zeros_like(others), (a * shaped + a) * present)
 

@@ -184,7 +184,9 @@ class _Trainer:
         from ._calm_model import option_log_probs
         from .cft import estimate_bins
 
-        m, size = self.model, self.config.batch_size
+        # the micro-batch size of training: what fits in memory there fits here
+        m = self.model
+        size = max(1, self.config.batch_size // (self.dist.world * self.config.grad_accumulation))
         probs, labels = [], []
         with torch.no_grad():
             for start in range(0, len(self.train_examples), size):

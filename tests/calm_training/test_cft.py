@@ -21,47 +21,96 @@ from calm_training.trainer import CalmConfig, train_calm  # noqa: E402
 pytestmark = pytest.mark.usefixtures("private_calm_cache")
 
 
-def _published(probs, labels_acc, counts, ce, weight, scale, batch):
-    """The loss written out per question for four options, with the authors' constants
-    (log 3 and 3 = K − 1): [(p_max − acc_b)² + Σ_j (p_(j) − t_j)²] / N_b, summed."""
-    l_cal = 0.0
-    for p, acc, n in zip(probs, labels_acc, counts, strict=True):
-        order = sorted(p, reverse=True)
+def _published(logits, acc_of_bin, count_of_bin, ce, weight, scale):
+    """The published trainer's loss for four letters, written out question by question in
+    its own terms: ten bins with lower edges 0, 0.1, ..., 0.9 (``bucketize``, right-closed
+    lower edge), the top one left out of the loop; log 3 and 3 for K − 1; targets not
+    detached. ``logits`` ``[E, 4]`` (a leaf: the gradient is compared too)."""
+    edges = torch.linspace(0, 1, 11, dtype=torch.float64)[:10]
+    probs = logits.softmax(-1)
+    l_cal = torch.zeros((), dtype=torch.float64)
+    for p in probs:
+        order = p.sort(descending=True).values
         top, others = order[0], order[1:]
+        bucket = int(torch.bucketize(top.detach(), edges, right=True)) - 1
+        if bucket == 9:  # the published loop stops before the top bin
+            continue
+        acc, n = acc_of_bin[bucket], count_of_bin[bucket]
         if acc == 1.0:
-            targets = [0.0, 0.0, 0.0]
+            targets = torch.zeros(3, dtype=torch.float64)
         else:
             gamma = math.log(3) / others[0] / (1 - acc)
-            shaped = [math.tanh(gamma * o) for o in others]
-            a = (1 - acc) / (sum(shaped) + 3)
-            targets = [a * s + a for s in shaped]
-        l_cal += ((top - acc) ** 2 + sum((o - t) ** 2 for o, t in zip(others, targets,
-                                                                        strict=True))) / n
-    ce_mean = float(np.mean(ce))
-    return (1 - weight) * ce_mean + weight * scale * l_cal, ce_mean, l_cal
+            shaped = torch.tanh(gamma * others)
+            a = (1 - acc) / (shaped.sum() + 3)
+            targets = a * shaped + a
+        l_cal = l_cal + ((top - acc) ** 2 + ((others - targets) ** 2).sum()) / n
+    return (1 - weight) * float(np.mean(ce)) + weight * scale * l_cal, l_cal
 
 
-def test_the_loss_is_the_published_formula_and_the_others_share_the_rest():
-    rng = np.random.default_rng(0)
-    logits = rng.normal(size=(6, 4)) * 2
-    probs = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
-    bins = CftBins(accuracy=(0.0, 0.3, 0.45, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 1.0),
+def _bins():
+    return CftBins(accuracy=(0.0, 0.3, 0.45, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 1.0),
                    count=(4, 5, 6, 7, 8, 9, 10, 11, 12, 13))
-    index = np.minimum((probs.max(1) * 10).astype(int), 9)
-    ce = rng.uniform(0.5, 2.0, size=6)
-    weights = torch.full((6,), 1 / 6, dtype=torch.float64)
-    loss, ce_part, l_cal = cft_loss(torch.log(torch.as_tensor(probs)), torch.as_tensor(ce),
-                                    torch.ones(6, 4, dtype=torch.bool), bins, weight=0.3,
-                                    scale=0.5, weights=weights, global_batch=6)
-    want = _published(probs, [bins.accuracy[i] for i in index],
-                      [bins.count[i] for i in index], ce, 0.3, 0.5, 6)
-    assert [float(loss), float(ce_part), float(l_cal)] == pytest.approx(want, rel=1e-10)
+
+
+def _ones(*shape):
+    return torch.ones(*shape, dtype=torch.bool)
+
+
+def _full(n, value):
+    return torch.full((n,), value, dtype=torch.float64)
+
+
+def test_the_loss_and_its_gradient_are_the_published_ones_below_the_top_bin():
+    rng = np.random.default_rng(0)
+    raw = rng.normal(size=(8, 4)) * 1.5
+    raw[0] = [4.0, 0.0, -1.0, -2.0]  # confidence 0.93: the top bin (regularised by calm only)
+    raw[1] = [1.0, 1.0, 1.0, 1.0]  # ties
+    ce = rng.uniform(0.5, 2.0, size=8)
+    bins = _bins()
+    mine = torch.as_tensor(raw).requires_grad_(True)
+    loss, ce_part, l_cal = cft_loss(mine.log_softmax(-1), torch.as_tensor(ce), _ones(8, 4),
+                                    bins, weight=0.3, scale=0.5, weights=_full(8, 1 / 8),
+                                    global_batch=8)
+    theirs = torch.as_tensor(raw).requires_grad_(True)
+    want, want_cal = _published(theirs, bins.accuracy, bins.count, ce, 0.3, 0.5)
+    assert float(ce_part.detach()) == pytest.approx(float(np.mean(ce)))
+    # calm adds the top-bin question's term, and only it (bin [0.9, 1]: accuracy 1, so the
+    # other options' targets are 0; 13 questions)
+    order = mine[0].detach().softmax(-1).sort(descending=True).values
+    top_term = ((order[0] - 1.0) ** 2 + (order[1:] ** 2).sum()) / 13
+    assert float(l_cal.detach()) == pytest.approx(float(want_cal.detach() + top_term),
+                                                  rel=1e-10)
+    loss.backward()
+    want.backward()
+    assert torch.allclose(mine.grad[1:], theirs.grad[1:], rtol=1e-9, atol=1e-15)
+    assert float(theirs.grad[0].abs().sum()) == 0 < float(mine.grad[0].abs().sum())
     # the other options' targets sum to 1 − acc and keep their order
     others = torch.tensor([[0.3, 0.2, 0.1], [0.5, 0.05, 0.05]], dtype=torch.float64)
-    acc = torch.tensor([0.55, 0.2], dtype=torch.float64)
-    targets = other_targets(others, acc, torch.ones(2, 3, dtype=torch.bool))
+    targets = other_targets(others, torch.tensor([0.55, 0.2], dtype=torch.float64),
+                            _ones(2, 3))
     assert targets.sum(-1).tolist() == pytest.approx([0.45, 0.8])
     assert (targets[0, :-1] > targets[0, 1:]).all()
+
+
+def test_an_absent_option_and_data_parallel_shares_change_nothing():
+    rng = np.random.default_rng(1)
+    bins = _bins()
+    three = torch.as_tensor(rng.normal(size=(6, 3))).log_softmax(-1)
+    ce = torch.as_tensor(rng.uniform(0.5, 2.0, size=6))
+
+    def loss(option_logp, mask, rows, batch=6):
+        n = len(range(6)[rows])
+        return float(cft_loss(option_logp[rows], ce[rows], mask[rows], bins, weight=0.5,
+                              scale=1.0, weights=_full(n, 1 / n), global_batch=batch)[0])
+
+    everything = slice(None)
+    full = loss(three, _ones(6, 3), everything)
+    padded = torch.cat([three, torch.full((6, 1), float("-inf"), dtype=torch.float64)], -1)
+    mask = torch.cat([_ones(6, 3), torch.zeros(6, 1, dtype=torch.bool)], -1)
+    assert loss(padded, mask, everything) == pytest.approx(full, rel=1e-12)
+    # two ranks with half the batch each: the mean of their losses is the one-process loss
+    halves = [loss(three, _ones(6, 3), rows) for rows in (slice(0, 3), slice(3, 6))]
+    assert sum(halves) / 2 == pytest.approx(full, rel=1e-12)
 
 
 def test_a_bin_empty_before_training_adds_nothing_and_weight_zero_is_the_cross_entropy():
