@@ -55,7 +55,12 @@ class CftBins:
 
 
 def bin_index(conf, bins: int):
-    """Equal-width bin of each confidence: ``floor(conf · bins)``, 1.0 in the top bin."""
+    """Equal-width bin of each confidence: ``floor(conf · bins)``, 1.0 in the top bin.
+
+    Bins are closed on the left, as in the published trainer (``bucketize(right=True)``);
+    ``calm_runtime.metrics.reliability_bins`` closes them on the right, as ECE reads them.
+    The estimate and the loss both use this one rule, so a question on an edge sits in the
+    same bin in both."""
     if isinstance(conf, torch.Tensor):
         return (conf * bins).floor().long().clamp(0, bins - 1)
     return np.clip(np.floor(np.asarray(conf) * bins).astype(np.int64), 0, bins - 1)
