@@ -125,15 +125,14 @@ class _Trainer:
                                                     limit=config.limit)
         encode = {"tokenizer": self.model.tokenizer, "mode": config.mode, "chat": chat,
                   "max_length": config.max_length}
-        self.train_examples = calm_data.encode_training(train, **encode)
+        # CFT reads every option of a training question; the other methods its answer only
+        self.train_examples = (
+            calm_data.encode_labeled_options(train, **encode, variant=config.cloze_variant)
+            if config.method == "cft" else calm_data.encode_training(train, **encode))
         self.cal_examples = calm_data.encode_calibration(
             cal, **encode, positions=config.calibration_positions, entropy=config.entropy,
             variant=config.cloze_variant)
         self.cft = None
-        if config.method == "cft":
-            self.train_examples = calm_data.encode_labeled_options(
-                train, self.model.tokenizer, mode=config.mode, chat=chat,
-                max_length=config.max_length, variant=config.cloze_variant)
         if config.alpha_tokens == "options":
             self.model.restrict_alpha(calm_data.answer_token_ids(
                 [*train, *cal], self.model.tokenizer, mode=config.mode, chat=chat))
