@@ -28,6 +28,7 @@ from .cli_common import (  # noqa: F401 - re-exported: calm's command-line API
     MODEL_ARGUMENTS,
     Terminated,
     _specs,
+    add_endpoint_limits,
     configure_logging,
     deprecated_alias,
     entry_point,
@@ -47,6 +48,10 @@ from .prompts import CHOICE_MODES, CLOZE_VARIANTS, DEFAULT_CLOZE_VARIANT
 from .serve_cli import add_serve
 
 __all__ = ["main", "build_parser"]
+
+#: ``calm score URL``'s --timeout and --max-retries defaults: calm_training's
+#: DEFAULT_TIMEOUT and DEFAULT_MAX_RETRIES (this package cannot import it; a test ties them)
+SERVED_TIMEOUT, SERVED_MAX_RETRIES = 120.0, 4
 
 EPILOG = """examples:
   calm models install smollm2-135m-instruct
@@ -317,6 +322,7 @@ def _add_score(sub) -> None:
                         f"command line; default {DEFAULT_API_KEY_ENV})")
     p.add_argument("--concurrency", type=int, default=8,
                    help="requests in flight to the endpoint (default 8)")
+    add_endpoint_limits(p, SERVED_TIMEOUT, SERVED_MAX_RETRIES)
     p.add_argument("--out", help="JSON report path (default calm-out/reports/score-*.json)")
     p.set_defaults(handler=_score)
 

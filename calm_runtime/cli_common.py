@@ -21,9 +21,10 @@ from ._extras import EXTRA_MODULES, install_hint, missing
 from .errors import BackendUnavailableError, CalmError
 
 __all__ = ["DATA_ARGUMENTS", "EXIT_SIGINT", "EXIT_SIGTERM", "MODEL_ARGUMENTS", "Terminated",
-           "configure_logging", "deprecated_alias", "entry_point", "flags_anywhere",
-           "install_named", "load_commands", "missing_extra_message", "no_abbreviations",
-           "register_missing", "report_interrupt", "run_command", "signals_as_exceptions"]
+           "add_endpoint_limits", "configure_logging", "deprecated_alias", "entry_point",
+           "flags_anywhere", "install_named", "load_commands", "missing_extra_message",
+           "no_abbreviations", "register_missing", "report_interrupt", "run_command",
+           "signals_as_exceptions"]
 
 #: the entry-point group through which ``calm`` finds the commands of the optional packages
 COMMANDS_GROUP = "calm.commands"
@@ -41,6 +42,18 @@ def deprecated_alias(replacement: str) -> type[argparse.Action]:
             setattr(namespace, self.dest, values)
 
     return _Alias
+
+
+def add_endpoint_limits(p: argparse.ArgumentParser, timeout: float, max_retries: int) -> None:
+    """``--timeout`` and ``--max-retries`` (the openai client's names) of a command that takes
+    a served model; the timeout bounds each request with every retry of it included."""
+    p.add_argument("--timeout", type=float, default=timeout, metavar="SECONDS",
+                   help="seconds one request to an endpoint may take in all, every retry and "
+                        "the backoff between them included: the worst case of a request "
+                        f"(default {timeout:g})")
+    p.add_argument("--max-retries", type=int, default=max_retries, metavar="N",
+                   help="attempts after the first on HTTP 429, 5xx, time-outs and connection "
+                        f"errors, within --timeout (default {max_retries})")
 
 
 def flags_anywhere(parser: argparse.ArgumentParser) -> None:

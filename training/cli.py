@@ -10,7 +10,7 @@ import dataclasses
 import logging
 from pathlib import Path
 
-from calm_runtime.cli_common import deprecated_alias
+from calm_runtime.cli_common import add_endpoint_limits, deprecated_alias
 from calm_runtime.errors import BackendUnavailableError
 from calm_runtime.prompts import CHOICE_MODES, CLOZE_VARIANTS
 
@@ -129,6 +129,7 @@ def _add_common(p, default_variant: str | None) -> None:
                         f"command line; default {_FIT['api_key_env']})")
     p.add_argument("--concurrency", type=int, default=_FIT["concurrency"],
                    help=f"requests in flight per endpoint (default {_FIT['concurrency']})")
+    add_endpoint_limits(p, _FIT["timeout"], _FIT["max_retries"])
     p.add_argument("--max-length", type=int, metavar="TOKENS",
                    help="refuse records whose scored text is longer (default: the model's "
                         "context); a too-long record is a one-line error naming it")
@@ -143,14 +144,14 @@ def _config(args):
 
     return FitConfig(model=args.model, reference=args.reference, data=args.data,
                      mode=args.mode, variant=args.variant or _FIT["variant"],
-                     reference_variant=args.reference_variant,
-                     calibration_fraction=args.calibration_fraction,
-                     seed=args.seed, n_bins=args.bins, chat=args.chat,
+                     reference_variant=args.reference_variant, seed=args.seed, n_bins=args.bins,
+                     calibration_fraction=args.calibration_fraction, chat=args.chat,
                      adapter=getattr(args, "adapter", None), batch_size=args.batch_size,
                      limit=args.limit, p_true_template=args.p_true_template,
                      max_length=args.max_length, model_name=args.model_name,
                      reference_name=args.reference_name, api_key_env=args.api_key_env,
-                     concurrency=args.concurrency)
+                     concurrency=args.concurrency, timeout=args.timeout,
+                     max_retries=args.max_retries)
 
 
 def _progress(args) -> bool:

@@ -1,7 +1,12 @@
 """The HTTP side of an OpenAI-compatible endpoint: :class:`Endpoint` (one API call with
-retries, a total deadline per attempt, a bounded answer, no redirects), :func:`connect`
-(checks the served model) and the helpers that keep keys and control characters out of
-what calm prints. Standard library only; the scoring on top is in :mod:`.remote`.
+retries, one total deadline over all its attempts, a bounded answer, no redirects),
+:func:`connect` (checks the served model) and the helpers that keep keys and control
+characters out of what calm prints. Standard library only; the scoring on top is in
+:mod:`.remote`.
+
+Everything an endpoint sends passes :func:`redact` in :meth:`Endpoint.request` before calm
+uses it (the strings of the decoded answer, error bodies, exception texts, headers), so the
+API key cannot come back through a server that echoes it into a message, a log or a file.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import http.client
 import json
 import os
 import random
+import re
 import socket
 import threading
 import time
@@ -21,8 +27,16 @@ from dataclasses import dataclass, field
 from calm_runtime.errors import CalmError, ConfigError
 from calm_runtime.models import DEFAULT_API_KEY_ENV, is_endpoint  # noqa: F401 - re-exported
 
-__all__ = ["Endpoint", "RemoteError", "MAX_RESPONSE_BYTES", "abort_requests", "connect",
-           "is_endpoint", "printable", "redact_url"]
+__all__ = ["DEFAULT_MAX_RETRIES", "DEFAULT_TIMEOUT", "Endpoint", "RemoteError",
+           "MAX_RESPONSE_BYTES", "abort_requests", "connect", "is_endpoint", "printable",
+           "redact", "redact_url"]
+
+#: ``--timeout``: seconds one endpoint call may take in all, every attempt and the backoff
+#: between them included: the worst case of a call
+DEFAULT_TIMEOUT = 120.0
+#: ``--max-retries``: attempts after the first one on 429, 5xx, time-outs and connection
+#: errors, within the same total deadline
+DEFAULT_MAX_RETRIES = 4
 
 
 class RemoteError(CalmError):
@@ -39,14 +53,16 @@ class Endpoint:
     """A served model: ``base_url`` (``.../v1``) and the served ``model`` name.
 
     The API key is read from ``api_key_env`` when a request is made and is never stored.
+    ``timeout`` bounds one call (:meth:`request`) in all: every attempt, and the backoff
+    between them, ends by then; ``retries`` more attempts are made within it.
     """
 
     base_url: str
     model: str
     api_key_env: str = DEFAULT_API_KEY_ENV
     concurrency: int = 8
-    timeout: float = 120.0
-    retries: int = 6
+    timeout: float = DEFAULT_TIMEOUT
+    retries: int = DEFAULT_MAX_RETRIES
     backoff: float = 0.5
     #: Called with the seconds to wait before a retry (tests replace it).
     sleep: Callable[[float], None] = field(default=time.sleep, compare=False, repr=False)
@@ -60,47 +76,61 @@ class Endpoint:
         return hashlib.sha256(f"{self.base_url}\n{self.model}".encode()).hexdigest()[:32]
 
     # ------------------------------------------------------------------ HTTP
-    def _headers(self) -> dict[str, str]:
-        headers = {"Content-Type": "application/json", "Accept": "application/json"}
+    def _key(self) -> str | None:
         key = os.environ.get(self.api_key_env)
-        if key:
-            if not key.isprintable() or key != key.strip():
-                raise ConfigError(f"the environment variable {self.api_key_env} holds spaces or "
-                                  "control characters (a line break?); set it to the key alone")
-            headers["Authorization"] = f"Bearer {key}"
-        return headers
+        if key and (not key.isprintable() or key != key.strip()):
+            raise ConfigError(f"the environment variable {self.api_key_env} holds spaces or "
+                              "control characters (a line break?); set it to the key alone")
+        return key or None
 
     def request(self, method: str, path: str, body: dict | None = None) -> dict:
         """One API call with retries; the decoded JSON object, or a one-line RemoteError.
 
-        Each attempt has a total deadline of ``timeout`` seconds (a server that trickles its
-        answer is cut off there, not only one that stalls), the answer is read up to
-        :data:`MAX_RESPONSE_BYTES`, redirects are refused (the key would go with them), and
-        a host that does not resolve is not retried."""
+        The call has one total deadline, ``timeout`` seconds after it starts: each attempt
+        gets what is left of it (its socket timeout and a watchdog that cuts an answer
+        still trickling in), and no backoff sleeps past it. The answer is read up to
+        :data:`MAX_RESPONSE_BYTES`, redirects are refused (the key would go with them), a
+        host that does not resolve is not retried, and every text of the answer passes
+        :func:`redact` before anything else sees it."""
         url = self.base_url.rstrip("/") + path
         shown = redact_url(url)
         data = None if body is None else json.dumps(body).encode()
-        last = "no attempt"
+        key = self._key()
+        headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+
+        def said(text: str, limit: int = 200) -> str:  # endpoint text, as calm may show it
+            return printable(redact(text, key))[:limit]
+
+        deadline = time.monotonic() + self.timeout
+        last, attempts = "no attempt", 0
         for attempt in range(self.retries + 1):
             if attempt:
                 delay = min(self.backoff * 2 ** (attempt - 1), 30.0) * (1 + random.random() / 4)
+                if time.monotonic() + delay >= deadline:
+                    break
                 self.sleep(delay)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            attempts += 1
             try:
-                status, raw = _exchange(method, url, data, self._headers(), self.timeout)
+                status, raw = _exchange(method, url, data, headers, left)
             except _Redirect as exc:
                 raise RemoteError(f"{shown} answered HTTP {exc.status}, a redirect to "
-                                  f"{redact_url(exc.location)}; calm does not follow redirects "
-                                  "(the API key would go with them): pass the final URL",
-                                  status=exc.status) from None
+                                  f"{redact_url(redact(exc.location, key))}; calm does not "
+                                  "follow redirects (the API key would go with them): pass "
+                                  "the final URL", status=exc.status) from None
             except socket.gaierror as exc:
                 raise RemoteError(f"cannot resolve the host of {shown} "
-                                  f"({printable(str(exc.strerror or exc))}); check the URL") \
+                                  f"({said(str(exc.strerror or exc))}); check the URL") \
                     from None
             except (OSError, http.client.HTTPException) as exc:
-                last = f"{type(exc).__name__}: {printable(str(exc))[:200]}"
+                last = f"{type(exc).__name__}: {said(str(exc))}"
                 continue
             if status >= 400:
-                detail = _error_detail(raw)
+                detail = _error_detail(raw, said)
                 if status == 429 or status >= 500:
                     last = f"HTTP {status}{detail}"
                     continue
@@ -109,13 +139,22 @@ class Endpoint:
             try:
                 payload = json.loads(raw)
             except (ValueError, RecursionError):
+                text = raw[:4096].decode("utf-8", errors="replace")
                 raise RemoteError(f"{shown} answered something that is not JSON "
-                                  f"({raw[:80]!r}); is this an OpenAI-compatible API?") from None
+                                  f"({said(text, 80)!r}); is this an OpenAI-compatible "
+                                  "API?") from None
             if not isinstance(payload, dict):
                 raise RemoteError(f"{shown} answered a JSON {type(payload).__name__}, not an "
                                   "object; is this an OpenAI-compatible API?")
-            return payload
-        raise RemoteError(f"{shown} failed {self.retries + 1} times (last: {last}); check that "
+            return _redacted(payload, key)
+        if time.monotonic() + 1e-3 >= deadline or attempts < self.retries + 1:
+            raise RemoteError(f"{shown} gave no complete answer within {self.timeout:g} s, "
+                              f"the deadline of one call ({attempts} attempt"
+                              f"{'s' if attempts != 1 else ''} and the backoff between them; "
+                              f"last: {last}); check that the server is up and not "
+                              "overloaded, or raise --timeout, then rerun (scores already "
+                              "received are cached)")
+        raise RemoteError(f"{shown} failed {attempts} times (last: {last}); check that "
                           "the server is up and not overloaded, then rerun (scores already "
                           "received are cached)")
 
@@ -137,7 +176,8 @@ class _Redirect(Exception):
 
 def _exchange(method: str, url: str, data: bytes | None, headers: dict, timeout: float):
     """``(status, body)`` of one HTTP exchange, ended by a watchdog at ``timeout`` seconds
-    after it started whatever the server does; a 3xx raises :class:`_Redirect`."""
+    after it started whatever the server does (the socket's own timeout is ``timeout`` too);
+    a 3xx raises :class:`_Redirect`."""
     parts = urllib.parse.urlsplit(url)
     kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
     conn = kind(parts.hostname, parts.port, timeout=timeout)
@@ -158,7 +198,7 @@ def _exchange(method: str, url: str, data: bytes | None, headers: dict, timeout:
         with _ACTIVE_LOCK:
             _ACTIVE.add(conn.sock)
         if expired.is_set():
-            raise TimeoutError(f"no complete answer within {timeout:g} s")
+            raise TimeoutError(f"no complete answer within {timeout:.3g} s")
         target = parts.path + (f"?{parts.query}" if parts.query else "")
         conn.request(method, target, body=data, headers=headers)
         response = conn.getresponse()
@@ -181,11 +221,11 @@ def _exchange(method: str, url: str, data: bytes | None, headers: dict, timeout:
                                   "API?")
             chunks.append(chunk)
         if expired.is_set():  # the watchdog's shutdown reads as an early end of the answer
-            raise TimeoutError(f"no complete answer within {timeout:g} s")
+            raise TimeoutError(f"no complete answer within {timeout:.3g} s")
         return response.status, b"".join(chunks)
     except (OSError, http.client.HTTPException):
         if expired.is_set():
-            raise TimeoutError(f"no complete answer within {timeout:g} s") from None
+            raise TimeoutError(f"no complete answer within {timeout:.3g} s") from None
         raise
     finally:
         watchdog.cancel()
@@ -234,18 +274,69 @@ def printable(text: str) -> str:
                    else f"\\u{ord(c):04x}" for c in text)
 
 
-def _error_detail(raw: bytes) -> str:
+def _error_detail(raw: bytes, said: Callable[[str], str]) -> str:
+    """`` (the error's message)`` of an error answer, through ``said`` (redacted)."""
     try:
         body = json.loads(raw or b"{}")
         message = body.get("error", {}).get("message") if isinstance(body, dict) else None
     except (ValueError, AttributeError, RecursionError):
         message = None
-    return f" ({printable(str(message)[:200])})" if message else ""
+    return f" ({said(str(message))})" if message else ""
+
+
+#: the text that replaces a credential
+REDACTED = "[redacted]"
+#: ``Bearer <token>`` (RFC 6750's b64token, one that looks like a credential: a digit or one
+#: of ``_~+/-`` in it, or 16 characters long, so that "the bearer of" stays prose) and an
+#: ``Authorization`` header's value, as a server may echo them: a header line, JSON, or a
+#: Python dict's repr
+_CREDENTIALS = re.compile(
+    r"""(?i)\b(bearer)\s+(?=[\w.~+/-]*[\d_~+/-]|[\w.~+/-]{16})[\w.~+/-]+=*"""
+    r"""|\b(authorization)(["']?\s*[:=]\s*["']?)[^\r\n"',;}]*""", re.ASCII)
+
+
+def _mask(match: re.Match) -> str:
+    if match.group(1):
+        return f"{match.group(1)} {REDACTED}"
+    return f"{match.group(2)}{match.group(3)}{REDACTED}"
+
+
+def redact(text: str, key: str | None = None) -> str:
+    """``text`` without the API key ``key`` (its exact value, anywhere) and without any
+    ``Bearer <token>`` or ``Authorization: ...`` value: the one filter every text from an
+    endpoint passes before calm logs, prints, raises or writes it."""
+    if key:
+        text = text.replace(key, REDACTED)
+    return _CREDENTIALS.sub(_mask, text)
+
+
+def _redacted(payload, key: str | None):
+    """``payload`` with :func:`redact` applied to each of its strings (keys included; the
+    value of an ``authorization`` key whole); unchanged, and not walked, when its JSON text
+    holds nothing :func:`redact` would change."""
+    text = json.dumps(payload, ensure_ascii=False)
+    if (not key or ('"' not in key and "\\" not in key)) and redact(text, key) == text:
+        return payload
+
+    def walk(value):
+        if isinstance(value, str):
+            return redact(value, key)
+        if isinstance(value, dict):
+            return {redact(k, key): REDACTED if isinstance(v, str) and k.lower().endswith(
+                "authorization") else walk(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [walk(v) for v in value]
+        return value
+
+    return walk(payload)
 
 
 def connect(url: str, *, model_name: str | None = None, api_key_env: str = DEFAULT_API_KEY_ENV,
-            concurrency: int = 8, timeout: float = 120.0, retries: int = 6) -> Endpoint:
-    """The :class:`Endpoint` for ``url``, its served model checked with ``GET /models``."""
+            concurrency: int = 8, timeout: float = DEFAULT_TIMEOUT,
+            retries: int = DEFAULT_MAX_RETRIES) -> Endpoint:
+    """The :class:`Endpoint` for ``url``, its served model checked with ``GET /models``.
+    ``timeout``: seconds per call, all ``retries`` included (``--timeout``,
+    ``--max-retries``)."""
     try:
         parsed = urllib.parse.urlsplit(url)
         parsed.port  # noqa: B018 - a bad port raises here
@@ -261,6 +352,10 @@ def connect(url: str, *, model_name: str | None = None, api_key_env: str = DEFAU
                           "--api-key-env VAR")
     if concurrency < 1:
         raise ConfigError(f"concurrency must be >= 1, got {concurrency}")
+    if not timeout > 0:
+        raise ConfigError(f"timeout must be > 0 seconds, got {timeout}; fix --timeout")
+    if retries < 0:
+        raise ConfigError(f"max_retries must be >= 0, got {retries}; fix --max-retries")
     endpoint = Endpoint(url.rstrip("/"), model_name or "", api_key_env=api_key_env,
                         concurrency=concurrency, timeout=timeout, retries=retries)
     listing = endpoint.request("GET", "/models")

@@ -12,6 +12,7 @@ from calm_runtime.errors import ConfigError
 from calm_runtime.models import DEFAULT_API_KEY_ENV
 from calm_runtime.prompts import CHOICE_MODES, DEFAULT_CLOZE_VARIANT, DEFAULT_P_TRUE_TEMPLATE
 
+from .endpoint import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT
 from .scoring import CLOZE_VARIANTS
 
 __all__ = ["ALL_MODES", "DEFAULT_VARIANT", "FitConfig", "LABEL_FREE", "METHODS"]
@@ -54,6 +55,10 @@ class FitConfig:
             are endpoint URLs (``None``: the single model the endpoint lists).
         api_key_env: the environment variable holding the endpoints' API key.
         concurrency: requests in flight per endpoint.
+        timeout: seconds one endpoint call may take in all, its retries and their backoff
+            included (``--timeout``).
+        max_retries: attempts after the first on 429, 5xx, time-outs and connection errors,
+            within ``timeout`` (``--max-retries``).
         risk, risk_confidence: ``calm fit threshold``: the selective risk to stay at or
             below, and the probability with which (see :mod:`calm_training.threshold`).
     """
@@ -78,6 +83,8 @@ class FitConfig:
     reference_name: str | None = None
     api_key_env: str = DEFAULT_API_KEY_ENV
     concurrency: int = 8
+    timeout: float = DEFAULT_TIMEOUT
+    max_retries: int = DEFAULT_MAX_RETRIES
     risk: float = 0.1
     risk_confidence: float = 0.95
 
@@ -89,6 +96,10 @@ class FitConfig:
             problems.append(f"risk_confidence {self.risk_confidence!r} must lie in [0.5, 1)")
         if not isinstance(self.concurrency, int) or self.concurrency < 1:
             problems.append(f"concurrency {self.concurrency!r} must be an integer >= 1")
+        if not isinstance(self.timeout, int | float) or not 0 < self.timeout < float("inf"):
+            problems.append(f"timeout {self.timeout!r} must be a number of seconds > 0")
+        if not isinstance(self.max_retries, int) or self.max_retries < 0:
+            problems.append(f"max_retries {self.max_retries!r} must be an integer >= 0")
         if self.max_length is not None and (not isinstance(self.max_length, int)
                                             or self.max_length < 2):
             problems.append(f"max_length {self.max_length!r} must be an integer >= 2")

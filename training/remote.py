@@ -18,8 +18,10 @@ model, else from ``model_name``; the key from an environment variable, never an 
   token, read the same way as the letters.
 
 Requests run ``concurrency`` at a time, are retried with exponential backoff on 429, 5xx,
-time-outs and connection errors, and every answer is appended to a cache file keyed by the
-endpoint, the served model and the request, so an interrupted run resumes where it stopped.
+time-outs and connection errors within one total deadline each (``--timeout``), and every
+answer (redacted of the key, see :func:`~calm_training.endpoint.redact`) is appended to a
+cache file keyed by the endpoint, the served model and the request, so an interrupted run
+resumes where it stopped.
 Uses the standard library only (no torch, no HTTP client dependency).
 """
 

@@ -45,7 +45,8 @@ def score_served(args, records) -> tuple[dict, str]:
                                     f"with calm fit --variant {args.variant}")
     config = FitConfig(model=args.engine, data=args.data, mode=args.mode, variant=variant,
                        n_bins=args.bins, chat=args.chat, model_name=args.model_name,
-                       api_key_env=args.api_key_env, concurrency=args.concurrency)
+                       api_key_env=args.api_key_env, concurrency=args.concurrency,
+                       timeout=args.timeout, max_retries=args.max_retries)
     endpoint = model_source(config, "model").endpoint
     if adapter is not None:
         recorded_at = adapter.base_model.served

@@ -20,7 +20,7 @@ from calm_runtime.engine import ENGINE_MANIFEST_NAME
 from calm_runtime.errors import ConfigError
 from calm_runtime.models import DEFAULT_API_KEY_ENV
 
-from .endpoint import Endpoint, connect, is_endpoint
+from .endpoint import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT, Endpoint, connect, is_endpoint
 
 if TYPE_CHECKING:
     from .fit_config import FitConfig
@@ -163,10 +163,11 @@ class ServedModel(ModelSource):
 
     def __init__(self, spec: str, *, model_name: str | None = None,
                  api_key_env: str = DEFAULT_API_KEY_ENV, concurrency: int = 8,
+                 timeout: float = DEFAULT_TIMEOUT, max_retries: int = DEFAULT_MAX_RETRIES,
                  endpoint: Endpoint | None = None) -> None:
         super().__init__(spec)
         self._connect = dict(model_name=model_name, api_key_env=api_key_env,
-                             concurrency=concurrency)
+                             concurrency=concurrency, timeout=timeout, retries=max_retries)
         if endpoint is not None:
             self.__dict__["endpoint"] = endpoint
 
@@ -189,11 +190,14 @@ class ServedModel(ModelSource):
 
 
 def resolve_source(spec: str | os.PathLike, *, model_name: str | None = None,
-                   api_key_env: str = DEFAULT_API_KEY_ENV, concurrency: int = 8) -> ModelSource:
-    """The one place a ``--model`` / ``--reference`` spec is told apart."""
+                   api_key_env: str = DEFAULT_API_KEY_ENV, concurrency: int = 8,
+                   timeout: float = DEFAULT_TIMEOUT,
+                   max_retries: int = DEFAULT_MAX_RETRIES) -> ModelSource:
+    """The one place a ``--model`` / ``--reference`` spec is told apart (``timeout`` and
+    ``max_retries``: a served model's, per call)."""
     if is_endpoint(spec):
         return ServedModel(str(spec), model_name=model_name, api_key_env=api_key_env,
-                           concurrency=concurrency)
+                           concurrency=concurrency, timeout=timeout, max_retries=max_retries)
     if is_engine(spec):
         return EngineSource(str(spec))
     return LocalModel(str(spec))
@@ -215,7 +219,8 @@ def model_source(config: FitConfig, role: str) -> ModelSource | None:
     if spec is None:
         return None
     return resolve_source(spec, model_name=getattr(config, f"{role}_name"),
-                          api_key_env=config.api_key_env, concurrency=config.concurrency)
+                          api_key_env=config.api_key_env, concurrency=config.concurrency,
+                          timeout=config.timeout, max_retries=config.max_retries)
 
 
 def prompt_format(config: FitConfig) -> str:
