@@ -111,7 +111,10 @@ COMMON = {"steps": 40, "warm_start_steps": 20, "warm_start_lr": 1e-3, "batch_siz
           "outer_lr": 0.1, "phi": "grad", "eta": 0.5, "entropy": "options",
           "cloze_variant": "mean", "calibration_positions": "answer", "alpha_l2": 0.0,
           "q_window": 10, "beta": 1.0, "freeze_alpha": False, "cft_weight": 0.5,
-          "cft_scale": 1e-3, "cft_bins": 10}
+          "cft_scale": 1e-3, "cft_bins": 10,
+          # settings added after the first runs, at the behaviour those runs had
+          "inner_optimizer": "sgd", "alpha_logits": "raw", "upper": "entropy",
+          "reference": None, "alpha_holdout": 0.0}
 #: calibration-aware fine-tuning (the paper's training-time baseline; docs/methods.md): the
 #: plain fine-tuning recipe of this project (Adam at the warm start's rate, every step, no α)
 #: on its loss (1 − w)·CE + w·c·L_cal with the published trainer's c and bins

@@ -81,7 +81,10 @@ COMMON = {"batch_size": 8, "calibration_batch_size": 8, "lora_rank": 8, "lora_al
           "max_length": 256, "inner_steps": 2, "inner_lr": 0.01, "cloze_variant": VARIANT,
           "mode": "cloze", "phi": "grad", "warm_start_lr": 1e-3, "q_window": 10, "beta": 1.0,
           "alpha_l2": 0.0, "upper_params": "all", "alpha_tokens": "all", "momentum": 0.9,
-          "freeze_alpha": False, "cft_weight": 0.5, "cft_scale": 1e-3, "cft_bins": 10}
+          "freeze_alpha": False, "cft_weight": 0.5, "cft_scale": 1e-3, "cft_bins": 10,
+          # settings added later, at the behaviour these runs had (calm_config.LEGACY_SETTINGS)
+          "inner_optimizer": "sgd", "alpha_logits": "raw", "upper": "entropy",
+          "reference": None, "alpha_holdout": 0.0}
 SGD = {"method": "bilevel", "optimizer": "sgd", "momentum": 0.9, "outer_lr": 0.1,
        "alpha_lr": 0.02, "calibration_positions": "answer"}
 ARMS = {

@@ -87,7 +87,7 @@ MIGRATIONS: dict[int, Any] = {}
 
 _TOP_KEYS = {"schema_version", "kind", "created_by", "created_at", "base_model", "method",
              "summary", "tensors", "lora", "metrics", "provenance", "p_true_template",
-             "abstention"}
+             "abstention", "logits"}
 _REQUIRED_TOP = {"schema_version", "kind", "created_by", "base_model", "method", "tensors"}
 _MODEL_KEYS = {"name", "vocab_size", "tokenizer_sha256", "served"}
 
@@ -169,6 +169,9 @@ class CalibrationAdapter:
     #: ``calm fit threshold``: ``{"threshold": t, ...}``; answers below ``t`` are marked
     #: abstained by the runtime and the server (the rest is provenance of the choice)
     abstention: dict | None = None
+    #: ``True``: tau and shift act on centred logits ``z - mean_v z`` (docs/methods.md §1,
+    #: the manifest's ``"logits": "centered"``); ``False``: on raw logits (no key written)
+    centered: bool = False
     #: a peft LoRA folder (inside a loaded artifact, or a source folder to copy on save)
     lora_path: Path | None = None
     created_by: str = f"calm {__version__}"
@@ -227,10 +230,17 @@ class CalibrationAdapter:
         if self.p_true_template is not None:
             check_p_true_template(self.p_true_template, "the adapter", allow_name=True)
         self.abstention = check_abstention(self.abstention, "the adapter")
+        if not isinstance(self.centered, bool):
+            raise ArtifactError(f"centered must be True or False, got {self.centered!r}; "
+                                "re-create the adapter")
+        if self.centered and self.base_model.served is not None:
+            raise ArtifactError("a served model's adapter has no per-token part to centre; "
+                                "fit it without centring")
 
     # ------------------------------------------------------------------ math
     def calibrate(self, logits):
-        """Calibrated logits ``(z / tau + shift) / temperature`` (numpy or torch input).
+        """Calibrated logits ``(z / tau + shift) / temperature`` (numpy or torch input;
+        ``z`` centred first when :attr:`centered`).
 
         For a served model's adapter (no per-token part) ``z / temperature`` of whatever
         logits or log-probabilities are given."""
@@ -242,7 +252,7 @@ class CalibrationAdapter:
 
             tau = torch.as_tensor(tau, device=logits.device, dtype=logits.dtype)
             shift = torch.as_tensor(shift, device=logits.device, dtype=logits.dtype)
-        return apply_calibration(logits, tau, shift, self.temperature)
+        return apply_calibration(logits, tau, shift, self.temperature, center=self.centered)
 
     def fused_head(self, weight, bias=None):
         """``(W', b')`` for an LM head ``[V, d]`` (numpy or torch), see calibration.fused_head."""
@@ -257,7 +267,7 @@ class CalibrationAdapter:
 
             tau = torch.as_tensor(tau, device=weight.device, dtype=weight.dtype)
             shift = torch.as_tensor(shift, device=weight.device, dtype=weight.dtype)
-        return fused_head(weight, bias, tau, shift, self.temperature)
+        return fused_head(weight, bias, tau, shift, self.temperature, center=self.centered)
 
     # ------------------------------------------------------------------ persistence
     def save_pretrained(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
@@ -297,6 +307,8 @@ class CalibrationAdapter:
         }
         if self.abstention is not None:
             manifest["abstention"] = dict(self.abstention)
+        if self.centered:
+            manifest["logits"] = "centered"
         target = Path(path)
         with atomic_directory(target, overwrite=overwrite) as staging:
             save_file(tensors, str(staging / TENSORS_NAME))
@@ -358,6 +370,10 @@ class CalibrationAdapter:
                                     "LoRA folder is incomplete, re-create the adapter")
             check_tree(lora_path, what=f"{where}: the LoRA folder {show(lora_ref)}")
         answer_t = arrays.get("answer_temperature")
+        logits = data.get("logits", "raw")
+        if logits not in ("raw", "centered"):
+            raise ArtifactError(f"{where}: logits must be \"raw\" or \"centered\", got "
+                                f"{show(logits)}; re-create the adapter")
         return cls(
             base_model=identity,
             tau=arrays["tau"],
@@ -371,6 +387,7 @@ class CalibrationAdapter:
             p_true_template=p_true,
             abstention=check_abstention(data.get("abstention"), where),
             lora_path=lora_path,
+            centered=logits == "centered",
             created_by=created_by,
             created_at=created_at,
         )

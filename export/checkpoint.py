@@ -116,7 +116,9 @@ def fold_into_checkpoint(model, adapter: CalibrationAdapter, post: PostHead) -> 
     folded = {"tau": "scalar" if scalar_tau else "per-vocabulary",
               "tau_value": float(tau[0]) if scalar_tau else None,
               "temperature": float(adapter.temperature), "shift": "none",
-              "post_head": post.to_dict(), "head_untied": True}
+              "post_head": post.to_dict(), "head_untied": True,
+              # a scalar tau on centred logits is the same distribution as on raw ones
+              "centered": adapter.centered and not scalar_tau}
 
     _refuse_unfoldable(model, adapter, post)
     if post.kind == "softcap":
@@ -139,7 +141,7 @@ def fold_into_checkpoint(model, adapter: CalibrationAdapter, post: PostHead) -> 
     new_weight, new_bias = fused_head(
         weight * multiplier, scaled_bias, torch.from_numpy(tau).to(weight.dtype),
         torch.from_numpy(shift).to(weight.dtype) if has_shift else None,
-        float(adapter.temperature))
+        float(adapter.temperature), center=adapter.centered and not scalar_tau)
     with torch.no_grad():
         head.weight = torch.nn.Parameter(new_weight.contiguous(), requires_grad=False)
         if new_bias is not None:

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from calm_runtime.artifact import CalibrationAdapter
+from calm_runtime.calibration import center_logits, fused_head
 from calm_runtime.errors import ArtifactError
 from calm_runtime.models import load_lora
 
@@ -48,6 +49,7 @@ __all__ = [
     "apply_lora",
     "fuse_into_lm_head",
     "head_is_tied",
+    "elementwise_calibration",
     "logits_affine",
     "merge_lora",
     "untie_lm_head",
@@ -57,11 +59,14 @@ logger = logging.getLogger(__name__)
 
 
 class ScaledHead(nn.Module):
-    """A (possibly tied) linear head followed by an elementwise scale and shift."""
+    """A (possibly tied) linear head followed by an elementwise scale and shift (after
+    centring its output over the vocabulary, for a centred adapter)."""
 
-    def __init__(self, linear: nn.Linear, scale: torch.Tensor, shift: torch.Tensor) -> None:
+    def __init__(self, linear: nn.Linear, scale: torch.Tensor, shift: torch.Tensor, *,
+                 center: bool = False) -> None:
         super().__init__()
         self.linear = linear
+        self.center = center
         self.register_buffer("scale", scale.detach().clone())
         self.register_buffer("shift", shift.detach().clone())
 
@@ -70,27 +75,43 @@ class ScaledHead(nn.Module):
         return self.linear.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.linear(hidden) * self.scale + self.shift
+        z = self.linear(hidden)
+        return (center_logits(z) if self.center else z) * self.scale + self.shift
 
 
 class LogitsAffine(nn.Module):
     """``logits * scale + shift`` after the model's own logits: the calibration of a family
     whose head is followed by a non-linear transform (soft-capping, export/heads.py)."""
 
-    def __init__(self, scale: torch.Tensor, shift: torch.Tensor) -> None:
+    def __init__(self, scale: torch.Tensor, shift: torch.Tensor, *, center: bool = False
+                 ) -> None:
         super().__init__()
+        self.center = center
         self.register_buffer("scale", scale.detach().clone())
         self.register_buffer("shift", shift.detach().clone())
 
     def forward(self, logits: torch.Tensor) -> torch.Tensor:
-        return logits * self.scale + self.shift
+        return (center_logits(logits) if self.center else logits) * self.scale + self.shift
+
+
+def elementwise_calibration(adapter: CalibrationAdapter, ones: torch.Tensor, bias=None):
+    """``(scale, shift)`` with ``calibrate(z + bias) == center?(z) * scale + shift`` for a head
+    output ``z`` without bias: the fused head of a ``[V, 1]`` column ``ones`` (the head's
+    multiplier) with the bias centred here when the adapter is (the column is not centred:
+    the module centres ``z`` itself)."""
+    tau = torch.as_tensor(adapter.tau, dtype=ones.dtype, device=ones.device)
+    shift = torch.as_tensor(adapter.shift, dtype=ones.dtype, device=ones.device)
+    if adapter.centered and bias is not None:
+        bias = bias - bias.mean()
+    return fused_head(ones, bias, tau, shift, adapter.temperature)
 
 
 def logits_affine(adapter: CalibrationAdapter, vocab_size: int) -> LogitsAffine:
-    """The calibration as elementwise ops on finished logits: ``(z / tau + l) / T``."""
-    ones = torch.ones(vocab_size, 1)
-    scale, shift = adapter.fused_head(ones, torch.zeros(vocab_size))
-    return LogitsAffine(scale[:, 0], shift)
+    """The calibration as elementwise ops on finished logits: ``(z / tau + l) / T`` (``z``
+    centred first for a centred adapter)."""
+    scale, shift = elementwise_calibration(adapter, torch.ones(vocab_size, 1),
+                                           torch.zeros(vocab_size))
+    return LogitsAffine(scale[:, 0], shift, center=adapter.centered)
 
 
 def head_is_tied(model) -> bool:
@@ -179,11 +200,12 @@ def fuse_into_lm_head(model, adapter: CalibrationAdapter, *, layout: str = "unti
         elif layout == "tied-scale":
             ones = torch.full((weight.shape[0], 1), multiplier, dtype=weight.dtype,
                               device=weight.device)
-            scale, shift = adapter.fused_head(ones, bias)
+            scale, shift = elementwise_calibration(adapter, ones, bias)
             plain = nn.Linear(weight.shape[1], weight.shape[0], bias=False,
                               dtype=weight.dtype, device=weight.device)
             plain.weight = head.weight  # keep the tie: same Parameter as the embedding
-            model.set_output_embeddings(ScaledHead(plain, scale[:, 0], shift))
+            model.set_output_embeddings(ScaledHead(plain, scale[:, 0], shift,
+                                                   center=adapter.centered))
         else:
             raise ArtifactError(f"unknown head layout {layout!r}")
     logger.info("fused the calibration into the LM head (%s layout)", layout)

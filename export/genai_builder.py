@@ -99,6 +99,10 @@ def build_graph(model, tokenizer, staging: Path, vocab_size: int, *, affine=None
     scale = shift = bias = None
     head = model.get_output_embeddings()
     if affine is not None:
+        if affine.center:
+            raise BuilderError("a centred adapter after a soft-capped head needs a mean over "
+                               "the vocabulary, which the builder graph's appended ops lack; "
+                               "export with --graph fused")
         scale, shift = affine.scale.detach().numpy(), affine.shift.detach().numpy()
     elif getattr(head, "bias", None) is not None:
         bias = head.bias

@@ -95,6 +95,8 @@ class CalmModel:
         vocab = self.identity.vocab_size
         self.alpha_index = None
         self.cft_parts = {"ce": 0.0, "l_cal": 0.0}
+        #: τ divides centred logits (docs/methods.md §1); the adapter records it
+        self.center = getattr(config, "alpha_logits", "raw") == "centered"
         if config.method == "scalar":
             self.alpha_names = ["log_temperature"]
             self.alpha = [torch.zeros(1, device=device, requires_grad=True)]
@@ -179,12 +181,13 @@ class CalmModel:
                      .scatter(0, self.alpha_index, a) for a in alpha)
 
     def calibrate(self, z, alpha):
-        """``z_α``: the calibration formula of calm_runtime with ``tau = exp(log_tau)``."""
+        """``z_α``: the calibration formula of calm_runtime with ``tau = exp(log_tau)`` (on
+        centred logits when :attr:`center`)."""
         if len(alpha) == 2:
             log_tau, shift = self.full_alpha(alpha)
-            return apply_calibration(z, torch.exp(log_tau), shift)
+            return apply_calibration(z, torch.exp(log_tau), shift, center=self.center)
         if len(alpha) == 1:
-            return apply_calibration(z, torch.exp(alpha[0]))
+            return apply_calibration(z, torch.exp(alpha[0]), center=self.center)
         return z
 
     def tau_shift(self) -> tuple[np.ndarray, np.ndarray]:
@@ -258,6 +261,9 @@ class CalmModel:
             neg_entropy = (option_logp.exp() * option_logp.masked_fill(
                 ~batch.option_mask, 0.0)).sum(-1)
             return (neg_entropy * batch.example_weights).sum()
+        elif loss == "daca_kl":
+            return (masked_reference_kl(option_log_probs(logp, batch), batch.reference,
+                                        batch.option_mask) * batch.example_weights).sum()
         else:
             raise ConfigError(f"unknown loss {loss!r}")
         return (per * batch.weights).sum()
@@ -285,6 +291,18 @@ def answer_ce(logp, batch):
     total = total.index_add(0, example, -token_logp * on_answer)
     count = torch.zeros_like(total).index_add(0, example, on_answer)
     return total / count.clamp(min=1.0)
+
+
+def masked_reference_kl(option_logp, reference, option_mask):
+    """DACA's agreement-masked KL per example ``[E]`` (docs/methods.md §3, §4):
+    ``KL(p_ref ‖ p)`` where the reference's top option is the model's, 0 elsewhere (the mask
+    carries no gradient)."""
+    present = option_mask & (reference > 0)
+    log_ref = torch.log(reference.clamp(min=1e-30))
+    kl = (reference * (log_ref - option_logp)).masked_fill(~present, 0.0).sum(-1)
+    ref_top = reference.masked_fill(~option_mask, -1.0).argmax(-1)
+    agree = ref_top == option_logp.detach().argmax(-1)
+    return kl * agree.to(kl.dtype)
 
 
 def option_log_probs(logp, batch):

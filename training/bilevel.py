@@ -5,7 +5,8 @@ docs/methods.md §4. The lower level ``g(θ, α)`` is minimised over ``θ``; the
 ``g``. One outer step (:func:`bome_step`):
 
 1. ``θ~ ← θ``; ``inner_steps`` times ``θ~ ← θ~ − inner_lr · ∇_θ g(θ~, α)`` (α fixed, no graph
-   kept through the steps). The first inner gradient is taken at ``θ~ = θ``, so that
+   kept through the steps; ``inner_optimizer="adam"`` takes Adam steps instead, with a
+   fresh state each outer step). The first inner gradient is taken at ``θ~ = θ``, so that
    evaluation also gives ``g(θ, α)``, ``∇_θ g(θ, α)`` and ``∇_α g(θ, α)``.
 2. ``q = g(θ, α) − g(θ~, α)``; ``∇q = [∇_θ g(θ, α) ; ∇_α g(θ, α) − ∇_α g(θ~, α)]``.
 3. ``λ = max((φ − ⟨∇f, ∇q⟩) / (‖∇q‖² + ε), 0)`` with ``φ = η‖∇q‖²`` (``phi="grad"``) or
@@ -18,6 +19,13 @@ plain SGD the update ``u ← u − lr·d`` decreases ``q`` to first order exactl
 ``⟨d, ∇q⟩ > 0``, which ``λ`` guarantees (``⟨d, ∇q⟩ ≥ φ``) whenever ``λ > 0`` — the property
 BOME's analysis rests on. Adam rescales ``d`` per coordinate and adds momentum, so it keeps
 no such guarantee; the trainer watches ``q`` and warns when it grows.
+
+Whether the coupling engages: ``∇_α q = ∇_α g(θ, α) − ∇_α g(θ~, α)`` vanishes when ``θ~ ≈ θ``
+(too few or too small inner steps); then ``λ`` stays at ``η`` and α follows ``∇f`` alone.
+Every step therefore also reports ``‖∇_α q‖``, ``‖∇_α f‖`` and how far the inner steps moved
+(``‖θ~ − θ‖ / ‖θ‖``). Plain gradient steps on a LoRA move it by ``inner_lr · ‖∇g‖``, tiny
+next to its weights; Adam's first steps move every coordinate by about ``inner_lr``
+whatever the gradient's scale, which is what makes ``θ~`` differ from ``θ``.
 
 The ablations of the paper use the same machinery: :func:`regularization_step`
 (``d = ∇g + β∇f``, no constraint), :func:`iterate_step` (a θ step on ``g``, then a step on
@@ -45,6 +53,7 @@ from calm_runtime.errors import ConfigError
 
 __all__ = [
     "PHI_MODES",
+    "INNER_OPTIMIZERS",
     "Objective",
     "BomeOptions",
     "StepStats",
@@ -56,6 +65,10 @@ __all__ = [
 ]
 
 PHI_MODES = ("grad", "value")
+INNER_OPTIMIZERS = ("sgd", "adam")
+#: Adam's constants for the inner steps (torch.optim.Adam's defaults)
+ADAM_BETAS = (0.9, 0.999)
+ADAM_EPS = 1e-8
 
 Tensors = Sequence[torch.Tensor]
 Grads = list[torch.Tensor] | None
@@ -70,7 +83,10 @@ class BomeOptions:
 
     Attributes:
         inner_steps: ``T_inner``, gradient steps on the copy ``θ~`` (>= 1).
-        inner_lr: ``η_in``, the step size of those inner steps (plain gradient descent).
+        inner_lr: ``η_in``, the step size of those inner steps.
+        inner_optimizer: ``"sgd"`` (plain gradient descent, the BOME paper's) or ``"adam"``
+            (Adam from a fresh state every outer step: steps of about ``inner_lr`` per
+            coordinate whatever the gradient's scale).
         eta: ``η`` in ``φ``; larger values push harder toward the lower-level optimum.
         phi: ``"grad"`` for ``φ = η‖∇q‖²`` (the default of the BOME paper), ``"value"`` for
             ``φ = η q``.
@@ -81,6 +97,7 @@ class BomeOptions:
 
     inner_steps: int = 3
     inner_lr: float = 1e-2
+    inner_optimizer: str = "sgd"
     eta: float = 0.5
     phi: str = "grad"
     epsilon: float = 1e-12
@@ -96,6 +113,9 @@ class BomeOptions:
             problems.append(f"inner_lr must be a positive number, got {self.inner_lr!r}")
         if not (isinstance(self.eta, (int, float)) and self.eta >= 0 and math.isfinite(self.eta)):
             problems.append(f"eta must be a finite number >= 0, got {self.eta!r}")
+        if self.inner_optimizer not in INNER_OPTIMIZERS:
+            problems.append(f"inner_optimizer must be one of {', '.join(INNER_OPTIMIZERS)}, "
+                            f"got {self.inner_optimizer!r}")
         if self.phi not in PHI_MODES:
             problems.append(f"phi must be one of {', '.join(PHI_MODES)}, got {self.phi!r}")
         if not (isinstance(self.epsilon, (int, float)) and self.epsilon > 0):
@@ -114,6 +134,8 @@ class StepStats:
     ``g(θ~, α)``; ``q``, ``lam``, ``grad_q_norm``, ``d_dot_grad_q`` (``⟨d, ∇q⟩``) and
     ``cos_f_q`` (``cos(∇f, ∇q)``, 0 when either is zero) are ``None`` for steps without the
     bilevel coupling; ``grad_f_norm`` is ``‖∇f‖`` over the variables ``f`` moved.
+    ``grad_alpha_q_norm`` (``‖∇_α q‖``), ``grad_alpha_f_norm`` (``‖∇_α f‖``) and
+    ``inner_move`` (``‖θ~ − θ‖ / ‖θ‖``) say whether the coupling engages.
     """
 
     f: float | None
@@ -125,6 +147,9 @@ class StepStats:
     grad_f_norm: float | None = None
     d_dot_grad_q: float | None = None
     cos_f_q: float | None = None
+    grad_alpha_q_norm: float | None = None
+    grad_alpha_f_norm: float | None = None
+    inner_move: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -215,14 +240,7 @@ def bome_step(theta: Sequence[torch.Tensor], alpha: Sequence[torch.Tensor], lowe
     theta_now = [t.detach() for t in theta]
     alpha_now = [a.detach() for a in alpha]
     g0, g_theta0, g_alpha0 = _evaluate(lower, theta_now, alpha_now, True, True, reduce)
-    tilde = [t.clone() for t in theta_now]
-    step = g_theta0
-    for k in range(options.inner_steps):
-        if k:
-            _, step, _ = _evaluate(lower, tilde, alpha_now, True, False, reduce)
-        with torch.no_grad():
-            tilde = [t - options.inner_lr * s
-                     for t, s in zip(tilde, _split(step, tilde), strict=True)]
+    tilde = inner_solve(lower, theta_now, alpha_now, g_theta0, options, reduce)
     g_inner, _, g_alpha_inner = _evaluate(lower, tilde, alpha_now, False, True, reduce)
     f, f_theta, f_alpha = _evaluate(upper, theta_now, alpha_now, options.upper_theta, True,
                                     reduce)
@@ -239,9 +257,40 @@ def bome_step(theta: Sequence[torch.Tensor], alpha: Sequence[torch.Tensor], lowe
     f_norm = _norm(grad_f)
     cos = f_dot_q / (f_norm * math.sqrt(q_sq)) if f_norm > 0 and q_sq > 0 else 0.0
     d_dot_q = float(direction @ grad_q)
+    n_theta = g_theta0.numel()
+    move = _norm(_flat(tilde, theta_now) - _flat(theta_now, theta_now))
+    size = _norm(_flat(theta_now, theta_now))
     _apply([*theta, *alpha], direction.to(g_theta0.dtype), optimizer)
     return StepStats(f=f, g=g0, q=q, g_inner=g_inner, lam=lam, grad_q_norm=math.sqrt(q_sq),
-                     grad_f_norm=f_norm, d_dot_grad_q=d_dot_q, cos_f_q=cos)
+                     grad_f_norm=f_norm, d_dot_grad_q=d_dot_q, cos_f_q=cos,
+                     grad_alpha_q_norm=_norm(grad_q[n_theta:]),
+                     grad_alpha_f_norm=_norm(grad_f[n_theta:]),
+                     inner_move=move / size if size > 0 else move)
+
+
+def inner_solve(lower: Objective, theta: Sequence[torch.Tensor], alpha: Sequence[torch.Tensor],
+                first_grad: torch.Tensor, options: BomeOptions, reduce: Reduce | None = None
+                ) -> list[torch.Tensor]:
+    """``θ~`` after ``options.inner_steps`` steps on ``g(·, α)`` from ``θ`` (α fixed);
+    ``first_grad`` is the flat ``∇_θ g(θ, α)`` already computed."""
+    tilde = [t.clone() for t in theta]
+    step = first_grad
+    m = v = None
+    beta1, beta2 = ADAM_BETAS
+    for k in range(options.inner_steps):
+        if k:
+            _, step, _ = _evaluate(lower, tilde, alpha, True, False, reduce)
+        if options.inner_optimizer == "adam":
+            m = (1 - beta1) * step if m is None else beta1 * m + (1 - beta1) * step
+            v = (1 - beta2) * step * step if v is None else beta2 * v + (1 - beta2) * step * step
+            m_hat, v_hat = m / (1 - beta1 ** (k + 1)), v / (1 - beta2 ** (k + 1))
+            update = m_hat / (v_hat.sqrt() + ADAM_EPS)
+        else:
+            update = step
+        with torch.no_grad():
+            tilde = [t - options.inner_lr * u
+                     for t, u in zip(tilde, _split(update, tilde), strict=True)]
+    return tilde
 
 
 def regularization_step(theta: Sequence[torch.Tensor], alpha: Sequence[torch.Tensor],

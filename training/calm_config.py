@@ -13,8 +13,9 @@ from calm_runtime.prompts import CHOICE_MODES, CLOZE_VARIANTS, DEFAULT_CLOZE_VAR
 
 from . import calm_data
 
-__all__ = ["METHODS", "THETA_ONLY", "OPTIMIZERS", "PHI_MODES", "UPPER_PARAMS", "ALPHA_TOKENS",
-           "DEFAULT_LR", "KINDS", "CalmConfig"]
+__all__ = ["METHODS", "THETA_ONLY", "OPTIMIZERS", "INNER_OPTIMIZERS", "PHI_MODES",
+           "UPPER_PARAMS", "ALPHA_TOKENS", "ALPHA_LOGITS", "UPPER_OBJECTIVES", "DEFAULT_LR",
+           "DEFAULT_INNER_LR", "KINDS", "LEGACY_SETTINGS", "CalmConfig"]
 
 #: bilevel: BOME (docs/methods.md §4); regularization: min g + β f; iterate-theta: alternate a θ
 #: step on g and a (θ, α) step on f, no coupling; iterate-alpha: alternate a θ step on g and an
@@ -26,6 +27,16 @@ METHODS = ("bilevel", "regularization", "iterate-theta", "iterate-alpha", "scala
 #: methods without α and without a warm start (plain fine-tuning of θ on their own loss)
 THETA_ONLY = ("lora", "cft")
 OPTIMIZERS = ("adam", "sgd")
+#: the inner solver of BOME's θ~ (calm_training.bilevel.INNER_OPTIMIZERS, torch-free here)
+INNER_OPTIMIZERS = ("sgd", "adam")
+#: inner step sizes when none is given: Adam's steps are about the rate per coordinate
+DEFAULT_INNER_LR = {"sgd": 0.01, "adam": 1e-3}
+#: what τ divides: the raw logits, or the logits centred on their vocabulary mean
+#: (docs/methods.md §1; the adapter records it)
+ALPHA_LOGITS = ("raw", "centered")
+#: the upper objective f: the paper's negative entropy of the option distribution, or
+#: calm's extension, DACA's agreement-masked KL to a pre-trained reference (needs --reference)
+UPPER_OBJECTIVES = ("entropy", "daca")
 PHI_MODES = ("grad", "value")  # the same as calm_training.bilevel.PHI_MODES (torch-free here)
 UPPER_PARAMS = ("all", "alpha")
 ALPHA_TOKENS = ("all", "options")
@@ -35,6 +46,10 @@ ALPHA_TOKENS = ("all", "options")
 #: by 0.005 nats of option NLL; on SciQ 0.5 diverged); α's keeps the ratio 0.2
 #: (benchmarks/results/calm_replication.md)
 DEFAULT_LR = {"sgd": (0.1, 0.02), "adam": (1e-3, 5e-3)}
+#: settings added after runs were recorded, with the behaviour those runs had before the
+#: setting existed (a recorded run without the key ran with this value, not the default)
+LEGACY_SETTINGS = {"inner_optimizer": "sgd", "alpha_logits": "raw", "upper": "entropy",
+                   "reference": None, "alpha_holdout": 0.0}
 KINDS = {"bilevel": "calm", "regularization": "calm_regularization",
          "iterate-theta": "calm_iterate_theta", "iterate-alpha": "calm_iterate_alpha",
          "scalar": "calm_scalar", "lora": "lora", "cft": "cft"}
@@ -57,7 +72,11 @@ class CalmConfig:
         calibration_batch_size: global calibration examples per step (default batch_size).
         grad_accumulation: micro-batches per rank and step (bounds memory; same result).
         inner_steps: ``T_inner``, gradient steps on the LoRA copy ``θ~`` per outer step.
-        inner_lr: step size of those inner steps (plain gradient descent).
+        inner_lr: step size of those inner steps (``None``: :data:`DEFAULT_INNER_LR` of the
+            inner optimizer).
+        inner_optimizer: ``adam`` (a fresh Adam per outer step: θ~ moves by about
+            ``inner_lr`` per coordinate, so the coupling ``∇_α q`` is not zero) or ``sgd``
+            (plain gradient descent, the BOME paper's inner solver).
         outer_lr: learning rate of the outer optimiser for the LoRA weights (``None``: the
             optimizer's default, :data:`DEFAULT_LR`).
         alpha_lr: learning rate for α (``None``: the optimizer's default).
@@ -82,6 +101,16 @@ class CalmConfig:
         alpha_tokens: ``all`` (τ, l over the whole vocabulary) or ``options`` (only the
             tokens of the options/answers in the training and calibration data).
         alpha_l2: weight of the penalty ``Σ (log τ)² + l²`` added to f (0: none).
+        alpha_logits: ``centered`` (τ divides ``z − mean_v z``: a per-token temperature
+            around a reference point) or ``raw`` (τ divides the raw logits).
+        upper: ``entropy`` (the paper's f, the negative entropy on the calibration set) or
+            ``daca`` (calm's extension: DACA's KL to ``reference`` on the questions where
+            the two models agree; label-free, with the reference's confidence as target).
+        reference: the pre-trained reference model of ``upper="daca"``.
+        alpha_holdout: share of the training questions held out of training to measure
+            α's own effect before the adapter is written (the trained θ with α against
+            without); an α that does not lower the held-out NLL is not written (the adapter
+            carries the identity and says why). 0: no hold-out, α written as trained.
         cft_weight: ``cft`` only: ``w`` in ``(1 − w)·CE + w·c·L_cal`` (calm_training.cft).
         cft_scale: ``cft`` only: ``c``, the scale of the calibration term.
         cft_bins: ``cft`` only: equal-width confidence bins of ``L_cal``.
@@ -112,8 +141,9 @@ class CalmConfig:
     batch_size: int = 8
     calibration_batch_size: int | None = None
     grad_accumulation: int = 1
-    inner_steps: int = 2
-    inner_lr: float = 0.01
+    inner_steps: int = 3
+    inner_lr: float | None = None
+    inner_optimizer: str = "adam"
     outer_lr: float | None = None
     alpha_lr: float | None = None
     optimizer: str | None = None
@@ -128,6 +158,10 @@ class CalmConfig:
     upper_params: str = "alpha"
     alpha_tokens: str = "all"
     alpha_l2: float = 0.0
+    alpha_logits: str = "centered"
+    upper: str = "entropy"
+    reference: str | None = None
+    alpha_holdout: float = 0.2
     freeze_alpha: bool = False
     cft_weight: float = 0.5
     cft_scale: float = 1e-3
@@ -170,7 +204,9 @@ class CalmConfig:
             problems.append(f"phi {self.phi!r} is not one of {', '.join(PHI_MODES)}")
         for name, allowed in (("entropy", calm_data.ENTROPY_KINDS),
                               ("cloze_variant", CLOZE_VARIANTS),
-                              ("upper_params", UPPER_PARAMS), ("alpha_tokens", ALPHA_TOKENS)):
+                              ("upper_params", UPPER_PARAMS), ("alpha_tokens", ALPHA_TOKENS),
+                              ("inner_optimizer", INNER_OPTIMIZERS),
+                              ("alpha_logits", ALPHA_LOGITS), ("upper", UPPER_OBJECTIVES)):
             if getattr(self, name) not in allowed:
                 problems.append(f"{name} {getattr(self, name)!r} is not one of "
                                 f"{', '.join(allowed)}")
@@ -197,10 +233,10 @@ class CalmConfig:
         if not _is_int(self.checkpoint_every, 0) or not _is_int(self.seed, 0):
             problems.append(f"checkpoint_every and seed must be integers >= 0, got "
                             f"{self.checkpoint_every!r}, {self.seed!r}")
-        for name in ("inner_lr", "lora_alpha", "warm_start_lr"):
+        for name in ("lora_alpha", "warm_start_lr"):
             if not _positive(getattr(self, name)):
                 problems.append(f"{name} must be a positive number, got {getattr(self, name)!r}")
-        for name in ("outer_lr", "alpha_lr"):
+        for name in ("outer_lr", "alpha_lr", "inner_lr"):
             if getattr(self, name) is not None and not _positive(getattr(self, name)):
                 problems.append(f"{name} must be a positive number or None, got "
                                 f"{getattr(self, name)!r}")
@@ -214,6 +250,18 @@ class CalmConfig:
             problems.append(f"cft_scale must be a finite number >= 0, got {self.cft_scale!r}")
         if not _is_int(self.cft_bins, 2):
             problems.append(f"cft_bins must be an integer >= 2, got {self.cft_bins!r}")
+        if self.upper == "daca" and not self.reference:
+            problems.append("upper daca needs a reference model; pass --reference (a "
+                            "pre-trained model, e.g. the base of the model you train)")
+        if self.upper == "daca" and self.entropy != "options":
+            problems.append("upper daca compares option distributions; use --entropy options")
+        if self.reference is not None and not isinstance(self.reference, str):
+            object.__setattr__(self, "reference", os.fspath(self.reference))
+        if not (isinstance(self.alpha_holdout, (int, float))
+                and not isinstance(self.alpha_holdout, bool)
+                and 0 <= self.alpha_holdout < 1):
+            problems.append(f"alpha_holdout must be a number in [0, 1), got "
+                            f"{self.alpha_holdout!r}")
         if self.momentum >= 1:
             problems.append(f"momentum must be < 1, got {self.momentum!r}")
         if problems:
@@ -227,6 +275,12 @@ class CalmConfig:
     def theta_lr(self) -> float:
         """The outer learning rate of the LoRA: ``outer_lr`` or the optimizer's default."""
         return self.outer_lr if self.outer_lr is not None else DEFAULT_LR[self.optimizer][0]
+
+    @property
+    def inner_step_lr(self) -> float:
+        """The inner step size: ``inner_lr`` or the inner optimizer's default."""
+        return (self.inner_lr if self.inner_lr is not None
+                else DEFAULT_INNER_LR[self.inner_optimizer])
 
     @property
     def alpha_step_lr(self) -> float:

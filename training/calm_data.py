@@ -98,6 +98,8 @@ __all__ = [
     "answer_token_ids",
     "collate",
     "batch_indices",
+    "holdout_split",
+    "HOLDOUT_SEED",
 ]
 
 logger = logging.getLogger(__name__)
@@ -112,6 +114,18 @@ TRAIN_SPLIT_FRACTION = 0.5
 """Share of ``NAME:calibration`` that forms ``NAME:train`` (the rest is ``NAME:unlabeled``)."""
 TRAIN_SPLIT_SEED = 1
 """Seed of that split (distinct from the calibration/test split's seed 0)."""
+HOLDOUT_SEED = 2
+"""Seed of the α hold-out drawn from the training records (``CalmConfig.alpha_holdout``);
+fixed, so every run and seed on the same data holds out the same questions."""
+
+
+def holdout_split(records: Sequence[Record], fraction: float) -> tuple[list[Record], list[Record]]:
+    """``(held_out, kept)``: about ``fraction`` of ``records`` (at least 1) held out of
+    training to measure α's own effect (:data:`HOLDOUT_SEED`)."""
+    if len(records) < 2:
+        raise ConfigError(f"alpha_holdout {fraction:g} needs at least 2 training records, got "
+                          f"{len(records)}; add training data or pass --alpha-holdout 0")
+    return split_records(records, fraction, HOLDOUT_SEED)
 
 
 # ---------------------------------------------------------------------------- records
@@ -176,6 +190,8 @@ class Example:
     options: tuple[int, ...] | None = None
     scales: tuple[float, ...] | None = None
     label: int | None = None
+    #: a reference model's option distribution (the upper objective ``daca``)
+    reference: tuple[float, ...] | None = None
 
 
 def _fit_length(context: list[int], continuation: list[int], max_length: int):
@@ -385,12 +401,13 @@ class TokenBatch:
     option_mask: object = None  # torch.BoolTensor [E, k_max]
     example_weights: object = None  # torch.FloatTensor [E]
     labels: object = None  # torch.LongTensor [E]
+    reference: object = None  # torch.FloatTensor [E, k_max]
 
     def to(self, device) -> TokenBatch:
         return TokenBatch(*(None if t is None else t.to(device) for t in (
             self.input_ids, self.attention_mask, self.flat_positions, self.targets,
             self.weights, self.slots, self.scales, self.option_mask, self.example_weights,
-            self.labels)))
+            self.labels, self.reference)))
 
 
 def collate(examples: Sequence[Example], normaliser: int, pad_id: int) -> TokenBatch:
@@ -433,6 +450,12 @@ def collate(examples: Sequence[Example], normaliser: int, pad_id: int) -> TokenB
                    "example_weights": torch.full((len(examples),), 1.0 / normaliser)}
         if all(e.label is not None for e in examples):
             options["labels"] = torch.as_tensor([e.label for e in examples], dtype=torch.long)
+        if all(e.reference is not None for e in examples):
+            reference = torch.zeros((len(examples), k_max), dtype=torch.float32)
+            for e_index, example in enumerate(examples):
+                reference[e_index, :len(example.reference)] = torch.as_tensor(
+                    example.reference, dtype=torch.float32)
+            options["reference"] = reference
     return TokenBatch(ids, mask, torch.as_tensor(flat, dtype=torch.long),
                       torch.as_tensor(targets, dtype=torch.long),
                       torch.as_tensor(weights, dtype=torch.float32), **options)

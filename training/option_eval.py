@@ -149,10 +149,11 @@ class OptionEvaluator:
             h = torch.cat(rows)
         return batch, h, answer_rows
 
-    def scores(self, hidden: HiddenSet, tau=None, shift=None
+    def scores(self, hidden: HiddenSet, tau=None, shift=None, *, center: bool = False
                ) -> tuple[np.ndarray, np.ndarray]:
         """``(option scores [N, k_max] (-inf where absent), answer-position entropy [N])``
-        with the calibration ``z / tau + shift`` (``None``: identity) applied."""
+        with the calibration ``z / tau + shift`` (``None``: identity; ``z`` centred first
+        with ``center``) applied."""
         import torch
 
         from calm_runtime.calibration import apply_calibration
@@ -164,8 +165,8 @@ class OptionEvaluator:
         out, entropy = [], []
         with torch.no_grad():
             for batch, h, answer_rows in hidden.batches:
-                logp = apply_calibration(self.model.head.project(h), tau_t, shift_t) \
-                    .log_softmax(-1)
+                logp = apply_calibration(self.model.head.project(h), tau_t, shift_t,
+                                         center=center).log_softmax(-1)
                 s = option_scores(logp, batch).double()
                 pad = torch.full((s.shape[0], hidden.k_max), float("-inf"), dtype=s.dtype)
                 pad[:, :s.shape[1]] = s

@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from calm_runtime.artifact import CalibrationAdapter
+from calm_runtime.data import MultipleChoiceRecord
 from calm_runtime.errors import ConfigError, FitError
 
 from . import calm_data
@@ -48,6 +49,7 @@ from .calm_config import (  # noqa: F401 - re-exported: the trainer's public nam
     METHODS,
     OPTIMIZERS,
     PHI_MODES,
+    THETA_ONLY,
     UPPER_PARAMS,
     CalmConfig,
 )
@@ -67,6 +69,10 @@ class TrainResult:
     seconds: float = 0.0
     #: the trained in-memory model (peft LoRA, θ, α) for further use in the same process
     model: object = field(default=None, repr=False)
+    #: ``(tau, shift)`` as trained, before the α gate (None for methods without α)
+    trained_alpha: tuple | None = field(default=None, repr=False)
+    #: the α gate's measures and decision (``method["alpha_gate"]`` of the adapter)
+    alpha_gate: dict | None = None
 
 
 # ---------------------------------------------------------------------------- training
@@ -125,6 +131,22 @@ class _Trainer:
                                                     limit=config.limit)
         encode = {"tokenizer": self.model.tokenizer, "mode": config.mode, "chat": chat,
                   "max_length": config.max_length}
+        # α's own effect is measured on training questions held out of training (alpha_gate);
+        # a method's α-frozen control (--freeze-alpha) holds out the same questions, so that
+        # the two train on the same data
+        self.holdout_examples = None
+        self.holdout_info = None
+        if config.method not in THETA_ONLY and config.alpha_holdout > 0:
+            held, train = calm_data.holdout_split(train, config.alpha_holdout)
+            if self.model.alpha and all(isinstance(r, MultipleChoiceRecord) for r in held):
+                self.holdout_examples = calm_data.encode_labeled_options(
+                    held, **encode, variant=config.cloze_variant)
+            elif self.model.alpha:
+                raise ConfigError("the α gate reads option distributions on held-out "
+                                  "training questions; with open-QA training data pass "
+                                  "--alpha-holdout 0")
+            self.holdout_info = {"fraction": config.alpha_holdout, "n": len(held),
+                                 "seed": calm_data.HOLDOUT_SEED, "n_train_left": len(train)}
         # CFT reads every option of a training question; the other methods its answer only
         self.train_examples = (
             calm_data.encode_labeled_options(train, **encode, variant=config.cloze_variant)
@@ -132,6 +154,13 @@ class _Trainer:
         self.cal_examples = calm_data.encode_calibration(
             cal, **encode, positions=config.calibration_positions, entropy=config.entropy,
             variant=config.cloze_variant)
+        if config.upper == "daca":
+            from .calm_reference import reference_option_probs, with_reference
+
+            probs = reference_option_probs(config.reference, cal, mode=config.mode,
+                                           variant=config.cloze_variant, chat=config.chat,
+                                           max_length=config.max_length)
+            self.cal_examples = with_reference(self.cal_examples, probs)
         self.cft = None
         if config.alpha_tokens == "options":
             self.model.restrict_alpha(calm_data.answer_token_ids(
@@ -149,7 +178,9 @@ class _Trainer:
                                 torch.optim.SGD(groups, momentum=config.momentum))
         self.warm_optimizer = (torch.optim.Adam(self.model.theta, lr=config.warm_start_lr)
                                if config.warm_steps else None)
-        self.options = BomeOptions(inner_steps=config.inner_steps, inner_lr=config.inner_lr,
+        self.options = BomeOptions(inner_steps=config.inner_steps,
+                                   inner_lr=config.inner_step_lr,
+                                   inner_optimizer=config.inner_optimizer,
                                    eta=config.eta, phi=config.phi,
                                    epsilon=CalmConfig.LAMBDA_EPSILON,
                                    upper_theta=config.upper_params == "all")
@@ -209,7 +240,8 @@ class _Trainer:
         m.cft_parts = {"ce": 0.0, "l_cal": 0.0}
         lower = m.objective(self._batches(self.train_examples, cfg.batch_size, 0),
                             "cft" if self.cft else "ce", cft=self.cft)
-        upper_loss = "neg_option_entropy" if cfg.entropy == "options" else "neg_entropy"
+        upper_loss = ("daca_kl" if cfg.upper == "daca" else
+                      "neg_option_entropy" if cfg.entropy == "options" else "neg_entropy")
         upper = m.objective(self._batches(self.cal_examples, cfg.cal_batch_size, 1), upper_loss,
                             alpha_l2=cfg.alpha_l2)
         reduce = self.dist.reduce
@@ -287,13 +319,15 @@ class _Trainer:
                     warned = True
                     logger.warning("step %d: g(θ~) > g(θ) (q = %.3g < 0): the inner steps "
                                    "increased g; lower --inner-lr (now %g)", row["step"],
-                                   row["q"], cfg.inner_lr)
+                                   row["q"], cfg.inner_step_lr)
             bar.set_postfix_str(_log_line(row, short=True), refresh=False)
             bar.update(1)
             if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
                 self._save_checkpoint()
         bar.close()
         seconds = time.perf_counter() - started
+        trained_alpha = self.model.tau_shift() if self.model.alpha else None
+        self.alpha_gate = self._alpha_gate()
         adapter = self._adapter(seconds)
         if out is not None and self.dist.rank == 0:
             with tempfile.TemporaryDirectory(prefix="calm-lora-") as tmp:
@@ -305,7 +339,44 @@ class _Trainer:
         self.dist.barrier()
         return TrainResult(adapter=adapter, history=self.history,
                            out=Path(out) if out is not None else None, seconds=seconds,
-                           model=self.model)
+                           model=self.model, trained_alpha=trained_alpha,
+                           alpha_gate=self.alpha_gate)
+
+    def _alpha_gate(self) -> dict | None:
+        """Measure α's own effect on the hold-out and reset α to the identity unless it
+        lowers the held-out NLL (alpha_gate.decide); None for methods without α."""
+        from .alpha_gate import decide, measure_alpha_share
+
+        if not self.model.alpha:
+            return None
+        share = None
+        if self.holdout_examples is not None:
+            size = max(1, self.config.batch_size
+                       // (self.dist.world * self.config.grad_accumulation))
+            share = measure_alpha_share(self.model, self.holdout_examples, self.pad, size)
+        keep, why = decide(share)
+        if not keep:
+            self.model.set_alpha(None, None)
+        if self.dist.rank == 0:
+            (logger.info if keep else logger.warning)("alpha gate: %s", why)
+        return {"kept": keep, "reason": why, "holdout": self.holdout_info, "share": share}
+
+    def coupling(self) -> dict:
+        """Whether BOME's coupling engaged over the method's steps: the share of steps with
+        λ > η, the median ‖∇_α q‖ / ‖∇_α f‖ and the median inner move ‖θ~ − θ‖ / ‖θ‖."""
+        rows = [r for r in self.history if r.get("lam") is not None]
+        if not rows:
+            return {}
+        eta = self.config.eta
+        ratios = [r["grad_alpha_q_norm"] / r["grad_alpha_f_norm"] for r in rows
+                  if r.get("grad_alpha_f_norm")]
+        moves = [r["inner_move"] for r in rows if r.get("inner_move") is not None]
+        return {"steps": len(rows),
+                "share_lambda_above_eta": sum(r["lam"] > eta for r in rows) / len(rows),
+                "median_alpha_q_to_f": float(np.median(ratios)) if ratios else None,
+                "median_inner_move": float(np.median(moves)) if moves else None,
+                "mean_lambda": float(np.mean([r["lam"] for r in rows])),
+                "mean_cos_f_q": float(np.mean([r["cos_f_q"] or 0.0 for r in rows]))}
 
     # ------------------------------------------------------------------ artifact
     def _adapter(self, seconds: float) -> CalibrationAdapter:
@@ -318,14 +389,17 @@ class _Trainer:
         cfg = self.config
         tau, shift = self.model.tau_shift()
         keys = ("step", "phase", "f", "g", "g_identity", "q", "lam", "grad_q_norm",
-                "d_dot_grad_q", "cos_f_q", "tau_min", "tau_max", "shift_min", "shift_max",
+                "d_dot_grad_q", "cos_f_q", "grad_alpha_q_norm", "grad_alpha_f_norm",
+                "inner_move", "tau_min", "tau_max", "shift_min", "shift_max",
                 *(("cft_ce", "cft_l_cal") if self.cft else ()))
         every = max(1, math.ceil(len(self.history) / 50))
         curve = [{k: r.get(k) for k in keys} for r in self.history[::every]]
         if self.history and curve[-1]["step"] != self.history[-1]["step"]:
             curve.append({k: self.history[-1].get(k) for k in keys})
+        centered = self.model.center and bool(self.model.alpha)
         return CalibrationAdapter(
             base_model=self.model.identity, tau=tau, shift=shift, temperature=1.0,
+            centered=centered,
             kind="lora" if cfg.freeze_alpha else KINDS[cfg.method],
             # "variant" is the cloze score variant, as in every adapter (export and the
             # runtime read it); the CALM solver or ablation is "solver"
@@ -334,10 +408,12 @@ class _Trainer:
                     "alpha": self.model.alpha_names, "settings": cfg.to_dict(),
                     "alpha_token_count": (None if self.model.alpha_index is None
                                           else int(self.model.alpha_index.numel())),
-                    **({"cft_bins": self.cft["bins"].to_dict()} if self.cft else {})},
+                    **({"cft_bins": self.cft["bins"].to_dict()} if self.cft else {}),
+                    **({"alpha_gate": self.alpha_gate} if self.alpha_gate else {})},
             metrics={"training": {"steps": self.step, "seconds": round(seconds, 3),
                                   "q_growth_warnings": self.q_warnings,
                                   "inner_increases": self.inner_increases,
+                                  "coupling": self.coupling(),
                                   "first": self.history[0] if self.history else None,
                                   "last": self.history[-1] if self.history else None,
                                   "curve": curve}},

@@ -95,6 +95,7 @@ class TorchBackend(TorchStateMixin, Backend):
         self._tau = torch.as_tensor(adapter.tau, device=self._device)
         self._shift = torch.as_tensor(adapter.shift, device=self._device)
         self._temperature = adapter.temperature
+        self._center = adapter.centered
         self._layers = manifest.num_layers
         self._kv = (manifest.model["num_kv_heads"], manifest.model["head_dim"])
         self._dtype = torch_dtype
@@ -106,6 +107,7 @@ class TorchBackend(TorchStateMixin, Backend):
         params = inspect.signature(net.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._has_keep = "logits_to_keep" in params
+        self.keeps_last_logits = (self._has_keep, self._has_keep)
         self.device = str(self._device)
         self.description = f"torch {torch.__version__} {device} {dtype} ({identity.name})"
 
@@ -171,7 +173,7 @@ class TorchBackend(TorchStateMixin, Backend):
                               **{self._cache_kw: cache}, **extra)
             logits = out.logits[:, -1:] if last_only else out.logits
             logits = apply_calibration(logits.float(), self._tau, self._shift,
-                                       self._temperature)
+                                       self._temperature, center=self._center)
             result = logits.cpu().numpy()
         new_cache = getattr(out, "cache", None) or out.past_key_values
         present = []

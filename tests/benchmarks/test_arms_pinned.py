@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from calm_training.calm_config import LEGACY_SETTINGS
 from calm_training.trainer import CalmConfig
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
@@ -19,7 +20,8 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 PER_RUN = {"model", "train", "calibration", "seed", "limit", "checkpoint_every", "device",
            "init_lora", "chat", "lora_targets", "grad_accumulation"}
 SETTINGS = {f.name for f in dataclasses.fields(CalmConfig)} - PER_RUN
-DEFAULTS = {f.name: f.default for f in dataclasses.fields(CalmConfig)}
+#: a setting added after a run was recorded: the run had the behaviour it names there
+DEFAULTS = {f.name: LEGACY_SETTINGS.get(f.name, f.default) for f in dataclasses.fields(CalmConfig)}
 
 
 @pytest.fixture(scope="module")

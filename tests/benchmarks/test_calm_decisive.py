@@ -142,22 +142,18 @@ def test_report_gives_every_claim_a_verdict_or_not_run(bench, tmp_path):
     assert "PLACEHOLDER" not in text and "calm-bome-all" in text and text.endswith("rest\n")
 
 
-def test_train_help_quotes_the_recorded_decision(capsys):
-    """``calm train --help`` states the decision with its intervals; they are the result
-    file's, so a rerun that changes them fails here until the help says what it says."""
+def test_train_help_holds_no_measured_number(capsys):
+    """``calm train --help`` says what the options do and points to the docs; measured
+    numbers live in the result files and docs/results.md, never in the help (a number there
+    goes stale when a rerun changes it, and described another configuration than the shipped
+    one)."""
+    import re
+
     from calm_runtime.cli import main
 
-    payload = json.loads((BENCHMARKS / "results/calm_decisive.json").read_text())
-    claims = {c["claim"]: c for c in payload["claims"]}
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    for name in ("OOD conf-ECE below lora-matched (no TS)", "OOD conf-ECE below lora-matched+TS",
-                 "OOD conf-ECE below CFT (calibration loss alone)",
-                 "accuracy kept out of domain (vs lora-matched)"):
-        c = claims[name]
-        assert f"{c['delta']:+.3f} [{c['ci'][0]:+.3f}, {c['ci'][1]:+.3f}]" in text, name
-    moved = max(abs(p["entropy_change"]) for p in payload["gate"]["probes"]
-                if "diverged" not in p)
-    assert not payload["gate"]["alpha_moves"]
-    assert f"at most {moved:.3f} nats" in text and "stay at the identity" in text
+    assert "docs/results.md" in text
+    assert not re.search(r"[-+]?\d\.\d+ \[[-+]?\d\.\d+, [-+]?\d\.\d+\]", text)  # intervals
+    assert "calm_decisive" not in text and "nats" not in text

@@ -23,7 +23,9 @@ pytestmark = pytest.mark.usefixtures("private_calm_cache")
 def _config(model, data, **kw):
     base = {"model": str(model), "train": (f"{data}:train",),
             "calibration": (f"{data}:unlabeled",), "batch_size": 2, "inner_steps": 2,
-            "lora_rank": 4, "max_length": 64, "optimizer": "adam", "warm_start_steps": 0}
+            "lora_rank": 4, "max_length": 64, "optimizer": "adam", "warm_start_steps": 0,
+            # the BOME paper's inner solver, α written as trained (the gate: test_alpha_gate)
+            "inner_optimizer": "sgd", "alpha_holdout": 0.0}
     return CalmConfig(**{**base, **kw})
 
 

@@ -1,0 +1,90 @@
+"""Do no harm (docs/methods.md §4): α's own effect is measured on held-out training
+questions before the adapter is written, with measures that see a reordering, and an α
+that does not lower the held-out NLL is not written."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("peft")
+
+from calm_runtime.artifact import CalibrationAdapter  # noqa: E402
+from calm_training import calm_data  # noqa: E402
+from calm_training.alpha_gate import decide, option_share  # noqa: E402
+from calm_training.trainer import CalmConfig, train_calm  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("private_calm_cache")
+
+
+def _logp(p):
+    return np.log(np.asarray(p, dtype=float))
+
+
+def test_a_reordering_is_seen_though_the_entropy_does_not_move():
+    base = _logp([[0.7, 0.2, 0.1], [0.6, 0.3, 0.1]])
+    swapped = _logp([[0.2, 0.7, 0.1], [0.3, 0.6, 0.1]])  # same entropies, answers swapped
+    share = option_share(swapped, base, np.array([0, 0]))
+    assert share["entropy_change"] == pytest.approx(0.0, abs=1e-12)
+    assert share["flips"] == 2 and share["correctness_flips"] == 2
+    assert share["total_variation"] == pytest.approx(0.4)
+    assert share["kl_without_to_alpha"] > 0.2 and share["nll_change"] > 0.9  # ln(.7/.2)
+    keep, why = decide(share)
+    assert not keep and "not written" in why and "2 answers changed" in why
+
+
+def test_an_alpha_that_lowers_the_held_out_nll_is_kept():
+    base = _logp([[0.5, 0.5], [0.5, 0.5]])
+    sharper = _logp([[0.8, 0.2], [0.7, 0.3]])
+    keep, why = decide(option_share(sharper, base, np.array([0, 0])))
+    assert keep and "kept" in why
+    assert decide(None)[0]  # no hold-out: written as trained, and it says so
+
+
+def test_holdout_is_fixed_and_disjoint(mc_file):
+    records = calm_data.resolve_records(f"{mc_file}:train")
+    held, kept = calm_data.holdout_split(records, 0.25)
+    again, _ = calm_data.holdout_split(records, 0.25)
+    assert held == again and len(held) == round(0.25 * len(records))
+    assert not {r.question for r in held} & {r.question for r in kept}
+
+
+def test_a_real_train_records_the_share_and_writes_identity_when_it_does_not_help(
+        tiny_llama_tied, mc_file, tmp_path):
+    """Two real steps with α's learning rate so large that α only does harm: the adapter
+    carries the identity, its manifest says why with the numbers, and the share is there."""
+    config = CalmConfig(model=str(tiny_llama_tied), train=(f"{mc_file}:train",),
+                        calibration=(f"{mc_file}:unlabeled",), steps=2, warm_start_steps=1,
+                        batch_size=2, lora_rank=4, max_length=64, alpha_lr=50.0,
+                        alpha_tokens="options", alpha_holdout=0.3)
+    result = train_calm(config, tmp_path / "a", progress=False)
+    adapter = CalibrationAdapter.from_pretrained(tmp_path / "a")
+    gate = adapter.method["alpha_gate"]
+    share = gate["share"]
+    assert gate["holdout"]["n"] == share["n"] >= 1
+    assert adapter.provenance["train_data"][0]["n"] == gate["holdout"]["n"] + \
+        gate["holdout"]["n_train_left"]
+    for key in ("nll_alpha", "nll_without", "flips", "total_variation", "kl_without_to_alpha",
+                "entropy_change", "accuracy_alpha"):
+        assert key in share
+    trained_tau, _ = result.trained_alpha
+    assert not np.allclose(trained_tau, 1.0)  # α did move in training
+    if share["nll_change"] >= 0:
+        assert not gate["kept"] and "not written" in gate["reason"]
+        assert np.all(adapter.tau == 1.0) and np.all(adapter.shift == 0.0)
+    else:
+        assert gate["kept"] and np.allclose(adapter.tau, trained_tau)
+    assert adapter.centered and adapter.metrics["training"]["coupling"]["steps"] == 1
+
+
+def test_cli_last_line_says_what_the_gate_decided(tiny_llama_tied, mc_file, tmp_path, capsys):
+    from calm_runtime.cli import main
+
+    code = main(["train", "--model", str(tiny_llama_tied), "--train", f"{mc_file}:train",
+                 "--calibration", f"{mc_file}:unlabeled", "--out", str(tmp_path / "b"),
+                 "--steps", "2", "--warm-start-steps", "1", "--batch-size", "2",
+                 "--lora-rank", "4", "--max-length", "64", "--quiet"])
+    assert code == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "held-out NLL" in last and ("kept" in last or "not written" in last)
