@@ -40,6 +40,15 @@ Seeds 0, 1, 2 for the default arm, ``lora-matched`` and both CFT arms; one seed 
 ablations. (The CFT arms were added to the plan after the other runs had
 been made and read; their settings were fixed before any of their runs.)
 
+**The second round** (settings fixed before any of its runs, after the first round was
+read): ``calm-centred`` (τ on centred logits, Adam inner steps, 3 of them at 0.001, so that
+θ~ moves and BOME's coupling engages; 20% of the training questions held out and α written
+only if it lowers their NLL) and ``calm-centred-daca`` (the same with DACA's masked KL to
+Gemma-3-270M as the upper objective, calm's extension), three seeds each, and the scalar
+ablation at three seeds. Each is read with the written adapter (``alpha``), with α as trained
+before the gate (``trained-alpha``) and without α (``no-alpha``). ``calm-centred`` is the
+configuration ``calm train`` ships.
+
 **The default arm** is the BOME arm (``calm-bome-all`` or ``calm-bome-alpha``, seed 0) with
 the lower option NLL on the validation split (``sciq:unlabeled`` with its labels); never on
 a test part.
@@ -57,6 +66,10 @@ interval [lo, hi] and margin m:
   **inconclusive** otherwise.
 * An ablation collapses (loses accuracy against the default arm, m = 0.03): **holds** if
   hi < −m; **refuted** if lo > −m; **inconclusive** otherwise.
+* NLL improvement (second round, m = 0.005): as ECE claims, with m = 0.005.
+* No harm in NLL (second round, m = 0.005): **holds** if hi ≤ m; **refuted** if lo > m;
+  **inconclusive** otherwise.
+* Every comparison with temperature scaling has it on both sides.
 
 Runs missing from the plan give the verdict **not run**. ECE: 10 equal-width bins; NLL and
 Brier (multi-class) are reported beside it.
@@ -102,6 +115,8 @@ SEEDS = (0, 1, 2)
 CHANCE_MARGIN = 0.05
 ECE_MARGIN = 0.01
 ACC_MARGIN = 0.03
+#: NLL claims (the second round): α's harm is bounded by this margin, its gain must clear it
+NLL_MARGIN = 0.005
 
 #: every CalmConfig setting an arm can change, pinned (mode, alpha_tokens and alpha_lr come
 #: from the gate; the rest never depends on a CalmConfig default)
@@ -119,6 +134,8 @@ COMMON = {"steps": 40, "warm_start_steps": 20, "warm_start_lr": 1e-3, "batch_siz
 #: plain fine-tuning recipe of this project (Adam at the warm start's rate, every step, no α)
 #: on its loss (1 − w)·CE + w·c·L_cal with the published trainer's c and bins
 CFT = {"method": "cft", "optimizer": "adam", "outer_lr": 1e-3, "warm_start_steps": 0}
+ROUND2 = {"method": "bilevel", "upper_params": "alpha", "inner_optimizer": "adam",
+          "inner_steps": 3, "inner_lr": 1e-3, "alpha_logits": "centered", "alpha_holdout": 0.2}
 ARMS = {
     "calm-bome-all": {"method": "bilevel", "upper_params": "all"},
     "calm-bome-alpha": {"method": "bilevel", "upper_params": "alpha"},
@@ -131,7 +148,16 @@ ARMS = {
     "cft": {**CFT, "cft_weight": 1.0},
     # cross-entropy plus the calibration term (w = 0.5, the published trainer's default)
     "cft-ce": {**CFT, "cft_weight": 0.5},
+    # the second round (added after the first round was read; settings fixed before any of
+    # its runs): τ on centred logits, Adam inner steps so that the coupling engages, and
+    # the do-no-harm gate on 20% of the training questions; the entropy upper objective
+    # (the paper's) and DACA's masked KL to the pre-trained Gemma-3-270M (calm's extension)
+    "calm-centred": dict(ROUND2),
+    "calm-centred-daca": {**ROUND2, "upper": "daca", "reference": "gemma-3-270m"},
 }
+#: the configuration `calm train` ships (its defaults; tests/benchmarks/test_calm_decisive.py)
+SHIPPED = "calm-centred"
+ROUND2_ARMS = ("calm-centred", "calm-centred-daca")
 #: arms whose settings start from the default arm's (the rest start from COMMON)
 DERIVED = ("lora-matched", "ablation-iterate", "ablation-regularization", "ablation-scalar")
 CANDIDATES = ("calm-bome-all", "calm-bome-alpha")
@@ -366,7 +392,10 @@ def run_one(args, arm: str, seed: int, gate: dict, default: str | None) -> dict:
         training = adapter.metrics["training"]
         last = training["last"] or {}
         tau, shift = adapter.tau, adapter.shift
-        entropy = _entropy(option_probabilities(evaluator.scores(base_val, tau, shift)[0]))
+        center = adapter.centered
+        trained = result.trained_alpha
+        entropy = _entropy(option_probabilities(
+            evaluator.scores(base_val, *(trained or (tau, shift)), center=center)[0]))
         run |= {"settings": settings, "adapter": str(out), "train_s": training["seconds"],
                 "steps": training["steps"], "tau_range": [float(tau.min()), float(tau.max())],
                 "shift_range": [float(shift.min()), float(shift.max())],
@@ -376,16 +405,22 @@ def run_one(args, arm: str, seed: int, gate: dict, default: str | None) -> dict:
                 **({"cft_bins": adapter.method["cft_bins"]}
                    if "cft_bins" in adapter.method else {}),
                 "curve": training.get("curve"),
-                "base_alpha_entropy_change": entropy - base_entropy}
+                "base_alpha_entropy_change": entropy - base_entropy,
+                **({"alpha_gate": adapter.method["alpha_gate"]}
+                   if "alpha_gate" in adapter.method else {}),
+                "coupling": training.get("coupling"), "centered": center}
         del result
         evaluator.model.load_lora(adapter.lora_path)
         alphas = {"alpha": (tau, shift)}
         if not settings.get("freeze_alpha") and settings["method"] not in THETA_ONLY:
             alphas["no-alpha"] = (None, None)
+            if settings.get("alpha_holdout"):  # what α did before the gate decided
+                alphas["trained-alpha"] = trained
     hidden_val = evaluator.hidden(validation)
     temperatures, validation_nll = {}, {}
+    center = run.get("centered", False)
     for variant, (tau, shift) in alphas.items():
-        s = evaluator.scores(hidden_val, tau, shift)[0]
+        s = evaluator.scores(hidden_val, tau, shift, center=center)[0]
         temperatures[variant] = daca.fit_temperature_scaling(s, hidden_val.labels).temperature
         validation_nll[variant] = metrics.nll(option_probabilities(s), hidden_val.labels)
     run |= {"temperature": temperatures, "validation_nll": validation_nll, "sets": {}}
@@ -394,7 +429,7 @@ def run_one(args, arm: str, seed: int, gate: dict, default: str | None) -> dict:
         k = max(len(r.choices) for r in records)
         out_set = {"in_domain": set_name == DOMAIN, "k": k, "variants": {}}
         for variant, (tau, shift) in alphas.items():
-            scores = evaluator.scores(hidden, tau, shift)[0]
+            scores = evaluator.scores(hidden, tau, shift, center=center)[0]
             for suffix, t in (("", 1.0), ("+ts", temperatures[variant])):
                 q = per_question(option_probabilities(scores, t), hidden.labels)
                 out_set["variants"][variant + suffix] = {
@@ -432,6 +467,9 @@ def plan(default: str | None) -> list[tuple[str, int]]:
         runs += [(default, seed), ("lora-matched", seed)]
     runs += [(a, 0) for a in ("ablation-iterate", "ablation-regularization", "ablation-scalar")]
     runs += [("cft", seed) for seed in SEEDS] + [("cft-ce", seed) for seed in SEEDS]
+    # the second round: both new arms and the scalar ablation at three seeds each
+    for seed in SEEDS:
+        runs += [(arm, seed) for arm in ROUND2_ARMS] + [("ablation-scalar", seed)]
     return list(dict.fromkeys(runs))
 
 
@@ -524,6 +562,12 @@ def verdict(kind: str, lo: float, hi: float) -> str:
         return "holds" if lo > -ACC_MARGIN else "refuted" if hi < -ACC_MARGIN else "inconclusive"
     if kind == "collapses":
         return "holds" if hi < -ACC_MARGIN else "refuted" if lo > -ACC_MARGIN else "inconclusive"
+    if kind == "nll":  # an improvement: as ECE, with NLL's margin
+        if lo > 0 or (-NLL_MARGIN < lo and hi < NLL_MARGIN):
+            return "refuted"
+        return "holds" if hi < 0 else "inconclusive"
+    if kind == "no-harm":  # non-inferiority: NLL rises by less than the margin
+        return "holds" if hi <= NLL_MARGIN else "refuted" if lo > NLL_MARGIN else "inconclusive"
     raise ValueError(kind)
 
 
@@ -539,13 +583,15 @@ def claims(parts: dict, default: str | None, n_boot: int, bins: int) -> list[dic
         return [{s: _arrays(p, s, variant) for s in sets} for p in found]
 
     specs = [
-        ("OOD conf-ECE below lora-matched+TS", "ece", "ece", (default, "alpha"),
+        ("OOD conf-ECE below lora-matched, TS on both", "ece", "ece", (default, "alpha+ts"),
          ("lora-matched", "alpha+ts"), ood),
-        ("OOD conf-ECE below vanilla+TS", "ece", "ece", (default, "alpha"),
+        ("OOD conf-ECE below vanilla, TS on both", "ece", "ece", (default, "alpha+ts"),
          ("vanilla", "alpha+ts"), ood),
         ("OOD conf-ECE below lora-matched (no TS)", "ece", "ece", (default, "alpha"),
          ("lora-matched", "alpha"), ood),
         ("α's own share: OOD ECE with α below the same θ without α", "ece", "ece",
+         (default, "alpha"), (default, "no-alpha"), ood),
+        ("α's own share: OOD NLL with α below the same θ without α", "nll", "nll",
          (default, "alpha"), (default, "no-alpha"), ood),
         ("accuracy kept in domain (vs lora-matched)", "kept", "accuracy", (default, "alpha"),
          ("lora-matched", "alpha"), [DOMAIN]),
@@ -563,8 +609,8 @@ def claims(parts: dict, default: str | None, n_boot: int, bins: int) -> list[dic
          "ece", "ece", (default, "alpha"), ("ablation-scalar", "alpha"), ood),
         ("OOD conf-ECE below CFT (calibration loss alone)", "ece", "ece", (default, "alpha"),
          ("cft", "alpha"), ood),
-        ("OOD conf-ECE below CFT (calibration loss alone) + TS", "ece", "ece",
-         (default, "alpha"), ("cft", "alpha+ts"), ood),
+        ("OOD conf-ECE below CFT (calibration loss alone), TS on both", "ece", "ece",
+         (default, "alpha+ts"), ("cft", "alpha+ts"), ood),
         ("OOD conf-ECE below CFT (CE + calibration term)", "ece", "ece", (default, "alpha"),
          ("cft-ce", "alpha"), ood),
         ("accuracy kept out of domain (vs CFT, calibration loss alone)", "kept", "accuracy",
@@ -574,6 +620,7 @@ def claims(parts: dict, default: str | None, n_boot: int, bins: int) -> list[dic
          ("cft", "alpha"), ("vanilla", "alpha"), [DOMAIN]),
         ("in domain: CFT (calibration loss alone) accuracy kept vs vanilla", "kept",
          "accuracy", ("cft", "alpha"), ("vanilla", "alpha"), [DOMAIN]),
+        *round_two(ood),
     ]
     out = []
     for text, kind, metric, (arm_a, var_a), (arm_b, var_b), sets in specs:
@@ -587,6 +634,25 @@ def claims(parts: dict, default: str | None, n_boot: int, bins: int) -> list[dic
         d = paired_delta(a, b, sets, metric, n_boot, bins)
         out.append({**row, **d, "verdict": verdict(kind, *d["ci"])})
     return out
+
+
+def round_two(ood: list[str]) -> list[tuple]:
+    """The second round's claims: for each new arm, α's own share as trained (before the
+    gate) on ECE, NLL and accuracy, and the shipped adapter's (after the gate) on NLL."""
+    specs = []
+    for arm in ROUND2_ARMS:
+        specs += [
+            (f"{arm}: α's own share (as trained), OOD ECE below the same θ without α", "ece",
+             "ece", (arm, "trained-alpha"), (arm, "no-alpha"), ood),
+            (f"{arm}: α's own share (as trained), OOD NLL below the same θ without α", "nll",
+             "nll", (arm, "trained-alpha"), (arm, "no-alpha"), ood),
+            (f"{arm}: α (as trained) keeps OOD accuracy", "kept", "accuracy",
+             (arm, "trained-alpha"), (arm, "no-alpha"), ood),
+            (f"{arm}: the written adapter's α does not raise OOD NLL (by {NLL_MARGIN})",
+             "no-harm", "nll", (arm, "alpha"), (arm, "no-alpha"), ood),
+            (f"{arm}: in domain, α's own share (as trained), NLL below the same θ without α",
+             "nll", "nll", (arm, "trained-alpha"), (arm, "no-alpha"), [DOMAIN])]
+    return specs
 
 
 # ---------------------------------------------------------------------------- report
@@ -687,6 +753,35 @@ def _cft_lines(runs: dict) -> list[str]:
     return lines
 
 
+def _round_two_lines(runs: dict) -> list[str]:
+    """The α gate's measures (held-out training questions) and the coupling diagnostics."""
+    rows = [(name, run) for name, run in runs.items() if run.get("alpha_gate")]
+    if not rows:
+        return []
+    lines = ["", "## The α gate and the coupling", "",
+             "The gate: the trained θ on held-out training questions with α as trained against "
+             "without α (α kept only if the NLL drops). The coupling: share of BOME steps "
+             "with λ > η, median ‖∇_α q‖/‖∇_α f‖ and median ‖θ~ − θ‖/‖θ‖.", "",
+             "| run | α written | held-out n | NLL without → with α | answers changed | TV | "
+             "KL | ΔH | λ > η | ‖∇_α q‖/‖∇_α f‖ | inner move |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, run in rows:
+        gate, c = run["alpha_gate"], run.get("coupling") or {}
+        share = gate.get("share") or {}
+
+        def num(v, fmt=".3g"):
+            return "-" if v is None else format(v, fmt)
+        lines.append(
+            f"| {name} | {'yes' if gate['kept'] else 'no (identity)'} | {num(share.get('n'))} | "
+            f"{num(share.get('nll_without'), '.4f')} → {num(share.get('nll_alpha'), '.4f')} | "
+            f"{num(share.get('flips'))} | {num(share.get('total_variation'), '.4f')} | "
+            f"{num(share.get('kl_without_to_alpha'), '.4f')} | "
+            f"{num(share.get('entropy_change'), '+.4f')} | "
+            f"{num(c.get('share_lambda_above_eta'), '.2f')} | "
+            f"{num(c.get('median_alpha_q_to_f'))} | {num(c.get('median_inner_move'))} |")
+    return lines
+
+
 def render(payload: dict) -> str:
     gate, default = payload["gate"], payload["default"]
     done = set(payload["runs"])
@@ -728,6 +823,7 @@ def render(payload: dict) -> str:
                     f"{tau_text} | {num(dh, '+.4f')} | {num(last.get('lam'))} | "
                     f"{num(last.get('cos_f_q'))} |")
     lines += _cft_lines(payload["runs"])
+    lines += _round_two_lines(payload["runs"])
     lines += ["", "`*`: accuracy within 5 points of chance (1/K); left out of the decisions.",
               "", "## Decision rule (fixed before the runs)", "", payload["decision_rule"]]
     return "\n".join(lines)

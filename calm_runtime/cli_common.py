@@ -24,7 +24,7 @@ __all__ = ["DATA_ARGUMENTS", "EXIT_SIGINT", "EXIT_SIGTERM", "MODEL_ARGUMENTS", "
            "add_endpoint_limits", "configure_logging", "deprecated_alias", "entry_point",
            "flags_anywhere", "install_named", "load_commands", "missing_extra_message",
            "no_abbreviations", "register_missing", "report_interrupt", "run_command",
-           "signals_as_exceptions"]
+           "show_progress", "signals_as_exceptions"]
 
 #: the entry-point group through which ``calm`` finds the commands of the optional packages
 COMMANDS_GROUP = "calm.commands"
@@ -212,6 +212,11 @@ def report_interrupt(exc: KeyboardInterrupt) -> int:
     print(f"Interrupted: stopped by {name}; outputs in progress were removed, existing ones "
           "are unchanged", file=sys.stderr)
     return EXIT_SIGTERM if isinstance(exc, Terminated) else EXIT_SIGINT
+
+
+def show_progress(args: argparse.Namespace) -> bool:
+    """Progress bars on a terminal unless -q (a redirected log gets the log lines only)."""
+    return not args.quiet and sys.stderr.isatty()
 
 
 def configure_logging(verbose: bool, quiet: bool) -> None:

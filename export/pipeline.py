@@ -25,6 +25,7 @@ from calm_runtime.engine import EngineManifest
 from calm_runtime.errors import ArtifactError, ConfigError, ExportValidationError
 from calm_runtime.models import (
     PACKAGED_MODELS,
+    check_model_config,
     load_model_and_tokenizer,
     model_identity,
     resolve_model,
@@ -164,6 +165,7 @@ def _export(model_spec, out: Path, adapter_arg, config: ExportConfig,
 
         trt_facts = require_tensorrt()
     folder = resolve_model(model_spec)
+    check_model_config(folder)  # sizes, heads, rotary settings: before a weight is read
     identity = model_identity(folder, name=str(model_spec) if str(model_spec) in PACKAGED_MODELS
                               else None)
     adapter, adapter_dir = _load_adapter(adapter_arg)
@@ -189,6 +191,9 @@ def _export(model_spec, out: Path, adapter_arg, config: ExportConfig,
     logger.info("model %s: %d layers, vocab %d; adapter %s (T=%.4g, tau in [%.3g, %.3g])",
                 identity.name, shape.num_layers, shape.vocab_size, adapter.kind,
                 adapter.temperature, float(adapter.tau.min()), float(adapter.tau.max()))
+    gate = adapter.method.get("alpha_gate")
+    if isinstance(gate, dict) and gate.get("reason"):  # calm train's do-no-harm measurement
+        logger.warning("adapter %s: %s", adapter.kind, gate["reason"])
     outputs = adapter.calibrated_outputs()
     if adapter_arg is not None and outputs["token_logprobs"] is None:
         logger.warning("the adapter %s folds nothing into the LM head: token log-probabilities "

@@ -10,11 +10,12 @@ import dataclasses
 import logging
 from pathlib import Path
 
-from calm_runtime.cli_common import add_endpoint_limits, deprecated_alias
+from calm_runtime.cli_common import add_endpoint_limits, deprecated_alias, show_progress
 from calm_runtime.errors import BackendUnavailableError
-from calm_runtime.prompts import CHOICE_MODES, CLOZE_VARIANTS
+from calm_runtime.prompts import CLOZE_VARIANTS
 
 from .fit_config import ALL_MODES, FitConfig
+from .train_cli import register_train
 
 __all__ = ["register"]
 
@@ -88,7 +89,7 @@ def register(sub) -> None:
     quick.add_argument("--threads", type=int, default=None,
                        help="ONNX Runtime threads for the runtime step")
     quick.set_defaults(handler=_quickstart)
-    _register_train(sub)
+    register_train(sub)
 
 
 def _add_common(p, default_variant: str | None) -> None:
@@ -154,20 +155,13 @@ def _config(args):
                      max_retries=args.max_retries)
 
 
-def _progress(args) -> bool:
-    """Progress bars on a terminal unless -q (a redirected log gets the log lines only)."""
-    import sys
-
-    return not args.quiet and sys.stderr.isatty()
-
-
 def _fit(args) -> int:
     from calm_training.fit import fit_adapter
 
     config = dataclasses.replace(_config(args), risk=args.risk,
                                  risk_confidence=args.risk_confidence)
     adapter, report = fit_adapter(config, args.method, args.out,
-                                  overwrite=args.overwrite, progress=_progress(args))
+                                  overwrite=args.overwrite, progress=show_progress(args))
     fit = report["fit"]
     if args.method == "threshold":
         test = report["test_split"]
@@ -242,10 +236,10 @@ def _eval(args) -> int:
             from calm_training.p_true import P_TRUE_METHODS as methods
         if not args.reference:
             methods = tuple(m for m in methods if m not in LABEL_FREE)
-        report = compare_methods(config, methods, progress=_progress(args))
+        report = compare_methods(config, methods, progress=show_progress(args))
         stem = f"compare-{Path(args.data).stem}-{args.mode}"
     elif args.eval_adapter:
-        report = evaluate_adapter(config, args.eval_adapter, progress=_progress(args))
+        report = evaluate_adapter(config, args.eval_adapter, progress=show_progress(args))
         stem = f"eval-{Path(args.eval_adapter).name}-{Path(args.data).stem}-{args.mode}"
     else:
         raise ConfigError("nothing to evaluate; pass --adapter DIR or --compare")
@@ -290,10 +284,10 @@ def _quickstart(args) -> int:
     stem = f"{model}-{Path(args.data).stem}"
     adapter_dir = out / "adapters" / f"daca-{stem}"
     _, fitted = fit_adapter(config, "daca", adapter_dir, overwrite=True,
-                            progress=_progress(args))
+                            progress=show_progress(args))
     print(f"1. fit: DACA adapter {adapter_dir}\n   {_fit_line(fitted['fit'])}\n")
     report = compare_methods(config, ("vanilla", "naive", "daca", "ts"),
-                             progress=_progress(args))
+                             progress=show_progress(args))
     print(format_table(report))
     written = write_report(report, out / "reports", f"quickstart-{Path(args.data).stem}")
     print("\n".join(f"   wrote {p}" for p in written.values()) + "\n")
@@ -312,7 +306,7 @@ def _quickstart_engine(args, config, adapter_dir: Path, engine_dir: Path, daca_r
     from calm_runtime.score import format_report, score_records
 
     result = export_engine(config.model, engine_dir, adapter=adapter_dir,
-                           config=ExportConfig(overwrite=True, progress=_progress(args)))
+                           config=ExportConfig(overwrite=True, progress=show_progress(args)))
     size_mb = sum(result.file_sizes.values()) / 1e6
     print(f"2. export: {engine_dir} ({size_mb:.0f} MB, max |logit diff| vs reference "
           f"{result.manifest.validation['max_abs_diff']:.2g}, {result.seconds['total']:.0f} s)\n")
@@ -334,189 +328,3 @@ def _quickstart_engine(args, config, adapter_dir: Path, engine_dir: Path, daca_r
     m = scored["metrics"]
     print(f"\n   engine ECE {m['ece']:.3f} vs DACA in training {daca_row['ece']:.3f} "
           f"(accuracy {m['accuracy']:.3f} vs {daca_row['accuracy']:.3f})")
-
-
-TRAIN_EPILOG = """data parts (disjoint from the test part that `calm eval` scores):
-  NAME:train      first half of NAME's 30% calibration part, labeled (cross-entropy)
-  NAME:unlabeled  the other half, labels dropped (entropy of the calibrated model)
-  NAME may be a named set or a .jsonl file; other specs go to load_dataset unchanged.
-
-examples:
-  calm train --model smollm2-135m-instruct --train arc-easy:train \\
-      --calibration sciq:unlabeled --out adapters/calm-smollm2
-  calm train ... --method lora --out adapters/lora-smollm2     # the plain LoRA reference
-  calm train ... --method cft --out adapters/cft-smollm2       # the training-time baseline
-  torchrun --nproc_per_node 2 -m calm_runtime.cli train ...      # data parallel
-  calm fit daca --model smollm2-135m-instruct --reference gemma-3-270m --data arc-easy \\
-      --adapter adapters/calm-smollm2 --out adapters/calm-daca   # compose with DACA
-"""
-
-
-TRAIN_DESCRIPTION = """\
-Fine-tune a LoRA adapter with cross-entropy while per-vocabulary temperatures and shifts
-(tau, shift) follow an upper objective on an unlabeled set (BOME, docs/methods.md section 4):
-the option entropy (the paper's) or, with --upper daca, the agreement-masked KL to a
-pre-trained reference (calm's extension). Defaults: a plain-LoRA warm start of half the
-steps, then BOME's step (plain SGD) with f's gradient on tau/shift only, Adam inner steps
-(so that the coupling engages), tau acting on centred logits.
-
-Do no harm: a share of the training questions (--alpha-holdout) is held out, and before
-the adapter is written the learned tau/shift are measured there against the same LoRA
-without them (NLL, answers changed, total variation, KL). tau/shift that do not lower the
-held-out NLL are not written: the adapter carries the identity and says why (its manifest,
-method.alpha_gate, and this command's last line). What the defaults do on real data:
-docs/results.md.
-"""
-
-
-def _register_train(sub) -> None:
-    from calm_training.calm_config import (
-        ALPHA_LOGITS,
-        ALPHA_TOKENS,
-        INNER_OPTIMIZERS,
-        METHODS,
-        OPTIMIZERS,
-        UPPER_OBJECTIVES,
-        UPPER_PARAMS,
-        CalmConfig,
-    )
-
-    d = CalmConfig.__dataclass_fields__
-    t = sub.add_parser("train", help="CALM: train LoRA + per-token calibration (bilevel)",
-                       description=TRAIN_DESCRIPTION,
-                       epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    t.add_argument("--model", required=True, help="packaged name, folder or .gguf file")
-    t.add_argument("--train", action="append", required=True, metavar="SPEC",
-                   help="labeled training data (repeatable), e.g. arc-easy:train")
-    t.add_argument("--calibration", action="append", required=True, metavar="SPEC",
-                   help="unlabeled calibration data (repeatable), e.g. sciq:unlabeled")
-    t.add_argument("--out", required=True, help="adapter directory to write")
-    t.add_argument("--method", default=d["method"].default, choices=METHODS,
-                   help="bilevel (CALM, the default); ablations: regularization (min g + beta "
-                        "f, no constraint), iterate-theta (alternate a LoRA step on g and a "
-                        "step of LoRA and tau/shift on f: no coupling, theta path kept), "
-                        "iterate-alpha (alternate a LoRA step on g and a tau/shift step on f: "
-                        "no coupling, alpha only), scalar (one learned temperature); "
-                        "lora = plain LoRA fine-tuning without calibration; cft = calibration-"
-                        "aware fine-tuning, the training-time baseline (docs/methods.md)")
-    t.add_argument("--mode", default=d["mode"].default, choices=list(CHOICE_MODES),
-                   help="multiple choice: CE on the option text (cloze) or its letter")
-    chat = t.add_mutually_exclusive_group()
-    chat.add_argument("--chat", dest="chat", action="store_true", default=None,
-                      help="letter mode: apply the chat template")
-    chat.add_argument("--no-chat", dest="chat", action="store_false")
-    for flag, kind, text in (
-            ("steps", int, "outer steps"), ("batch-size", int, "global training batch"),
-            ("calibration-batch-size", int, "global calibration batch (default: batch size)"),
-            ("grad-accumulation", int, "micro-batches per rank and step"),
-            ("inner-steps", int, "T_inner: gradient steps on the LoRA copy"),
-            ("inner-lr", float, "step size of the inner steps (None: 0.001 with adam, 0.01 "
-             "with sgd)"),
-            ("alpha-holdout", float, "share of the training questions held out to measure "
-             "tau/shift's own effect before writing (0: none, written as trained)"),
-            ("outer-lr", float, "outer learning rate of the LoRA (None: 0.1 with sgd, 0.001 "
-             "with adam)"),
-            ("alpha-lr", float, "outer learning rate of tau/shift (None: 0.02 with sgd, 0.005 "
-             "with adam)"),
-            ("momentum", float, "SGD momentum (0 is BOME's step; momentum voids its "
-             "guarantee)"),
-            ("eta", float, "eta of phi: larger keeps the LoRA closer to the lower-level "
-             "optimum"),
-            ("warm-start-steps", int, "the first N of --steps are plain LoRA steps (Adam, "
-             "tau/shift fixed at identity) before the bilevel phase (None: half of --steps)"),
-            ("warm-start-lr", float, "Adam learning rate of the warm start"),
-            ("alpha-l2", float, "weight of the penalty sum((log tau)^2 + shift^2) added to "
-             "the upper objective"),
-            ("q-window", int, "warn when q's mean over the last N steps exceeds the N before"),
-            ("beta", float, "weight of f in the regularization ablation"),
-            ("cft-weight", float, "cft: w of (1-w)*CE + w*scale*L_cal"),
-            ("cft-scale", float, "cft: scale of L_cal"), ("cft-bins", int, "cft: L_cal's bins"),
-            ("lora-rank", int, "LoRA rank"), ("lora-alpha", float, "LoRA alpha"),
-            ("max-length", int, "longest sequence in tokens"), ("seed", int, "seed"),
-            ("limit", int, "use only the first N records of each data spec"),
-            ("checkpoint-every", int, "checkpoint every N steps (0: never)")):
-        name = flag.replace("-", "_")
-        t.add_argument(f"--{flag}", type=kind, default=d[name].default,
-                       help=f"{text} (default {d[name].default})")
-    t.add_argument("--outer-optimizer", "--optimizer", dest="optimizer",
-                   default=d["optimizer"].default, choices=OPTIMIZERS,
-                   help="outer update: sgd (plain SGD; with --momentum 0, the step whose "
-                        "decrease of q BOME guarantees) or adam (rescales the step per "
-                        "coordinate; no such guarantee) (default sgd; adam for --method lora)")
-    t.add_argument("--inner-optimizer", default=d["inner_optimizer"].default,
-                   choices=INNER_OPTIMIZERS,
-                   help="inner solver of the LoRA copy: adam (a fresh Adam each outer step; "
-                        "moves the copy enough for the coupling to engage) or sgd (the BOME "
-                        f"paper's) (default {d['inner_optimizer'].default})")
-    t.add_argument("--alpha-logits", default=d["alpha_logits"].default, choices=ALPHA_LOGITS,
-                   help="what tau divides: centered (logits minus their vocabulary mean) or "
-                        f"raw logits (default {d['alpha_logits'].default})")
-    t.add_argument("--upper", default=d["upper"].default, choices=UPPER_OBJECTIVES,
-                   help="upper objective: entropy (the paper's) or daca (KL to --reference "
-                        "where the two models agree; calm's extension) "
-                        f"(default {d['upper'].default})")
-    t.add_argument("--reference", help="pre-trained reference model of --upper daca "
-                                       "(packaged name, folder or .gguf)")
-    t.add_argument("--init-lora", metavar="DIR",
-                   help="start the LoRA from this peft folder or calm adapter (same rank and "
-                        "targets)")
-    t.add_argument("--entropy", default=d["entropy"].default, choices=["options", "vocab"],
-                   help="upper objective: entropy of the K-option distribution the evaluation "
-                        "reads (options) or of the full next-token distribution at the "
-                        f"answer positions (vocab) (default {d['entropy'].default})")
-    t.add_argument("--cloze-variant", default=d["cloze_variant"].default,
-                   choices=CLOZE_VARIANTS,
-                   help="cloze score variant of the options entropy (default "
-                        f"{d['cloze_variant'].default}, as calm fit/eval)")
-    t.add_argument("--upper-params", default=d["upper_params"].default, choices=UPPER_PARAMS,
-                   help="what f's gradient moves: all (LoRA and tau/shift) or alpha "
-                        "(tau/shift only; the LoRA then moves through lambda*grad q) "
-                        f"(default {d['upper_params'].default})")
-    t.add_argument("--alpha-tokens", default=d["alpha_tokens"].default, choices=ALPHA_TOKENS,
-                   help="train tau/shift on the whole vocabulary (all) or only on the tokens "
-                        "of the options/answers in the training and calibration data "
-                        f"(options; identity elsewhere) (default {d['alpha_tokens'].default})")
-    t.add_argument("--freeze-alpha", action="store_true",
-                   help="keep tau/shift at the identity and run the method's schedule with "
-                        "the LoRA alone: the matched control of a CALM run (adapter kind lora)")
-    t.add_argument("--calibration-positions", default=d["calibration_positions"].default,
-                   choices=["options", "answer"],
-                   help="cloze: entropy at every option-token position (options) or only "
-                        "where the answer starts (answer, K times cheaper)")
-    t.add_argument("--phi", default=d["phi"].default, choices=["grad", "value"],
-                   help="phi = eta*|grad q|^2 (grad) or eta*q (value) (default grad)")
-    t.add_argument("--lora-targets", default="",
-                   help="comma-separated module names to adapt (default: the model's attention "
-                        "projections: q_proj,k_proj,v_proj,o_proj; qkv_proj,o_proj for Phi-3; "
-                        "query_key_value,dense for GPT-NeoX)")
-    t.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
-    t.add_argument("--checkpoint-dir", help="default: OUT.checkpoints")
-    t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
-    t.add_argument("--overwrite", action="store_true", help="replace an existing --out")
-    t.set_defaults(handler=_train)
-
-
-def _train(args) -> int:
-    from calm_training.trainer import CalmConfig, train_calm
-
-    names = [f for f in CalmConfig.__dataclass_fields__ if hasattr(args, f)]
-    values = {f: getattr(args, f) for f in names}
-    values["lora_targets"] = tuple(x.strip() for x in args.lora_targets.split(",") if x.strip())
-    values["train"], values["calibration"] = tuple(args.train), tuple(args.calibration)
-    config = CalmConfig(**values)
-    result = train_calm(config, args.out, resume=args.resume, overwrite=args.overwrite,
-                        checkpoint_dir=args.checkpoint_dir, progress=_progress(args))
-    if result.out is not None and result.history:
-        last = result.history[-1]
-        print(f"wrote {result.out} (kind {result.adapter.kind}) after {last['step']} steps "
-              f"in {result.seconds:.0f} s")
-        for key in ("f", "g", "q", "lam"):
-            start = next((r[key] for r in result.history if r.get(key) is not None), None)
-            if last.get(key) is not None and start is not None:
-                print(f"  {key:<4} {start:.4g} -> {last[key]:.4g}")
-        summary = result.adapter.summary()
-        print(f"  tau [{summary['tau_min']:.4g}, {summary['tau_max']:.4g}]  "
-              f"shift [{summary['shift_min']:.4g}, {summary['shift_max']:.4g}]")
-        if result.alpha_gate is not None:
-            print(f"  {result.alpha_gate['reason']}")
-    return 0

@@ -120,7 +120,9 @@ def test_report_gives_every_claim_a_verdict_or_not_run(bench, tmp_path):
     payload = json.loads((tmp_path / "calm_decisive.json").read_text())
     verdicts = {c["claim"]: c["verdict"] for c in payload["claims"]}
     assert verdicts["OOD conf-ECE below lora-matched (no TS)"] == "holds"
-    assert verdicts["OOD conf-ECE below vanilla+TS"] in ("holds", "refuted", "inconclusive")
+    assert verdicts["OOD conf-ECE below vanilla, TS on both"] in ("holds", "refuted",
+                                                                  "inconclusive")
+    assert verdicts["calm-centred: α (as trained) keeps OOD accuracy"] == "not run"
     assert verdicts["iterate ablation collapses in accuracy (vs default arm)"] == "not run"
     assert verdicts["regularization ablation collapses in accuracy (vs default arm)"] == \
         "not run"

@@ -21,8 +21,11 @@ pytest.importorskip("onnxruntime")
 from conftest import random_calibration_adapter  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from calm_export import ExportConfig, export_engine  # noqa: E402
-from calm_export import fuse  # noqa: E402
+from calm_export import (  # noqa: E402
+    ExportConfig,
+    export_engine,
+    fuse,  # noqa: E402
+)
 from calm_runtime.artifact import CalibrationAdapter, ModelIdentity  # noqa: E402
 from calm_runtime.calibration import apply_calibration, fused_head  # noqa: E402
 from calm_runtime.engine import EngineManifest  # noqa: E402

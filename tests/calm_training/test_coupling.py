@@ -38,8 +38,8 @@ def test_lambda_leaves_eta_when_f_and_q_conflict_and_reaches_the_known_solution(
 
 def test_sgd_inner_steps_at_lora_scale_leave_the_coupling_at_zero_adam_does_not():
     """With the small gradients of a LoRA (g scaled by 1e-4), two plain inner steps at 0.01
-    leave θ~ = θ to 1e-6 and ∇_α q ≈ 0 (α then follows ∇f alone); Adam's steps move θ~ by ~inner_lr per
-    coordinate whatever the scale, and the coupling is there."""
+    leave θ~ = θ to 1e-6 and ∇_α q ≈ 0 (α then follows ∇f alone); Adam's steps move θ~ by
+    about inner_lr per coordinate whatever the scale, and the coupling is there."""
     stats = {}
     for solver, lr in (("sgd", 0.01), ("adam", 1e-3)):
         lower, _ = _problem(scale=1e-4)
