@@ -1,6 +1,7 @@
 """Strict checks of an engine manifest's sections (source, calibration, model, io,
 tokenizer, option tokens, validation, export): every problem is a one-line
-:class:`~calm_runtime.errors.ArtifactError` naming the key and the fix."""
+:class:`~calm_runtime.errors.ArtifactError` naming the key and the fix. The files the
+manifest vouches for are checked beyond their hashes in :mod:`calm_runtime._engine_files`."""
 
 from __future__ import annotations
 

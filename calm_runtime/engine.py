@@ -21,7 +21,10 @@ ONNX Runtime backend translates (``backends/_packed_kv.py``).
 
 Reading is strict, like the adapter's: unknown keys and newer schemas are refused, file
 references may not leave the directory, and every listed file is checked against its
-sha256 (``verify_hashes=True``). This module imports neither torch nor onnx.
+sha256 (``verify_hashes=True``). What a hash cannot vouch for is checked too: the files
+``model.onnx`` reads as external data must be exactly the data files the manifest lists,
+and ``genai_config.json`` must agree with the model section. This module imports neither
+torch nor onnx.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from ._engine_checks import (  # noqa: F401 - engine_io_names and the limit are 
     _text,
     engine_io_names,
 )
+from ._engine_files import check_external_data, check_genai_config
 from ._fs import is_dir, is_file, resolve_inside, sha256_file, show, show_name
 from ._manifest import (
     check_keys,
@@ -166,6 +170,22 @@ class EngineManifest:
                 raise ArtifactError(f"{self.root}: {show_name(name)} does not match its sha256 in "
                                     f"{ENGINE_MANIFEST_NAME}; the file is truncated or corrupted, "
                                     "copy the engine again or re-export it with calm-export")
+        self.verify_contents()
+
+    def verify_contents(self) -> None:
+        """What the hashes cannot vouch for, checked on every load: ``genai_config.json``
+        agrees with the model section (sizes, context at most the model's, no negative or
+        absurd values; onnxruntime-genai runs the folder by it), and the files ``model.onnx``
+        reads as external data are exactly the data files ``model.files`` lists and hashes
+        (read from the graph's protobuf, no weights loaded)."""
+        if self.root is None:
+            raise ArtifactError("this manifest has no engine directory; load it with "
+                                "EngineManifest.load(path)")
+        check_external_data(self.root, self.model, ENGINE_MANIFEST_NAME)
+        genai = self.export.get("genai_config")
+        if isinstance(genai, Mapping):
+            check_genai_config(resolve_inside(self.root, genai["file"]), self.model,
+                               ENGINE_MANIFEST_NAME)
 
     def listed_files(self) -> dict[str, str]:
         """Every file the manifest vouches for, ``{relative name: sha256}``."""

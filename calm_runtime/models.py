@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ._fs import atomic_directory, install_lock, sha256_file
+from ._model_config import check_model_config
 from ._paths import cache_dir
 from .artifact import ModelIdentity, tokenizer_sha256
 from .errors import (
@@ -42,6 +43,7 @@ __all__ = [
     "PackagedModel",
     "PACKAGED_MODELS",
     "resolve_model",
+    "check_model_config",
     "install_model",
     "list_models",
     "model_identity",
@@ -357,6 +359,12 @@ def load_model_and_tokenizer(spec: str | os.PathLike, *, dtype: str = "float32",
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ModelSourceError(f"cannot load the model in {folder} ({reason}); pass a complete "
                                "Hugging Face causal-LM folder") from None
+    except RuntimeError as exc:
+        if "mismatched_sizes" not in str(exc):
+            raise
+        raise ModelSourceError(f"the weights in {folder} do not have the sizes its config.json "
+                               "states (transformers' load report names the tensors); fix "
+                               "config.json, or use the model's original folder") from None
     if lora_path is not None:
         model = load_lora(model, lora_path).merge_and_unload()
     model.eval()

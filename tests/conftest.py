@@ -206,11 +206,58 @@ def genai_greedy(engine_dir, prompt_ids, new_tokens: int) -> list[int]:
     return generated
 
 
+def _pb_varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append(value & 0x7F | (0x80 if value > 0x7F else 0))
+        value >>= 7
+        if not value:
+            return bytes(out)
+
+
+def _pb_message(number: int, payload: bytes) -> bytes:
+    return _pb_varint(number << 3 | 2) + _pb_varint(len(payload)) + payload
+
+
+def synthetic_onnx_graph(*locations: str) -> bytes:
+    """A minimal ONNX ``ModelProto`` (hand-encoded: no onnx needed) whose graph has one
+    float initializer per name in ``locations``, each stored as external data in that file;
+    none: a graph without external data. Enough for the loader's external-data check."""
+    graph = _pb_message(2, b"synthetic")  # GraphProto.name
+    for i, location in enumerate(locations):
+        entries = b"".join(_pb_message(13, _pb_message(1, key.encode()) + _pb_message(2, value))
+                           for key, value in (("location", location.encode()),
+                                              ("offset", b"0"), ("length", b"4")))
+        tensor = (_pb_varint(1 << 3) + _pb_varint(1)  # dims [1]
+                  + _pb_varint(2 << 3) + _pb_varint(1)  # data_type FLOAT
+                  + _pb_message(8, f"w{i}".encode())  # name
+                  + entries + _pb_varint(14 << 3) + _pb_varint(1))  # data_location EXTERNAL
+        graph += _pb_message(5, tensor)  # GraphProto.initializer
+    return _pb_varint(1 << 3) + _pb_varint(8) + _pb_message(7, graph)  # ir_version, graph
+
+
+def synthetic_genai_config(*, layers: int = 1, heads: int = 2, kv_heads: int = 1,
+                           head_size: int = 4, hidden: int = 8, vocab: int = 300,
+                           context: int = 64) -> str:
+    """``genai_config.json`` text for a synthetic engine (the defaults match
+    :func:`synthetic_engine_manifest`'s model section)."""
+    return json.dumps({
+        "model": {"bos_token_id": 1, "context_length": context, "eos_token_id": [2],
+                  "pad_token_id": 3, "type": "llama", "vocab_size": vocab,
+                  "decoder": {"filename": "model.onnx", "head_size": head_size,
+                              "hidden_size": hidden, "num_attention_heads": heads,
+                              "num_hidden_layers": layers, "num_key_value_heads": kv_heads}},
+        "search": {"max_length": context, "min_length": 0, "num_beams": 1, "top_k": 1,
+                   "top_p": 1.0, "temperature": 1.0}})
+
+
 def synthetic_engine_manifest(root, *, adapter: dict | None = None, adapter_kind="identity",
                               model_files=("model.onnx",), export: dict | None = None) -> dict:
     """A complete engine manifest for a synthetic engine folder ``root`` (a placeholder
     graph, a real tokenizer, ``genai_config.json``): 1 layer, vocab 300, hashes of the files
-    that are there. For loader tests that never run the graph."""
+    that are there. For loader tests that never run the graph; the graph and the
+    genai_config.json should be :func:`synthetic_onnx_graph` (naming the listed data files)
+    and :func:`synthetic_genai_config`, which the loader checks."""
     from calm_runtime._fs import sha256_file
     from calm_runtime.engine import engine_io_names
 

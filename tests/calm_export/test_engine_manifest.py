@@ -1,7 +1,7 @@
 """The engine contract (calm_runtime/engine.py): strict reading, hashes, safe paths.
 
-These tests build a synthetic engine folder (placeholder bytes for the graph) so they
-need neither torch nor onnx; the end-to-end tests check real engines.
+These tests build a synthetic engine folder (a hand-encoded graph proto naming its external
+data, no weights) so they need neither torch nor onnx; the end-to-end tests check real engines.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import synthetic_genai_config, synthetic_onnx_graph
 
 from calm_runtime._fs import sha256_file
 from calm_runtime.engine import (
@@ -27,11 +28,12 @@ SHA = "0" * 64
 def _engine(tmp_path, num_layers=2):
     root = tmp_path / "engine"
     root.mkdir()
-    (root / "model.onnx").write_bytes(b"graph" * 100)
+    (root / "model.onnx").write_bytes(synthetic_onnx_graph("model.onnx.data"))
     (root / "model.onnx.data").write_bytes(b"weights" * 100)
     (root / "tokenizer.json").write_text('{"model": {}}')
     (root / "chat_template.jinja").write_text("{{ messages }}")
-    (root / "genai_config.json").write_text("{}")
+    (root / "genai_config.json").write_text(synthetic_genai_config(
+        layers=num_layers, heads=4, kv_heads=2, head_size=16, hidden=64, context=256))
     inputs, outputs = engine_io_names(num_layers)
     data = {
         "schema_version": ENGINE_SCHEMA_VERSION, "kind": "onnx", "created_by": "test",

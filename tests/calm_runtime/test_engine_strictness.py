@@ -32,7 +32,8 @@ def _edit(root, change) -> None:
 
 @pytest.mark.parametrize(("change", "words"), [
     (lambda d: d["model"].update(vocab_size=299), "vocab_size"),
-    (lambda d: d["model"].update(vocab_size=301), "vocab_size is 301 but the graph"),
+    # refused by the genai_config.json check (the files disagree) before the graph's
+    (lambda d: d["model"].update(vocab_size=301), "vocab_size (is )?301"),
     (lambda d: d["model"].update(vocab_size=10**9), "beyond any real model"),
     (lambda d: d["model"].update(max_position_embeddings=10**12), "beyond any real model"),
     (lambda d: d["model"].update(max_position_embeddings=2**63), "beyond any real model"),

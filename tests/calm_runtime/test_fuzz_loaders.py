@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import synthetic_engine_manifest
+from conftest import synthetic_engine_manifest, synthetic_genai_config, synthetic_onnx_graph
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import save_file
@@ -515,12 +515,12 @@ ENGINE_TOKENIZER_CONFIG = {"bos_token": "<s>", "eos_token": {"content": "</s>"},
 def engine_template(box: Path) -> Path:
     root = box / "template-engine" / "engine"
     root.mkdir(parents=True)
-    (root / "model.onnx").write_bytes(b"graph" * 10)
+    (root / "model.onnx").write_bytes(synthetic_onnx_graph())
     _tokenizer_json(root / "tokenizer.json")
     (root / "tokenizer_config.json").write_text(json.dumps(ENGINE_TOKENIZER_CONFIG))
     (root / "chat_template.jinja").write_text(
         "{% for m in messages %}{{ bos_token }}{{ m['content'] }}{% endfor %}")
-    (root / "genai_config.json").write_text("{}")
+    (root / "genai_config.json").write_text(synthetic_genai_config())
     manifest = synthetic_engine_manifest(
         root, adapter_kind="daca", export={"cloze_variant": "mean"},
         adapter={"kind": "daca", "path_name": "adapter", "tensors_sha256": None,

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import synthetic_engine_manifest
+from conftest import synthetic_engine_manifest, synthetic_genai_config, synthetic_onnx_graph
 from safetensors.numpy import save_file
 
 from calm_runtime._fs import sha256_file
@@ -156,13 +156,13 @@ CHAT_TEMPLATE = "{% for m in messages %}{{ bos_token }}{{ m['content'] }}{% endf
 def _engine(root: Path) -> tuple[Path, dict]:
     """A synthetic engine folder (placeholder graph, real tokenizer) and its manifest dict."""
     root.mkdir(parents=True)
-    (root / "model.onnx").write_bytes(b"graph" * 10)
+    (root / "model.onnx").write_bytes(synthetic_onnx_graph("model.onnx.data"))
     (root / "model.onnx.data").write_bytes(b"weights" * 10)
     _tokenizer_json(root / "tokenizer.json")
     (root / "tokenizer_config.json").write_text(json.dumps(
         {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}))
     (root / "chat_template.jinja").write_text(CHAT_TEMPLATE)
-    (root / "genai_config.json").write_text("{}")
+    (root / "genai_config.json").write_text(synthetic_genai_config())
     data = synthetic_engine_manifest(root, model_files=("model.onnx", "model.onnx.data"))
     _write_engine_manifest(root, data)
     return root, data
