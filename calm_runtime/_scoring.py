@@ -6,6 +6,11 @@ KV cache is repeated for every option, and the right-padded continuations run on
 with positions that continue the context. Only the continuation tokens before the last
 are fed (the last token's probability comes from the step before it), so single-token
 options cost no extra forward pass.
+
+Every pass stays within the backend's prefill budget (``backend.prefill_budget``, see
+:class:`~calm_runtime._generation.PrefillBudget`): contexts are prefilled as generation
+prefills prompts (groups of rows, pieces of positions), and continuations run in row chunks
+and position segments whose attention scores fit it as well as :data:`SCORING_BUDGET_BYTES`.
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ._generation import initial_positions, left_pad
+from ._generation import left_pad, prefill, release
+from .errors import ConfigError
 
 __all__ = ["next_token_logits", "cloze_logprobs", "log_softmax_at", "ScoringStopped",
            "SCORING_BUDGET_BYTES"]
@@ -28,12 +34,22 @@ def _chunks(n: int, size: int):
 def next_token_logits(backend, sequences: Sequence[Sequence[int]], pad_id: int,
                       batch_size: int) -> np.ndarray:
     """Calibrated logits ``[N, V]`` at the last position of each sequence."""
+    try:
+        return _next_token_logits(backend, sequences, pad_id, batch_size)
+    finally:
+        release(backend)
+
+
+def _next_token_logits(backend, sequences, pad_id, batch_size) -> np.ndarray:
     out = []
     size = _limit(backend, batch_size)
+    budget = getattr(backend, "prefill_budget", None)
+    if budget is not None:  # every sequence is checked before any pass
+        for i, sequence in enumerate(sequences):
+            budget.check(len(sequence), f"sequence {i + 1} of {len(sequences)}")
     for chunk in _chunks(len(sequences), size):
-        ids, mask = left_pad([sequences[i] for i in chunk], pad_id)
-        logits, _ = backend.run(ids, mask, initial_positions(mask), None, last_only=True)
-        out.append(logits[:, -1])
+        logits, _ = prefill(backend, [sequences[i] for i in chunk], pad_id, keep_state=False)
+        out.append(logits)
     return np.concatenate(out, axis=0)
 
 
@@ -70,19 +86,40 @@ def cloze_logprobs(backend, contexts: Sequence[Sequence[int]],
     Continuations run in row chunks whose repeated KV cache (``kv_bytes_per_token`` per
     token of context and continuation) and logits fit ``budget_bytes``, fed in position
     segments that fit it too; ``should_stop()`` is checked between steps."""
+    try:
+        return _cloze_logprobs(backend, contexts, continuations, pad_id, batch_size,
+                               kv_bytes_per_token, budget_bytes, should_stop)
+    finally:
+        release(backend)
+
+
+def _cloze_logprobs(backend, contexts, continuations, pad_id, batch_size, kv_bytes_per_token,
+                    budget_bytes, should_stop) -> list[np.ndarray]:
     results: list[np.ndarray] = [np.zeros(len(c)) for c in continuations]
     rows_limit = backend.max_batch or (1 << 30)
     size = _limit(backend, batch_size)
+    prefill_budget = getattr(backend, "prefill_budget", None)
+    if prefill_budget is not None:  # every question is checked before any pass
+        for i, (context, conts) in enumerate(zip(contexts, continuations, strict=True)):
+            label = f"context {i + 1} of {len(contexts)}"
+            prefill_budget.check(len(context), label)
+            total = len(context) + max((len(c) for c in conts), default=1) - 1
+            if prefill_budget.rows(1, total, all_logits=True) < 1:
+                raise ConfigError(f"{label} with its longest continuation ({total} tokens) "
+                                  "cannot be scored within max_prefill_tokens "
+                                  f"{prefill_budget.tokens}; shorten it or raise the limit")
     for chunk in _chunks(len(contexts), size):
         _check(should_stop)
-        ids, mask = left_pad([contexts[i] for i in chunk], pad_id)
-        logits, state = backend.run(ids, mask, initial_positions(mask), None, last_only=True)
-        first = logits[:, -1]
+        first, state = prefill(backend, [contexts[i] for i in chunk], pad_id)
+        mask = left_pad([contexts[i] for i in chunk], pad_id)[1]
         owners = [(b, i, k) for b, i in enumerate(chunk) for k in range(len(continuations[i]))]
         width = max(len(continuations[i][k]) for _, i, k in owners)
-        row_bytes = (kv_bytes_per_token * (ids.shape[1] + width) * 2
+        row_bytes = (kv_bytes_per_token * (mask.shape[1] + width) * 2
                      + min(width, 64) * first.shape[-1] * 8)
         rows = max(1, min(rows_limit, budget_bytes // max(row_bytes, 1)))
+        if prefill_budget is not None and width > 1:  # the attention scores of a segment
+            rows = max(1, min(rows, prefill_budget.rows(1, mask.shape[1] + width - 1,
+                                                        all_logits=True)))
         for start in range(0, len(owners), rows):
             _check(should_stop)
             part = owners[start:start + rows]
@@ -113,6 +150,10 @@ def _continuations(backend, state, ctx_mask, first, own, conts, pad_id, budget_b
     rows_state = backend.select(state, own)
     vocab = first.shape[-1]
     segment = max(1, budget_bytes // max(len(conts) * vocab * 8, 1))
+    prefill_budget = getattr(backend, "prefill_budget", None)
+    if prefill_budget is not None:
+        segment = min(segment, max(1, prefill_budget.span(
+            len(conts), seen.shape[1] + width - 1, all_logits=True)))
     for s in range(0, width - 1, segment):
         _check(should_stop)
         e = min(width - 1, s + segment)

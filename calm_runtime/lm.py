@@ -20,6 +20,14 @@ a P(True) prompt) is tokenised and checked against the model's context
 (``max_position_embeddings``) before anything is batched or run; one that does not fit
 raises a one-line :class:`~calm_runtime.errors.ConfigError` naming the input, its token
 count and the limit. Text must be valid Unicode (a lone UTF-16 surrogate is refused).
+
+Memory: ``max_prefill_tokens`` (default 4,096; ``calm serve --max-prefill-tokens``) bounds
+every forward pass over many positions, for generation and scoring alike: a pass takes at
+most that many tokens (rows x padded length) and holds at most 64 KiB of attention scores
+and logits per token of it (256 MiB at the default). Larger batches are cut into groups of
+rows, and longer prompts into pieces of positions on top of their KV cache
+(:class:`~calm_runtime._generation.PrefillBudget`); a prompt that cannot fit even alone (on a
+backend that cannot prefill in pieces: TensorRT) is refused before anything runs.
 """
 
 from __future__ import annotations
@@ -32,7 +40,13 @@ from dataclasses import replace
 import numpy as np
 
 from . import _scoring
-from ._generation import DecodeSettings, GenerationRun
+from ._generation import (
+    DEFAULT_MAX_PREFILL_TOKENS,
+    DecodeSettings,
+    GenerationRun,
+    PrefillBudget,
+    release,
+)
 from ._inputs import _check_text, _label, _non_negative, _positive
 from ._judging import Judging, recorded_cloze_variant
 from ._tokenizer import EngineTokenizer
@@ -77,11 +91,22 @@ class CalibratedLM(Judging):
     """A calibrated engine ready to generate and score; build it with :meth:`load`."""
 
     def __init__(self, manifest: EngineManifest, backend: Backend,
-                 tokenizer: EngineTokenizer) -> None:
+                 tokenizer: EngineTokenizer, *,
+                 max_prefill_tokens: int | None = DEFAULT_MAX_PREFILL_TOKENS) -> None:
         self.manifest = manifest
         self.backend = backend
         self.tokenizer = tokenizer
         self.max_context: int = manifest.model["max_position_embeddings"]
+        if max_prefill_tokens is not None:
+            max_prefill_tokens = _positive(max_prefill_tokens, "max_prefill_tokens")
+        #: the most tokens one pass over many positions takes (``None``: unbounded); see the
+        #: module doc. The budget is the backend's (``backend.prefill_budget``), which the
+        #: scoring passes read too
+        self.max_prefill_tokens: int | None = max_prefill_tokens
+        self.prefill_budget: PrefillBudget | None = (
+            None if max_prefill_tokens is None
+            else PrefillBudget.for_backend(backend, manifest, max_prefill_tokens))
+        backend.prefill_budget = self.prefill_budget
         # text that cannot fit the context by its length alone is refused before it is
         # tokenised: no allocation is sized by the input (a token covers at most the longest
         # token string of the vocabulary; 4x margin for normalisers that compose characters)
@@ -105,6 +130,7 @@ class CalibratedLM(Judging):
     @classmethod
     def load(cls, engine_dir: str | os.PathLike, backend: str = "onnxruntime", *,
              providers=None, threads: int | None = None, verify_hashes: bool = True,
+             max_prefill_tokens: int | None = DEFAULT_MAX_PREFILL_TOKENS,
              **backend_options) -> CalibratedLM:
         """Load and check an engine directory and start ``backend`` on it.
 
@@ -112,7 +138,8 @@ class CalibratedLM(Judging):
         torch); other keyword arguments go to the backend class (e.g. ``model=``,
         ``adapter=``, ``device=`` for :class:`~calm_runtime.backends.TorchBackend`).
         ``verify_hashes=False`` skips hashing the files (faster start; files are still
-        checked to exist).
+        checked to exist). ``max_prefill_tokens`` bounds the memory of every pass over many
+        positions (the module doc; ``None``: unbounded).
         """
         manifest = EngineManifest.load(engine_dir, verify_hashes=verify_hashes)
         tokenizer = EngineTokenizer(manifest)
@@ -128,9 +155,11 @@ class CalibratedLM(Judging):
             raise ConfigError(f"providers only applies to backend='onnxruntime', not {backend!r}")
         elif threads is not None and backend == "torch":
             options["threads"] = threads
+        if max_prefill_tokens is not None:
+            _positive(max_prefill_tokens, "max_prefill_tokens")  # before the session starts
         runner = create_backend(backend, manifest, **options)
         logger.info("loaded %s on %s", manifest.root, runner.description)
-        return cls(manifest, runner, tokenizer)
+        return cls(manifest, runner, tokenizer, max_prefill_tokens=max_prefill_tokens)
 
     @property
     def answer_temperature(self) -> float:
@@ -319,6 +348,7 @@ class CalibratedLM(Judging):
                 raise ConfigError(f"{_label('prompt', i, len(encoded))} is {len(ids)} tokens and "
                                   f"fills the model's context of {self.max_context}; shorten it "
                                   "to leave room to generate")
+            self.check_prefill(len(ids), _label("prompt", i, len(encoded)))
             limits.append(min(max_new, room))
         return DecodeSettings(max_new_tokens=tuple(limits),
                               sampling=SamplingParams(temperature=temperature, top_k=top_k,
@@ -326,6 +356,13 @@ class CalibratedLM(Judging):
                               stop=stops, top_alternatives=int(top_n),
                               eos_ids=frozenset(self.tokenizer.eos_token_ids),
                               raw_scale=self.raw_logit_scale if raw_logprobs else None)
+
+    def check_prefill(self, n_tokens: int, label: str = "the prompt",
+                      flag: str = "max_prefill_tokens") -> None:
+        """Refuse (:class:`ConfigError`, naming ``flag``) a prompt of ``n_tokens`` that cannot
+        be prefilled even alone within ``max_prefill_tokens`` (see the module doc)."""
+        if self.prefill_budget is not None:
+            self.prefill_budget.check(n_tokens, label, flag)
 
     # ------------------------------------------------------------------ multiple choice
     def prompt_logprobs(self, prompt: str, *, top: int = 0, raw_logprobs: bool = False,
@@ -340,6 +377,12 @@ class CalibratedLM(Judging):
         ``should_stop()`` checked between them. ``raw_logprobs=True`` adds the raw,
         uncalibrated log-probabilities (see :attr:`raw_logit_scale`).
         """
+        try:
+            return self._prompt_logprobs(prompt, top, raw_logprobs, should_stop)
+        finally:  # the call's cache is gone: the backend may give its memory back
+            release(self.backend)
+
+    def _prompt_logprobs(self, prompt, top, raw_logprobs, should_stop) -> list[PromptToken]:
         _check_text(prompt, "the prompt")
         if not prompt:
             raise ConfigError("the prompt is empty; pass the text to score")
@@ -353,6 +396,13 @@ class CalibratedLM(Judging):
         self._check_length(len(ids), f"the prompt ({len(ids)} tokens)",
                            "shorten the prompt")
         segment = max(1, _scoring.SCORING_BUDGET_BYTES // (self.manifest.vocab_size * 8))
+        if self.prefill_budget is not None:  # the attention scores of a segment, too
+            fits = self.prefill_budget.span(1, len(ids) - 1, all_logits=True)
+            if fits < 1:
+                raise ConfigError(f"the prompt ({len(ids)} tokens) cannot be scored within "
+                                  f"max_prefill_tokens {self.max_prefill_tokens}: one position "
+                                  "over it needs more; shorten the prompt or raise it")
+            segment = min(segment, fits)
         out = [PromptToken(ids[0], self._piece(prompt, encoding, 0, ids), offsets[0], None)]
         state, logits, done = None, None, 0
         for t in range(1, len(ids)):

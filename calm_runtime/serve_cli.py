@@ -83,6 +83,12 @@ def add_serve(sub) -> None:
                    help="longest prompt (default: the model's context - 1)")
     p.add_argument("--max-body-bytes", type=int, default=_serve_default("max_body_bytes"),
                    help="largest request body, then HTTP 413")
+    p.add_argument("--max-prefill-tokens", "--max-num-batched-tokens", dest="max_prefill_tokens",
+                   type=int, default=_serve_default("max_prefill_tokens"),
+                   help="most tokens (rows x padded length) one prefill pass takes, with at "
+                        "most 64 KiB of attention scores and logits per token (vLLM: "
+                        "--max-num-batched-tokens): bigger batches are split, longer prompts "
+                        "prefilled in pieces; a prompt that cannot fit gets HTTP 400")
     p.add_argument("--allow-special-tokens", action="store_true",
                    help="encode special-token text inside chat messages as special tokens "
                         "(as transformers does); by default it is plain text, so a message "

@@ -38,6 +38,12 @@ class ServeConfig:
             is refused before tokenising (:mod:`calm_runtime.server.app`).
         max_body_bytes: the largest request body accepted: counted as it arrives (chunked
             bodies too), HTTP 413 and the connection closed as soon as it is passed.
+        max_prefill_tokens: the most tokens (rows x padded length) one prefill or scoring
+            pass takes, with a working set of at most 64 KiB per token of it (attention
+            scores and logits): larger batches are split into groups of rows, longer prompts
+            into pieces on top of their KV cache; a prompt that cannot fit even alone gets
+            HTTP 400 before any work (vLLM's ``--max-num-batched-tokens``;
+            :class:`~calm_runtime._generation.PrefillBudget`).
         api_key_env: name of the environment variable that holds the bearer API key
             (``None``: no key). The key itself never enters this record.
         verify_hashes: hash the engine files at load.
@@ -58,13 +64,14 @@ class ServeConfig:
     default_max_tokens: int = 16
     max_prompt_tokens: int | None = None
     max_body_bytes: int = 1_000_000
+    max_prefill_tokens: int = 4096
     api_key_env: str | None = None
     verify_hashes: bool = True
     allow_special_tokens: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_queue", "max_tokens_limit", "default_max_tokens",
-                     "max_body_bytes"):
+                     "max_body_bytes", "max_prefill_tokens"):
             _positive_int(getattr(self, name), name)
         for name in ("threads", "max_prompt_tokens"):
             if getattr(self, name) is not None:

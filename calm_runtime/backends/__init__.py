@@ -11,19 +11,20 @@ numpy array; none of them computes confidences (that is :mod:`calm_runtime.sampl
   onnxruntime-gpu);
 * :class:`TensorRTBackend` (``"tensorrt"``): the ``model.plan`` of a ``kind: tensorrt`` engine.
 
-onnxruntime, torch and tensorrt are imported only when their backend is created.
+onnxruntime, torch and tensorrt are imported only when their backend is created. A pass
+that cannot allocate its memory raises :class:`BackendMemoryError` (a ``MemoryError``).
 """
 
 from __future__ import annotations
 
 from ..errors import ConfigError
-from ._base import Backend
+from ._base import Backend, BackendMemoryError
 from ._onnxruntime import OnnxRuntimeBackend
 from ._tensorrt import TensorRTBackend
 from ._torch import TorchBackend
 
-__all__ = ["Backend", "OnnxRuntimeBackend", "TorchBackend", "TensorRTBackend", "BACKENDS",
-           "create_backend"]
+__all__ = ["Backend", "BackendMemoryError", "OnnxRuntimeBackend", "TorchBackend",
+           "TensorRTBackend", "BACKENDS", "create_backend"]
 
 BACKENDS: dict[str, type[Backend]] = {
     "onnxruntime": OnnxRuntimeBackend,

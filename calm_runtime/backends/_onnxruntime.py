@@ -17,6 +17,16 @@ of each row and one cache buffer per layer that every step reads and writes in p
 
 onnxruntime-gpu silently falls back to the CPU when it cannot load CUDA; calm checks
 ``session.get_providers()`` after creating the session and raises instead.
+
+Memory: ONNX Runtime's memory arena keeps what a pass allocated for the next passes (passes
+of one call reuse it; without the arena, every pass page-faults its buffers anew: a
+64-choice scoring call took 2.4x as long). Without more, the peak of one long prefill stayed
+allocated for the life of the process. :meth:`OnnxRuntimeBackend.release`, called by the
+runtime at the end of every generation and scoring call, gives the arena's free regions
+back to the system (a one-token pass with the ``memory.enable_memory_arena_shrinkage`` run
+option; only after a call that ran passes of several tokens). A pass whose allocation fails
+raises :class:`~calm_runtime.backends.BackendMemoryError` (a ``MemoryError``); the session
+stays usable for the next call.
 """
 
 from __future__ import annotations
@@ -29,7 +39,7 @@ import numpy as np
 
 from ..engine import engine_io_names
 from ..errors import ArtifactError, BackendUnavailableError, ConfigError
-from ._base import Backend
+from ._base import Backend, BackendMemoryError, is_allocation_failure
 from ._packed_kv import PackedCache, pack_rows, unpack_logits
 
 __all__ = ["OnnxRuntimeBackend", "PROVIDER_ALIASES"]
@@ -89,7 +99,7 @@ class OnnxRuntimeBackend(Backend):
             provider must end up active, else :class:`BackendUnavailableError`.
         threads: intra-op threads (``None``: ONNX Runtime's default, one per core).
         session_options: extra ``SessionOptions`` attributes, e.g.
-            ``{"enable_cpu_mem_arena": False}``.
+            ``{"enable_cpu_mem_arena": False}`` (then :meth:`release` does nothing).
     """
 
     name = "onnxruntime"
@@ -148,6 +158,13 @@ class OnnxRuntimeBackend(Backend):
         #: the graph projects only the last positions when asked (``logits_to_keep``)
         self.keeps_logits = any(i.name == "logits_to_keep"
                                 for i in session.get_overridable_initializers())
+        # calm's own graph holds each layer's attention matrix; the packed (builder) graph's
+        # GroupQueryAttention does not. A packed prefill keeps one count of last positions for
+        # all rows (the longest row's padding included), so only a single row's is 1 wide,
+        # and a packed pass over a past returns every position
+        self.materializes_attention = self.positions
+        self.keeps_last_logits = ((self.keeps_logits, self.keeps_logits) if self.positions
+                                  else ("one-row" if self.keeps_logits else False, False))
         self._inputs, self._outputs = engine_io_names(manifest.num_layers,
                                                       position_ids=self.positions)
         self._past_names = self._inputs[3 if self.positions else 2:]
@@ -167,6 +184,10 @@ class OnnxRuntimeBackend(Backend):
         self._ort = ort
         self._packed = None if self.positions else PackedCache(
             ort, self._kv_shape, self._kv_dtype, self._kv_device, self._device_id)
+        # the arenas a release shrinks (the CPU's, and the GPU's when a GPU provider runs);
+        # a failed shrink (no arena there) drops the GPU, then gives up
+        self._shrink_targets = ["cpu:0"] + ([f"gpu:{self._device_id}"] if gpu else [])
+        self._dirty = False  # a pass of several tokens ran since the last release
 
     @staticmethod
     def _check_io(session, manifest, path, positions: bool) -> None:
@@ -197,6 +218,23 @@ class OnnxRuntimeBackend(Backend):
         return [empty] * len(self._past_names)
 
     def run(self, input_ids, attention_mask, position_ids, state=None, *, last_only=False):
+        try:
+            out = self._pass(input_ids, attention_mask, position_ids, state, last_only)
+            if input_ids.shape[1] > 1:
+                self._dirty = True  # set when the pass ends, so that its caller's release runs
+            return out
+        except BackendMemoryError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - ORT raises its own untyped errors
+            if not is_allocation_failure(exc):
+                raise
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+            raise BackendMemoryError(
+                f"onnxruntime could not allocate the memory of a pass of "
+                f"{input_ids.shape[0]} x {input_ids.shape[1]} tokens ({reason}); run fewer or "
+                "shorter prompts at once or lower max_prefill_tokens") from None
+
+    def _pass(self, input_ids, attention_mask, position_ids, state, last_only):
         if self._packed is not None:
             return self._run_packed(input_ids, attention_mask, position_ids, state, last_only)
         if state is None:
@@ -307,6 +345,51 @@ class OnnxRuntimeBackend(Backend):
         if last_only:
             logits = logits[:, -1:]
         return logits, self._packed.advance(state, real, seq)
+
+    def release(self) -> None:
+        """Give the arena's free memory back to the system after a call's passes (a no-op
+        unless a pass of several tokens ran since the last release). Buffers still held (a KV
+        state alive elsewhere) keep their regions; the runtime calls this once a call's
+        states are dropped."""
+        if not self._dirty or not self._shrink_targets or self._session is None:
+            return
+        self._dirty = False
+        ortvalue = self._ort.OrtValue.ortvalue_from_numpy
+        one = np.ones((1, 1), dtype=np.int64)
+        feeds = {"input_ids": ortvalue(one), "attention_mask": ortvalue(one)}
+        if self.positions:
+            feeds["position_ids"] = ortvalue(np.zeros((1, 1), dtype=np.int64))
+        if self.keeps_logits:
+            feeds["logits_to_keep"] = ortvalue(_ONE)
+        for name, value in zip(self._past_names, self._empty(1), strict=True):
+            feeds[name] = ortvalue(value)
+        while self._shrink_targets:
+            options = self._ort.RunOptions()
+            options.add_run_config_entry("memory.enable_memory_arena_shrinkage",
+                                         ";".join(self._shrink_targets))
+            try:
+                self._session.run_with_ort_values(self._outputs, feeds, options)
+                return
+            except Exception as exc:  # noqa: BLE001 - no arena there (or it is disabled)
+                logger.debug("arena shrinkage on %s failed: %s", self._shrink_targets, exc)
+                self._shrink_targets = self._shrink_targets[:-1]
+
+    def assemble(self, parts, batch, width):
+        if self._packed is not None:
+            return self._packed.assemble(parts, batch)
+        out = []
+        for layer in range(len(self._past_names)):
+            host = [(rows, value if isinstance(value, np.ndarray) else value.numpy())
+                    for rows, value in ((rows, state[layer]) for rows, state in parts)]
+            first = host[0][1]
+            buffer = np.zeros((batch, first.shape[1], width, first.shape[3]), first.dtype)
+            for rows, value in host:
+                buffer[rows, :, width - value.shape[2]:] = value
+            del host
+            out.append(buffer if self._kv_device == "cpu" else
+                       self._ort.OrtValue.ortvalue_from_numpy(buffer, self._kv_device,
+                                                              self._device_id))
+        return out
 
     def select(self, state, rows):
         rows = np.asarray(rows, dtype=np.int64)

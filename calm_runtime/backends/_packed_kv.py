@@ -129,6 +129,26 @@ class PackedCache:
             host.append(buffer)
         return self._new_state(host, state.lengths, state.padded)
 
+    def assemble(self, parts, batch: int) -> PackedState:
+        """One state of ``batch`` rows from ``(rows, state)`` parts prefilled apart (row ``j``
+        of a part's state becomes row ``rows[j]``; rows sit at the start of their cache, so
+        no realignment is needed, only the largest capacity)."""
+        hosts = [(rows, self._host(state), state) for rows, state in parts]
+        capacity = max(state.capacity for _, _, state in hosts)
+        lengths = np.zeros(batch, dtype=np.int64)
+        padded = np.zeros(batch, dtype=bool)
+        host = []
+        for layer in range(len(hosts[0][1])):
+            first = hosts[0][1][layer]
+            buffer = np.zeros((batch, first.shape[1], capacity, first.shape[3]), first.dtype)
+            for rows, arrays, _ in hosts:
+                buffer[rows, :, :arrays[layer].shape[2]] = arrays[layer]
+            host.append(buffer)
+        for rows, _, state in hosts:
+            lengths[rows] = state.lengths
+            padded[rows] = state.padded
+        return self._new_state(host, lengths, padded)
+
     def select(self, state: PackedState, rows: np.ndarray) -> PackedState:
         host = [np.ascontiguousarray(a[rows]) for a in self._host(state)]
         return self._new_state(host, state.lengths[rows], state.padded[rows])

@@ -32,6 +32,11 @@ class TensorRTBackend(TorchStateMixin, Backend):
 
     name = "tensorrt"
     multi_token_with_past = False
+    #: its activation memory is the plan's, sized by its profiles when it was built: the
+    #: prefill budget only caps the tokens of a pass (and a prompt over it is refused, since
+    #: a plan cannot prefill in pieces)
+    materializes_attention = False
+    keeps_last_logits = (True, True)
 
     def __init__(self, manifest, *, device: int = 0):
         if manifest.kind != "tensorrt":

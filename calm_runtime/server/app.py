@@ -8,8 +8,9 @@ streaming), ``GET /v1/models``, ``GET /health`` (never needs the key), ``GET /me
 (Prometheus text). Every request is decoded by the :class:`~.batcher.MicroBatcher`, so
 concurrent requests share batched decodes. Errors are OpenAI error objects: 400 for a bad
 body or parameter, 401 for a wrong key, 404 for another model or path, 413 for a body over
-``max_body_bytes``, 429 when the queue is full, 504 past ``request_timeout_s``; an
-unexpected failure is a 500 whose message hides the traceback (it goes to the log).
+``max_body_bytes``, 429 when the queue is full, 503 when a batch ran out of memory (the
+next request is served), 504 past ``request_timeout_s``; an unexpected failure is a 500
+whose message hides the traceback (it goes to the log).
 
 Defences, in the order a request meets them:
 
@@ -20,6 +21,8 @@ Defences, in the order a request meets them:
 * a prompt longer than :data:`PROMPT_CHARS_PER_TOKEN` characters per token of the
   prompt-token limit is refused before it is tokenised; tokenising runs on a worker
   thread, so the event loop (and ``/health``) never waits for it;
+* a prompt that cannot be prefilled within ``max_prefill_tokens`` even alone is refused
+  (400) before it is queued;
 * a request whose client disconnects (or that passes its timeout) stops decoding at the
   next step and leaves its batch; ``calm_requests_cancelled_total`` counts the former.
 
@@ -39,7 +42,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .._version import __version__
-from ..errors import CalmError
+from ..errors import CalmError, ConfigError
 from ..lm import CalibratedLM
 from .batcher import Job
 from .config import ServeConfig
@@ -65,7 +68,8 @@ _ERROR_RESPONSES = {
     status: {"model": ErrorResponse, "description": text} for status, text in (
         (400, "a bad body or parameter"), (401, "a missing or wrong API key"),
         (404, "another model"), (413, "a body over the size limit"),
-        (429, "the queue is full"), (503, "the server is shutting down"),
+        (429, "the queue is full"),
+        (503, "the server is shutting down, or a batch ran out of memory"),
         (504, "past the request timeout"))}
 
 
@@ -73,7 +77,14 @@ def create_app(config: ServeConfig, lm: CalibratedLM | None = None) -> FastAPI:
     """The ASGI app for ``config``; loads the engine now unless ``lm`` is given."""
     if lm is None:
         lm = CalibratedLM.load(config.engine, backend=config.backend, threads=config.threads,
-                               verify_hashes=config.verify_hashes)
+                               verify_hashes=config.verify_hashes,
+                               max_prefill_tokens=config.max_prefill_tokens)
+    elif lm.max_prefill_tokens != config.max_prefill_tokens:
+        raise ConfigError(f"the engine was loaded with max_prefill_tokens "
+                          f"{lm.max_prefill_tokens} but the server's config says "
+                          f"{config.max_prefill_tokens}; load it with "
+                          f"CalibratedLM.load(..., max_prefill_tokens="
+                          f"{config.max_prefill_tokens}) or set the config's")
     server = _Server(config, lm)
 
     @asynccontextmanager

@@ -198,6 +198,8 @@ class MicroBatcher:
         except Exception as exc:  # handed to each request; the batcher keeps running
             if isinstance(exc, CalmError):
                 logger.warning("a batch of %d rows was refused: %s", len(batch), exc)
+            elif isinstance(exc, MemoryError):  # that batch's error; the next one runs
+                logger.error("a batch of %d rows ran out of memory: %s", len(batch), exc)
             else:
                 logger.exception("a batch of %d rows failed", len(batch))
             for job in batch:

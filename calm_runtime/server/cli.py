@@ -39,6 +39,7 @@ def config_from_args(args) -> ServeConfig:
         request_timeout_s=args.request_timeout, max_tokens_limit=args.max_tokens_limit,
         default_max_tokens=min(default_tokens, args.max_tokens_limit),
         max_prompt_tokens=args.max_prompt_tokens, max_body_bytes=args.max_body_bytes,
+        max_prefill_tokens=args.max_prefill_tokens,
         api_key_env=args.api_key_env,
         allow_special_tokens=bool(getattr(args, "allow_special_tokens", False)))
 

@@ -41,6 +41,15 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def out_of_memory(exc: BaseException) -> APIError:
+    """The 503 of a request whose pass could not allocate its memory (logged; the server
+    goes on with the next request)."""
+    logger.warning("a request ran out of memory: %s", exc)
+    return APIError(503, "the server ran out of memory for this request; retry, or send fewer "
+                    "or shorter prompts (the server's --max-prefill-tokens bounds a pass)",
+                    type="server_error", code="out_of_memory")
+
+
 def _event(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
@@ -203,6 +212,8 @@ class _Responses:
         for result in results:
             if isinstance(result, CalmError):
                 raise APIError(400, str(result))
+            if isinstance(result, MemoryError):
+                raise out_of_memory(result)
             if isinstance(result, asyncio.CancelledError):
                 raise APIError(503, "the request was cancelled by the server; retry",
                                type="server_error", code="cancelled")
@@ -309,6 +320,11 @@ class _Responses:
         except asyncio.TimeoutError:
             ended = True
             error = self._timeout(jobs)
+            self.metrics.errors.labels(error.type).inc()
+            yield _event(error.body())
+        except MemoryError as exc:  # the batch could not allocate its memory
+            ended = True
+            error = out_of_memory(exc)
             self.metrics.errors.labels(error.type).inc()
             yield _event(error.body())
         except CalmError as exc:  # the request's input was refused while it ran (P(True))

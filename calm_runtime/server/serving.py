@@ -29,7 +29,7 @@ from .metrics import ServerMetrics
 from .protocol import (
     APIError,
 )
-from .responses import _client_gone, _Responses
+from .responses import _client_gone, _Responses, out_of_memory
 
 logger = logging.getLogger(__name__)
 
@@ -227,7 +227,7 @@ class _Server(_Responses):
                 ids = self.lm._encode_prompt(prompt, False, label)
             except CalmError as exc:
                 raise APIError(400, str(exc), param="prompt") from None
-            encoded.append(self._check_prompt(ids))
+            encoded.append(self._check_prompt(ids, label))
         return encoded
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
@@ -237,12 +237,18 @@ class _Server(_Responses):
                 messages, allow_special_tokens=self.config.allow_special_tokens)
         except CalmError as exc:
             raise APIError(400, str(exc), param="messages") from None
-        return self._check_prompt(ids)
+        return self._check_prompt(ids, "the conversation", "messages")
 
-    def _check_prompt(self, ids: list[int]) -> list[int]:
+    def _check_prompt(self, ids: list[int], label: str = "the prompt",
+                      param: str = "prompt") -> list[int]:
         if len(ids) > self.max_prompt:
             raise APIError(400, f"the prompt is {len(ids)} tokens; this server takes at most "
                            f"{self.max_prompt}; shorten it", code="context_length_exceeded")
+        try:  # a prompt no prefill pass can hold is refused before it is queued
+            self.lm.check_prefill(len(ids), label, "--max-prefill-tokens")
+        except CalmError as exc:
+            raise APIError(400, str(exc), param=param,
+                           code="context_length_exceeded") from None
         return ids
 
     def submit(self, jobs: list[Job]) -> None:
@@ -304,9 +310,12 @@ class _Server(_Responses):
                                              timeout=max(0.0, deadline - loop.time()),
                                              return_when=asyncio.FIRST_COMPLETED)
                 if task in done:
-                    return task.result()
+                    try:
+                        return task.result()
+                    except MemoryError as exc:
+                        raise out_of_memory(exc) from None
                 stop.set()
-                with contextlib.suppress(ScoringStopped, CalmError):
+                with contextlib.suppress(ScoringStopped, CalmError, MemoryError):
                     await task  # returns at the call's next step
                 self.metrics.cancelled.inc()
                 if gone in done and gone.exception() is None:
