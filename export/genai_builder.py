@@ -24,7 +24,10 @@ graph, and ``--quantize fp16`` too (int8/int4 quantise this graph's MatMuls).
 
 The engine is validated like every other (export/validate.py, through calm's runtime
 backend). Where the builder fails, or its graph does not pass, ``--graph auto`` exports
-calm's own graph instead and says why.
+calm's own graph instead and says why. calm drives only the builder releases it is tested
+with (``BUILDER_VERSIONS`` in export/_genai_build.py, pinned by the ``genai`` extra): with
+another, ``--graph auto`` takes calm's own graph and records why, ``--graph builder`` is a
+one-line error; the manifest's ``export.graph.builder_version`` names the release used.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import numpy as np
 
 from calm_runtime.errors import CalmError
 
+from . import _genai_build
 from .engine_writer import BUILDER_GRAPH, GENAI_CONFIG
 from .onnx import (
     EXTERNAL_DATA_FILE,
@@ -84,7 +88,7 @@ def not_built_because(model_config, config) -> str | None:
         return "the builder's Mistral graph does not apply a sliding window"
     if importlib.util.find_spec("onnxruntime_genai") is None:
         return "onnxruntime-genai is not installed (pip install 'calm-llm[genai]')"
-    return None
+    return _genai_build.version_problem()
 
 
 def build_graph(model, tokenizer, staging: Path, vocab_size: int, *, affine=None) -> dict:
@@ -136,10 +140,11 @@ def build_graph(model, tokenizer, staging: Path, vocab_size: int, *, affine=None
     graph = onnx.load(str(staging / ONNX_FILE), load_external_data=False)
     ops = Counter(node.op_type for node in graph.graph.node)
     opset = graph_opset(graph, staging / ONNX_FILE)
-    return {"exporter": f"onnxruntime-genai {onnxruntime_genai.__version__} model builder",
+    version = str(onnxruntime_genai.__version__)
+    return {"exporter": f"onnxruntime-genai {version} model builder",
             "opset": opset, "external_data": (staging / EXTERNAL_DATA_FILE).is_file(),
             "logits_to_keep": True,
-            "graph": {"kind": GRAPH_KIND, "fused_ops": {
+            "graph": {"kind": GRAPH_KIND, "builder_version": version, "fused_ops": {
                 op: ops[op] for op in ("GroupQueryAttention", "SkipSimplifiedLayerNormalization",
                                        "SimplifiedLayerNormalization") if ops[op]},
                 "calibration_after_head": [n for n, v in (("scale", scale), ("shift", shift))
@@ -163,8 +168,6 @@ def _drop_handlers_on(stream) -> None:
 def _run_builder(source: Path, output: Path, cache: Path, log: Path) -> None:
     """The builder in this process (torch and transformers are loaded already), its prints
     and progress bars into ``log``."""
-    from . import _genai_build
-
     args = [str(source), str(output), str(cache), "fp32", "windowed_kv_cache=false"]
     with open(log, "w", encoding="utf-8") as sink, contextlib.redirect_stdout(sink), \
             contextlib.redirect_stderr(sink):

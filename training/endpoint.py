@@ -41,11 +41,14 @@ DEFAULT_MAX_RETRIES = 4
 
 class RemoteError(CalmError):
     """The endpoint could not be used: unreachable, refusing, or answering out of protocol.
-    ``status``: the HTTP status of a refused request, else ``None``."""
+    ``status``: the HTTP status of a refused request, else ``None``. ``detail``: the error
+    message the server sent with its last error answer (redacted), else ``None``."""
 
-    def __init__(self, message: str, status: int | None = None) -> None:
+    def __init__(self, message: str, status: int | None = None, *,
+                 detail: str | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.detail = detail
 
 
 @dataclass(frozen=True)
@@ -83,8 +86,12 @@ class Endpoint:
                               "control characters (a line break?); set it to the key alone")
         return key or None
 
-    def request(self, method: str, path: str, body: dict | None = None) -> dict:
+    def request(self, method: str, path: str, body: dict | None = None, *,
+                refused: Callable[[int, str | None], bool] | None = None) -> dict:
         """One API call with retries; the decoded JSON object, or a one-line RemoteError.
+        ``refused(status, message)``: whether a 429 or 5xx answer (and its error message)
+        is a refusal of this request rather than a passing failure: it is raised at once,
+        with its ``status``, instead of retried.
 
         The call has one total deadline, ``timeout`` seconds after it starts: each attempt
         gets what is left of it (its socket timeout and a watchdog that cuts an answer
@@ -104,7 +111,7 @@ class Endpoint:
             return printable(redact(text, key))[:limit]
 
         deadline = time.monotonic() + self.timeout
-        last, attempts = "no attempt", 0
+        last, last_message, attempts = "no attempt", None, 0
         for attempt in range(self.retries + 1):
             if attempt:
                 delay = min(self.backoff * 2 ** (attempt - 1), 30.0) * (1 + random.random() / 4)
@@ -127,15 +134,18 @@ class Endpoint:
                                   f"({said(str(exc.strerror or exc))}); check the URL") \
                     from None
             except (OSError, http.client.HTTPException) as exc:
-                last = f"{type(exc).__name__}: {said(str(exc))}"
+                last, last_message = f"{type(exc).__name__}: {said(str(exc))}", None
                 continue
             if status >= 400:
-                detail = _error_detail(raw, said)
-                if status == 429 or status >= 500:
+                last_message = _error_message(raw, said)
+                detail = f" ({last_message})" if last_message else ""
+                if (status == 429 or status >= 500) and not (
+                        refused is not None and refused(status, last_message)):
                     last = f"HTTP {status}{detail}"
                     continue
                 raise RemoteError(f"{shown} answered HTTP {status}{detail}; check the model "
-                                  "name, the key and the request settings", status=status)
+                                  "name, the key and the request settings", status=status,
+                                  detail=last_message)
             try:
                 payload = json.loads(raw)
             except (ValueError, RecursionError):
@@ -153,10 +163,10 @@ class Endpoint:
                               f"{'s' if attempts != 1 else ''} and the backoff between them; "
                               f"last: {last}); check that the server is up and not "
                               "overloaded, or raise --timeout, then rerun (scores already "
-                              "received are cached)")
+                              "received are cached)", detail=last_message)
         raise RemoteError(f"{shown} failed {attempts} times (last: {last}); check that "
                           "the server is up and not overloaded, then rerun (scores already "
-                          "received are cached)")
+                          "received are cached)", detail=last_message)
 
 
 #: The largest answer read from an endpoint (a completion with logprobs is kilobytes; an
@@ -274,14 +284,14 @@ def printable(text: str) -> str:
                    else f"\\u{ord(c):04x}" for c in text)
 
 
-def _error_detail(raw: bytes, said: Callable[[str], str]) -> str:
-    """`` (the error's message)`` of an error answer, through ``said`` (redacted)."""
+def _error_message(raw: bytes, said: Callable[[str], str]) -> str | None:
+    """The error's message of an error answer, through ``said`` (redacted), or ``None``."""
     try:
         body = json.loads(raw or b"{}")
         message = body.get("error", {}).get("message") if isinstance(body, dict) else None
     except (ValueError, AttributeError, RecursionError):
         message = None
-    return f" ({said(str(message))})" if message else ""
+    return said(str(message)) if message else None
 
 
 #: the text that replaces a credential

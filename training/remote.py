@@ -17,6 +17,14 @@ model, else from ``model_name``; the key from an environment variable, never an 
 * **P(True)**: the true and false tokens' log-probabilities of the judging prompt's next
   token, read the same way as the letters.
 
+``/v1/completions`` answers its logprobs in one of two shapes, both read by
+:func:`completion_logprobs`: OpenAI's (``tokens``, ``token_logprobs``, ``top_logprobs`` as
+one ``{token: logprob}`` per position, ``text_offset``: OpenAI, vLLM, SGLang, calm serve) or
+the chat shape (``content[]`` of ``{token, logprob, top_logprobs: [{token, logprob}]}``:
+llama.cpp's llama-server). llama-server does not echo the prompt's log-probabilities, which
+cloze needs: cloze scoring against such an endpoint is one line saying so and naming
+``--mode letter``, which works through either shape.
+
 Requests run ``concurrency`` at a time, are retried with exponential backoff on 429, 5xx,
 time-outs and connection errors within one total deadline each (``--timeout``), and every
 answer (redacted of the key, see :func:`~calm_training.endpoint.redact`) is appended to a
@@ -62,8 +70,9 @@ from .endpoint import (  # noqa: F401 - re-exported: the endpoint API lives besi
 )
 from .scoring import OptionScores
 
-__all__ = ["Endpoint", "RemoteError", "TOP_LOGPROBS", "connect", "is_endpoint",
-           "remote_answers", "remote_option_scores", "remote_p_true", "serves_chat"]
+__all__ = ["Endpoint", "NoPromptLogprobs", "RemoteError", "TOP_LOGPROBS", "TokenLogprobs",
+           "completion_logprobs", "connect", "is_endpoint", "remote_answers",
+           "remote_option_scores", "remote_p_true", "serves_chat"]
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +85,19 @@ REMOTE_SCORER_VERSION = 1
 #: appended to an echo request's refusal: what the refusal most likely means
 NO_ECHO = ("; the endpoint does not seem to score prompts (echo with logprobs and "
            "max_tokens 0) — use --mode letter")
+
+
+class NoPromptLogprobs(RemoteError):
+    """An answer to an echo request (``echo: true``, ``max_tokens: 0``) that carries no
+    log-probabilities of the prompt's tokens: the endpoint does not echo them (llama.cpp's
+    server). ``str()``: what it answered instead, as a clause."""
+
+
+def no_prompt_logprobs(endpoint: Endpoint, exc: NoPromptLogprobs) -> RemoteError:
+    """The one-line error of cloze scoring against an endpoint that does not echo."""
+    return RemoteError(f"{redact_url(endpoint.base_url)} does not return prompt "
+                       f"log-probabilities (echo), which cloze mode needs ({exc}); use "
+                       "--mode letter")
 
 
 # ---------------------------------------------------------------------- the cache
@@ -115,9 +137,11 @@ def _key(kind: str, body: dict) -> str:
 
 def _run(endpoint: Endpoint, kind: str, bodies: Sequence[dict],
          parse: Callable[[dict, dict], object], *, progress: bool, desc: str,
-         path: str = "/completions") -> list:
+         path: str = "/completions",
+         refused: Callable[[int, str | None], bool] | None = None) -> list:
     """Every body's parsed answer, from the cache or the endpoint (``concurrency`` at once);
-    ``parse(payload, body)`` checks an answer against its request before it is kept."""
+    ``parse(payload, body)`` checks an answer against its request before it is kept;
+    ``refused``: which 429/5xx answers are not retried (:meth:`Endpoint.request`)."""
     from tqdm.auto import tqdm
 
     cache = _Cache(endpoint)
@@ -131,7 +155,8 @@ def _run(endpoint: Endpoint, kind: str, bodies: Sequence[dict],
     futures: dict = {}
     try:
         futures = {pool.submit(endpoint.request, "POST", path,
-                               {**bodies[i], "model": endpoint.model}): i for i in todo}
+                               {**bodies[i], "model": endpoint.model}, refused=refused): i
+                   for i in todo}
         for future in concurrent.futures.as_completed(futures):
             i = futures[future]
             cache.add(keys[i], parse(future.result(), bodies[i]))
@@ -166,27 +191,95 @@ def _first_choice(payload: dict) -> dict:
     return choices[0]
 
 
-def _logprobs(payload: dict) -> dict:
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """The token log-probabilities of one completion choice, whichever shape they came in.
+
+    ``tokens``, ``values`` (``None`` where the endpoint gave none: the first echoed token)
+    and ``top`` (the ``{token text: logprob}`` alternatives, ``{}`` where none) have one
+    entry per position; ``offsets`` are the tokens' character offsets in the prompt plus
+    completion, or ``None`` where the answer has none (the chat shape never has); ``shape``
+    is ``"completions"`` (OpenAI's) or ``"chat"`` (``content[]``)."""
+
+    tokens: list
+    values: list
+    top: list[dict[str, float]]
+    offsets: list | None
+    shape: str
+
+
+def _logprob(value, token) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or (
+            not math.isfinite(value) and value != -math.inf):
+        raise RemoteError(f"the endpoint returned a non-numeric logprob "
+                          f"{printable(repr(value))[:40]} for {printable(repr(token))[:40]}")
+    return float(value)
+
+
+def _chat_entries(content: list) -> TokenLogprobs:
+    """The chat shape: ``[{"token", "logprob", "top_logprobs": [{"token", "logprob"}, ...]},
+    ...]`` (llama-server adds ``id`` and ``bytes``, which are not read)."""
+    tokens, values, tops = [], [], []
+    for entry in content:
+        if not isinstance(entry, dict) or not isinstance(entry.get("token"), str):
+            raise RemoteError(f"the endpoint returned a malformed logprobs entry "
+                              f"{printable(repr(entry))[:80]}")
+        tokens.append(entry["token"])
+        value = entry.get("logprob")
+        values.append(None if value is None else _logprob(value, entry["token"]))
+        top = {}
+        for item in entry.get("top_logprobs") or []:
+            token, value = (item.get("token"), item.get("logprob")) if isinstance(item, dict) \
+                else (None, None)
+            if not isinstance(token, str):
+                raise RemoteError(f"the endpoint returned a malformed top_logprobs entry "
+                                  f"{printable(repr(item))[:80]}")
+            top.setdefault(token, _logprob(value, token))
+        tops.append(top)
+    return TokenLogprobs(tokens, values, tops, None, "chat")
+
+
+def completion_logprobs(payload: dict) -> TokenLogprobs:
+    """The logprobs of a ``/v1/completions`` answer's first choice, from either shape:
+
+    * OpenAI's: ``{"tokens": [...], "token_logprobs": [...], "top_logprobs": [{token:
+      logprob}, ...], "text_offset": [...]}`` (OpenAI, vLLM, SGLang, calm serve);
+    * the chat shape: ``{"content": [{"token", "logprob", "top_logprobs": [{"token",
+      "logprob"}]}]}`` (llama.cpp's llama-server), without text offsets.
+
+    A choice without logprobs (``null``, as llama-server answers when none were computed)
+    or with neither shape is a one-line :class:`RemoteError`."""
     logprobs = _first_choice(payload).get("logprobs")
     if not isinstance(logprobs, dict):
         raise RemoteError("the completion carries no logprobs; the endpoint must support "
                           "the 'logprobs' parameter of /v1/completions")
-    return logprobs
+    if isinstance(logprobs.get("content"), list) and not any(
+            k in logprobs for k in ("tokens", "token_logprobs", "text_offset")):
+        return _chat_entries(logprobs["content"])
+    tokens, values = logprobs.get("tokens"), logprobs.get("token_logprobs")
+    top, offsets = logprobs.get("top_logprobs"), logprobs.get("text_offset")
+    if not any(isinstance(v, list) for v in (tokens, values, top, offsets)):
+        raise RemoteError("the completion's logprobs are in neither shape calm reads "
+                          "(tokens/token_logprobs/top_logprobs, or content[]); is this an "
+                          "OpenAI-compatible completions API?")
+    tops = []
+    for position in top if isinstance(top, list) else []:
+        if position is not None and not isinstance(position, dict):
+            raise RemoteError(f"the endpoint returned a malformed top_logprobs entry "
+                              f"{printable(repr(position))[:80]}")
+        tops.append({str(k): _logprob(v, k) for k, v in (position or {}).items()})
+    return TokenLogprobs(tokens if isinstance(tokens, list) else [],
+                         values if isinstance(values, list) else [], tops,
+                         offsets if isinstance(offsets, list) else None, "completions")
 
 
 def _top_alternatives(payload: dict, body: dict | None = None) -> dict[str, float]:
-    """``{token text: logprob}`` at the first generated position."""
-    top = _logprobs(payload).get("top_logprobs")
-    if not isinstance(top, list) or not top or not isinstance(top[0], dict) or not top[0]:
+    """``{token text: logprob}`` at the first generated position (either shape)."""
+    top = completion_logprobs(payload).top
+    if not top or not top[0]:
         raise RemoteError("the completion's logprobs have no top_logprobs; the endpoint must "
                           f"return up to {TOP_LOGPROBS} alternatives per token")
-    out = {}
-    for text, value in top[0].items():
-        if not isinstance(value, int | float) or not math.isfinite(value) and value != -math.inf:
-            raise RemoteError(f"the endpoint returned a non-numeric logprob {value!r} for "
-                              f"{text!r}")
-        out[str(text)] = float(value)
-    return out
+    return top[0]
 
 
 def _chat_top_alternatives(payload: dict, body: dict | None = None) -> dict[str, float]:
@@ -197,20 +290,11 @@ def _chat_top_alternatives(payload: dict, body: dict | None = None) -> dict[str,
     if not isinstance(content, list) or not content or not isinstance(content[0], dict):
         raise RemoteError("the chat completion carries no logprobs content; the endpoint must "
                           "support logprobs and top_logprobs on /v1/chat/completions")
-    top = content[0].get("top_logprobs")
-    if not isinstance(top, list) or not top:
+    top = _chat_entries(content[:1]).top[0]
+    if not top:
         raise RemoteError("the chat completion's logprobs have no top_logprobs; the endpoint "
                           f"must return up to {TOP_LOGPROBS} alternatives per token")
-    out = {}
-    for item in top:
-        token, value = (item.get("token"), item.get("logprob")) if isinstance(item, dict) \
-            else (None, None)
-        if not isinstance(token, str) or not isinstance(value, int | float) or (
-                not math.isfinite(value) and value != -math.inf):
-            raise RemoteError(f"the endpoint returned a malformed top_logprobs entry "
-                              f"{printable(repr(item))[:80]}")
-        out.setdefault(token, float(value))
-    return out
+    return top
 
 
 def serves_chat(endpoint: Endpoint) -> bool:
@@ -246,27 +330,34 @@ def resolve_chat(endpoint: Endpoint, chat: bool | None) -> bool:
 def _echo_fields(payload: dict, body: dict) -> dict:
     """What the cache keeps of an echoed prompt, checked before it is kept: per-token
     logprobs and text offsets that cover the prompt and nothing after it (an endpoint that
-    ignores ``echo`` or ``max_tokens=0`` returns generated tokens instead)."""
-    logprobs = _logprobs(payload)
-    fields = {k: logprobs.get(k) for k in ("tokens", "token_logprobs", "text_offset")}
-    lists = [v for v in fields.values() if isinstance(v, list)]
-    if len(lists) != 3 or len({len(v) for v in lists}) != 1 or not all(
-            isinstance(o, int) and not isinstance(o, bool) for o in fields["text_offset"]):
+    ignores ``echo`` or ``max_tokens=0`` returns generated tokens instead). An answer with
+    no logprobs, or with the chat shape's (generated tokens, no offsets: llama-server), is a
+    :class:`NoPromptLogprobs`."""
+    if not isinstance(_first_choice(payload).get("logprobs"), dict):
+        raise NoPromptLogprobs("asked to echo the prompt with logprobs, it answered no "
+                               "logprobs")
+    parsed = completion_logprobs(payload)
+    if parsed.shape == "chat":
+        raise NoPromptLogprobs("asked to echo the prompt with logprobs, it answered "
+                               "logprobs.content[], the chat shape, of generated tokens only")
+    offsets = parsed.offsets
+    if offsets is None or not len(parsed.tokens) == len(parsed.values) == len(offsets) or not \
+            all(isinstance(o, int) and not isinstance(o, bool) for o in offsets):
         raise RemoteError("the echoed prompt has no per-token logprobs and text offsets; the "
                           "endpoint does not support echo with logprobs — use --mode letter")
-    offsets, length = fields["text_offset"], len(body["prompt"])
+    length = len(body["prompt"])
     if not offsets or offsets[0] != 0 or max(offsets) >= length:
         raise RemoteError("the answer's tokens do not cover the prompt (text offsets "
                           f"{offsets[:1]}..{offsets[-1:]} for a prompt of {length} characters): "
                           "the endpoint ignored echo or max_tokens 0 — use --mode letter")
-    return fields
+    return {"tokens": parsed.tokens, "token_logprobs": parsed.values, "text_offset": offsets}
 
 
-def _echoed_continuation(payload: dict, start: int) -> list[float]:
-    """The log-probabilities of the echoed tokens at or after character ``start``."""
-    logprobs = _logprobs(payload)
-    tokens, values, offsets = (logprobs.get("tokens"), logprobs.get("token_logprobs"),
-                               logprobs.get("text_offset"))
+def _echoed_continuation(fields: dict, start: int) -> list[float]:
+    """The log-probabilities of the echoed tokens at or after character ``start``, from what
+    :func:`_echo_fields` kept."""
+    tokens, values, offsets = (fields.get("tokens"), fields.get("token_logprobs"),
+                               fields.get("text_offset"))
     if not (isinstance(tokens, list) and isinstance(values, list) and isinstance(offsets, list)
             and len(tokens) == len(values) == len(offsets)):
         raise RemoteError("the echoed prompt has no per-token logprobs and text offsets; the "
@@ -281,6 +372,29 @@ def _echoed_continuation(payload: dict, start: int) -> list[float]:
                                   f"{token!r}; it does not score prompts — use --mode letter")
             picked.append(float(value))
     return picked
+
+
+def _names_echo(status: int, message: str | None) -> bool:
+    """A 5xx answer to an echo request whose message names echo: the endpoint refuses it
+    (llama-server: HTTP 500 "Only no echo is supported"), which no retry changes."""
+    return status >= 500 and bool(message) and "echo" in message.lower()
+
+
+def _echo_run(endpoint: Endpoint, kind: str, bodies: Sequence[dict], *, progress: bool,
+              desc: str) -> list:
+    """:func:`_run` of echo requests. An endpoint that does not echo prompt
+    log-probabilities is a :class:`NoPromptLogprobs` at its first answer, whether it answers
+    without them or refuses ``echo`` with a server error that names it (not retried)."""
+    try:
+        return _run(endpoint, kind, bodies, _echo_fields, progress=progress, desc=desc,
+                    refused=_names_echo)
+    except NoPromptLogprobs:
+        raise
+    except RemoteError as exc:
+        if exc.status is not None and _names_echo(exc.status, exc.detail):
+            raise NoPromptLogprobs(f"asked to echo the prompt, it answered HTTP {exc.status} "
+                                   f"{exc.detail[:120]!r}") from None
+        raise
 
 
 # ---------------------------------------------------------------------- scoring
@@ -323,8 +437,8 @@ def _next_token_logprobs(endpoint: Endpoint, prompts: Sequence[str],
         echo = [{"prompt": prompts[i] + token, "max_tokens": 0, "temperature": 0,
                  "logprobs": 0, "echo": True} for i, token in missing]
         try:
-            echoed = _run(endpoint, "echo", echo, _echo_fields, progress=progress,
-                          desc=f"{desc}, tokens outside the top {TOP_LOGPROBS}")
+            echoed = _echo_run(endpoint, "echo", echo, progress=progress,
+                               desc=f"{desc}, tokens outside the top {TOP_LOGPROBS}")
         except RemoteError as exc:
             logger.warning("exact scores of tokens outside the top %d need echo: %s",
                            TOP_LOGPROBS, exc)
@@ -376,15 +490,17 @@ def remote_option_scores(endpoint: Endpoint, records: Sequence[MultipleChoiceRec
                 owners.append((row, k, len(context)))
                 n_chars[row, k] = option_char_count(option)
         try:
-            answers = _run(endpoint, "cloze", bodies, _echo_fields, progress=progress,
-                           desc="cloze scoring (remote)")
+            answers = _echo_run(endpoint, "cloze", bodies, progress=progress,
+                                desc="cloze scoring (remote)")
+        except NoPromptLogprobs as exc:
+            raise no_prompt_logprobs(endpoint, exc) from None
         except RemoteError as exc:
             if exc.status is not None and 400 <= exc.status < 500 and exc.status not in (
                     401, 403, 404, 429):
                 raise RemoteError(str(exc) + NO_ECHO, status=exc.status) from None
             raise
         for (row, k, start), echoed in zip(owners, answers, strict=True):
-            picked = _echoed_continuation({"choices": [{"logprobs": echoed}]}, start)
+            picked = _echoed_continuation(echoed, start)
             if not picked:
                 raise RemoteError(f"question {row} option {k}: the endpoint echoed no token "
                                   "for the option text; it does not score prompts — use "
