@@ -57,3 +57,23 @@ def test_cloze_scoring_on_the_real_model_beats_chance(installed):
     letters = score_multiple_choice(model, tokenizer, records[:8], mode="letter",
                                     progress=False)
     assert np.isfinite(letters.values).all()
+
+
+def test_two_step_calm_train_records_alpha_and_ships_it_only_if_it_helps(installed, tmp_path):
+    """A real `calm train` (2 steps): the adapter records α's own share on held-out training
+    questions and carries the identity α whenever that share does not lower their NLL."""
+    from calm_runtime.artifact import CalibrationAdapter
+    from calm_runtime.cli import main
+
+    out = tmp_path / "calm"
+    assert main(["train", "--model", MODEL, "--train", "arc-easy:train", "--calibration",
+                 "arc-easy:unlabeled", "--limit", "24", "--steps", "2",
+                 "--warm-start-steps", "1", "--batch-size", "4", "--max-length", "128",
+                 "--alpha-tokens", "options", "--out", str(out), "-q"]) == 0
+    adapter = CalibrationAdapter.from_pretrained(out)
+    gate = adapter.method["alpha_gate"]
+    assert gate["holdout"]["n"] == gate["share"]["n"] == 5  # round(0.2 * 24)
+    assert adapter.centered and "held-out NLL" in gate["reason"]
+    identity = bool(np.all(adapter.tau == 1.0) and np.all(adapter.shift == 0.0))
+    assert gate["kept"] == (gate["share"]["nll_change"] < 0)
+    assert identity == (not gate["kept"])  # a kept α moved in its one BOME step
