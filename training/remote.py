@@ -40,7 +40,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -58,6 +57,17 @@ from calm_runtime.prompts import (
     option_char_count,
 )
 
+from .answer_logprobs import (  # noqa: F401 - re-exported: the answers this module reads
+    TOP_LOGPROBS,
+    NoPromptLogprobs,
+    TokenLogprobs,
+    chat_top_alternatives,
+    completion_logprobs,
+    echo_fields,
+    echoed_continuation,
+    first_choice,
+    top_alternatives,
+)
 from .endpoint import (  # noqa: F401 - re-exported: the endpoint API lives beside its scoring
     MAX_RESPONSE_BYTES,
     Endpoint,
@@ -76,8 +86,6 @@ __all__ = ["Endpoint", "NoPromptLogprobs", "RemoteError", "TOP_LOGPROBS", "Token
 
 logger = logging.getLogger(__name__)
 
-#: The most alternatives OpenAI's API returns per position.
-TOP_LOGPROBS = 20
 #: Version of the request formats; part of every cache key.
 REMOTE_SCORER_VERSION = 1
 
@@ -85,12 +93,6 @@ REMOTE_SCORER_VERSION = 1
 #: appended to an echo request's refusal: what the refusal most likely means
 NO_ECHO = ("; the endpoint does not seem to score prompts (echo with logprobs and "
            "max_tokens 0) — use --mode letter")
-
-
-class NoPromptLogprobs(RemoteError):
-    """An answer to an echo request (``echo: true``, ``max_tokens: 0``) that carries no
-    log-probabilities of the prompt's tokens: the endpoint does not echo them (llama.cpp's
-    server). ``str()``: what it answered instead, as a clause."""
 
 
 def no_prompt_logprobs(endpoint: Endpoint, exc: NoPromptLogprobs) -> RemoteError:
@@ -183,120 +185,6 @@ def _run(endpoint: Endpoint, kind: str, bodies: Sequence[dict],
     return [cache.values[k] for k in keys]
 
 
-def _first_choice(payload: dict) -> dict:
-    choices = payload.get("choices")
-    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-        raise RemoteError("the completion has no choices; is this an OpenAI-compatible "
-                          "completions API?")
-    return choices[0]
-
-
-@dataclass(frozen=True)
-class TokenLogprobs:
-    """The token log-probabilities of one completion choice, whichever shape they came in.
-
-    ``tokens``, ``values`` (``None`` where the endpoint gave none: the first echoed token)
-    and ``top`` (the ``{token text: logprob}`` alternatives, ``{}`` where none) have one
-    entry per position; ``offsets`` are the tokens' character offsets in the prompt plus
-    completion, or ``None`` where the answer has none (the chat shape never has); ``shape``
-    is ``"completions"`` (OpenAI's) or ``"chat"`` (``content[]``)."""
-
-    tokens: list
-    values: list
-    top: list[dict[str, float]]
-    offsets: list | None
-    shape: str
-
-
-def _logprob(value, token) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or (
-            not math.isfinite(value) and value != -math.inf):
-        raise RemoteError(f"the endpoint returned a non-numeric logprob "
-                          f"{printable(repr(value))[:40]} for {printable(repr(token))[:40]}")
-    return float(value)
-
-
-def _chat_entries(content: list) -> TokenLogprobs:
-    """The chat shape: ``[{"token", "logprob", "top_logprobs": [{"token", "logprob"}, ...]},
-    ...]`` (llama-server adds ``id`` and ``bytes``, which are not read)."""
-    tokens, values, tops = [], [], []
-    for entry in content:
-        if not isinstance(entry, dict) or not isinstance(entry.get("token"), str):
-            raise RemoteError(f"the endpoint returned a malformed logprobs entry "
-                              f"{printable(repr(entry))[:80]}")
-        tokens.append(entry["token"])
-        value = entry.get("logprob")
-        values.append(None if value is None else _logprob(value, entry["token"]))
-        top = {}
-        for item in entry.get("top_logprobs") or []:
-            token, value = (item.get("token"), item.get("logprob")) if isinstance(item, dict) \
-                else (None, None)
-            if not isinstance(token, str):
-                raise RemoteError(f"the endpoint returned a malformed top_logprobs entry "
-                                  f"{printable(repr(item))[:80]}")
-            top.setdefault(token, _logprob(value, token))
-        tops.append(top)
-    return TokenLogprobs(tokens, values, tops, None, "chat")
-
-
-def completion_logprobs(payload: dict) -> TokenLogprobs:
-    """The logprobs of a ``/v1/completions`` answer's first choice, from either shape:
-
-    * OpenAI's: ``{"tokens": [...], "token_logprobs": [...], "top_logprobs": [{token:
-      logprob}, ...], "text_offset": [...]}`` (OpenAI, vLLM, SGLang, calm serve);
-    * the chat shape: ``{"content": [{"token", "logprob", "top_logprobs": [{"token",
-      "logprob"}]}]}`` (llama.cpp's llama-server), without text offsets.
-
-    A choice without logprobs (``null``, as llama-server answers when none were computed)
-    or with neither shape is a one-line :class:`RemoteError`."""
-    logprobs = _first_choice(payload).get("logprobs")
-    if not isinstance(logprobs, dict):
-        raise RemoteError("the completion carries no logprobs; the endpoint must support "
-                          "the 'logprobs' parameter of /v1/completions")
-    if isinstance(logprobs.get("content"), list) and not any(
-            k in logprobs for k in ("tokens", "token_logprobs", "text_offset")):
-        return _chat_entries(logprobs["content"])
-    tokens, values = logprobs.get("tokens"), logprobs.get("token_logprobs")
-    top, offsets = logprobs.get("top_logprobs"), logprobs.get("text_offset")
-    if not any(isinstance(v, list) for v in (tokens, values, top, offsets)):
-        raise RemoteError("the completion's logprobs are in neither shape calm reads "
-                          "(tokens/token_logprobs/top_logprobs, or content[]); is this an "
-                          "OpenAI-compatible completions API?")
-    tops = []
-    for position in top if isinstance(top, list) else []:
-        if position is not None and not isinstance(position, dict):
-            raise RemoteError(f"the endpoint returned a malformed top_logprobs entry "
-                              f"{printable(repr(position))[:80]}")
-        tops.append({str(k): _logprob(v, k) for k, v in (position or {}).items()})
-    return TokenLogprobs(tokens if isinstance(tokens, list) else [],
-                         values if isinstance(values, list) else [], tops,
-                         offsets if isinstance(offsets, list) else None, "completions")
-
-
-def _top_alternatives(payload: dict, body: dict | None = None) -> dict[str, float]:
-    """``{token text: logprob}`` at the first generated position (either shape)."""
-    top = completion_logprobs(payload).top
-    if not top or not top[0]:
-        raise RemoteError("the completion's logprobs have no top_logprobs; the endpoint must "
-                          f"return up to {TOP_LOGPROBS} alternatives per token")
-    return top[0]
-
-
-def _chat_top_alternatives(payload: dict, body: dict | None = None) -> dict[str, float]:
-    """``{token text: logprob}`` of the first generated token of a chat completion
-    (``logprobs: true`` with ``top_logprobs``)."""
-    logprobs = _first_choice(payload).get("logprobs")
-    content = logprobs.get("content") if isinstance(logprobs, dict) else None
-    if not isinstance(content, list) or not content or not isinstance(content[0], dict):
-        raise RemoteError("the chat completion carries no logprobs content; the endpoint must "
-                          "support logprobs and top_logprobs on /v1/chat/completions")
-    top = _chat_entries(content[:1]).top[0]
-    if not top:
-        raise RemoteError("the chat completion's logprobs have no top_logprobs; the endpoint "
-                          f"must return up to {TOP_LOGPROBS} alternatives per token")
-    return top
-
-
 def serves_chat(endpoint: Endpoint) -> bool:
     """Whether the endpoint answers ``/v1/chat/completions`` with token logprobs (a served
     chat model: scored in the format its clients use). One request of one token; a 4xx
@@ -305,7 +193,7 @@ def serves_chat(endpoint: Endpoint) -> bool:
             "max_tokens": 1, "temperature": 0, "logprobs": True, "top_logprobs": 1}
     probe = dataclasses.replace(endpoint, retries=0)  # one try: the answer decides the format
     try:
-        _chat_top_alternatives(probe.request("POST", "/chat/completions", body))
+        chat_top_alternatives(probe.request("POST", "/chat/completions", body))
     except RemoteError as exc:
         if exc.status in (401, 403):  # a key problem, not a missing route
             raise
@@ -327,53 +215,6 @@ def resolve_chat(endpoint: Endpoint, chat: bool | None) -> bool:
     return served if chat is None else bool(chat)
 
 
-def _echo_fields(payload: dict, body: dict) -> dict:
-    """What the cache keeps of an echoed prompt, checked before it is kept: per-token
-    logprobs and text offsets that cover the prompt and nothing after it (an endpoint that
-    ignores ``echo`` or ``max_tokens=0`` returns generated tokens instead). An answer with
-    no logprobs, or with the chat shape's (generated tokens, no offsets: llama-server), is a
-    :class:`NoPromptLogprobs`."""
-    if not isinstance(_first_choice(payload).get("logprobs"), dict):
-        raise NoPromptLogprobs("asked to echo the prompt with logprobs, it answered no "
-                               "logprobs")
-    parsed = completion_logprobs(payload)
-    if parsed.shape == "chat":
-        raise NoPromptLogprobs("asked to echo the prompt with logprobs, it answered "
-                               "logprobs.content[], the chat shape, of generated tokens only")
-    offsets = parsed.offsets
-    if offsets is None or not len(parsed.tokens) == len(parsed.values) == len(offsets) or not \
-            all(isinstance(o, int) and not isinstance(o, bool) for o in offsets):
-        raise RemoteError("the echoed prompt has no per-token logprobs and text offsets; the "
-                          "endpoint does not support echo with logprobs — use --mode letter")
-    length = len(body["prompt"])
-    if not offsets or offsets[0] != 0 or max(offsets) >= length:
-        raise RemoteError("the answer's tokens do not cover the prompt (text offsets "
-                          f"{offsets[:1]}..{offsets[-1:]} for a prompt of {length} characters): "
-                          "the endpoint ignored echo or max_tokens 0 — use --mode letter")
-    return {"tokens": parsed.tokens, "token_logprobs": parsed.values, "text_offset": offsets}
-
-
-def _echoed_continuation(fields: dict, start: int) -> list[float]:
-    """The log-probabilities of the echoed tokens at or after character ``start``, from what
-    :func:`_echo_fields` kept."""
-    tokens, values, offsets = (fields.get("tokens"), fields.get("token_logprobs"),
-                               fields.get("text_offset"))
-    if not (isinstance(tokens, list) and isinstance(values, list) and isinstance(offsets, list)
-            and len(tokens) == len(values) == len(offsets)):
-        raise RemoteError("the echoed prompt has no per-token logprobs and text offsets; the "
-                          "endpoint does not support echo with logprobs — use --mode letter")
-    picked = []
-    for token, value, offset in zip(tokens, values, offsets, strict=True):
-        if not isinstance(offset, int):
-            raise RemoteError(f"the endpoint returned a text offset {offset!r}")
-        if offset >= start:
-            if not isinstance(value, int | float):
-                raise RemoteError(f"the endpoint returned no logprob for the prompt token "
-                                  f"{token!r}; it does not score prompts — use --mode letter")
-            picked.append(float(value))
-    return picked
-
-
 def _names_echo(status: int, message: str | None) -> bool:
     """A 5xx answer to an echo request whose message names echo: the endpoint refuses it
     (llama-server: HTTP 500 "Only no echo is supported"), which no retry changes."""
@@ -386,7 +227,7 @@ def _echo_run(endpoint: Endpoint, kind: str, bodies: Sequence[dict], *, progress
     log-probabilities is a :class:`NoPromptLogprobs` at its first answer, whether it answers
     without them or refuses ``echo`` with a server error that names it (not retried)."""
     try:
-        return _run(endpoint, kind, bodies, _echo_fields, progress=progress, desc=desc,
+        return _run(endpoint, kind, bodies, echo_fields, progress=progress, desc=desc,
                     refused=_names_echo)
     except NoPromptLogprobs:
         raise
@@ -424,12 +265,12 @@ def _next_token_logprobs(endpoint: Endpoint, prompts: Sequence[str],
         bodies = [{"messages": [{"role": "user", "content": p}], "max_tokens": 1,
                    "temperature": 0, "logprobs": True, "top_logprobs": TOP_LOGPROBS}
                   for p in prompts]
-        tops = _run(endpoint, "chat-next", bodies, _chat_top_alternatives, progress=progress,
+        tops = _run(endpoint, "chat-next", bodies, chat_top_alternatives, progress=progress,
                     desc=desc, path="/chat/completions")
     else:
         bodies = [{"prompt": p, "max_tokens": 1, "temperature": 0, "logprobs": TOP_LOGPROBS}
                   for p in prompts]
-        tops = _run(endpoint, "next", bodies, _top_alternatives, progress=progress, desc=desc)
+        tops = _run(endpoint, "next", bodies, top_alternatives, progress=progress, desc=desc)
     missing = [(i, token) for i, top in enumerate(tops) for token in tokens[i]
                if token not in top and not chat]  # a chat prompt cannot be echoed
     exact: dict[tuple[int, str], float | None] = {}
@@ -500,7 +341,7 @@ def remote_option_scores(endpoint: Endpoint, records: Sequence[MultipleChoiceRec
                 raise RemoteError(str(exc) + NO_ECHO, status=exc.status) from None
             raise
         for (row, k, start), echoed in zip(owners, answers, strict=True):
-            picked = _echoed_continuation(echoed, start)
+            picked = echoed_continuation(echoed, start)
             if not picked:
                 raise RemoteError(f"question {row} option {k}: the endpoint echoed no token "
                                   "for the option text; it does not score prompts — use "
@@ -516,7 +357,7 @@ def remote_option_scores(endpoint: Endpoint, records: Sequence[MultipleChoiceRec
 
 
 def _completion_text(payload: dict, body: dict | None = None) -> str:
-    text = _first_choice(payload).get("text")
+    text = first_choice(payload).get("text")
     if not isinstance(text, str):
         raise RemoteError("the completion has no text; is this an OpenAI-compatible "
                           "completions API?")

@@ -80,18 +80,18 @@ def test_both_shapes_parse_to_the_same_logprobs():
     for parsed in (legacy, chat):
         assert parsed.tokens == [" A"] and parsed.values == [-0.31] and parsed.top == [TOP]
     assert legacy.offsets == [40] and chat.offsets is None
-    assert remote._top_alternatives(OPENAI_COMPLETION) == remote._top_alternatives(
+    assert remote.top_alternatives(OPENAI_COMPLETION) == remote.top_alternatives(
         LLAMA_SERVER_COMPLETION) == TOP
 
 
 def test_an_echo_answer_is_read_from_the_openai_shape_only():
     body = {"prompt": "Question: x?\nAnswer: yes"}
-    fields = remote._echo_fields(OPENAI_ECHO, body)
-    assert remote._echoed_continuation(fields, len("Question: x?\nAnswer:")) == [-1.25]
+    fields = remote.echo_fields(OPENAI_ECHO, body)
+    assert remote.echoed_continuation(fields, len("Question: x?\nAnswer:")) == [-1.25]
     with pytest.raises(remote.NoPromptLogprobs, match="answered no logprobs"):
-        remote._echo_fields(LLAMA_SERVER_ECHO, body)
+        remote.echo_fields(LLAMA_SERVER_ECHO, body)
     with pytest.raises(remote.NoPromptLogprobs, match="chat shape, of generated tokens only"):
-        remote._echo_fields(LLAMA_SERVER_COMPLETION, body)
+        remote.echo_fields(LLAMA_SERVER_COMPLETION, body)
 
 
 @pytest.mark.parametrize(("logprobs", "words"), [
