@@ -54,3 +54,118 @@ def model_pair_parser(doc: str | None) -> argparse.ArgumentParser:
     parser.add_argument("--data", default="arc-easy")
     parser.add_argument("--mode", default="cloze", choices=list(CHOICE_MODES))
     return parser
+
+
+# ---------------------------------------------------------------- clustered resampling
+#
+# A benchmark whose items come in clusters (the answer positions of one question, the
+# questions of one training seed) must resample the clusters: positions of one question are
+# not independent draws, so an interval over positions is too narrow. The functions below
+# draw whole clusters with replacement (percentile bootstrap, deterministic for a seed).
+
+
+def cluster_resamples(clusters, n_clusters: int | None = None, *, n_resamples: int = 1000,
+                      seed: int = 0):
+    """Yield ``n_resamples`` weight vectors over the rows: row ``i`` gets the number of times
+    its cluster ``clusters[i]`` was drawn when ``n_clusters`` clusters (default: one more than
+    the largest id; clusters without rows count, they are drawn and contribute nothing) are
+    resampled with replacement."""
+    import numpy as np
+
+    ids = np.asarray(clusters, dtype=np.int64).reshape(-1)
+    if ids.size and ids.min() < 0:
+        raise ValueError("cluster ids must be non-negative")
+    total = int(ids.max()) + 1 if n_clusters is None else int(n_clusters)
+    if total <= 0:
+        raise ValueError("no clusters to resample")
+    if ids.size and ids.max() >= total:
+        raise ValueError(f"cluster id {int(ids.max())} outside the {total} clusters")
+    rng = np.random.default_rng(seed)
+    for _ in range(n_resamples):
+        counts = np.bincount(rng.integers(0, total, size=total), minlength=total)
+        yield counts[ids]
+
+
+def cluster_bootstrap_interval(metric_fn, clusters, *arrays, n_clusters: int | None = None,
+                               n_resamples: int = 1000, confidence: float = 0.95,
+                               seed: int = 0) -> tuple[float, float]:
+    """Percentile interval of ``metric_fn(*arrays)`` when whole clusters are resampled: each
+    resample repeats every row as often as its cluster was drawn (paired across ``arrays``).
+    Resamples with no row, or where the metric is not finite, drop out."""
+    import numpy as np
+
+    data = [np.asarray(a) for a in arrays]
+    if not data or len({len(a) for a in data} | {len(np.asarray(clusters))}) != 1:
+        raise ValueError("one cluster id per row of every array")
+    stats = []
+    for weights in cluster_resamples(clusters, n_clusters, n_resamples=n_resamples, seed=seed):
+        if not weights.any():
+            continue
+        idx = np.repeat(np.arange(len(weights)), weights)
+        stats.append(float(metric_fn(*(a[idx] for a in data))))
+    stats = np.asarray(stats)
+    stats = stats[np.isfinite(stats)]
+    if stats.size == 0:
+        return float("nan"), float("nan")
+    tail = 100.0 * (1.0 - confidence) / 2.0
+    low, high = np.percentile(stats, [tail, 100.0 - tail])
+    return float(low), float(high)
+
+
+def temperature_interval(logits, target_scores, clusters, *, temperature: float,
+                         n_clusters: int | None = None, n_resamples: int = 1000,
+                         confidence: float = 0.95, seed: int = 0, span: float = 4.0,
+                         points: int = 81, chunk_rows: int = 32) -> dict:
+    """Bootstrap interval of a fitted temperature over its clusters (questions).
+
+    The scalar fits of ``calm_training.daca`` minimise ``mean_i[-b t_i + logsumexp(b z_i)]``
+    over ``b = 1/T`` (``t_i = target_scores[i]``: the target's logit for temperature
+    scaling, ``p_ref . z_i`` for DACA). Its derivative is ``mean_i[E_{softmax(b z_i)} z_i -
+    t_i]``, increasing in ``b``. Each row's term is evaluated once on a grid of ``b`` from
+    ``1/(span T)`` to ``span/T`` (``points`` log-spaced values); a resample's optimum is the
+    root of the weighted sum of those curves (its rows weighted by how often their cluster was
+    drawn), linearly interpolated between grid points, so the 1,000 refits cost one pass over
+    the logits per grid point. A root beyond the grid is reported at the grid's end and
+    counted in ``beyond_grid``; ``refit`` is the all-ones weighting (the point estimate on the
+    grid, a check against ``temperature``)."""
+    import numpy as np
+
+    z = np.asarray(logits)
+    t = np.asarray(target_scores, dtype=np.float64).reshape(-1)
+    if z.ndim != 2 or z.shape[0] != t.shape[0] or z.shape[0] != len(np.asarray(clusters)):
+        raise ValueError("one target score and one cluster id per logit row")
+    if not (np.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"the fitted temperature must be finite and positive, got {temperature}")
+    betas = np.exp(np.linspace(np.log(1.0 / (span * temperature)),
+                               np.log(span / temperature), points))
+    curves = np.empty((z.shape[0], points))  # d/db of each row's term at each grid point
+    for start in range(0, z.shape[0], chunk_rows):
+        rows = np.asarray(z[start:start + chunk_rows], dtype=np.float64)
+        for g, b in enumerate(betas):
+            e = b * rows
+            e = np.exp(e - e.max(axis=1, keepdims=True))
+            curves[start:start + len(rows), g] = (e * rows).sum(axis=1) / e.sum(axis=1)
+    curves -= t[:, None]
+
+    def root(weights) -> tuple[float, bool]:
+        d = weights @ curves
+        if d[0] >= 0.0:
+            return float(1.0 / betas[0]), True
+        if d[-1] <= 0.0:
+            return float(1.0 / betas[-1]), True
+        k = int(np.flatnonzero(d > 0.0)[0])
+        b = betas[k - 1] + (betas[k] - betas[k - 1]) * (-d[k - 1]) / (d[k] - d[k - 1])
+        return float(1.0 / b), False
+
+    refit, _ = root(np.ones(z.shape[0]))
+    temps, beyond = [], 0
+    for weights in cluster_resamples(clusters, n_clusters, n_resamples=n_resamples, seed=seed):
+        if not weights.any():
+            continue
+        value, outside = root(weights.astype(np.float64))
+        temps.append(value)
+        beyond += outside
+    tail = 100.0 * (1.0 - confidence) / 2.0
+    low, high = np.percentile(np.asarray(temps), [tail, 100.0 - tail])
+    return {"ci95": [float(low), float(high)], "refit": refit, "resamples": len(temps),
+            "beyond_grid": int(beyond), "grid": [float(1.0 / betas[-1]), float(1.0 / betas[0])]}

@@ -865,7 +865,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--adapters",
                         default=str(HERE.parent / "calm-out" / "calm-decisive" / "adapters"))
     parser.add_argument("--out", default=str(HERE / "results"))
-    parser.add_argument("--readme", default=str(HERE.parent / "README.md"),
+    parser.add_argument("--readme", default=str(HERE.parent / "docs" / "results.md"),
                         help="--report rewrites this file's generated block")
     parser.add_argument("-q", "--quiet", action="store_true")
     args = parser.parse_args(argv)

@@ -43,8 +43,8 @@ bins), mean confidence, accuracy, a flag when accuracy is within 5 points of cha
 the full-vocabulary entropy at the answer position.
 
 Writes ``OUT/calm_replication.parts/DIR.json`` per direction; ``--report`` merges them into
-``OUT/calm_replication.json`` and ``.md`` (the README's table is generated from the JSON by
-``--report``). Adapters go to ``--adapters``; present ones are reused (``--retrain``).
+``OUT/calm_replication.json`` and ``.md`` (and, where ``--readme`` has this script's markers,
+a generated table there). Adapters go to ``--adapters``; present ones are reused (``--retrain``).
 """
 
 from __future__ import annotations
@@ -563,8 +563,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "direction's earlier results (same η; vanilla rows kept)")
     parser.add_argument("--adapters", default="calm-out/calm-replication/adapters")
     parser.add_argument("--out", default=str(HERE / "results"))
-    parser.add_argument("--readme", default=str(HERE.parent / "README.md"),
-                        help="--report rewrites this file's generated CALM block")
+    parser.add_argument("--readme", default=str(HERE.parent / "docs" / "results.md"),
+                        help="--report rewrites this file's generated CALM block (if it has "
+                        "this script's markers)")
     parser.add_argument("-q", "--quiet", action="store_true")
     args = parser.parse_args(argv)
     args.command = "python benchmarks/calm_replication.py " + " ".join(

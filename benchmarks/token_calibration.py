@@ -10,13 +10,19 @@ benchmark runs that fit (``calm_training.token_fit.cloze_token_temperature``, th
 ``calm fit`` calls) for three pairs on ARC-Easy and measures token-level ECE before and after
 on the held-out test part: at every answer token of the correct answer (teacher-forced after
 ``Question: ...\\nAnswer:``), confidence = the top next-token probability, correct = that
-token is the answer's next token (10 bins, 95% bootstrap interval over positions).
+token is the answer's next token (10 bins). Intervals resample the unit that was sampled:
+the positions of one question are not independent, so the ECE intervals draw whole test
+questions (with all their positions), and each fitted temperature gets an interval by
+refitting it on fit questions drawn with replacement (``_common.temperature_interval``).
+The counts say what entered each fit: fit questions, the questions with answer positions
+(DACA: those where both models choose the same option), the positions, and the positions
+used (DACA: where the two models' next-token argmax agrees; ``n_used``).
 
 * ``--lora NAME=ADAPTER``: a same-tokenizer pair, Gemma-3-270M fine-tuned with a calm LoRA
   against Gemma-3-270M base (the README's ``gemma-lora-60``: ``calm train --method lora
   --model gemma-3-270m --mode cloze --train arc-easy:train --train sciq:train --calibration
   arc-easy:unlabeled --steps 60 --outer-lr 1e-3 --out ADAPTER``, as in
-  benchmarks/daca_regime.py; 656 s on 2 cores):
+  benchmarks/daca_regime.py, which records its training time):
   label-free token DACA, and labeled token TS beside it. Fitted on ``arc-easy:unlabeled``
   (the half of the calibration part the LoRA did not train on).
 * SmolLM2-135M-Instruct with labels: token TS, fitted on ``arc-easy:calibration``.
@@ -36,7 +42,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _common import command_line, git_commit
+from _common import cluster_bootstrap_interval, command_line, git_commit, temperature_interval
 
 from calm_runtime import metrics
 from calm_runtime.artifact import CalibrationAdapter
@@ -47,6 +53,9 @@ from calm_training.cache import cached_option_scores
 from calm_training.calm_data import TRAIN_SPLIT_FRACTION, TRAIN_SPLIT_SEED, UNLABELED_PART
 from calm_training.fit import DEFAULT_VARIANT
 from calm_training.token_fit import answer_positions, cloze_token_temperature, token_confidences
+
+#: how the committed intervals resample (a file without this key resampled positions)
+INTERVAL_UNIT = "questions"
 
 HERE = Path(__file__).resolve().parent
 STEM = "token_calibration"
@@ -86,7 +95,8 @@ def main(argv=None) -> int:
                         args.bootstrap))
     result = {"command": command_line("token_calibration.py", argv), "commit": git_commit(),
               "created": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "seconds": round(time.time() - started, 1), "n_bins": 10, "rows": rows}
+              "seconds": round(time.time() - started, 1), "n_bins": 10,
+              "interval_unit": INTERVAL_UNIT, "bootstrap": args.bootstrap, "rows": rows}
     (out / f"{STEM}.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / f"{STEM}.md").write_text(render(result))
     print(render(result))
@@ -109,11 +119,20 @@ def run_arm(name, model, adapter_dir, reference, method, fit_part, test_part, bo
     row = {"pair": name, "model": model, "adapter": adapter_dir, "reference": reference,
            "method": method, "fit_data": fit_part, "test_data": test_part,
            "option_accuracy_fit": float((chosen == mine.labels).mean()),
-           "token_fit": record}
+           "fit_questions": len(fit_records), "token_fit": record}
     if fit is None:
         return row
-    test_records = load_dataset(test_part)
     lm, tokenizer, _ = load_model_and_tokenizer(model, lora_path=base.lora_path if base else None)
+    calibration = base if base is not None and base.has_token_calibration() else None
+    # the fit's own rows again (the fit returns only its result), to refit T on resampled
+    # fit questions
+    logits, scores, owner = _fit_rows(method, lm, tokenizer, reference, fit_records, chosen,
+                                      agree, mine.labels, calibration)
+    row["fit_positions_used"] = int(len(scores))
+    row["temperature_interval"] = fit_interval(logits, scores, owner, fit, len(fit_records),
+                                               bootstrap)
+    del logits
+    test_records = load_dataset(test_part)
     labels = np.array([r.answer for r in test_records])
     pos = answer_positions(lm, tokenizer, test_records, labels, progress=True)
     row["test_positions"] = int(len(pos.targets))
@@ -121,12 +140,53 @@ def run_arm(name, model, adapter_dir, reference, method, fit_part, test_part, bo
     for key, temperature in (("before", 1.0), ("after", fit.temperature)):
         conf, correct, nll = token_confidences(pos.logits, pos.targets, temperature)
         row[key] = {"temperature": temperature, "ece": float(metrics.ece(conf, correct, 10)),
-                    "ece_ci95": list(metrics.bootstrap_interval(
-                        lambda c, y: metrics.ece(c, y, 10), conf, correct,
-                        n_resamples=bootstrap)),
+                    "ece_ci95": list(cluster_bootstrap_interval(
+                        lambda c, y: metrics.ece(c, y, 10), pos.question, conf, correct,
+                        n_clusters=len(test_records), n_resamples=bootstrap)),
                     "accuracy": float(correct.mean()), "mean_confidence": float(conf.mean()),
                     "nll": float(nll.mean())}
     return row
+
+
+def fit_interval(logits, scores, owner, fit, n_questions: int, bootstrap: int) -> dict:
+    """The temperature's bootstrap interval over the fit questions, or why there is none (a
+    fit at a bound, T infinite or capped, has no interior optimum to resample)."""
+    if fit.at_bound is not None or not np.isfinite(fit.temperature):
+        return {"skipped": f"the fit is at a bound ({fit.at_bound})"}
+    out = temperature_interval(logits, scores, owner, temperature=fit.temperature,
+                               n_clusters=n_questions, n_resamples=bootstrap)
+    if abs(out["refit"] - fit.temperature) > 1e-3 * fit.temperature:
+        logger.warning("the interval's rows refit T = %.4f, the fit gave %.4f", out["refit"],
+                       fit.temperature)
+    return out
+
+
+def _fit_rows(method, lm, tokenizer, reference, records, chosen, agree, labels, calibration):
+    """The rows the token-level fit minimises over, as ``token_level_fit`` builds them:
+    ``(logits [P, V], target scores [P], the fit question of each row [P])``. Labeled: every
+    answer position of the correct answers, scored by the target's logit. DACA: the answer
+    positions of the questions where both models choose the same option, kept where the
+    next-token argmax agrees, scored by ``p_ref . z``."""
+    if method == "ts":
+        pos = answer_positions(lm, tokenizer, records, labels, calibration=calibration,
+                               progress=True)
+        return pos.logits, pos.logits[np.arange(len(pos.targets)), pos.targets], pos.question
+    ref, ref_tokenizer, _ = load_model_and_tokenizer(reference)
+    keep = np.flatnonzero(agree)
+    subset = [records[i] for i in keep]
+    options = np.asarray(chosen)[keep]
+    mine = answer_positions(lm, tokenizer, subset, options, calibration=calibration,
+                            progress=True)
+    theirs = answer_positions(ref, ref_tokenizer, subset, options, progress=True)
+    del ref
+    width = min(mine.logits.shape[1], theirs.logits.shape[1])
+    z, r = mine.logits[:, :width], theirs.logits[:, :width]
+    used = r.argmax(axis=1) == z.argmax(axis=1)
+    scores = np.empty(int(used.sum()))
+    for n, i in enumerate(np.flatnonzero(used)):
+        p = np.exp(r[i].astype(np.float64) - r[i].max())
+        scores[n] = float((p / p.sum()) @ z[i].astype(np.float64))
+    return z[used], scores, keep[mine.question[used]]
 
 
 def _records(part: str):
@@ -141,29 +201,65 @@ def _records(part: str):
 
 
 def render(result: dict) -> str:
+    unit = result.get("interval_unit", "positions")
     lines = ["# Token-level calibration on ARC-Easy", "",
              f"Generated by `{result['command']}` at commit {result['commit']} on "
              f"{result['created']} ({result['seconds']:.0f} s); do not edit by hand.", "",
              "Token-level ECE: at each answer token of the held-out questions' correct answer, "
              "confidence = the top next-token probability, correct = that token is the next "
-             f"one ({result['n_bins']} bins, 95% bootstrap interval over positions).", "",
-             "| pair | token fit | fitted on | T | test positions | token acc | ECE before | "
-             "ECE after | mean conf before → after | NLL before → after |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             f"one ({result['n_bins']} bins, 95% bootstrap intervals).", ""]
+    if unit == "questions":
+        lines += ["ECE intervals resample test questions (all positions of a drawn question "
+                  "together); T's interval refits T on fit questions drawn with replacement. "
+                  "fit counts: fit questions → questions with answer positions → positions → "
+                  "positions used by the fit.", ""]
+    else:
+        lines += [f"Stale: the ECE intervals of this file resample {unit}, which cluster "
+                  "within questions, so they are too narrow, and T has no interval; the "
+                  "script now resamples questions and intervals T over fit questions (rerun "
+                  "it to replace this file). fit counts: fit questions → questions with "
+                  "answer positions → positions → positions used by the fit.", ""]
+    lines += ["| pair | token fit | fitted on | fit counts | T [95% CI] | test questions / "
+              "positions | token acc | ECE before | ECE after | mean conf before → after | "
+              "NLL before → after |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in result["rows"]:
         record = row["token_fit"]
         if not record.get("fitted"):
             lines.append(f"| {row['pair']} | {row['method']}: none ({record['reason']}) | "
-                         f"{row['fit_data']} | - | - | - | - | - | - | - |")
+                         f"{row['fit_data']} | - | - | - | - | - | - | - | - |")
             continue
         b, a = row["before"], row["after"]
         lines.append(
-            f"| {row['pair']} | {record['method']} ({record['positions']} positions of "
-            f"{record['questions']} questions) | {row['fit_data']} | {a['temperature']:.3f} | "
-            f"{row['test_positions']} | {b['accuracy']:.3f} | {_ece(b)} | {_ece(a)} | "
+            f"| {row['pair']} | {record['method']} | {row['fit_data']} | {fit_counts(row)} | "
+            f"{temperature_cell(row)} | {row['test_questions']} / {row['test_positions']} | "
+            f"{b['accuracy']:.3f} | {_ece(b)} | {_ece(a)} | "
             f"{b['mean_confidence']:.3f} → {a['mean_confidence']:.3f} | "
             f"{b['nll']:.3f} → {a['nll']:.3f} |")
     return "\n".join(lines) + "\n"
+
+
+def fit_counts(row: dict) -> str:
+    """``fit questions → questions with positions → positions → positions used``; from a
+    file written before ``fit_questions`` was recorded, the fit questions are the fit's ``n``
+    (label-free: ``n_questions``) or its question count (labeled)."""
+    record = row["token_fit"]
+    total = row.get("fit_questions")
+    if total is None:
+        total = record["questions"] if record["method"].startswith("ts") else record["n"]
+    return (f"{total} → {record['questions']} → {record['positions']} → "
+            f"{record['n_used']}")
+
+
+def temperature_cell(row: dict) -> str:
+    temperature = row["after"]["temperature"]
+    interval = row.get("temperature_interval")
+    if not interval:
+        return f"{temperature:.3f} (no interval)"
+    if "skipped" in interval:
+        return f"{temperature:.3f} ({interval['skipped']})"
+    low, high = interval["ci95"]
+    return f"{temperature:.3f} [{low:.3f}, {high:.3f}]"
 
 
 def _ece(m: dict) -> str:

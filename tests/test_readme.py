@@ -31,3 +31,26 @@ def test_two_commands_match_ci():
     extras = re.search(r'-e "\.\[([^\]]+)\]"', tests).group(1)
     assert f'-e ".[{extras}]"' in ci, "CI must install the extras the README's test command does"
     assert "pytest -q" in ci
+
+
+def test_readme_is_short_with_install_and_quickstart_first():
+    """A newcomer reads it in five minutes: at most 200 lines, Install and the Quickstart
+    within the first 60; everything else lives in docs/ (docs/index.md maps it)."""
+    lines = README.read_text().splitlines()
+    assert len(lines) <= 200, f"README.md has {len(lines)} lines; move detail to docs/"
+    headings = {line: i + 1 for i, line in enumerate(lines) if line.startswith("## ")}
+    install = headings.get("## Install")
+    quickstart = next((n for h, n in headings.items() if h.startswith("## Quickstart")), None)
+    assert install is not None and quickstart is not None, sorted(headings)
+    assert install < quickstart <= 60, (install, quickstart)
+    order = [h for h in headings if h in ("## Install", "## Using it", "## Results",
+                                          "## Documentation") or h.startswith("## Quickstart")]
+    assert order[0] == "## Install" and order[1].startswith("## Quickstart"), order
+    assert order[2:] == ["## Using it", "## Results", "## Documentation"], order
+    assert "docs/index.md" in README.read_text()
+
+
+def test_readme_sets_no_method_apart():
+    """No bolded number: where two intervals overlap the data do not separate the methods."""
+    text = README.read_text()
+    assert not re.search(r"\*\*[^*\n]*\d\.\d+[^*\n]*\*\*", text)
