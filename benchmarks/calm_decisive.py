@@ -276,6 +276,27 @@ def binomial_p_above(successes: int, n: int, p0: float) -> float:
                      for k in range(successes, n + 1)))
 
 
+def letter_gate(args, model: str, name: str) -> dict:
+    """A plain LoRA on ``model`` trained on letter answers of the training split, read on the
+    validation split: above chance by a one-sided binomial test (p < 0.05), letter mode is a
+    regime for that model. Written as part ``name`` (reused when present)."""
+    letter = read_part(args, name)
+    if letter is not None and not args.retrain:
+        return letter
+    args = argparse.Namespace(**{**vars(args), "model": model})
+    settings = {**COMMON, **LETTER_LORA, "mode": "letter", "alpha_tokens": "all",
+                "alpha_lr": None, "upper_params": "alpha"}
+    result = train_calm(_config(args, settings, 0), None, progress=not args.quiet)
+    letter_eval = _evaluator(args, "letter", result.model)
+    hidden = letter_eval.hidden(_validation())
+    scores, _ = letter_eval.scores(hidden)
+    right = int((scores.argmax(axis=1) == hidden.labels).sum())
+    n = int(hidden.labels.size)
+    write_part(args, name, {"model": model, "accuracy": right / n, "n": n,
+                            "p_value": binomial_p_above(right, n, 0.25), "settings": settings})
+    return read_part(args, name)
+
+
 def run_gate(args) -> dict:
     found = read_part(args, "gate")
     if found is not None and not args.retrain:
@@ -283,21 +304,7 @@ def run_gate(args) -> dict:
     started = time.perf_counter()
     validation = _validation()
     # 1. letter or cloze
-    letter = read_part(args, "gate-letter")
-    if letter is None or args.retrain:
-        settings = {**COMMON, **LETTER_LORA, "mode": "letter", "alpha_tokens": "all",
-                    "alpha_lr": None, "upper_params": "alpha"}
-        result = train_calm(_config(args, settings, 0), None, progress=not args.quiet)
-        letter_eval = _evaluator(args, "letter", result.model)
-        hidden = letter_eval.hidden(validation)
-        scores, _ = letter_eval.scores(hidden)
-        right = int((scores.argmax(axis=1) == hidden.labels).sum())
-        n = int(hidden.labels.size)
-        write_part(args, "gate-letter", {"accuracy": right / n, "n": n,
-                                         "p_value": binomial_p_above(right, n, 0.25),
-                                         "settings": settings})
-        letter = read_part(args, "gate-letter")
-        del result, letter_eval
+    letter = letter_gate(args, args.model, "gate-letter")
     right, n, p_value = round(letter["accuracy"] * letter["n"]), letter["n"], letter["p_value"]
     mode = "letter" if p_value < 0.05 else "cloze"
     alpha_tokens = "all" if mode == "letter" else "options"
@@ -679,9 +686,13 @@ def report(args) -> int:
         runs[name]["sets"] = {s: {v: d["summary"] for v, d in info["variants"].items()}
                               for s, info in part["sets"].items()}
     commits = ",".join(dict.fromkeys(p["commit"] for p in [gate, *parts.values()]))
+    folder = Path(args.parts)
+    letter_gates = {p.stem.removeprefix("gate-letter-"): json.loads(p.read_text())
+                    for p in sorted(folder.glob("gate-letter-*.json"))}
     payload = {"command": args.command, "run_commands": sorted({p["command"] for p in
                                                                  [gate, *parts.values()]}),
-               "commit": commits, "gate": gate, "default": chosen, "claims": results,
+               "commit": commits, "gate": gate, "letter_gates": letter_gates,
+               "default": chosen, "claims": results,
                "runs": runs, "diverged": diverged,
                "planned": [f"{a}:{s}" for a, s in plan(default)],
                "decision_rule": __doc__.split("**The decision rule**, fixed before the runs.")[1]
@@ -726,6 +737,19 @@ def _gate_lines(gate: dict) -> list[str]:
                      f"l ∈ [{p['shift_range'][0]:.4f}, {p['shift_range'][1]:.4f}]")
     lines.append(f"- α {'moves' if gate['alpha_moves'] else 'stays inert (no probe passed)'}; "
                  f"α learning rate used: {gate['alpha_lr']:g}.")
+    return lines
+
+
+def _letter_gate_lines(payload: dict) -> list[str]:
+    """The letter regime tried on other packaged models (issue: the paper's class-wise α is
+    the letter regime); a pass would add letter-mode arms on that model."""
+    lines = []
+    for model, g in (payload.get("letter_gates") or {}).items():
+        verdict = ("above chance: letter-mode CALM arms on it are the next runs"
+                   if g["p_value"] < 0.05 else "not above chance: no letter regime for it")
+        lines.append(f"- Letter mode after LoRA on {model}: accuracy {g['accuracy']:.3f} on "
+                     f"{g['n']} validation questions, one-sided binomial p = "
+                     f"{g['p_value']:.3g}: {verdict} (`--letter-gate {model}`).")
     return lines
 
 
@@ -791,7 +815,7 @@ def render(payload: dict) -> str:
                    "{}-s{}".format(*r.split(":"))) not in done]
     lines = [f"Generated by `{payload['command']}` from the runs of "
              f"{'; '.join(f'`{c}`' for c in payload['run_commands'])} at {payload['commit']}.",
-             "", "## The gate", "", *_gate_lines(gate), "",
+             "", "## The gate", "", *_gate_lines(gate), *_letter_gate_lines(payload), "",
              "## Default arm", "",
              (f"**{default['arm']}** ({default['rule']}; NLL "
               + ", ".join(f"{a} {v:.4f}" for a, v in default["validation_nll"].items()) + ")"
@@ -849,6 +873,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--add", nargs="+", metavar="ARM[:SEED]",
                         help="make only these runs (after the gate), then report")
     parser.add_argument("--report", action="store_true", help="merge the runs made so far")
+    parser.add_argument("--letter-gate", metavar="MODEL",
+                        help="only run the letter-mode gate for MODEL (another packaged model "
+                             "that might answer letters above chance), then report")
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--alpha-lr-grid", type=float, nargs="+", default=[0.02, 0.2, 2.0])
     parser.add_argument("--entropy-gate", type=float, default=0.05)
@@ -890,6 +917,10 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.report:
+        return report(args)
+    if args.letter_gate:
+        install_named([args.letter_gate], (DOMAIN,))
+        letter_gate(args, args.letter_gate, f"gate-letter-{args.letter_gate}")
         return report(args)
     install_named([args.model], (DOMAIN, *OOD))
     return run_plan(args)
