@@ -135,16 +135,17 @@ class _Trainer:
         # a method's α-frozen control (--freeze-alpha) holds out the same questions, so that
         # the two train on the same data
         self.holdout_examples = None
+        self.holdout_kind = None
         self.holdout_info = None
         if config.method not in THETA_ONLY and config.alpha_holdout > 0:
             held, train = calm_data.holdout_split(train, config.alpha_holdout)
             if self.model.alpha and all(isinstance(r, MultipleChoiceRecord) for r in held):
                 self.holdout_examples = calm_data.encode_labeled_options(
                     held, **encode, variant=config.cloze_variant)
-            elif self.model.alpha:
-                raise ConfigError("the α gate reads option distributions on held-out "
-                                  "training questions; with open-QA training data pass "
-                                  "--alpha-holdout 0")
+                self.holdout_kind = "options"
+            elif self.model.alpha:  # open QA: the answers' token NLL, no options to compare
+                self.holdout_examples = calm_data.encode_training(held, **encode)
+                self.holdout_kind = "answers"
             self.holdout_info = {"fraction": config.alpha_holdout, "n": len(held),
                                  "seed": calm_data.HOLDOUT_SEED, "n_train_left": len(train)}
         # CFT reads every option of a training question; the other methods its answer only
@@ -345,7 +346,7 @@ class _Trainer:
     def _alpha_gate(self) -> dict | None:
         """Measure α's own effect on the hold-out and reset α to the identity unless it
         lowers the held-out NLL (alpha_gate.decide); None for methods without α."""
-        from .alpha_gate import decide, measure_alpha_share
+        from .alpha_gate import decide, measure_alpha_share, measure_answer_nll
 
         if not self.model.alpha:
             return None
@@ -353,7 +354,9 @@ class _Trainer:
         if self.holdout_examples is not None:
             size = max(1, self.config.batch_size
                        // (self.dist.world * self.config.grad_accumulation))
-            share = measure_alpha_share(self.model, self.holdout_examples, self.pad, size)
+            measure = (measure_alpha_share if self.holdout_kind == "options"
+                       else measure_answer_nll)
+            share = measure(self.model, self.holdout_examples, self.pad, size)
         keep, why = decide(share)
         if not keep:
             self.model.set_alpha(None, None)

@@ -88,3 +88,23 @@ def test_cli_last_line_says_what_the_gate_decided(tiny_llama_tied, mc_file, tmp_
     assert code == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert "held-out NLL" in last and ("kept" in last or "not written" in last)
+
+
+def test_open_qa_training_data_is_gated_on_the_answers_token_nll(tiny_llama_tied, tmp_path):
+    """No options to compare: the gate reads the held-out answers' token NLL."""
+    import json
+
+    path = tmp_path / "qa.jsonl"
+    path.write_text("".join(json.dumps({"question": f"what is item {i}?",
+                                        "answers": [f"item {i}", "thing"]}) + "\n"
+                            for i in range(24)))
+    config = CalmConfig(model=str(tiny_llama_tied), train=(f"{path}:train",),
+                        calibration=(f"{path}:unlabeled",), steps=2, warm_start_steps=1,
+                        batch_size=2, lora_rank=4, max_length=64, entropy="vocab")
+    result = train_calm(config, None, progress=False)
+    share = result.alpha_gate["share"]
+    # 24 records: 12 form :train (the 50% split), 0.2 of those are held out
+    assert share["measured_on"] == "answer tokens"
+    assert share["n"] == result.alpha_gate["holdout"]["n"] >= 1
+    assert result.alpha_gate["kept"] == (share["nll_change"] < 0)
+    assert "answer tokens" in result.alpha_gate["reason"]
