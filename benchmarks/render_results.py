@@ -68,6 +68,11 @@ def md_tables(name: str, after: str | None = None) -> list[list[str]]:
     lines = (RESULTS / name).read_text().splitlines()
     if after is not None:
         lines = lines[next(i for i, line in enumerate(lines) if after in line) + 1:]
+    return split_tables(lines)
+
+
+def split_tables(lines: list[str]) -> list[list[str]]:
+    """The runs of consecutive ``|`` lines among ``lines``: one list per table."""
     tables, current = [], []
     for line in lines:
         if line.startswith("|"):
@@ -398,7 +403,7 @@ def cost_section(latency_head: str, scoring_head: str, load_head: str) -> list[s
     for model in ("smollm2-135m-instruct", "gemma-3-270m"):
         section = engines.split(f"## {model}", 1)[1].split("\n## ", 1)[0]
         command = section.split("`", 2)[1]
-        tables = [t for t in _split_tables(section)]
+        tables = split_tables(section.splitlines())
         lines += [f"### Engines beside onnxruntime-genai's builder: {model}", "",
                   f"From `benchmarks/results/engines.md`, produced by `{command}`; 1 thread, "
                   "batch 1; ratio = the arm's time over calm fp32's in the same round (median, "
@@ -416,19 +421,6 @@ def cost_section(latency_head: str, scoring_head: str, load_head: str) -> list[s
               f"(`benchmarks/results/serve_load.md`, produced by {load_head}):", "",
               *md_tables("serve_load.md")[0], ""]
     return lines
-
-
-def _split_tables(text: str) -> list[list[str]]:
-    tables, current = [], []
-    for line in text.splitlines():
-        if line.startswith("|"):
-            current.append(line)
-        elif current:
-            tables.append(current)
-            current = []
-    if current:
-        tables.append(current)
-    return tables
 
 
 def _head_command(name: str) -> str:
