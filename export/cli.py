@@ -34,6 +34,8 @@ EPILOG = """examples:
       --recalibrate arc-easy:calibration --out engines/smol-int8
   calm-export --model smollm2-135m-instruct --adapter runs/daca-adapter --format hf \\
       --out checkpoints/smol-calibrated     # a transformers folder vLLM & co. serve
+  calm-export --model smollm2-135m-instruct --adapter runs/daca-adapter --format gguf \\
+      --out smol-calibrated.gguf            # the GGUF with a calibrated head, for llama.cpp
 
 The engine is validated before it is written (logits and greedy KV-cache tokens against
 the unfused model with the calibration applied in torch); a failed validation writes
@@ -67,12 +69,19 @@ def add_arguments(parser: argparse.ArgumentParser, *, quiet: bool = True) -> Non
                         help="model folder, .gguf file or packaged model name")
     parser.add_argument("--adapter", default=None,
                         help="calibration adapter directory (default: identity calibration)")
-    parser.add_argument("--out", required=True, help="engine directory to create")
+    parser.add_argument("--out", required=True,
+                        help="engine directory to create (--format gguf: the .gguf file)")
     parser.add_argument("--format", choices=FORMATS, default=_DEFAULTS["format"],
                         help="onnx: ONNX engine with KV cache (default); tensorrt: a TensorRT "
                         "plan (GPU); hf: a transformers checkpoint whose LM head computes the "
                         "calibrated logits, for vLLM, SGLang and other servers (a per-token "
-                        "shift needs a family with a head bias; see docs/formats.md)")
+                        "shift needs a family with a head bias; see docs/formats.md); gguf: "
+                        "the source GGUF with tau and T folded into its head, every other "
+                        "tensor copied byte for byte, for llama.cpp and Ollama")
+    parser.add_argument("--drop-shift", action="store_true",
+                        help="with --format gguf: fold tau and T only, dropping a per-token "
+                        "shift the architecture's llama.cpp graph cannot add (recorded in the "
+                        "file's calm.shift)")
     parser.add_argument("--dtype", choices=DTYPES, default=_DEFAULTS["dtype"],
                         help="engine precision (fp16: for GPU providers / TensorRT)")
     parser.add_argument("--quantize", choices=QUANTIZE, default=_DEFAULTS["quantize"],
@@ -148,8 +157,14 @@ def run(args: argparse.Namespace) -> int:
                           calibration_mode=args.calibration_mode,
                           calibration_variant=args.calibration_variant,
                           int8_scheme=args.int8_scheme, head_layout=args.head_layout,
+                          drop_shift=args.drop_shift,
                           int8_exclude=None if args.int8_exclude is None else tuple(
                               m.strip() for m in args.int8_exclude.split(",") if m.strip()))
+    if config.format == "gguf":  # llama.cpp's file: no torch, no validation graph
+        from calm_export.gguf import export_gguf
+
+        print(export_gguf(args.model, args.out, adapter=args.adapter, config=config).summary())
+        return 0
     if config.format == "tensorrt":  # fail at once, before loading anything heavy
         from calm_export.tensorrt import require_tensorrt
 

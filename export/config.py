@@ -11,7 +11,7 @@ from calm_runtime.prompts import CHOICE_MODES, CLOZE_VARIANTS, p_true_template
 
 __all__ = ["ExportConfig"]
 
-FORMATS = ("onnx", "tensorrt", "hf")
+FORMATS = ("onnx", "tensorrt", "hf", "gguf")
 DTYPES = ("fp32", "fp16")
 QUANTIZE = ("int8", "int4")
 GRAPHS = ("auto", "builder", "fused", "standard")
@@ -56,8 +56,12 @@ class ExportConfig:
 
     #: "onnx" (ONNX Runtime, onnxruntime-genai), "tensorrt" (needs the tensorrt extra + GPU)
     #: or "hf" (a transformers checkpoint with the calibration in its LM head, for servers
-    #: such as vLLM; export/checkpoint.py says what folds).
+    #: such as vLLM; export/checkpoint.py says what folds), or "gguf" (the source GGUF with
+    #: the calibration in its head, for llama.cpp and Ollama; export/gguf.py).
     format: str = "onnx"
+    #: --format gguf: fold tau and T only and drop a per-token shift the architecture's
+    #: llama.cpp graph cannot add (recorded in the file as ``calm.shift = "dropped"``).
+    drop_shift: bool = False
     #: Weight and activation precision of the engine. "fp16" with ONNX: the validated fp32
     #: graph is converted (weights, activations and KV cache in float16, logits float32) for
     #: GPU providers; with TensorRT: an fp16 plan. See export/quantize.py.
@@ -164,6 +168,7 @@ class ExportConfig:
             if self.head_layout != "untied":
                 problems.append("--format hf unties the head (the embedding must keep its "
                                 "weights); drop --head-layout tied-scale")
+        problems += self._gguf_problems()
         problems += self._variant_problems()
         if isinstance(self.opset, bool) or not isinstance(self.opset, int) \
                 or not 14 <= self.opset <= 23:
@@ -199,6 +204,19 @@ class ExportConfig:
                 problems.append(str(exc))
         if problems:
             raise ConfigError("invalid export settings: " + "; ".join(problems))
+
+    def _gguf_problems(self) -> list[str]:
+        if not isinstance(self.drop_shift, bool):
+            return [f"drop_shift must be true or false, got {self.drop_shift!r}"]
+        if self.format != "gguf":
+            return ["--drop-shift applies to --format gguf only"] if self.drop_shift else []
+        if self.dtype != "fp32" or self.quantize is not None:
+            return ["--format gguf keeps the source's tensors as they are (the calibrated head "
+                    "at the source's type, or F16/F32); drop --dtype/--quantize"]
+        if self.head_layout != "untied" or self.graph != "auto":
+            return ["--format gguf writes llama.cpp's own graph with an untied head; drop "
+                    "--head-layout/--graph"]
+        return []
 
     def _variant_problems(self) -> list[str]:
         problems = []
@@ -270,4 +288,5 @@ class ExportConfig:
         data.pop("p_true_template")  # the manifest records the template in its own section
         data.pop("progress")
         data.pop("overwrite")
+        data.pop("drop_shift")  # --format gguf only; its files record it as calm.shift
         return data
