@@ -135,6 +135,9 @@ def export_engine(model: str | os.PathLike, out: str | os.PathLike, *,
     """
     config = config or ExportConfig()
     out = Path(out)
+    if config.format == "gguf":  # llama.cpp's file, not an engine folder
+        raise ConfigError("export_engine builds engine folders; write a calibrated GGUF with "
+                          "calm_export.gguf.export_gguf (calm-export --format gguf)")
     wanted = {"tensorrt": config.format == "tensorrt", "quantize": config.variant is not None,
               "calibrate": config.calibration_data is not None}
     stages = _Stages([s for s in STAGES if wanted.get(s, True)], config.progress)
