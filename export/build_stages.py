@@ -36,7 +36,8 @@ def validate_graph(staging: Path, shape, config: ExportConfig, tokenizer, pad_id
 
 
 def build_variant(staging: Path, shape, config: ExportConfig, cases, references, got,
-                   drift_cases, drift_base, scale: float, external: bool, base_graph: dict):
+                   drift_cases, drift_base, scale: float, external: bool, base_graph: dict,
+                   gguf_spec=None):
     """Build the int8 or fp16 graph from the validated fp32 one and measure its drift.
 
     The fp32 graph moves to ``staging/.fp32`` (removed before the manifest is written).
@@ -48,7 +49,8 @@ def build_variant(staging: Path, shape, config: ExportConfig, cases, references,
     if config.variant == "int8":
         facts = quantize.quantize_int8(source, target, config, external=external)
     elif config.variant == "int4":
-        facts = quantize.quantize_int4(source, target, config, external=external)
+        facts = quantize.quantize_int4(source, target, config, external=external,
+                                       gguf_spec=gguf_spec)
     else:
         facts = quantize.convert_fp16(source, target, external=external)
     if base_graph["kind"] == genai_builder.GRAPH_KIND:  # its MatMuls quantised, nothing else
@@ -65,6 +67,9 @@ def build_variant(staging: Path, shape, config: ExportConfig, cases, references,
     del runner
     drift = quantize.measure_drift([*cases, *drift_cases], [*got, *drift_base],
                                    [*mine, *mine_drift])
+    if facts.get("blocks", {}).get("path") == "gguf-blocks":
+        drift["compared_with"] += (f"; its weights are {facts['blocks']['gguf_file']}'s own, "
+                                   "dequantised")
     facts["drift"] = drift
     logger.info("%s drift vs fp32 over %d positions: top-1 agreement %.3f, mean total "
                 "variation %.4f, max |dp| %.3g", config.variant, drift["positions"],

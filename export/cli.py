@@ -18,6 +18,7 @@ from .config import (  # torch-free, like this module
     FORMATS,
     GRAPHS,
     HEAD_LAYOUTS,
+    INT4_BLOCKS,
     INT8_SCHEMES,
     QUANTIZE,
     ExportConfig,
@@ -106,6 +107,10 @@ def add_arguments(parser: argparse.ArgumentParser, *, quiet: bool = True) -> Non
                         help="with --quantize int8: comma-separated modules kept fp32 (a path, "
                         "a suffix such as mlp.down_proj, or a glob; default: the scheme's "
                         "measured choice)")
+    parser.add_argument("--int4-blocks", choices=INT4_BLOCKS, default=_DEFAULTS["int4_blocks"],
+                        help="with --quantize int4: auto (default) keeps a GGUF model's own "
+                        "quantisation blocks where the weights are the GGUF's; requantize "
+                        "quantises every MatMul anew (docs/formats.md)")
     parser.add_argument("--head-layout", choices=HEAD_LAYOUTS, default=_DEFAULTS["head_layout"],
                         help="untied: the head holds W/(tau T) and a bias (default); "
                         "tied-scale: the tied head followed by a scale and a shift")
@@ -156,7 +161,8 @@ def run(args: argparse.Namespace) -> int:
                           recalibrate=args.recalibrate is not None,
                           calibration_mode=args.calibration_mode,
                           calibration_variant=args.calibration_variant,
-                          int8_scheme=args.int8_scheme, head_layout=args.head_layout,
+                          int8_scheme=args.int8_scheme, int4_blocks=args.int4_blocks,
+                          head_layout=args.head_layout,
                           drop_shift=args.drop_shift,
                           int8_exclude=None if args.int8_exclude is None else tuple(
                               m.strip() for m in args.int8_exclude.split(",") if m.strip()))

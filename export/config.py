@@ -16,6 +16,7 @@ DTYPES = ("fp32", "fp16")
 QUANTIZE = ("int8", "int4")
 GRAPHS = ("auto", "builder", "fused", "standard")
 INT8_SCHEMES = ("blockwise", "dynamic")
+INT4_BLOCKS = ("auto", "requantize")
 CALIBRATION_MODES = CHOICE_MODES
 EXPORTERS = ("auto", "dynamo", "torchscript")
 HEAD_LAYOUTS = ("untied", "tied-scale")
@@ -89,6 +90,11 @@ class ExportConfig:
     #: 17.1 ms per token (fp32 38.6): 32 is as fast as the larger blocks, with the agreement
     #: of 64 and a fifth less time than 16.
     int4_block_size: int = 32
+    #: "auto": when the model came from a GGUF (a packaged name, a .gguf file, or a folder
+    #: `calm models install` made from one), the MatMuls whose weights are the GGUF's keep
+    #: its own quantisation blocks (export/gguf_blocks.py), the rest are quantised anew;
+    #: "requantize": every MatMul is quantised anew from the fp32 weights.
+    int4_blocks: str = "auto"
     #: The int4 engine must pick the fp32 engine's top token at this share of the drift
     #: positions, else the export fails; lower than int8's 0.9 because 4 bits move a third of
     #: the next-token distribution on that model (mean total variation 0.32); 0 disables.
@@ -235,6 +241,9 @@ class ExportConfig:
             if isinstance(agreement, bool) or not isinstance(agreement, (int, float)) \
                     or not 0 <= agreement <= 1:
                 problems.append(f"{name} must be in [0, 1], got {agreement!r}")
+        if self.int4_blocks not in INT4_BLOCKS:
+            problems.append(f"int4_blocks must be one of {list(INT4_BLOCKS)}, got "
+                            f"{self.int4_blocks!r}")
         size = self.int4_block_size
         if isinstance(size, bool) or not isinstance(size, int) or size < 16 or size & (size - 1):
             problems.append(f"int4_block_size must be a power of two >= 16, got {size!r}")

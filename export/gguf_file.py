@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import json
 import os
 import struct
 import tempfile
@@ -32,7 +33,8 @@ from calm_runtime._fs import show_name
 from calm_runtime.errors import ArtifactError, BackendUnavailableError, ModelSourceError
 from calm_runtime.models import PACKAGED_MODELS
 
-__all__ = ["BLOCK_SCALES", "GGUFSource", "TensorOut", "encode_kv", "open_source", "require_gguf",
+__all__ = ["BLOCK_SCALES", "GGUFSource", "TensorOut", "encode_kv", "gguf_origin", "open_source",
+           "require_gguf",
            "rescale_rows", "source_gguf", "verify_copy", "write_gguf"]
 
 #: GGUF value types (the GGUF specification): the ones calm writes
@@ -51,6 +53,24 @@ def require_gguf():
             "which is not installed; it comes with the train extra: pip install "
             "'calm-llm[train]' (or pip install gguf)") from None
     return gguf
+
+
+def gguf_origin(spec, folder: Path) -> str | None:
+    """The GGUF a model was made from (a ``.gguf`` path or a packaged name), or None: the
+    spec itself, or the ``calm_source.json`` that `calm models install` writes into a folder
+    converted from a packaged GGUF."""
+    text = str(spec)
+    if text in PACKAGED_MODELS or (Path(text).suffix == ".gguf" and Path(text).is_file()):
+        return text
+    record = Path(folder) / "calm_source.json"
+    if record.is_file():
+        try:
+            name = json.loads(record.read_text()).get("name")
+        except (OSError, ValueError, AttributeError):
+            return None
+        if name in PACKAGED_MODELS:
+            return name
+    return None
 
 
 @contextlib.contextmanager

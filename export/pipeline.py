@@ -36,6 +36,7 @@ from . import engine_writer, fuse, genai_builder, heads, recalibrate, validate
 from .build_stages import build_tensorrt, build_variant, validate_graph
 from .checkpoint import CHECKPOINT_MANIFEST
 from .config import ExportConfig
+from .gguf_file import gguf_origin
 from .onnx import ONNX_FILE, KVCacheDecoder, decoder_shape, export_onnx, fuse_graph
 
 __all__ = ["ExportResult", "export_engine"]
@@ -314,7 +315,7 @@ def _export(model_spec, out: Path, adapter_arg, config: ExportConfig,
             stages.start("quantize")
             fp32_root, variant_facts, variant_report = build_variant(
                 staging, shape, config, cases, references, got, drift_cases, drift_base,
-                scale, external, facts["graph"])
+                scale, external, facts["graph"], gguf_spec=gguf_origin(model_spec, folder))
             report.update(variant_report)
             facts["graph"] = variant_facts.pop("graph")
             dtype = "float16" if config.variant == "fp16" else "float32"

@@ -139,27 +139,68 @@ def _quiet_root():
         root.setLevel(level)
 
 
-def quantize_int4(source: Path, target: Path, config, *, external: bool) -> dict:
+def quantize_int4(source: Path, target: Path, config, *, external: bool,
+                  gguf_spec=None) -> dict:
     """Quantise every MatMul of the fp32 graph ``source`` to 4 bits (MatMulNBits, blocks of
     ``config.int4_block_size``, symmetric, int8 compute) into ``target``; the facts for the
-    manifest as :func:`quantize_int8` gives them."""
-    return quantize_int8(source, target, config, external=external, bits=4)
+    manifest as :func:`quantize_int8` gives them.
+
+    With ``gguf_spec`` (the model came from that GGUF: a path or a packaged name) and
+    ``config.int4_blocks == "auto"``, the MatMuls whose weights are the GGUF's carry its own
+    blocks (export/gguf_blocks.py) and only the others are quantised anew."""
+    if gguf_spec is None or config.int4_blocks != "auto":
+        return quantize_int8(source, target, config, external=external, bits=4)
+    import onnx
+
+    from .gguf_blocks import carry_gguf_blocks
+    from .gguf_file import require_gguf, source_gguf
+
+    gguf = require_gguf()
+    model = onnx.load(str(source), load_external_data=True)
+    with source_gguf(gguf_spec, source.parent) as path:
+        report = carry_gguf_blocks(model, gguf.GGUFReader(path))
+        gguf_name = path.name
+    carried = [r for r in report if r.reason is None]
+    left = [r for r in report if r.reason is not None]
+    logger.info("int4 from %s's own blocks: %d of %d MatMuls carried, %d quantised anew",
+                gguf_name, len(carried), len(report), len(left))
+    staged = source.parent / "carried" / ONNX_FILE
+    staged.parent.mkdir()
+    save_onnx(model, staged, external)
+    del model
+    facts = quantize_int8(staged, target, config, external=external, bits=4,
+                          keep=[n for r in carried for n in r.extra_nodes])
+    types: dict[str, int] = {}
+    for r in carried:
+        key = "+".join(r.types)
+        types[key] = types.get(key, 0) + 1
+    facts["blocks"] = {
+        "path": "gguf-blocks", "gguf_file": gguf_name, "carried_nodes": len(carried),
+        "carried_types": types, "row_scaled_nodes": sum(r.scaled for r in carried),
+        "requantised_nodes": [{"node": r.node, "reason": r.reason} for r in left]}
+    facts["quantized_nodes"] += len(carried)
+    facts["linear_nodes"] += len(carried)
+    facts["fp32_bytes"] = _size(source.parent)
+    shutil.rmtree(staged.parent)
+    return facts
 
 
-def quantize_int8(source: Path, target: Path, config, *, external: bool, bits: int = 8) -> dict:
+def quantize_int8(source: Path, target: Path, config, *, external: bool, bits: int = 8,
+                  keep: Sequence[str] = ()) -> dict:
     """Quantise the fp32 graph ``source`` into ``target`` (``model.onnx``); returns the facts
     for the manifest: scheme, settings, quantised and excluded nodes, sizes. ``bits=4``: the
-    int4 engine (blockwise only, every MatMul)."""
+    int4 engine (blockwise only, every MatMul). ``keep``: nodes left as they are and not
+    counted (the block-minimum MatMuls of carried GGUF blocks)."""
     import onnx
 
     model = onnx.load(str(source), load_external_data=True)
     patterns = config.int8_excluded_modules() if bits == 8 else ()
-    nodes = linear_nodes(model)
+    nodes = [(name, path) for name, path in linear_nodes(model) if name not in set(keep)]
     excluded = [(name, path) for name, path in nodes if _matches(path, patterns)]
     unmatched = [p for p in patterns if not any(_matches(path, [p]) for _, path in nodes)]
     if unmatched:
         logger.warning("int8_exclude pattern(s) %s match no quantisable module", unmatched)
-    skip = [name for name, _ in excluded]
+    skip = [name for name, _ in excluded] + list(keep)
     with _quiet_root():
         if bits == 4 or config.int8_scheme == "blockwise":
             from onnxruntime.quantization.matmul_nbits_quantizer import (
@@ -191,6 +232,7 @@ def quantize_int8(source: Path, target: Path, config, *, external: bool, bits: i
     quantized = [name for name, _ in nodes if name not in left]
     save_onnx(result, target, external)
     return {"scheme": "blockwise" if bits == 4 else config.int8_scheme, **settings,
+            **({"blocks": {"path": "requantised"}} if bits == 4 else {}),
             "exclude": list(patterns),
             "excluded_nodes": [{"node": n, "module": p} for n, p in excluded],
             "quantized_nodes": len(quantized), "linear_nodes": len(nodes),

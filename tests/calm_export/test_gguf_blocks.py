@@ -1,0 +1,161 @@
+"""int4 engines carrying a GGUF's own blocks (export/gguf_blocks.py): every supported GGUF
+type decodes to blocks that reproduce gguf's own dequantisation, and a graph's MatMuls
+whose weights are GGUF rows (permuted, packed from two tensors, scaled per row) become
+MatMulNBits that compute exactly those weights; other weights are left alone."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+
+from onnx import TensorProto, helper, numpy_helper  # noqa: E402
+
+from calm_export import gguf_blocks  # noqa: E402
+from calm_export.gguf_blocks import carry_gguf_blocks, decode_tensor  # noqa: E402
+from calm_export.gguf_file import gguf_origin  # noqa: E402
+
+T = gguf.GGMLQuantizationType
+ROWS, COLS = 24, 512  # 512 inputs: two k-quant super-blocks per row
+
+
+def _random_kquant(qtype, rng):
+    """Random k-quant blocks (any bytes are valid blocks) with sane fp16 super-scales."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (ROWS * COLS // block, size), dtype=np.uint8)
+    d = rng.uniform(1e-3, 2e-2, (raw.shape[0], 1)).astype(np.float16).view(np.uint8)
+    if qtype == T.Q6_K:
+        raw[:, 208:210] = d
+    else:
+        raw[:, 0:2] = d
+        raw[:, 2:4] = rng.uniform(1e-3, 2e-2, (raw.shape[0], 1)).astype(
+            np.float16).view(np.uint8)
+    return raw.reshape(ROWS, -1)
+
+
+def write_gguf(path, tensors):
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for name, (values, qtype) in tensors.items():
+        writer.add_tensor(name, values, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return gguf.GGUFReader(str(path))
+
+
+@pytest.fixture(scope="module")
+def reader(tmp_path_factory):
+    rng = np.random.default_rng(0)
+    tensors = {}
+    for qtype in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0):
+        values = rng.standard_normal((ROWS, COLS)).astype(np.float32) * 0.1
+        tensors[f"{qtype.name}.weight"] = (gguf.quants.quantize(values, qtype), qtype)
+    for qtype in (T.Q4_K, T.Q5_K, T.Q6_K):
+        tensors[f"{qtype.name}.weight"] = (_random_kquant(qtype, rng), qtype)
+    return write_gguf(tmp_path_factory.mktemp("gguf") / "blocks.gguf", tensors)
+
+
+def values_of(reader, name):
+    tensor = next(t for t in reader.tensors if t.name == name)
+    return gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(ROWS, COLS)
+
+
+@pytest.mark.parametrize("name", list(gguf_blocks.SUPPORTED))
+def test_every_supported_type_decodes_to_blocks_that_reproduce_gguf(reader, name):
+    tensor = next(t for t in reader.tensors if t.name == f"{name}.weight")
+    blocks, values = decode_tensor(tensor)
+    expected = values_of(reader, f"{name}.weight")
+    np.testing.assert_array_equal(values, expected)
+    rebuilt = blocks.dequantize()
+    assert np.abs(rebuilt - expected).max() <= 2e-6 * np.abs(expected).max()
+    block, bits, _ = gguf_blocks.SUPPORTED[name]
+    assert (blocks.block, blocks.bits) == (block, bits)
+    limit = 1 << (bits - 1)
+    assert -limit <= blocks.k.min() and blocks.k.max() < limit
+    if name in ("Q4_1", "Q5_1", "Q4_K", "Q5_K"):  # types with a block minimum use it
+        assert blocks.minimum is not None and np.abs(blocks.minimum).max() > 0
+
+
+def _graph(weights):
+    """X [1, 3, COLS] -> one MatMul per weight [N, COLS] (as ``X @ W.T``), outputs Y0.."""
+    nodes, inits, outputs = [], [], []
+    for i, w in enumerate(weights):
+        inits.append(numpy_helper.from_array(np.ascontiguousarray(w.T), f"W{i}"))
+        nodes.append(helper.make_node("MatMul", ["X", f"W{i}"], [f"Y{i}"], name=f"/mm{i}/MatMul"))
+        outputs.append(helper.make_tensor_value_info(f"Y{i}", TensorProto.FLOAT, [1, 3, w.shape[0]]))
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("X", TensorProto.FLOAT, [1, 3, COLS])],
+        outputs, inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _run(model, x):
+    session = ort.InferenceSession(model.SerializeToString(),
+                                   providers=["CPUExecutionProvider"])
+    return session.run(None, {"X": x})
+
+
+def test_matmuls_of_gguf_rows_carry_those_blocks_exactly(reader, monkeypatch):
+    rng = np.random.default_rng(1)
+    q41, q80 = values_of(reader, "Q4_1.weight"), values_of(reader, "Q8_0.weight")
+    q4k, q6k = values_of(reader, "Q4_K.weight"), values_of(reader, "Q6_K.weight")
+    permuted = q41[rng.permutation(ROWS)]  # Llama's q/k rows come back permuted
+    packed = np.concatenate([q4k[:8], q6k[8:]])  # the builder's q/k/v: two tensors, one MatMul
+    scale = rng.uniform(0.5, 2.0, ROWS).astype(np.float32)
+    head = q80 * scale[:, None]  # a calibrated head W / (tau T)
+    other = rng.standard_normal((ROWS, COLS)).astype(np.float32)  # not the GGUF's
+    weights = [permuted, packed, head, other]
+    model = _graph(weights)
+    monkeypatch.setattr(gguf_blocks, "ACCURACY_LEVEL", 0)  # fp32 compute: exact to compare
+    report = carry_gguf_blocks(model, reader)
+    by_node = {r.node: r for r in report}
+    assert by_node["/mm0/MatMul"].types == ("Q4_1",) and by_node["/mm0/MatMul"].reason is None
+    assert by_node["/mm1/MatMul"].types == ("Q4_K", "Q6_K")
+    assert by_node["/mm2/MatMul"].scaled and by_node["/mm2/MatMul"].types == ("Q8_0",)
+    assert "not the GGUF's" in by_node["/mm3/MatMul"].reason
+    ops = [n.op_type for n in model.graph.node]
+    assert ops.count("MatMulNBits") == 3
+    carried = {n.name: n for n in model.graph.node if n.op_type == "MatMulNBits"}
+    bits = {name: next(a.i for a in n.attribute if a.name == "bits")
+            for name, n in carried.items()}
+    # Q4_1: 4 bits; Q4_K with Q6_K: 8 bits in blocks of 16; Q8_0: 8 bits
+    assert bits == {"/mm0/MatMul": 4, "/mm1/MatMul": 8, "/mm2/MatMul": 8}
+    onnx.checker.check_model(model)
+    x = rng.standard_normal((1, 3, COLS)).astype(np.float32)
+    for w, got in zip(weights, _run(model, x), strict=True):
+        want = x @ w.T
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_int8_compute_stays_close_and_the_untouched_weight_is_still_a_matmul(reader):
+    q41 = values_of(reader, "Q4_1.weight")
+    model = _graph([q41])
+    report = carry_gguf_blocks(model, reader)
+    assert [r.reason for r in report] == [None]
+    weights_left = {i.name for i in model.graph.initializer}
+    assert "W0" not in weights_left  # the fp32 weight is gone, the blocks replace it
+    x = np.random.default_rng(2).standard_normal((1, 3, COLS)).astype(np.float32)
+    (got,) = _run(model, x)
+    want = x @ q41.T
+    assert np.abs(got - want).max() <= 2e-2 * np.abs(want).max()  # int8 activations
+
+
+def test_the_gguf_a_model_came_from(tmp_path):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    assert gguf_origin(str(folder), folder) is None
+    (folder / "calm_source.json").write_text(json.dumps(
+        {"gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf", "name": "smollm2-135m-instruct"}))
+    assert gguf_origin(str(folder), folder) == "smollm2-135m-instruct"
+    assert gguf_origin("smollm2-135m-instruct", folder) == "smollm2-135m-instruct"
+    (folder / "calm_source.json").write_text(json.dumps({"gguf_file": "x.gguf", "name": "x"}))
+    assert gguf_origin(str(folder), folder) is None
+    file = tmp_path / "m.gguf"
+    file.write_bytes(b"GGUF")
+    assert gguf_origin(str(file), folder) == str(file)
