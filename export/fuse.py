@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -106,12 +107,29 @@ def elementwise_calibration(adapter: CalibrationAdapter, ones: torch.Tensor, bia
     return fused_head(ones, bias, tau, shift, adapter.temperature)
 
 
-def logits_affine(adapter: CalibrationAdapter, vocab_size: int) -> LogitsAffine:
+def logits_affine(adapter: CalibrationAdapter, vocab_size: int,
+                  multiplier: float = 1.0) -> LogitsAffine:
     """The calibration as elementwise ops on finished logits: ``(z / tau + l) / T`` (``z``
-    centred first for a centred adapter)."""
-    scale, shift = elementwise_calibration(adapter, torch.ones(vocab_size, 1),
+    centred first for a centred adapter); ``multiplier``: a family's scaling of the head
+    output, folded into the scale (the caller neutralises the family's own)."""
+    scale, shift = elementwise_calibration(adapter, torch.full((vocab_size, 1), multiplier),
                                            torch.zeros(vocab_size))
     return LogitsAffine(scale[:, 0], shift, center=adapter.centered)
+
+
+def keeps_tied_head(model, adapter: CalibrationAdapter, config) -> bool:
+    """Whether the builder's engine keeps a tied head and calibrates after it: where tau is
+    one number (a temperature fit, or none), ``W / (tau T)`` needs no copy of the embedding
+    (``z * s + shift`` after the shared head gives the same logits), so the engine is no
+    larger than the builder's own. Only for the builder route (calm's own graph keeps its
+    measured untied head, see :func:`fuse_into_lm_head`), without centring, and for a head
+    without a bias."""
+    head = model.get_output_embeddings()
+    tau = np.asarray(adapter.tau, np.float64)
+    return (config.format == "onnx" and config.graph in ("auto", "builder")
+            and config.head_layout == "untied" and head_is_tied(model)
+            and getattr(head, "bias", None) is None and not adapter.centered
+            and bool(np.all(tau == tau.flat[0])))
 
 
 def head_is_tied(model) -> bool:

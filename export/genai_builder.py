@@ -9,6 +9,9 @@ changes but the head's weights:
 
 * tau and T fold into the head's rows ``W / (tau T)`` (the head is untied from the
   embedding first, export/fuse.py), a family's logit scaling too (export/heads.py);
+* where tau is one number and the source head is tied (a temperature fit, or no adapter),
+  the tie is kept and ``* 1/(tau T)`` (and the shift) follow the shared head, so the
+  engine is no larger than the builder's own (``fuse.keeps_tied_head``);
 * the shift ``(b / tau + l) / T`` (the head's bias after fusing) is not in the builder's
   head: it is an ``Add`` after the head's ``MatMul``, omitted when zero;
 * after a non-linear head (Gemma-2's soft-capping) the calibration is ``Mul`` + ``Add`` on

@@ -210,7 +210,8 @@ def _export(model_spec, out: Path, adapter_arg, config: ExportConfig,
 
     stages.start("reference")
     was_tied = fuse.head_is_tied(model)
-    if config.head_layout == "untied":
+    tied_scale = fuse.keeps_tied_head(model, adapter, config)  # scalar tau on the builder
+    if config.head_layout == "untied" and not tied_scale:
         fuse.untie_lm_head(model)
     reference_model = model
     if adapter.lora_path is not None:
@@ -234,10 +235,12 @@ def _export(model_spec, out: Path, adapter_arg, config: ExportConfig,
                                   adapter_dir, post, cases, references, tolerance, scale,
                                   config, stages, started)
     affine = None
-    if post.kind == "softcap":  # non-linear after the head: the calibration goes after it
-        affine = fuse.logits_affine(adapter, shape.vocab_size)
+    if post.kind == "softcap" or tied_scale:  # the calibration goes after the head
+        affine = fuse.logits_affine(adapter, shape.vocab_size,
+                                    1.0 if post.kind == "softcap" else post.value)
+        heads.neutralise(model, post)
         logger.info("%s: the calibration is applied after it, as elementwise ops",
-                    post.describe())
+                    post.describe() if post.kind == "softcap" else "the tied head")
     else:
         fuse.fuse_into_lm_head(model, adapter, layout=config.head_layout,
                                multiplier=post.value)
