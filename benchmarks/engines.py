@@ -17,6 +17,15 @@ nothing measurable, benchmarks/results/latency.md):
   (through ``python -m calm_export._genai_build``, which runs the builder unchanged but
   reads transformers 5's nested Gemma-3 rotary settings for it), run by onnxruntime-genai
   (which is what the builder's graph is made for);
+* calm int4 requantised (``--int4-blocks requantize``: every MatMul quantised anew from the
+  fp32 weights, the path for models that do not come from a GGUF) and the engines
+  benchmarks/_engine_quality.py derives (int4 with fp32 compute; requantised with the head
+  kept fp32);
+* with ``--llama-cpp DIR``: llama.cpp's ``llama-bench`` (1 thread, one repetition per round)
+  on the model's own GGUF and on ``calm-export --format gguf``'s calibrated GGUF (a scalar
+  temperature: the head untied at the source's type), and a server load test
+  (benchmarks/_llama_cpp.py: 8 clients x 6 greedy completions of 16 tokens, 2 threads)
+  against ``llama-server -np 8`` and ``calm serve`` on the same prompts;
 * transformers ``generate()`` (fp32, ``use_cache``);
 * calm fp32 and calm int4 run by onnxruntime-genai (a copy of the engine folder): the same
   graphs under the builder's runtime, which separates graph from runtime.
@@ -48,6 +57,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+import _engine_quality
+import _llama_cpp
 from _common import command_line, git_commit
 
 HERE = Path(__file__).resolve().parent
@@ -79,6 +90,9 @@ def main(argv=None) -> int:
     parser.add_argument("--score", default="arc-easy:test",
                         help="multiple-choice data each calm engine is scored on (cloze, as "
                         "calm score does): accuracy and ECE of fp32, int8 and int4; '' skips")
+    parser.add_argument("--llama-cpp", metavar="DIR", default=None,
+                        help="a folder with llama.cpp's llama-bench and llama-server binaries: "
+                        "adds llama.cpp's rows (benchmarks/_llama_cpp.py)")
     parser.add_argument("--skip", action="append", default=[], metavar="ARM",
                         help="leave an arm out (repeatable), e.g. 'calm fp32 own graph'")
     parser.add_argument("--render", action="store_true")
@@ -99,19 +113,30 @@ def main(argv=None) -> int:
     work = Path(args.work or cache_dir("bench-engines") / Path(str(args.model)).name)
     work.mkdir(parents=True, exist_ok=True)
     builds = build_all(folder, args.model, work, skip=set(args.skip))
+    derived = _engine_quality.derive(builds, work)
+    for name in ("calm int4 fp32 compute", "calm int4 requantised, head fp32"):
+        builds[name] = {"path": str(derived[name]), "seconds": 0.0, "graph": None,
+                        "bytes": sum(p.stat().st_size for p in derived[name].glob("*.onnx*"))}
+    llama = _llama_builds(args, work) if args.llama_cpp else {}
     for name in ("calm fp32", "calm int4"):  # the same graphs run by onnxruntime-genai
         if name in builds:
             builds[f"{name} run by genai"] = {**builds[name], "runner": "genai"}
     arms = {name: runner for name, runner in make_runners(builds, folder).items()}
     prompts = _prompts(folder)
-    names = list(arms)
+    names = list(arms) + list(llama)
     raw: dict[str, dict[str, list[float]]] = {n: {"decode": [], "prefill64": [],
                                                    "prefill512": []} for n in names}
     for r in range(args.rounds):
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
-            decode, prefill64 = arms[name](prompts[64], args.new_tokens)
-            _, prefill512 = arms[name](prompts[512], 1)
+            if name in llama:
+                times = _llama_cpp.bench(llama[name]["bench"], llama[name]["gguf"],
+                                         args.new_tokens)
+                decode, prefill64, prefill512 = (times[k] for k in ("decode", "prefill64",
+                                                                    "prefill512"))
+            else:
+                decode, prefill64 = arms[name](prompts[64], args.new_tokens)
+                _, prefill512 = arms[name](prompts[512], 1)
             raw[name]["decode"].append(decode)
             raw[name]["prefill64"].append(prefill64)
             raw[name]["prefill512"].append(prefill512)
@@ -129,14 +154,17 @@ def main(argv=None) -> int:
             flush=True)
     rows = []
     for name in names:
-        row = {"arm": name, "build_seconds": builds[name]["seconds"],
-               "bytes": builds[name]["bytes"], "graph": builds[name].get("graph")}
+        built = llama.get(name) or builds[name]
+        row = {"arm": name, "build_seconds": built["seconds"], "bytes": built["bytes"],
+               "graph": built.get("graph")}
         for metric in ("decode", "prefill64", "prefill512"):
             row[metric] = _paired(raw[name][metric], raw[REFERENCE_ARM][metric])
             row[metric]["median_ms"] = statistics.median(raw[name][metric]) * 1e3
         rows.append(row)
     targets = []
-    for what, arm, against, metric in TARGETS:
+    pairs = TARGETS + tuple(("int4 decode vs llama.cpp", "calm int4", name, "decode")
+                            for name in llama if "calibrated" not in name)
+    for what, arm, against, metric in pairs:
         pair = _paired(raw[arm][metric], raw[against][metric])
         targets.append({"target": what, "arm": arm, "against": against, **pair,
                         "met": pair["ratio_median"] <= 1.0})
@@ -152,9 +180,16 @@ def main(argv=None) -> int:
     targets.append({"target": "export wall time (at most 2x)", "arm": "calm fp32",
                     "against": "builder fp32", "ratio_median": ratio, "ratio_min": ratio,
                     "ratio_max": ratio, "met": ratio <= 2.0})
-    scores = score_engines(builds, args.score) if args.score else {}
+    scores = {}
+    if args.score:
+        engines = {n: Path(b["path"]) for n, b in builds.items() if n.startswith("calm")
+                   and n != "calm fp32 own graph" and b.get("runner") != "genai"}
+        if "builder int4" in derived:
+            engines["builder int4"] = derived["builder int4"]
+        scores = _engine_quality.quality(engines, args.score)
+    servers = _servers(llama, builds, folder) if llama else {}
     section = {"command": command_line("engines.py", argv), "commit": git_commit(),
-               "scores": scores, "score_data": args.score,
+               "scores": scores, "score_data": args.score, "servers": servers,
                "created": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                "model": args.model, "rounds": args.rounds, "long_rounds": args.long_rounds,
                "new_tokens": args.new_tokens, "threads": 1, "rows": rows,
@@ -188,6 +223,8 @@ def build_all(folder: Path, spec: str, work: Path, skip: set = frozenset()) -> d
         "calm fp32 own graph": ["calm-export", "--model", spec, "--graph", "fused"],
         "calm int8": ["calm-export", "--model", spec, "--quantize", "int8"],
         "calm int4": ["calm-export", "--model", spec, "--quantize", "int4"],
+        "calm int4 requantised": ["calm-export", "--model", spec, "--quantize", "int4",
+                                  "--int4-blocks", "requantize"],
         "builder fp32": [*builder, "fp32"],
         "builder fp32 pruned head": [*builder, "fp32", "prune_lm_head=true"],
         "builder int4": [*builder, "int4"],
@@ -219,31 +256,62 @@ def build_all(folder: Path, spec: str, work: Path, skip: set = frozenset()) -> d
     return done
 
 
-def score_engines(builds: dict, data: str) -> dict:
-    """``calm score``'s metrics (cloze, the engine's defaults) of each calm engine on
-    ``data``, with the drift from fp32 each quantised engine's manifest records."""
-    from calm_runtime.data import load_dataset
-    from calm_runtime.lm import CalibratedLM
-    from calm_runtime.score import score_records
+def _llama_builds(args, work: Path) -> dict:
+    """llama.cpp's arms: the model's own GGUF and calm's calibrated GGUF of it (a scalar
+    temperature adapter; the speed does not depend on its value)."""
+    from calm_export.gguf_file import source_gguf
+    from calm_runtime.artifact import CalibrationAdapter
+    from calm_runtime.models import model_identity, resolve_model
 
-    records = load_dataset(data)
+    tools = _llama_cpp.binaries(args.llama_cpp)
+    source = work / "source.gguf"
+    if not source.is_file():
+        with source_gguf(args.model, work) as path:
+            shutil.copy2(path, source)
+    calibrated = work / "calibrated.gguf"
+    if not calibrated.is_file():
+        identity = model_identity(resolve_model(args.model), name=str(args.model))
+        vocab = identity.vocab_size
+        CalibrationAdapter(base_model=identity, tau=np.ones(vocab, np.float32),
+                           shift=np.zeros(vocab, np.float32), temperature=1.5,
+                           answer_temperature=None, kind="daca",
+                           method={"mode": "letter"}).save_pretrained(work / "t1.5-adapter")
+        subprocess.run(["calm-export", "--model", str(args.model), "--adapter",
+                        str(work / "t1.5-adapter"), "--format", "gguf", "--out",
+                        str(calibrated), "--quiet"], check=True, stdout=subprocess.DEVNULL)
+    entries = {f"llama.cpp {_dominant_type(source)} GGUF": source,
+               "llama.cpp calibrated GGUF": calibrated}
+    return {name: {"gguf": path, "bench": tools["bench"], "server": tools["server"],
+                   "seconds": 0.0, "bytes": path.stat().st_size,
+                   "graph": {"kind": "llama.cpp"}} for name, path in entries.items()}
+
+
+def _dominant_type(path: Path) -> str:
+    """The quantisation type most of a GGUF's matrices have (``Q4_1``)."""
+    from collections import Counter
+
+    import gguf
+
+    types = Counter(t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors
+                    if len(t.shape) == 2)
+    return types.most_common(1)[0][0]
+
+
+def _servers(llama: dict, builds: dict, folder: Path) -> dict:
+    """The server load test (benchmarks/_llama_cpp.py) on calm serve and llama-server."""
+    from calm_runtime.data import load_dataset
+    from calm_runtime.prompts import cloze_context
+
+    prompts = [cloze_context(r.question) for r in load_dataset("arc-easy:test")[:64]]
     out = {}
-    for name, build in builds.items():
-        if not name.startswith("calm") or name == "calm fp32 own graph" \
-                or build.get("runner") == "genai":
-            continue
-        lm = CalibratedLM.load(build["path"], threads=2)
-        report = score_records(lm, records, mode="cloze")
-        export = lm.manifest.export
-        lm.close()
-        variant = next((export[k] for k in ("int8", "int4") if export.get(k)), None)
-        metrics = report["metrics"]
-        out[name] = {"accuracy": metrics["accuracy"], "ece": metrics["ece"],
-                     "nll": metrics["nll"], "brier": metrics["brier"], "n": metrics["n"],
-                     "drift": None if variant is None else variant["drift"],
-                     "block_size": None if variant is None else variant.get("block_size")}
-        print(f"{name} on {data}: accuracy {metrics['accuracy']:.3f}, ECE "
-              f"{metrics['ece']:.3f}", flush=True)
+    for name in ("calm fp32", "calm int4"):
+        out[f"calm serve ({name})"] = _llama_cpp.calm_serve(Path(builds[name]["path"]),
+                                                            prompts, threads=2)
+    for name, entry in llama.items():
+        out[f"llama-server ({name.removeprefix('llama.cpp ')})"] = _llama_cpp.llama_server(
+            entry["server"], entry["gguf"], prompts, threads=2)
+    for name, result in out.items():
+        print(f"{name}: {result['tokens_per_s']:.1f} tokens/s", flush=True)
     return out
 
 
@@ -386,16 +454,27 @@ def _render_model(model: str, result: dict) -> list[str]:
                      f"{_ratio(target)} | {'yes' if target['met'] else 'no'} |")
     if result.get("scores"):
         lines += ["", f"What the precision costs on {result['score_data']} (cloze, `calm score`'s "
-                  "metrics through each engine; drift: against the fp32 graph at export, "
-                  "top-1 agreement and mean total variation):", "",
+                  "metrics through each engine, calm's runtime) and at every position of six "
+                  "prompts (top-1 agreement and mean total variation against calm fp32; "
+                  "benchmarks/_engine_quality.py says how the derived engines are made):", "",
                   "| engine | accuracy | ECE | NLL | top-1 agreement | mean TV |",
                   "|---|---|---|---|---|---|"]
         for name, m in result["scores"].items():
-            drift = m.get("drift")
-            agree = "-" if drift is None else f"{drift['greedy_agreement']:.3f}"
-            tv = "-" if drift is None else f"{drift['mean_total_variation']:.4f}"
+            agree = m.get("top1_agreement", (m.get("drift") or {}).get("greedy_agreement"))
+            tv = m.get("mean_total_variation",
+                       (m.get("drift") or {}).get("mean_total_variation"))
             lines.append(f"| {name} | {m['accuracy']:.3f} | {m['ece']:.3f} | {m['nll']:.3f} | "
-                         f"{agree} | {tv} |")
+                         f"{'-' if agree is None else f'{agree:.3f}'} | "
+                         f"{'-' if tv is None else f'{tv:.4f}'} |")
+    if result.get("servers"):
+        first = next(iter(result["servers"].values()))
+        lines += ["", f"Servers on the same workload ({first['clients']} concurrent clients, "
+                  f"{first['requests']} greedy completions of at most {first['max_tokens']} "
+                  "tokens over ARC-Easy questions, 2 threads; benchmarks/_llama_cpp.py):", "",
+                  "| server | generated tokens | seconds | tokens/s |", "|---|---|---|---|"]
+        for name, m in result["servers"].items():
+            lines.append(f"| {name} | {m['tokens']} | {m['seconds']:.1f} | "
+                         f"{m['tokens_per_s']:.1f} |")
     return lines
 
 

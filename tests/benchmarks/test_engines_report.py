@@ -50,3 +50,36 @@ def test_the_report_has_a_section_per_model_with_its_targets(engines):
     assert "| fp32 decode | calm fp32 | builder fp32 | 1.09 (0.92-1.15) | no |" in text
     assert "| calm fp32 | 30.0 | 45.0 | 1.50 |" in text
     assert "do not edit by hand" in text
+
+
+def test_the_quality_and_server_tables(engines):
+    section = _section("smol", 31.9)
+    section["score_data"] = "arc-easy:test"
+    section["scores"] = {
+        "calm fp32": {"accuracy": 0.474, "ece": 0.149, "nll": 1.2, "brier": 0.6, "n": 570,
+                      "top1_agreement": 1.0, "mean_total_variation": 0.0, "positions": 90},
+        "builder int4": {"accuracy": 0.45, "ece": 0.15, "nll": 1.3, "brier": 0.6, "n": 570,
+                         "top1_agreement": 0.8, "mean_total_variation": 0.21, "positions": 90}}
+    section["servers"] = {"llama-server (Q4_1 GGUF)": {
+        "tokens": 768, "seconds": 10.0, "tokens_per_s": 76.8, "clients": 8, "requests": 48,
+        "max_tokens": 16}}
+    text = engines.render({"models": {"smol": section}})
+    assert "| builder int4 | 0.450 | 0.150 | 1.300 | 0.800 | 0.2100 |" in text
+    assert "| llama-server (Q4_1 GGUF) | 768 | 10.0 | 76.8 |" in text
+    assert "8 concurrent clients, 48 greedy completions of at most 16 tokens" in text
+
+
+def test_llama_cpp_binaries_are_named_when_missing(tmp_path):
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import _llama_cpp
+
+        with pytest.raises(SystemExit, match="no llama-bench there"):
+            _llama_cpp.binaries(tmp_path)
+        for name in ("llama-bench", "llama-server"):
+            (tmp_path / "bin").mkdir(exist_ok=True)
+            (tmp_path / "bin" / name).write_text("")
+        assert _llama_cpp.binaries(tmp_path)["server"] == tmp_path / "bin" / "llama-server"
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+        sys.modules.pop("_llama_cpp", None)
