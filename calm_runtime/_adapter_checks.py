@@ -16,7 +16,6 @@ import numpy as np
 from ._fs import read_regular_file, show, show_name
 from .errors import ArtifactError
 
-_SERVED_KEYS = {"endpoint", "served_model"}
 _TENSOR_KEYS = {"tau", "shift", "temperature", "answer_temperature"}
 _REQUIRED_TENSORS = {"tau", "shift", "temperature"}
 _SCALAR_TENSORS = ("temperature", "answer_temperature")
@@ -32,7 +31,7 @@ _SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F64": "float64", "
                        "U16": "uint16", "U32": "uint32", "U64": "uint64", "BOOL": "bool"}
 
 
-def _load_tensors(path: Path, vocab: int, entries: Any, where: str) -> dict[str, np.ndarray]:
+def load_tensors(path: Path, vocab: int, entries: Any, where: str) -> dict[str, np.ndarray]:
     """Read the tensors file, checking its header before any tensor data is touched.
 
     The file may hold at most what a valid adapter of ``vocab`` tokens holds (plus a header
@@ -185,7 +184,7 @@ def check_abstention(value: Any, where: str) -> dict | None:
     return dict(value)
 
 
-def _float32_array(value: Any, name: str) -> np.ndarray:
+def float32_array(value: Any, name: str) -> np.ndarray:
     try:
         with np.errstate(all="ignore"):  # too large for float32: inf, refused below
             return np.asarray(value, dtype=np.float32)
@@ -194,7 +193,7 @@ def _float32_array(value: Any, name: str) -> np.ndarray:
                             f"{type(value).__name__}; pass a float32 vector") from None
 
 
-def _check_range(checked: np.ndarray, name: str, low: float, high: float, shown: str, *,
+def check_range(checked: np.ndarray, name: str, low: float, high: float, shown: str, *,
                  values: np.ndarray | None = None) -> None:
     """Refuse entries of ``checked`` outside ``[low, high]``, naming the first one."""
     bad = np.flatnonzero((checked < low) | (checked > high))
@@ -205,7 +204,7 @@ def _check_range(checked: np.ndarray, name: str, low: float, high: float, shown:
                             "re-fit the calibration")
 
 
-def _mapping(value: Any, name: str, where: str) -> dict:
+def optional_mapping(value: Any, name: str, where: str) -> dict:
     if value is None:
         return {}
     if not isinstance(value, Mapping):
@@ -213,7 +212,7 @@ def _mapping(value: Any, name: str, where: str) -> dict:
     return dict(value)
 
 
-def _string(value: Any, name: str, where: str) -> str:
+def non_empty_string(value: Any, name: str, where: str) -> str:
     if not isinstance(value, str) or not value:
         raise ArtifactError(f"{where}: {name} must be a non-empty string, got {show(value)}")
     return value

@@ -9,7 +9,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from ._fs import show
-from ._manifest import check_keys, finite_number, number_in_range, sha256_hex
+from ._manifest import (
+    check_keys,
+    check_p_true_template,
+    finite_number,
+    number_in_range,
+    sha256_hex,
+)
 from .calibration import SHIFT_LIMIT, TAU_RANGE, TEMPERATURE_RANGE
 from .errors import ArtifactError
 from .prompts import CHOICE_MODES
@@ -49,6 +55,26 @@ def engine_io_names(num_layers: int, *, position_ids: bool = True
     return inputs, outputs
 
 
+#: the manifest's sections, in the order they are checked
+SECTIONS = ("source", "calibration", "model", "io", "tokenizer", "option_tokens",
+            "p_true_template", "export", "validation")
+
+
+def check_sections(data: Mapping, kind: str, where: str) -> dict[str, dict]:
+    """Every section of the manifest ``data`` of an engine of ``kind``, checked, by name."""
+    sections = {name: _section(data, name, where) for name in SECTIONS}
+    _check_source(sections["source"], f"{where} source")
+    _check_calibration(sections["calibration"], f"{where} calibration")
+    _check_model(sections["model"], kind, f"{where} model")
+    _check_io(sections["io"], sections["model"]["num_layers"], f"{where} io")
+    _check_tokenizer(sections["tokenizer"], f"{where} tokenizer")
+    _check_option_tokens(sections["option_tokens"], sections["model"]["vocab_size"],
+                         f"{where} option_tokens")
+    check_p_true_template(sections["p_true_template"], where, allow_name=False)
+    _check_export(sections["export"], f"{where} export")
+    _check_validation(sections["validation"], f"{where} validation")
+    return sections
+
 
 def _section(data: Mapping, name: str, where: str) -> dict:
     value = data[name]
@@ -64,7 +90,7 @@ def _check_source(section: dict, where: str) -> None:
     if not isinstance(model, Mapping):
         raise ArtifactError(f"{where}: model must be an object; re-export the engine")
     check_keys(model, _SOURCE_MODEL_KEYS, _SOURCE_MODEL_KEYS, f"{where} model")
-    _text(model["name"], "name", f"{where} model")
+    non_empty_text(model["name"], "name", f"{where} model")
     _positive_int(model["vocab_size"], "vocab_size", f"{where} model")
     for key in ("tokenizer_sha256", "weights_sha256"):
         sha256_hex(model[key], key, f"{where} model", optional=True)
@@ -74,9 +100,9 @@ def _check_source(section: dict, where: str) -> None:
     if not isinstance(adapter, Mapping):
         raise ArtifactError(f"{where}: adapter must be an object or null; re-export the engine")
     check_keys(adapter, _SOURCE_ADAPTER_KEYS, _SOURCE_ADAPTER_KEYS, f"{where} adapter")
-    _text(adapter["kind"], "kind", f"{where} adapter")
+    non_empty_text(adapter["kind"], "kind", f"{where} adapter")
     if adapter["path_name"] is not None:
-        _text(adapter["path_name"], "path_name", f"{where} adapter")
+        non_empty_text(adapter["path_name"], "path_name", f"{where} adapter")
     for key in ("tensors_sha256", "manifest_sha256"):
         sha256_hex(adapter[key], key, f"{where} adapter", optional=True)
 
@@ -259,7 +285,7 @@ def _number(value: Any, name: str, where: str, *,
         raise ArtifactError(f"{where}: {exc}") from None
 
 
-def _text(value: Any, name: str, where: str) -> str:
+def non_empty_text(value: Any, name: str, where: str) -> str:
     if not isinstance(value, str) or not value:
         raise ArtifactError(f"{where}: {name} must be a non-empty string, got {show(value)}")
     return value

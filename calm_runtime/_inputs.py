@@ -12,7 +12,7 @@ from .errors import ConfigError
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def _check_text(text: str, label: str) -> None:
+def check_text(text: str, label: str) -> None:
     """Refuse text the tokenizer cannot take: a lone UTF-16 surrogate is not Unicode."""
     found = _SURROGATE.search(text)
     if found is not None:
@@ -21,18 +21,18 @@ def _check_text(text: str, label: str) -> None:
                           "valid Unicode; pass valid text")
 
 
-def _label(kind: str, index: int, count: int) -> str:
+def input_label(kind: str, index: int, count: int) -> str:
     """How an error names input ``index`` of ``count``: "the prompt" or "prompt 2 of 5"."""
     return f"the {kind}" if count == 1 else f"{kind} {index + 1} of {count}"
 
 
-def _non_negative(value, name: str) -> int:
+def non_negative_int(value, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ConfigError(f"{name} must be an integer >= 0, got {value!r}")
     return value
 
 
-def _positive(value, name: str) -> int:
+def positive_int(value, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ConfigError(f"{name} must be a positive integer, got {value!r}")
     return int(value)

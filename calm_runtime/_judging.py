@@ -10,8 +10,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from . import _scoring
-from ._inputs import _check_text, _label, _positive
+from . import scoring_passes
+from ._inputs import check_text, input_label, positive_int
 from .calibration import apply_calibration
 from .engine import EngineManifest
 from .errors import ConfigError
@@ -75,14 +75,15 @@ class Judging:
             raise ConfigError("no questions given; pass at least one")
         for q, opts in zip(questions, options, strict=True):
             _check_question(q, opts)
-        size = _positive(batch_size, "batch_size")
+        size = positive_int(batch_size, "batch_size")
         if mode == "letter":
             return self._choose_letters(questions, options, chat, size)
         variant = self._cloze_variant(variant)
         contexts, conts = [], []
         for n, (q, opts) in enumerate(zip(questions, options, strict=True)):
+            which = input_label("question", n, len(questions))
             self._check_chars(q + max(opts, key=len, default=""),
-                              f"{_label('question', n, len(questions))} with its longest option",
+                              f"{which} with its longest option",
                               "shorten the question or options")
             ids = self.tokenizer.encode(cloze_context(q))
             encoded = [self.tokenizer.encode(cloze_continuation(o), add_bos=False) for o in opts]
@@ -90,12 +91,12 @@ class Judging:
                 raise ConfigError(f"an option of {q[:40]!r} encodes to no tokens; fix the option")
             longest = max(range(len(encoded)), key=lambda k: len(encoded[k]))
             self._check_length(len(ids) + len(encoded[longest]) - 1,
-                               f"{_label('question', n, len(questions))} with option "
+                               f"{input_label('question', n, len(questions))} with option "
                                f"{longest + 1} (question and option)",
                                "shorten the question or options")
             contexts.append(ids)
             conts.append(encoded)
-        sums = _scoring.cloze_logprobs(self.backend, contexts, conts,
+        sums = scoring_passes.cloze_logprobs(self.backend, contexts, conts,
                                        self.tokenizer.pad_token_id, size,
                                        kv_bytes_per_token=self.kv_bytes_per_token)
         choices = []
@@ -125,7 +126,7 @@ class Judging:
         for option in options:  # any number of choices: no letters are needed here
             if not isinstance(option, str) or not option.strip():
                 raise ConfigError(f"every option must be a non-empty string, got {option!r}")
-            _check_text(option, "an option")
+            check_text(option, "an option")
         variant = self._cloze_variant(variant)
         context = [int(i) for i in prompt_ids]
         if not context:
@@ -141,7 +142,7 @@ class Judging:
         self._check_length(len(context) + longest - 1,
                            f"the prompt with its longest choice ({len(context)} + {longest} "
                            "tokens)", "shorten the prompt or the choices")
-        sums = _scoring.cloze_logprobs(self.backend, [context], [encoded],
+        sums = scoring_passes.cloze_logprobs(self.backend, [context], [encoded],
                                        self.tokenizer.pad_token_id, 1,
                                        kv_bytes_per_token=self.kv_bytes_per_token,
                                        should_stop=should_stop)[0]
@@ -156,7 +157,7 @@ class Judging:
         for n, (q, opts) in enumerate(zip(questions, options, strict=True)):
             prompts.append(self._prompt_ids(
                 letter_prompt(q, opts), use_chat,
-                f"{_label('question', n, len(questions))} as a letter-mode prompt",
+                f"{input_label('question', n, len(questions))} as a letter-mode prompt",
                 "shorten the question or options"))
             texts = letter_tokens(len(opts), chat=use_chat)
             missing = [t for t in texts if t not in table]
@@ -165,8 +166,8 @@ class Judging:
                                   f"engine's tokenizer (it records {sorted(table)}); use "
                                   "mode='cloze' or fewer options")
             ids.append([table[t] for t in texts])
-        logits = _scoring.next_token_logits(self.backend, prompts, self.tokenizer.pad_token_id,
-                                            size)
+        logits = scoring_passes.next_token_logits(self.backend, prompts,
+                                                  self.tokenizer.pad_token_id, size)
         return [_choice(logits[n, token_ids].astype(np.float64), "letter", None, 1.0,
                         self.abstain_below)
                 for n, token_ids in enumerate(ids)]
@@ -205,13 +206,14 @@ class Judging:
             if not isinstance(q, str) or not q.strip() or not isinstance(a, str):
                 raise ConfigError(f"P(True) needs a non-empty question and an answer string, got "
                                   f"{q!r} / {a!r}")
-            label = f"the P(True) prompt of {_label('question', n, len(questions))}"
-            _check_text(q, label)
-            _check_text(a, label)
+            label = f"the P(True) prompt of {input_label('question', n, len(questions))}"
+            check_text(q, label)
+            check_text(a, label)
             prompts.append(self._prompt_ids(chosen.render(q, a), use_chat, label,
                                             "shorten the question or the answer"))
-        logits = _scoring.next_token_logits(self.backend, prompts, self.tokenizer.pad_token_id,
-                                            _positive(batch_size, "batch_size"))
+        logits = scoring_passes.next_token_logits(self.backend, prompts,
+                                                  self.tokenizer.pad_token_id,
+                                                  positive_int(batch_size, "batch_size"))
         two = logits[:, pair].astype(np.float64)
         return 1.0 / (1.0 + np.exp(two[:, 1] - two[:, 0]))
 
@@ -231,11 +233,11 @@ def _choice(scores: np.ndarray, mode: str, variant: str | None, temperature: flo
 def _check_question(question, options) -> None:
     if not isinstance(question, str) or not question.strip():
         raise ConfigError(f"a question must be a non-empty string, got {question!r}")
-    _check_text(question, "a question")
+    check_text(question, "a question")
     if isinstance(options, str) or not isinstance(options, Sequence):
         raise ConfigError(f"options must be a list of strings, got {type(options).__name__}")
     option_letters(len(options))  # 2..26 options, else a one-line ConfigError
     for option in options:
         if not isinstance(option, str) or not option.strip():
             raise ConfigError(f"every option must be a non-empty string, got {option!r}")
-        _check_text(option, "an option")
+        check_text(option, "an option")

@@ -26,14 +26,13 @@ from typing import Any
 import numpy as np
 
 from ._adapter_checks import (  # noqa: F401 - check_abstention is part of the artifact's API
-    _SERVED_KEYS,
     MAX_VOCAB_SIZE,
-    _check_range,
-    _float32_array,
-    _load_tensors,
-    _mapping,
-    _string,
     check_abstention,
+    check_range,
+    float32_array,
+    load_tensors,
+    non_empty_string,
+    optional_mapping,
 )
 from ._fs import (
     atomic_directory,
@@ -90,6 +89,7 @@ _TOP_KEYS = {"schema_version", "kind", "created_by", "created_at", "base_model",
              "abstention", "logits"}
 _REQUIRED_TOP = {"schema_version", "kind", "created_by", "base_model", "method", "tensors"}
 _MODEL_KEYS = {"name", "vocab_size", "tokenizer_sha256", "served"}
+_SERVED_KEYS = {"endpoint", "served_model"}
 
 
 def tokenizer_sha256(model_dir: str | os.PathLike) -> str:
@@ -197,8 +197,8 @@ class CalibrationAdapter:
         """
         _check_identity(self.base_model, "base_model")
         # re-coerce: the fields are mutable, and the file must hold what the manifest says
-        self.tau = _float32_array(self.tau, "tau")
-        self.shift = _float32_array(self.shift, "shift")
+        self.tau = float32_array(self.tau, "tau")
+        self.shift = float32_array(self.shift, "shift")
         vocab = self.base_model.vocab_size
         for name, array in (("tau", self.tau), ("shift", self.shift)):
             if array.shape != (vocab,):
@@ -214,19 +214,19 @@ class CalibrationAdapter:
                                 f"token id {bad[0]}: {self.tau[bad[0]]:g}); re-fit or check the "
                                 "artifact")
         low, high = TAU_RANGE
-        _check_range(self.tau, "tau", as_float32(low), as_float32(high), f"[{low:g}, {high:g}]")
-        _check_range(np.abs(self.shift), "shift", -math.inf, as_float32(SHIFT_LIMIT),
+        check_range(self.tau, "tau", as_float32(low), as_float32(high), f"[{low:g}, {high:g}]")
+        check_range(np.abs(self.shift), "shift", -math.inf, as_float32(SHIFT_LIMIT),
                      f"[{-SHIFT_LIMIT:g}, {SHIFT_LIMIT:g}]", values=self.shift)
         self.temperature = number_in_range(self.temperature, "temperature", *TEMPERATURE_RANGE)
         if self.answer_temperature is not None:
             self.answer_temperature = number_in_range(self.answer_temperature,
                                                       "answer_temperature", *TEMPERATURE_RANGE)
-        self.kind = _string(self.kind, "kind", "the adapter")
-        self.created_by = _string(self.created_by, "created_by", "the adapter")
+        self.kind = non_empty_string(self.kind, "kind", "the adapter")
+        self.created_by = non_empty_string(self.created_by, "created_by", "the adapter")
         if self.created_at is not None:
             iso_timestamp(self.created_at, "created_at", "the adapter")
         for name in ("method", "metrics", "provenance"):
-            setattr(self, name, _mapping(getattr(self, name), name, "the adapter"))
+            setattr(self, name, optional_mapping(getattr(self, name), name, "the adapter"))
         if self.p_true_template is not None:
             check_p_true_template(self.p_true_template, "the adapter", allow_name=True)
         self.abstention = check_abstention(self.abstention, "the adapter")
@@ -343,14 +343,14 @@ class CalibrationAdapter:
         identity = ModelIdentity(model["name"], model["vocab_size"],
                                  model.get("tokenizer_sha256"), model.get("served"))
         _check_identity(identity, f"{where} base_model")
-        kind = _string(data["kind"], "kind", where)
-        created_by = _string(data["created_by"], "created_by", where)
+        kind = non_empty_string(data["kind"], "kind", where)
+        created_by = non_empty_string(data["created_by"], "created_by", where)
         created_at = data.get("created_at")
         if created_at is not None:
             iso_timestamp(created_at, "created_at", where)
-        method = _mapping(data.get("method"), "method", where)
-        metrics = _mapping(data.get("metrics"), "metrics", where)
-        provenance = _mapping(data.get("provenance"), "provenance", where)
+        method = optional_mapping(data.get("method"), "method", where)
+        metrics = optional_mapping(data.get("metrics"), "metrics", where)
+        provenance = optional_mapping(data.get("provenance"), "provenance", where)
         p_true = data.get("p_true_template")
         if p_true is not None:
             check_p_true_template(p_true, where, allow_name=True)
@@ -359,7 +359,7 @@ class CalibrationAdapter:
             raise ArtifactError(f"{where}: tensors must be an object; re-create the adapter")
         check_keys(tensors_section, {"file", "entries"}, {"file"}, f"{where} tensors")
         tensor_path = resolve_inside(root, tensors_section["file"])
-        arrays = _load_tensors(tensor_path, identity.vocab_size,
+        arrays = load_tensors(tensor_path, identity.vocab_size,
                                tensors_section.get("entries"), where)
         lora_ref = data.get("lora")
         lora_path = None

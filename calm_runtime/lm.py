@@ -39,7 +39,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from . import _scoring
+from . import scoring_passes
 from ._generation import (
     DEFAULT_MAX_PREFILL_TOKENS,
     DecodeSettings,
@@ -47,7 +47,7 @@ from ._generation import (
     PrefillBudget,
     release,
 )
-from ._inputs import _check_text, _label, _non_negative, _positive
+from ._inputs import check_text, input_label, non_negative_int, positive_int
 from ._judging import Judging, recorded_cloze_variant
 from ._tokenizer import EngineTokenizer
 from .backends import Backend, create_backend
@@ -98,7 +98,7 @@ class CalibratedLM(Judging):
         self.tokenizer = tokenizer
         self.max_context: int = manifest.model["max_position_embeddings"]
         if max_prefill_tokens is not None:
-            max_prefill_tokens = _positive(max_prefill_tokens, "max_prefill_tokens")
+            max_prefill_tokens = positive_int(max_prefill_tokens, "max_prefill_tokens")
         #: the most tokens one pass over many positions takes (``None``: unbounded); see the
         #: module doc. The budget is the backend's (``backend.prefill_budget``), which the
         #: scoring passes read too
@@ -156,7 +156,7 @@ class CalibratedLM(Judging):
         elif threads is not None and backend == "torch":
             options["threads"] = threads
         if max_prefill_tokens is not None:
-            _positive(max_prefill_tokens, "max_prefill_tokens")  # before the session starts
+            positive_int(max_prefill_tokens, "max_prefill_tokens")  # before the session starts
         runner = create_backend(backend, manifest, **options)
         logger.info("loaded %s on %s", manifest.root, runner.description)
         return cls(manifest, runner, tokenizer, max_prefill_tokens=max_prefill_tokens)
@@ -222,7 +222,7 @@ class CalibratedLM(Judging):
             which = "" if label == "the prompt" else f" ({label})"
             raise ConfigError(f"the prompt is empty{which}; pass some text to generate from or "
                               "score")
-        _check_text(prompt, label)
+        check_text(prompt, label)
         self._check_chars(prompt, label, "shorten the prompt")
         if self.tokenizer.use_chat(chat):
             ids = self.tokenizer.encode_chat(prompt)
@@ -259,11 +259,11 @@ class CalibratedLM(Judging):
         prompts = [prompt] if single else list(prompt)
         if not prompts:
             raise ConfigError("no prompts given; pass a string or a non-empty list of strings")
-        encoded = [self._encode_prompt(p, chat, _label("prompt", i, len(prompts)))
+        encoded = [self._encode_prompt(p, chat, input_label("prompt", i, len(prompts)))
                    for i, p in enumerate(prompts)]
         settings = self._settings(encoded, max_new_tokens, temperature, top_k, top_p, seed,
                                   stop, top_alternatives, raw_logprobs)
-        size = _positive(batch_size, "batch_size")
+        size = positive_int(batch_size, "batch_size")
         size = min(size, self.backend.max_batch or size)
         results: list[Generation] = []
         for start in range(0, len(encoded), size):
@@ -296,7 +296,7 @@ class CalibratedLM(Judging):
             raise ConfigError("no prompts given; pass at least one encoded prompt")
         vocab = self.manifest.vocab_size
         for i, ids in enumerate(encoded):
-            label = _label("prompt", i, len(encoded))
+            label = input_label("prompt", i, len(encoded))
             if not ids:
                 raise ConfigError(f"{label} has no token ids; pass at least one token")
             low, high = min(ids), max(ids)
@@ -312,7 +312,7 @@ class CalibratedLM(Judging):
         if len(limits) != len(encoded):
             raise ConfigError(f"{len(limits)} max_new_tokens for {len(encoded)} prompts; pass one "
                               "per prompt")
-        settings = self._settings(encoded, max(_positive(n, "max_new_tokens") for n in limits),
+        settings = self._settings(encoded, max(positive_int(n, "max_new_tokens") for n in limits),
                                   **_sampling_options(dict(options)))
         capped = tuple(min(n, cap) for n, cap in zip(limits, settings.max_new_tokens, strict=True))
         return GenerationRun(self.backend, self.tokenizer, encoded,
@@ -334,7 +334,7 @@ class CalibratedLM(Judging):
     def _settings(self, encoded, max_new_tokens, temperature=0.0, top_k=0, top_p=1.0,
                   seed=None, stop=(), top_alternatives=0,
                   raw_logprobs=False) -> DecodeSettings:
-        max_new = _positive(max_new_tokens, "max_new_tokens")
+        max_new = positive_int(max_new_tokens, "max_new_tokens")
         top_n = top_alternatives
         if isinstance(top_n, bool) or not isinstance(top_n, (int, np.integer)) or top_n < 0:
             raise ConfigError(f"top_alternatives must be an integer >= 0, got {top_n!r}")
@@ -345,10 +345,10 @@ class CalibratedLM(Judging):
         for i, ids in enumerate(encoded):
             room = self.max_context - len(ids)
             if room < 1:
-                raise ConfigError(f"{_label('prompt', i, len(encoded))} is {len(ids)} tokens and "
-                                  f"fills the model's context of {self.max_context}; shorten it "
-                                  "to leave room to generate")
-            self.check_prefill(len(ids), _label("prompt", i, len(encoded)))
+                raise ConfigError(f"{input_label('prompt', i, len(encoded))} is {len(ids)} tokens "
+                                  f"and fills the model's context of {self.max_context}; shorten "
+                                  "it to leave room to generate")
+            self.check_prefill(len(ids), input_label("prompt", i, len(encoded)))
             limits.append(min(max_new, room))
         return DecodeSettings(max_new_tokens=tuple(limits),
                               sampling=SamplingParams(temperature=temperature, top_k=top_k,
@@ -373,7 +373,7 @@ class CalibratedLM(Judging):
 
         The prompt is encoded as :meth:`generate` encodes it (BOS first when the engine's
         tokenizer adds one), in segments of positions whose logits fit
-        :data:`~calm_runtime._scoring.SCORING_BUDGET_BYTES` (the KV cache carries over), with
+        :data:`~calm_runtime.scoring_passes.SCORING_BUDGET_BYTES` (the KV cache carries over), with
         ``should_stop()`` checked between them. ``raw_logprobs=True`` adds the raw,
         uncalibrated log-probabilities (see :attr:`raw_logit_scale`).
         """
@@ -383,10 +383,10 @@ class CalibratedLM(Judging):
             release(self.backend)
 
     def _prompt_logprobs(self, prompt, top, raw_logprobs, should_stop) -> list[PromptToken]:
-        _check_text(prompt, "the prompt")
+        check_text(prompt, "the prompt")
         if not prompt:
             raise ConfigError("the prompt is empty; pass the text to score")
-        top = _non_negative(top, "top")
+        top = non_negative_int(top, "top")
         scale = self.raw_logit_scale if raw_logprobs else None
         self._check_chars(prompt, "the prompt", "shorten the prompt")
         encoding = self.tokenizer._tokenizer.encode(prompt, add_special_tokens=False)
@@ -395,7 +395,7 @@ class CalibratedLM(Judging):
             ids, offsets = [self.tokenizer.bos_token_id, *ids], [0, *offsets]
         self._check_length(len(ids), f"the prompt ({len(ids)} tokens)",
                            "shorten the prompt")
-        segment = max(1, _scoring.SCORING_BUDGET_BYTES // (self.manifest.vocab_size * 8))
+        segment = max(1, scoring_passes.SCORING_BUDGET_BYTES // (self.manifest.vocab_size * 8))
         if self.prefill_budget is not None:  # the attention scores of a segment, too
             fits = self.prefill_budget.span(1, len(ids) - 1, all_logits=True)
             if fits < 1:
@@ -408,7 +408,7 @@ class CalibratedLM(Judging):
         for t in range(1, len(ids)):
             if t - 1 >= done:  # run the next segment of positions t-1 .. (the cache carries)
                 if should_stop is not None and should_stop():
-                    raise _scoring.ScoringStopped()
+                    raise scoring_passes.ScoringStopped()
                 end = min(len(ids) - 1, done + segment)
                 batch = np.asarray([ids[done:end]], dtype=np.int64)
                 logits, state = self.backend.run(

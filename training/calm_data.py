@@ -52,7 +52,6 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from calm_runtime._olmo_eval import SOURCES
 from calm_runtime.data import (
     DATA_PARTS,
     MultipleChoiceRecord,
@@ -63,6 +62,7 @@ from calm_runtime.data import (
     split_records,
 )
 from calm_runtime.errors import ConfigError, DataError
+from calm_runtime.olmo_eval_sets import SOURCES
 from calm_runtime.prompts import (
     CHOICE_MODES,
     CLOZE_VARIANTS,

