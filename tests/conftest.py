@@ -26,6 +26,22 @@ import pytest
 _HERE = os.path.realpath(os.path.dirname(__file__))
 sys.path[:] = [p for p in sys.path if not p or os.path.realpath(p) != _HERE]
 
+
+def _families():
+    """tests/families.py (the conformance matrix), loaded by its path: ``from conftest
+    import FAMILIES``."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("families", os.path.join(_HERE,
+                                                                           "families.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("families", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+FAMILIES = _families().FAMILIES
+
 TINY_VOCAB = 300
 TINY_SPECIALS = ("<|endoftext|>", "<s>", "</s>", "<pad>")  # ids 0..3: unk, bos, eos, pad
 

@@ -1,4 +1,4 @@
-"""The architecture conformance matrix: every family of calm_export.families, end to end.
+"""The architecture conformance matrix: every family of tests/families.py, end to end.
 
 For each family a random 2-layer model is built from its transformers config class (no
 downloads) and given a random adapter: per-vocabulary tau, a shift, a temperature and a
@@ -41,7 +41,7 @@ from conftest import (  # noqa: E402
 )
 
 from calm_export import ExportConfig, export_engine  # noqa: E402
-from calm_export.families import FAMILIES  # noqa: E402
+from conftest import FAMILIES  # noqa: E402
 from calm_runtime import CalibratedLM  # noqa: E402
 from calm_runtime.artifact import CalibrationAdapter  # noqa: E402
 from calm_runtime.cli import main as calm_main  # noqa: E402

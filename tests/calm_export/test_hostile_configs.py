@@ -160,7 +160,7 @@ def test_the_families_and_real_rotary_settings_pass(tmp_path):
     warning about original_max_position_embeddings is not a failure)."""
     import transformers
 
-    from calm_export.families import FAMILIES
+    from conftest import FAMILIES
 
     for family in FAMILIES:
         folder = tmp_path / family.model_type

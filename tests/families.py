@@ -1,4 +1,5 @@
-"""The architecture families calm's export is tested on: the conformance matrix.
+"""The architecture families calm's export is tested on: the conformance matrix (a test
+table, not part of the package).
 
 Each :class:`Family` names a transformers config class, what makes the family different
 from Llama (the part of the graph that could break the export), the projections its LoRA
