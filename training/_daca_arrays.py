@@ -17,18 +17,18 @@ MIN_AGREEMENT_RATE = 0.05
 P_TRUE_EPS = 1e-6  # P(True) is clipped to [eps, 1 - eps] before taking logs.
 
 
-def _agreement_set(plm_logits, polm_logits, mask, min_agreement, min_agreement_rate):
+def agreement_set(plm_logits, polm_logits, mask, min_agreement, min_agreement_rate):
     """``(p, g, n, agreement_rate)`` with ``p = softmax(f)`` and ``g`` restricted to the
     agreeing items when ``mask``; raises on an empty set, warns on a tiny one."""
-    f = _as_matrix(plm_logits, "plm_logits")
-    g = _as_matrix(polm_logits, "polm_logits")
+    f = as_matrix(plm_logits, "plm_logits")
+    g = as_matrix(polm_logits, "polm_logits")
     if f.shape != g.shape:
         raise ConfigError(f"PLM option logits have shape {f.shape} but PoLM {g.shape}; both "
                           "need one row per item and the same K options.")
     agree = f.argmax(axis=1) == g.argmax(axis=1)
     n, n_agree = f.shape[0], int(agree.sum())
     rate = n_agree / n if n else 0.0
-    p = _softmax(f)
+    p = softmax(f)
     if not mask:
         return p, g, n, rate
     if n_agree == 0:
@@ -40,7 +40,7 @@ def _agreement_set(plm_logits, polm_logits, mask, min_agreement, min_agreement_r
     return p[agree], g[agree], n, rate
 
 
-def _as_matrix(x, name: str) -> np.ndarray:
+def as_matrix(x, name: str) -> np.ndarray:
     a = np.asarray(x, dtype=np.float64)
     if a.ndim != 2 or a.shape[1] < 2:
         raise ConfigError(f"{name} must be an [N, K] array with K >= 2 options, got shape "
@@ -51,7 +51,7 @@ def _as_matrix(x, name: str) -> np.ndarray:
     return a
 
 
-def _as_labels(labels, shape) -> np.ndarray:
+def as_labels(labels, shape) -> np.ndarray:
     y = np.asarray(labels)
     if y.shape != (shape[0],) or not np.issubdtype(y.dtype, np.integer):
         raise ConfigError(f"labels must be {shape[0]} integer option indices, got shape "
@@ -62,7 +62,7 @@ def _as_labels(labels, shape) -> np.ndarray:
     return y
 
 
-def _p_true_logits(x, name: str) -> np.ndarray:
+def p_true_logits(x, name: str) -> np.ndarray:
     p = np.asarray(x, dtype=np.float64)
     if p.ndim != 1 or not np.isfinite(p).all() or (p < 0).any() or (p > 1).any():
         raise ConfigError(f"{name} must be a 1-D array of probabilities in [0, 1], got shape "
@@ -71,12 +71,12 @@ def _p_true_logits(x, name: str) -> np.ndarray:
     return np.stack([np.log(p), np.log1p(-p)], axis=1)
 
 
-def _softmax(z: np.ndarray) -> np.ndarray:
+def softmax(z: np.ndarray) -> np.ndarray:
     e = np.exp(z - z.max(axis=1, keepdims=True))
     return e / e.sum(axis=1, keepdims=True)
 
 
-def _mean_entropy(p: np.ndarray) -> float:
+def mean_entropy(p: np.ndarray) -> float:
     if p.shape[0] == 0:
         return 0.0
     logp = np.log(np.where(p > 0, p, 1.0))

@@ -13,13 +13,13 @@ from calm_runtime.prompts import PTrueTemplate, cloze_context
 
 from .engine_model import EngineModel
 from .scoring import (
-    _batched_logits,
-    _batches,
-    _pad_id,
+    batched_logits,
     context_limit,
     encode_within,
     left_pad,
+    padding_id,
     single_token_id,
+    token_batches,
     uses_chat_template,
 )
 
@@ -65,11 +65,11 @@ def score_p_true(model, tokenizer, questions: Sequence[str], answers: Sequence[s
                              f"P(True) prompt {i} ({q[:40]!r})", special=True, chat=use_chat)
                for i, (q, a) in enumerate(zip(questions, answers, strict=True))]
     out = np.zeros((len(prompts), 2))
-    pad = _pad_id(tokenizer)
+    pad = padding_id(tokenizer)
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
-    for chunk in tqdm(list(_batches(order, batch_size, [len(p) for p in prompts])),
+    for chunk in tqdm(list(token_batches(order, batch_size, [len(p) for p in prompts])),
                       desc="P(True)", disable=not progress):
-        logits = _batched_logits(model, [prompts[i] for i in chunk], 1, pad)
+        logits = batched_logits(model, [prompts[i] for i in chunk], 1, pad)
         if calibration is not None:
             logits = calibration.calibrate(logits)
         out[chunk] = logits[:, 0, ids].double().numpy()
@@ -83,7 +83,7 @@ def generate_answers(model, tokenizer, questions: Sequence[str], *, max_new_toke
     import torch
     from tqdm.auto import tqdm
 
-    pad = _pad_id(tokenizer)
+    pad = padding_id(tokenizer)
     answers: list[str] = [""] * len(questions)
     limit = context_limit(model, max_length)
     prompts = [encode_within(tokenizer, cloze_context(q), limit, f"question {i} ({q[:40]!r})",
@@ -91,8 +91,8 @@ def generate_answers(model, tokenizer, questions: Sequence[str], *, max_new_toke
                for i, q in enumerate(questions)]
     if isinstance(model, EngineModel):
         return _engine_answers(model, tokenizer, prompts, max_new_tokens, batch_size, progress)
-    for chunk in tqdm(list(_batches(list(range(len(prompts))), batch_size,
-                                    [len(p) for p in prompts])),
+    for chunk in tqdm(list(token_batches(list(range(len(prompts))), batch_size,
+                                         [len(p) for p in prompts])),
                       desc="generating", disable=not progress):
         ids, mask, _ = left_pad([prompts[i] for i in chunk], pad)
         length = ids.shape[1]

@@ -76,9 +76,9 @@ from calm_runtime.prompts import (
 
 from .scoring import (
     CHARS_PER_TOKEN_MARGIN,
-    _encode,
-    _render_chat,
+    encode_text,
     max_token_chars,
+    render_chat,
     single_token_id,
 )
 
@@ -254,11 +254,11 @@ class _Encoder:
     def context(self, text: str) -> list[int]:
         text = text[-self._cap():]
         if self.chat:
-            return _encode(self.tokenizer, _render_chat(self.tokenizer, text), special=False)
-        return _encode(self.tokenizer, text, special=True)
+            return encode_text(self.tokenizer, render_chat(self.tokenizer, text), special=False)
+        return encode_text(self.tokenizer, text, special=True)
 
     def continuation(self, text: str) -> list[int]:
-        ids = _encode(self.tokenizer, cloze_continuation(text[:self._cap()]), special=False)
+        ids = encode_text(self.tokenizer, cloze_continuation(text[:self._cap()]), special=False)
         if not ids:
             raise DataError(f"answer text {text!r} tokenises to nothing; fix or drop it")
         return ids
@@ -282,7 +282,7 @@ class _Encoder:
             ids = self.letter_ids(len(record.choices))
             return Example(base.sequences, base.positions * len(ids), tuple(ids),
                            tuple(range(len(ids))), (1.0,) * len(ids))
-        context = _encode(self.tokenizer, cloze_context(self.question(record)), special=True)
+        context = encode_text(self.tokenizer, cloze_context(self.question(record)), special=True)
         conts = [self.continuation(o) for o in record.choices]
         example = _continuation_example(context, conts, self.max_length, targets=True)
         options, scales = [], []
@@ -300,14 +300,16 @@ class _Encoder:
                 return self.option_example(record)
             if self.mode == "letter":
                 return self.letter_example(record, record.answer if labeled else None)
-            context = _encode(self.tokenizer, cloze_context(self.question(record)), special=True)
+            context = encode_text(self.tokenizer, cloze_context(self.question(record)),
+                                  special=True)
             if not labeled and self.positions == "answer":
                 return _answer_position(context, self.max_length)
             options = ([record.choices[record.answer]] if labeled else list(record.choices))
             return _continuation_example(context, [self.continuation(o) for o in options],
                                          self.max_length, targets=labeled)
         if isinstance(record, OpenQARecord):
-            context = _encode(self.tokenizer, cloze_context(self.question(record)), special=True)
+            context = encode_text(self.tokenizer, cloze_context(self.question(record)),
+                                  special=True)
             if labeled:
                 return _continuation_example(context, [self.continuation(record.answers[0])],
                                              self.max_length, targets=True)

@@ -27,12 +27,11 @@ from ._daca_arrays import (  # noqa: F401 - the thresholds stay importable from 
     MIN_AGREEMENT_ITEMS,
     MIN_AGREEMENT_RATE,
     P_TRUE_EPS,
-    _agreement_set,
-    _as_labels,
-    _as_matrix,
-    _mean_entropy,
-    _p_true_logits,
-    _softmax,
+    agreement_set,
+    as_labels,
+    as_matrix,
+    mean_entropy,
+    p_true_logits,
 )
 from .daca_vector import (  # noqa: F401 - vector scaling stays importable from here
     LBFGS_MAX_ITER,
@@ -111,8 +110,8 @@ def solve_inverse_temperature(logits, targets) -> tuple[float, dict]:
     bisection whenever a Newton step would leave it. The search runs on ``g / s`` (``s`` the
     mean per-row logit range), so tolerances and the cap do not depend on the logits' scale.
     """
-    g = _as_matrix(logits, "logits")
-    p = _as_matrix(targets, "targets")
+    g = as_matrix(logits, "logits")
+    p = as_matrix(targets, "targets")
     if p.shape != g.shape:
         raise ConfigError(f"targets have shape {p.shape} but logits {g.shape}; pass one "
                           "probability row per logit row.")
@@ -216,15 +215,15 @@ def fit_daca_temperature(plm_logits, polm_logits, *, mask: bool = True,
     set raises :class:`FitError`; fewer than ``min_agreement`` agreeing items or an
     agreement rate below ``min_agreement_rate`` logs a warning and still fits.
     """
-    p, g, n, rate = _agreement_set(plm_logits, polm_logits, mask, min_agreement,
-                                   min_agreement_rate)
+    p, g, n, rate = agreement_set(plm_logits, polm_logits, mask, min_agreement,
+                                  min_agreement_rate)
     return _scalar_fit("daca" if mask else "naive", g, p, n=n, agreement_rate=rate)
 
 
 def fit_temperature_scaling(logits, labels) -> TemperatureFit:
     """Temperature scaling with labels: ``T`` minimising the NLL of ``softmax(g / T)``."""
-    g = _as_matrix(logits, "logits")
-    y = _as_labels(labels, g.shape)
+    g = as_matrix(logits, "logits")
+    y = as_labels(labels, g.shape)
     onehot = np.zeros_like(g)
     onehot[np.arange(g.shape[0]), y] = 1.0
     return _scalar_fit("ts", g, onehot, n=g.shape[0], agreement_rate=None)
@@ -238,9 +237,9 @@ def fit_daca_p_true(plm_p_true, polm_p_true, *, mask: bool = True,
     Each probability ``p`` (clipped to ``[P_TRUE_EPS, 1 - P_TRUE_EPS]``) becomes the two-way
     logits ``[log p, log(1 - p)]``; the fitted ``T`` applies to the PoLM's two-way logits.
     """
-    p, g, n, rate = _agreement_set(_p_true_logits(plm_p_true, "plm_p_true"),
-                                   _p_true_logits(polm_p_true, "polm_p_true"), mask,
-                                   min_agreement, min_agreement_rate)
+    p, g, n, rate = agreement_set(p_true_logits(plm_p_true, "plm_p_true"),
+                                  p_true_logits(polm_p_true, "polm_p_true"), mask,
+                                  min_agreement, min_agreement_rate)
     method = "daca_p_true" if mask else "naive_p_true"
     return _scalar_fit(method, g, p, n=n, agreement_rate=rate)
 
@@ -248,7 +247,7 @@ def fit_daca_p_true(plm_p_true, polm_p_true, *, mask: bool = True,
 def _scalar_fit(method, g, p, *, n, agreement_rate) -> TemperatureFit:
     beta, info = solve_inverse_temperature(g, p)
     return _temperature_fit(method, beta, info, n=n, n_used=g.shape[0],
-                            agreement_rate=agreement_rate, target_entropy=_mean_entropy(p))
+                            agreement_rate=agreement_rate, target_entropy=mean_entropy(p))
 
 
 def _temperature_fit(method, beta, info, *, n, n_used, agreement_rate,

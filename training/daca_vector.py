@@ -16,10 +16,10 @@ from calm_runtime.errors import BackendUnavailableError, ConfigError, FitError
 from ._daca_arrays import (
     MIN_AGREEMENT_ITEMS,
     MIN_AGREEMENT_RATE,
-    _agreement_set,
-    _as_labels,
-    _as_matrix,
-    _mean_entropy,
+    agreement_set,
+    as_labels,
+    as_matrix,
+    mean_entropy,
 )
 
 logger = logging.getLogger("calm_training.daca")
@@ -68,16 +68,16 @@ def fit_daca_vector_scaling(plm_logits, polm_logits, *, mask: bool = True, l2: f
     ``l2`` (default 0: plain maximum likelihood) adds ``l2 * (|w - 1|^2 + |c|^2)`` pulling
     toward the identity. Agreement handling as in :func:`fit_daca_temperature`.
     """
-    p, g, n, rate = _agreement_set(plm_logits, polm_logits, mask, min_agreement,
-                                   min_agreement_rate)
+    p, g, n, rate = agreement_set(plm_logits, polm_logits, mask, min_agreement,
+                                  min_agreement_rate)
     return _vector_fit("daca_vector" if mask else "naive_vector", g, p, n=n,
                        agreement_rate=rate, l2=l2)
 
 
 def fit_vector_scaling(logits, labels, *, l2: float = 0.0) -> VectorFit:
     """Vector scaling with labels: ``w * g + c`` minimising the NLL (``l2`` as above)."""
-    g = _as_matrix(logits, "logits")
-    y = _as_labels(labels, g.shape)
+    g = as_matrix(logits, "logits")
+    y = as_labels(labels, g.shape)
     onehot = np.zeros_like(g)
     onehot[np.arange(g.shape[0]), y] = 1.0
     return _vector_fit("vector", g, onehot, n=g.shape[0], agreement_rate=None, l2=l2)
@@ -129,7 +129,7 @@ def _vector_fit(method, g, p, *, n, agreement_rate, l2) -> VectorFit:
     return VectorFit(method=method, weights=tuple(float(x) for x in weights),
                      bias=tuple(float(x) for x in bias), n=int(n), n_used=int(g.shape[0]),
                      agreement_rate=agreement_rate,
-                     objective=float(ce.detach()) - _mean_entropy(p),
+                     objective=float(ce.detach()) - mean_entropy(p),
                      converged=converged, iterations=iterations)
 
 

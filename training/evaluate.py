@@ -17,12 +17,12 @@ from calm_runtime.prompts import cloze_variant_for
 from .cache import cached_option_scores
 from .fit import (
     FitConfig,
-    _load_records,
-    _variant,
+    load_mc_records,
     metric_row,
     model_source,
     option_probabilities,
     require_labels,
+    variant_scores,
 )
 from .scoring import OptionScores
 
@@ -46,7 +46,7 @@ def evaluate_adapter(config: FitConfig, adapter_dir: str | os.PathLike, *,
                           bound=adapter.fit_record.binds_variant, what=str(adapter_dir),
                           fix=f"evaluate with variant {adapter.cloze_variant!r} (calm eval "
                               "does when --variant is not given)")
-    records = _load_records(config)
+    records = load_mc_records(config)
     base_config = FitConfig(**{**config.to_dict(), "adapter": None})
     source = model_source(config, "model")
     vanilla = cached_option_scores(source, records, mode=config.mode, chat=config.chat,
@@ -66,7 +66,7 @@ def evaluate_adapter(config: FitConfig, adapter_dir: str | os.PathLike, *,
     rows, panels = {}, {}
     for name, scores, temperature in (("vanilla", vanilla, 1.0),
                                       (adapter.kind, calibrated, answer_t or 1.0)):
-        probs = option_probabilities(_variant(scores, base_config)[test, :k], temperature)
+        probs = option_probabilities(variant_scores(scores, base_config)[test, :k], temperature)
         rows[name], panels[name] = metric_row(probs, _labels(scores, test), config)
     return {"config": base_config.to_dict() | {"adapter": config.adapter},
             "adapter": str(adapter_dir),

@@ -78,7 +78,7 @@ class _Prepared:
     floored: dict = dataclasses.field(default_factory=dict)
 
 
-def _load_records(config: FitConfig) -> list[MultipleChoiceRecord]:
+def load_mc_records(config: FitConfig) -> list[MultipleChoiceRecord]:
     records = load_dataset(config.data)
     if records and not isinstance(records[0], MultipleChoiceRecord):
         raise DataError(f"{config.data} holds open-QA records; post-hoc option calibration needs "
@@ -90,7 +90,7 @@ def _prepare(config: FitConfig, *, need_reference: bool, progress: bool) -> _Pre
     if need_reference and not config.reference:  # before any scoring
         raise ConfigError("label-free methods need a reference (pre-trained) model; pass "
                           "--reference, e.g. gemma-3-270m")
-    records = _load_records(config)
+    records = load_mc_records(config)
     polm_scores = cached_option_scores(model_source(config, "model"), records, mode=config.mode,
                                        adapter_dir=config.adapter, chat=config.chat,
                                        batch_size=config.batch_size, progress=progress,
@@ -111,8 +111,8 @@ def _prepare(config: FitConfig, *, need_reference: bool, progress: bool) -> _Pre
         logger.info("%d of %d records have a number of options other than %d; they are left "
                     "out of fitting and evaluation", dropped, len(records), k)
     return _Prepared(records=records, cal=cal[keep[cal]], test=test[keep[test]], k=k,
-                     polm=_variant(polm_scores, config)[:, :k],
-                     plm=None if plm_scores is None else _variant(
+                     polm=variant_scores(polm_scores, config)[:, :k],
+                     plm=None if plm_scores is None else variant_scores(
                          plm_scores, config, config.reference_variant)[:, :k],
                      labels=polm_scores.labels,
                      floored={role: scores.floored for role, scores in
@@ -120,7 +120,8 @@ def _prepare(config: FitConfig, *, need_reference: bool, progress: bool) -> _Pre
                               if scores is not None and scores.floored is not None})
 
 
-def _variant(scores: OptionScores, config: FitConfig, variant: str | None = None) -> np.ndarray:
+def variant_scores(scores: OptionScores, config: FitConfig,
+                   variant: str | None = None) -> np.ndarray:
     return scores.scores((variant or config.variant) if config.mode == "cloze" else "sum")
 
 
@@ -347,7 +348,7 @@ def _cloze_fits(config: FitConfig, method: str, prep: _Prepared, base: Calibrati
                                       adapter_dir=Path(tmp) / "adapter", chat=config.chat,
                                       batch_size=config.batch_size, progress=progress,
                                       max_length=config.max_length)
-    prep.polm = _variant(scores, config)[:, :prep.k]
+    prep.polm = variant_scores(scores, config)[:, :prep.k]
     fit = _fit(method, prep)
     _check_finite_temperature(fit)
     return fit, record

@@ -67,9 +67,9 @@ class OptionEvaluator:
         self.encoder = calm_data._Encoder(model.tokenizer, mode=mode, chat=chat,
                                           max_length=max_length, entropy="options",
                                           variant=variant)
-        from .scoring import _pad_id
+        from .scoring import padding_id
 
-        self.pad = _pad_id(model.tokenizer)
+        self.pad = padding_id(model.tokenizer)
 
     def reset_lora(self) -> None:
         """θ = 0: LoRA's update ``B A x`` vanishes and the model is the base model."""
@@ -103,7 +103,7 @@ class OptionEvaluator:
     def _hidden_batch(self, chunk, batch):
         import torch
 
-        from .scoring import _cache_kwarg, left_pad
+        from .scoring import cache_kwarg, left_pad
 
         answer_rows, offset = [], 0
         for e in chunk:
@@ -138,7 +138,7 @@ class OptionEvaluator:
             start = mask[owner_idx].sum(-1, keepdim=True)
             cont_out = decoder(input_ids=cont_ids, attention_mask=full_mask,
                                position_ids=start + torch.arange(width)[None, :],
-                               use_cache=False, **{_cache_kwarg(decoder): cache})
+                               use_cache=False, **{cache_kwarg(decoder): cache})
             rows, m = [], 0
             for b, e in enumerate(chunk):
                 for cont in e.sequences:

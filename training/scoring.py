@@ -122,12 +122,12 @@ def uses_chat_template(tokenizer, chat: bool | None) -> bool:
     return has if chat is None else bool(chat)
 
 
-def _render_chat(tokenizer, text: str) -> str:
+def render_chat(tokenizer, text: str) -> str:
     return tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                          add_generation_prompt=True, tokenize=False)
 
 
-def _encode(tokenizer, text: str, *, special: bool) -> list[int]:
+def encode_text(tokenizer, text: str, *, special: bool) -> list[int]:
     return list(tokenizer(text, add_special_tokens=special)["input_ids"])
 
 
@@ -172,8 +172,8 @@ def encode_within(tokenizer, text: str, limit: int, what: str, *, special: bool,
     if len(text) > max(room, 1) * max_token_chars(tokenizer) * CHARS_PER_TOKEN_MARGIN:
         raise DataError(f"{what} is {len(text):,} characters, far more than the {limit}-token "
                         "context can hold; shorten or drop it")
-    ids = (_encode(tokenizer, _render_chat(tokenizer, text), special=False) if chat
-           else _encode(tokenizer, text, special=special))
+    ids = (encode_text(tokenizer, render_chat(tokenizer, text), special=False) if chat
+           else encode_text(tokenizer, text, special=special))
     if len(ids) > room:
         extra = f" plus {reserve} for the answer" if reserve else ""
         raise DataError(f"{what} is {len(ids):,} tokens{extra}, more than the {limit}-token "
@@ -190,14 +190,14 @@ def describe(record, index: int) -> str:
 
 def single_token_id(tokenizer, text: str) -> int:
     """The id of ``text`` as one token, or a clear error naming the tokenizer's split."""
-    ids = _encode(tokenizer, text, special=False)
+    ids = encode_text(tokenizer, text, special=False)
     if len(ids) != 1:
         raise ConfigError(f"option token {text!r} is {len(ids)} tokens in this tokenizer "
                           f"({ids}); letter mode needs single-token letters, use cloze mode")
     return ids[0]
 
 
-def _pad_id(tokenizer) -> int:
+def padding_id(tokenizer) -> int:
     for value in (tokenizer.pad_token_id, tokenizer.eos_token_id):
         if value is not None:
             return int(value)
@@ -218,7 +218,7 @@ def left_pad(sequences: Sequence[Sequence[int]], pad_id: int):
     return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
 
 
-def _batched_logits(model, sequences: Sequence[Sequence[int]], keep: int, pad_id: int):
+def batched_logits(model, sequences: Sequence[Sequence[int]], keep: int, pad_id: int):
     """Float32 logits of the last ``keep`` positions of left-padded ``sequences`` [B, keep, V]."""
     import torch
 
@@ -234,7 +234,7 @@ def _batched_logits(model, sequences: Sequence[Sequence[int]], keep: int, pad_id
     return out.logits.float()
 
 
-def _batches(order: Sequence[int], batch_size: int, lengths: Sequence[int] | None = None,
+def token_batches(order: Sequence[int], batch_size: int, lengths: Sequence[int] | None = None,
              costs: Sequence[int] | None = None, cost_budget: int = 0):
     """Consecutive chunks of ``order`` with at most ``batch_size`` items and, given
     ``lengths``, at most ``batch_size * BATCH_TOKENS_PER_ROW`` padded tokens; given
@@ -299,7 +299,7 @@ def _cloze_in_segments(model, context: Sequence[int], cont: Sequence[int], calib
                 out = model(input_ids=piece,
                             attention_mask=torch.ones((1, seen + len(feed)), dtype=torch.long),
                             position_ids=torch.arange(seen, seen + len(feed))[None],
-                            use_cache=True, **{_cache_kwarg(model): cache})
+                            use_cache=True, **{cache_kwarg(model): cache})
             cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
             step.append(out.logits.float())
             seen += len(feed)
@@ -315,7 +315,7 @@ def _cloze_in_segments(model, context: Sequence[int], cont: Sequence[int], calib
                 out = model(input_ids=piece,
                             attention_mask=torch.ones((1, seen + 1), dtype=torch.long),
                             position_ids=torch.tensor([[seen]]), use_cache=True,
-                            **{_cache_kwarg(model): cache})
+                            **{cache_kwarg(model): cache})
             cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
             previous = out.logits.float()
             seen += 1
@@ -339,7 +339,7 @@ def score_multiple_choice(model, tokenizer, records: Sequence[MultipleChoiceReco
         raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
     out = OptionScores.empty(records, mode)
     values, n_tokens, n_chars = out.values, out.n_tokens, out.n_chars
-    pad = _pad_id(tokenizer)
+    pad = padding_id(tokenizer)
     limit = context_limit(model, max_length)
     was_training = model.training
     model.eval()
@@ -397,7 +397,7 @@ def _score_cloze(model, tokenizer, records, values, n_tokens, n_chars, batch_siz
                 values[i, k] = _cloze_in_segments(model, contexts[i], cont, calibration, vocab)
             bar.update(1)
         order = [i for i in order if costs[i] <= SCORING_BUDGET_BYTES]
-    for chunk in _batches(order, batch_size, lengths, costs, SCORING_BUDGET_BYTES):
+    for chunk in token_batches(order, batch_size, lengths, costs, SCORING_BUDGET_BYTES):
         if isinstance(model, EngineModel):  # calibration: the engine's own, in its graph
             sums = scoring_passes.cloze_logprobs(model.backend, [contexts[i] for i in chunk],
                                            [continuations[i] for i in chunk], pad, len(chunk))
@@ -421,7 +421,7 @@ def _score_cloze(model, tokenizer, records, values, n_tokens, n_chars, batch_siz
         positions = start + torch.arange(width)[None, :]
         with torch.inference_mode():
             out = model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                        use_cache=False, **{_cache_kwarg(model): cache})
+                        use_cache=False, **{cache_kwarg(model): cache})
         step_logits = torch.cat([first[owner_idx][:, None, :], out.logits[:, :-1].float()], 1)
         if calibration is not None:
             step_logits = calibration.calibrate(step_logits)
@@ -436,7 +436,7 @@ def _score_cloze(model, tokenizer, records, values, n_tokens, n_chars, batch_siz
     bar.close()
 
 
-def _cache_kwarg(model) -> str:
+def cache_kwarg(model) -> str:
     """transformers 5.24 renamed ``past_key_values`` to ``cache``; accept both."""
     import inspect
 
@@ -469,8 +469,8 @@ def _score_letters(model, tokenizer, records, values, batch_size, pad, chat, cal
     order = sorted(range(len(records)), key=lambda i: -len(prompts[i]))
     bar = tqdm(total=len(records), desc="letter scoring", unit="question",
                disable=not progress)
-    for chunk in _batches(order, batch_size, [len(p) for p in prompts]):
-        logits = _batched_logits(model, [prompts[i] for i in chunk], 1, pad)
+    for chunk in token_batches(order, batch_size, [len(p) for p in prompts]):
+        logits = batched_logits(model, [prompts[i] for i in chunk], 1, pad)
         if calibration is not None:
             logits = calibration.calibrate(logits)
         for b, row in enumerate(chunk):

@@ -15,7 +15,7 @@ from calm_runtime.prompts import cloze_variant_for
 from calm_runtime.score import choices_report, require_labels
 
 from .cache import cached_option_scores
-from .fit import FitConfig, _variant, option_probabilities
+from .fit import FitConfig, option_probabilities, variant_scores
 from .sources import model_source
 
 __all__ = ["score_served"]
@@ -63,7 +63,7 @@ def score_served(args, records) -> tuple[dict, str]:
         scores = dataclasses.replace(scores, values=adapter.calibrate(scores.values))
         if args.mode == "cloze":
             answer_t = adapter.answer_temperature or 1.0
-    probs = option_probabilities(_variant(scores, config), answer_t)
+    probs = option_probabilities(variant_scores(scores, config), answer_t)
     report = choices_report([row[:len(r.choices)] for row, r in zip(probs, records, strict=True)],
                             [r.answer for r in records], mode=args.mode,
                             variant=variant if args.mode == "cloze" else None,

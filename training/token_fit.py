@@ -30,7 +30,14 @@ from calm_runtime.errors import ConfigError, FitError
 from calm_runtime.prompts import cloze_context, cloze_continuation
 
 from . import daca
-from .scoring import _batched_logits, _batches, _pad_id, context_limit, describe, encode_within
+from .scoring import (
+    batched_logits,
+    context_limit,
+    describe,
+    encode_within,
+    padding_id,
+    token_batches,
+)
 
 __all__ = ["AnswerPositions", "answer_positions", "token_level_fit", "token_confidences",
            "cloze_token_temperature"]
@@ -66,7 +73,7 @@ def answer_positions(model, tokenizer, records: Sequence[MultipleChoiceRecord],
     if len(options) != len(records):
         raise ConfigError(f"{len(options)} option indices for {len(records)} records")
     limit = context_limit(model, max_length)
-    pad = _pad_id(tokenizer)
+    pad = padding_id(tokenizer)
     sequences, n_answer = [], []
     for row, (record, k) in enumerate(zip(records, options, strict=True)):
         cont = encode_within(tokenizer, cloze_continuation(record.choices[int(k)]), limit - 1,
@@ -82,9 +89,9 @@ def answer_positions(model, tokenizer, records: Sequence[MultipleChoiceRecord],
     was_training = model.training
     model.eval()
     try:
-        for chunk in _batches(order, batch_size, [len(s) for s in sequences]):
+        for chunk in token_batches(order, batch_size, [len(s) for s in sequences]):
             keep = max(n_answer[i] for i in chunk) + 1
-            logits = _batched_logits(model, [sequences[i] for i in chunk], keep, pad)
+            logits = batched_logits(model, [sequences[i] for i in chunk], keep, pad)
             if calibration is not None:
                 logits = calibration.calibrate(logits)
             logits = logits.numpy()

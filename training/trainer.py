@@ -112,7 +112,7 @@ class _Trainer:
 
         from ._calm_model import CalmModel
         from .bilevel import BomeOptions
-        from .scoring import _pad_id, uses_chat_template
+        from .scoring import padding_id, uses_chat_template
 
         per_step = dist.world * config.grad_accumulation
         for name, size in (("batch_size", config.batch_size),
@@ -168,7 +168,7 @@ class _Trainer:
                 [*train, *cal], self.model.tokenizer, mode=config.mode, chat=chat))
         if config.init_lora is not None:
             self.model.load_lora(_lora_folder(config.init_lora))
-        self.pad = _pad_id(self.model.tokenizer)
+        self.pad = padding_id(self.model.tokenizer)
         if config.method == "cft":  # the E-step: bin accuracies of the starting model
             self.cft = {"bins": self._cft_bins(), "weight": config.cft_weight,
                         "scale": config.cft_scale, "global_batch": config.batch_size}

@@ -17,8 +17,8 @@ def test_a_huge_record_is_cut_before_it_is_tokenised(monkeypatch, entropy):
 
     tokenizer = tiny_tokenizer()
     seen = []
-    real = scoring._encode
-    monkeypatch.setattr(calm_data, "_encode", lambda t, text, **k: seen.append(len(text))
+    real = scoring.encode_text
+    monkeypatch.setattr(calm_data, "encode_text", lambda t, text, **k: seen.append(len(text))
                         or real(t, text, **k))
     record = MultipleChoiceRecord("word " * 2_000_000 + "end?", ("yes " * 500_000, "no"), 1)
     labeled = calm_data.encode_training([record], tokenizer, mode="cloze", chat=False,

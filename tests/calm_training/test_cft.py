@@ -144,7 +144,7 @@ def test_bin_estimates():
 def test_the_cross_entropy_part_is_the_lower_level_cross_entropy(mode, tiny_llama_tied,
                                                                   mc_file):
     from calm_training._calm_model import CalmModel, answer_ce
-    from calm_training.scoring import _pad_id
+    from calm_training.scoring import padding_id
 
     config = CalmConfig(model=str(tiny_llama_tied), train=(f"{mc_file}:train",),
                         calibration=(f"{mc_file}:unlabeled",), method="cft", mode=mode,
@@ -155,7 +155,7 @@ def test_the_cross_entropy_part_is_the_lower_level_cross_entropy(mode, tiny_llam
             t.normal_(0, 0.05)
     records, _ = calm_data.load_records(config.train, labeled=True)
     encode = {"tokenizer": m.tokenizer, "mode": mode, "chat": False, "max_length": 64}
-    pad = _pad_id(m.tokenizer)
+    pad = padding_id(m.tokenizer)
     plain = calm_data.collate(calm_data.encode_training(records, **encode), len(records), pad)
     options = calm_data.collate(calm_data.encode_labeled_options(records, **encode),
                                 len(records), pad)

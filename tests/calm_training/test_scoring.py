@@ -182,8 +182,8 @@ def test_a_huge_record_is_refused_before_it_is_tokenised(tiny, monkeypatch):
     model, tok = tiny
     huge = MultipleChoiceRecord("water " * 200_000, ("fire", "dog"), 0)
     seen = []
-    real = scoring._encode
-    monkeypatch.setattr(scoring, "_encode", lambda t, text, **k: seen.append(len(text))
+    real = scoring.encode_text
+    monkeypatch.setattr(scoring, "encode_text", lambda t, text, **k: seen.append(len(text))
                         or real(t, text, **k))
     with pytest.raises(DataError, match=r"record 0 .* is 1,200,018 characters, far more"):
         score_multiple_choice(model, tok, [huge], mode="cloze", progress=False)
@@ -191,10 +191,10 @@ def test_a_huge_record_is_refused_before_it_is_tokenised(tiny, monkeypatch):
 
 
 def test_batches_keep_padded_tokens_within_the_budget():
-    from calm_training.scoring import BATCH_TOKENS_PER_ROW, _batches
+    from calm_training.scoring import BATCH_TOKENS_PER_ROW, token_batches
 
     lengths = [4000, 3000, 600, 500, 10, 10, 10, 10, 10, 10]
-    chunks = list(_batches(list(range(10)), 4, lengths))
+    chunks = list(token_batches(list(range(10)), 4, lengths))
     assert [i for c in chunks for i in c] == list(range(10))
     for chunk in chunks:
         assert len(chunk) <= 4
