@@ -46,7 +46,7 @@ import numpy as np
 
 from calm_runtime.errors import CalmError
 
-from . import _genai_build
+from . import genai_build as _genai_build
 from .engine_writer import BUILDER_GRAPH, GENAI_CONFIG
 from .onnx import (
     EXTERNAL_DATA_FILE,

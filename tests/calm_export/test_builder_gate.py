@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("onnxruntime_genai")
 transformers = pytest.importorskip("transformers")
 
-from calm_export import _genai_build, genai_builder  # noqa: E402
+from calm_export import genai_build, genai_builder  # noqa: E402
 from calm_export.config import ExportConfig  # noqa: E402
 
 OLD = "0.8.0"  # the release pyproject.toml used to allow, below the tested range
@@ -44,17 +44,17 @@ def _gemma3_config():
 
 # ------------------------------------------------------------------------- the range
 def test_the_installed_builder_is_in_the_tested_range():
-    assert _genai_build.version_problem() is None, _genai_build.installed_version()
+    assert genai_build.version_problem() is None, genai_build.installed_version()
     import onnxruntime_genai
 
-    assert _genai_build.installed_version() == onnxruntime_genai.__version__
+    assert genai_build.installed_version() == onnxruntime_genai.__version__
 
 
 def test_pyproject_pins_the_range_the_gate_checks():
     """The ``genai`` extra and the gate agree: what pip installs is what calm drives."""
     extra = re.search(r'^genai = \["([^"]+)"\]', PYPROJECT.read_text(), re.MULTILINE)
     assert extra is not None
-    assert extra[1] == f"onnxruntime-genai{_genai_build.builder_range()}" \
+    assert extra[1] == f"onnxruntime-genai{genai_build.builder_range()}" \
         == "onnxruntime-genai>=0.18,<0.19"
 
 
@@ -63,7 +63,7 @@ def test_pyproject_pins_the_range_the_gate_checks():
     ("0.19.0", False), ("0.19.0rc1", False), ("1.0.0", False), (OLD, False),
     ("nightly", False)])
 def test_the_gate(version, inside):
-    problem = _genai_build.version_problem(version)
+    problem = genai_build.version_problem(version)
     if inside:
         assert problem is None
     else:
@@ -76,9 +76,9 @@ def test_the_gate(version, inside):
 def test_graph_auto_records_why_an_untested_builder_is_not_used(monkeypatch):
     config = ExportConfig(progress=False)
     assert genai_builder.not_built_because(_llama_config(), config) is None
-    monkeypatch.setattr(_genai_build, "installed_version", lambda: OLD)
+    monkeypatch.setattr(genai_build, "installed_version", lambda: OLD)
     reason = genai_builder.not_built_because(_llama_config(), config)
-    assert reason == _genai_build.version_problem(OLD) and "\n" not in reason
+    assert reason == genai_build.version_problem(OLD) and "\n" not in reason
     # the reasons that come first still do (the model's family, the settings)
     assert "does not build" in genai_builder.not_built_because(
         transformers.GPTNeoXConfig(), config)
@@ -90,7 +90,7 @@ def test_graph_builder_with_an_untested_builder_is_one_line(tmp_path, tiny_llama
     from calm_export.pipeline import export_engine
     from calm_runtime.errors import ConfigError
 
-    monkeypatch.setattr(_genai_build, "installed_version", lambda: OLD)
+    monkeypatch.setattr(genai_build, "installed_version", lambda: OLD)
 
     def never(*args, **kwargs):
         raise AssertionError("the builder ran")
@@ -108,11 +108,11 @@ def test_graph_builder_with_an_untested_builder_is_one_line(tmp_path, tiny_llama
 
 
 def test_the_module_refuses_an_untested_builder(monkeypatch):
-    """``python -m calm_export._genai_build`` (the benchmarks' builder arms) checks too,
+    """``python -m calm_export.genai_build`` (the benchmarks' builder arms) checks too,
     before it touches the builder's API."""
-    monkeypatch.setattr(_genai_build, "installed_version", lambda: OLD)
-    with pytest.raises(_genai_build.BuilderVersionError, match="0.8.0 is installed"):
-        _genai_build.main(["src", "out", "cache"])
+    monkeypatch.setattr(genai_build, "installed_version", lambda: OLD)
+    with pytest.raises(genai_build.BuilderVersionError, match="0.8.0 is installed"):
+        genai_build.main(["src", "out", "cache"])
 
 
 # ------------------------------------------------------------------------- the manifest
@@ -162,16 +162,16 @@ def test_the_installed_builder_still_needs_flat_rope_settings_for_gemma3():
     assert builders.Gemma3Model.make_rope_init is builders.Model.make_rope_init
     with pytest.raises(KeyError, match="rope_type"):
         builders.Model.make_rope_init(SimpleNamespace(rope_attrs={}), config)
-    assert _genai_build.rope_needs_flattening(config)
-    _genai_build._flatten_rope(config)
+    assert genai_build.rope_needs_flattening(config)
+    genai_build._flatten_rope(config)
     builders.Model.make_rope_init(SimpleNamespace(rope_attrs={}), config)  # reads it now
     assert config.rope_parameters == {"rope_type": "default", "rope_theta": 1_000_000.0}
     assert config.rope_local_base_freq == 10_000.0
-    assert not _genai_build.rope_needs_flattening(config)  # flat now: nothing left to do
+    assert not genai_build.rope_needs_flattening(config)  # flat now: nothing left to do
 
 
 def test_flat_settings_and_a_builder_that_reads_nested_ones_are_left_alone():
-    assert not _genai_build.rope_needs_flattening(_llama_config())
+    assert not genai_build.rope_needs_flattening(_llama_config())
 
     class Model:
         def make_rope_init(self, config):
@@ -183,8 +183,8 @@ def test_flat_settings_and_a_builder_that_reads_nested_ones_are_left_alone():
 
     reads_nested = SimpleNamespace(Model=Model, Gemma3Model=Gemma3Model)
     inherits = SimpleNamespace(Model=Model, Gemma3Model=type("Gemma3Model", (Model,), {}))
-    assert not _genai_build.rope_needs_flattening(_gemma3_config(), reads_nested)
-    assert _genai_build.rope_needs_flattening(_gemma3_config(), inherits)
+    assert not genai_build.rope_needs_flattening(_gemma3_config(), reads_nested)
+    assert genai_build.rope_needs_flattening(_gemma3_config(), inherits)
 
 
 @pytest.mark.parametrize("needed", [True, False])
@@ -198,8 +198,8 @@ def test_main_flattens_only_where_needed(monkeypatch, needed):
                         lambda *args: {"hf_details": {"hf_config": config}})
     monkeypatch.setattr(builder, "create_model",
                         lambda *args, **options: built.update(args=args, options=options))
-    monkeypatch.setattr(_genai_build, "rope_needs_flattening", lambda c: needed)
-    assert _genai_build.main(["src", "out", "cache", "fp32", "windowed_kv_cache=false"]) == 0
+    monkeypatch.setattr(genai_build, "rope_needs_flattening", lambda c: needed)
+    assert genai_build.main(["src", "out", "cache", "fp32", "windowed_kv_cache=false"]) == 0
     assert built["args"] == (None, "src", "out", "fp32", "cpu", "cache")
     assert built["options"]["hf_details"]["hf_config"] is config
     if needed:

@@ -1,6 +1,6 @@
-"""Run onnxruntime-genai's model builder on a folder (``python -m calm_export._genai_build``).
+"""Run onnxruntime-genai's model builder on a folder (``python -m calm_export.genai_build``).
 
-    python -m calm_export._genai_build SOURCE OUTPUT CACHE [PRECISION] [KEY=VALUE ...]
+    python -m calm_export.genai_build SOURCE OUTPUT CACHE [PRECISION] [KEY=VALUE ...]
 
 Builds the CPU graph (PRECISION fp32 by default, or int4, ...) of the transformers folder
 SOURCE into OUTPUT, as ``python -m onnxruntime_genai.models.builder`` would. calm-export calls
