@@ -46,17 +46,18 @@ from ..errors import CalmError, ConfigError
 from ..lm import CalibratedLM
 from .batcher import Job
 from .config import ServeConfig
-from .guard import _Guard
+from .guard import Guard
+from .intake import Intake
 from .metrics import CONTENT_TYPE_LATEST
-from .openapi import _openapi, _request_body
+from .openapi import openapi_schema, request_body, template_tokens
 from .protocol import (
     APIError,
     ChatRequest,
     CompletionRequest,
     ErrorResponse,
 )
-from .responses import _EventStream
-from .serving import ECHO_MAX_ENTRIES, PROMPT_CHARS_PER_TOKEN, _Server  # noqa: F401
+from .responses import EventStream, ResponseWriter
+from .serving import ECHO_MAX_ENTRIES, PROMPT_CHARS_PER_TOKEN, ServerState  # noqa: F401
 
 __all__ = ["create_app", "app_from_environment", "CONFIG_ENV", "PROMPT_CHARS_PER_TOKEN"]
 
@@ -85,7 +86,12 @@ def create_app(config: ServeConfig, lm: CalibratedLM | None = None) -> FastAPI:
                           f"{config.max_prefill_tokens}; load it with "
                           f"CalibratedLM.load(..., max_prefill_tokens="
                           f"{config.max_prefill_tokens}) or set the config's")
-    server = _Server(config, lm)
+    server = ServerState(config, lm)
+    intake = Intake(server)
+    writer = ResponseWriter(server)
+    #: tokens the chat template adds around the documented messages (the OpenAPI document's
+    #: text limits leave room for them)
+    template_overhead = template_tokens(lm)
 
     @asynccontextmanager
     async def lifespan(_app):
@@ -96,7 +102,7 @@ def create_app(config: ServeConfig, lm: CalibratedLM | None = None) -> FastAPI:
     app = FastAPI(title="calm serve", version=__version__, lifespan=lifespan, docs_url=None,
                   redoc_url=None, openapi_url=None)
     app.state.calm = server
-    app.add_middleware(_Guard, server=server)
+    app.add_middleware(Guard, server=server)
 
     @app.exception_handler(APIError)
     async def _api_error(_request, exc: APIError):
@@ -131,27 +137,27 @@ def create_app(config: ServeConfig, lm: CalibratedLM | None = None) -> FastAPI:
                                             "created": server.created, "owned_by": "calm",
                                             "calm": server.identity}]}
 
-    @app.post("/v1/completions", openapi_extra=_request_body(CompletionRequest),
+    @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest),
               responses=_ERROR_RESPONSES)
     async def completions(request: Request):
         server.authorize(request)
-        req = await server.parse(request, CompletionRequest)
+        req = await intake.parse(request, CompletionRequest)
         single = isinstance(req.prompt, str)
         prompts = [req.prompt] if single else list(req.prompt)
         if not prompts or len(prompts) > config.max_queue:
             raise APIError(400, f"prompt must be a string or a list of 1 to {config.max_queue} "
                            "strings", param="prompt")
         for index, prompt in enumerate(prompts):
-            server.check_chars(len(prompt), "the prompt" if single else f"prompt[{index}]",
+            intake.check_chars(len(prompt), "the prompt" if single else f"prompt[{index}]",
                                "prompt")
-        server.check_raw(req, req.logprobs is not None)
+        intake.check_raw(req, req.logprobs is not None)
         constrained = req.choices()
         if constrained is not None:
-            server.check_constrained(req, logprobs=req.logprobs is not None,
+            intake.check_constrained(req, logprobs=req.logprobs is not None,
                                      max_tokens=req.max_tokens)
         if req.echo:  # prompt scoring: one forward pass per prompt, no decoding
             # --max-prompt-tokens applies too, and the answer's size is bounded before work
-            encoded = await run_in_threadpool(server.encode, prompts)
+            encoded = await run_in_threadpool(intake.encode, prompts)
             entries = sum(len(ids) for ids in encoded) * (1 + (req.logprobs or 0)) * (
                 2 if req.wants_raw else 1)
             if entries > ECHO_MAX_ENTRIES:
@@ -159,54 +165,54 @@ def create_app(config: ServeConfig, lm: CalibratedLM | None = None) -> FastAPI:
                                f"(tokens x (1 + logprobs)); the limit is {ECHO_MAX_ENTRIES:,}: "
                                "send fewer or shorter prompts or fewer alternatives",
                                param="logprobs" if req.logprobs else "prompt")
-            return await server.echo(prompts, req, request)
+            return await writer.echo(prompts, req, request)
         if constrained is not None:
-            encoded = await run_in_threadpool(server.encode, prompts)
-            return await server.constrained(encoded, prompts, constrained, req, "completion",
+            encoded = await run_in_threadpool(intake.encode, prompts)
+            return await writer.constrained(encoded, prompts, constrained, req, "completion",
                                             request)
-        limit = server.max_tokens(req.max_tokens, config.default_max_tokens)
-        options = server.options(req, top=req.logprobs or 0)
-        encoded = await run_in_threadpool(server.encode, prompts)
+        limit = intake.max_tokens(req.max_tokens, config.default_max_tokens)
+        options = intake.options(req, top=req.logprobs or 0)
+        encoded = await run_in_threadpool(intake.encode, prompts)
         jobs = [Job(ids, limit, options, p if req.wants_p_true else None,
                     stream=bool(req.stream)) for ids, p in zip(encoded, prompts, strict=True)]
-        server.submit(jobs)
+        intake.submit(jobs)
         if req.stream:
-            return _EventStream(server, jobs, server.stream(jobs, req, "completion"))
-        return await server.complete(jobs, req, "completion", request)
+            return EventStream(server, jobs, writer.stream(jobs, req, "completion"))
+        return await writer.complete(jobs, req, "completion", request)
 
-    @app.post("/v1/chat/completions", openapi_extra=_request_body(ChatRequest),
+    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatRequest),
               responses=_ERROR_RESPONSES)
     async def chat(request: Request):
         server.authorize(request)
-        req = await server.parse(request, ChatRequest)
+        req = await intake.parse(request, ChatRequest)
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        limit = server.max_tokens(req.limit(), config.max_tokens_limit)
+        limit = intake.max_tokens(req.limit(), config.max_tokens_limit)
         messages = [{"role": "system" if m.role == "developer" else m.role,
                      "content": m.text()} for m in req.messages]
         users = [m["content"] for m in messages if m["role"] == "user"]
         if req.wants_p_true and not users:
             raise APIError(400, "P(True) needs a user message to score the answer against",
                            param="messages")
-        server.check_chars(sum(len(m["content"]) for m in messages), "the messages' text",
+        intake.check_chars(sum(len(m["content"]) for m in messages), "the messages' text",
                            "messages")
         top = (req.top_logprobs or 0) if req.logprobs else 0
-        server.check_raw(req, bool(req.logprobs))
+        intake.check_raw(req, bool(req.logprobs))
         constrained = req.choices()
         if constrained is not None:
-            server.check_constrained(req, logprobs=bool(req.logprobs), max_tokens=req.limit())
-        ids = await run_in_threadpool(server.encode_chat, messages)
+            intake.check_constrained(req, logprobs=bool(req.logprobs), max_tokens=req.limit())
+        ids = await run_in_threadpool(intake.encode_chat, messages)
         if constrained is not None:
-            return await server.constrained([ids], [users[-1] if users else ""], constrained,
+            return await writer.constrained([ids], [users[-1] if users else ""], constrained,
                                             req, "chat", request)
-        job = Job(ids, limit, server.options(req, top=top),
+        job = Job(ids, limit, intake.options(req, top=top),
                   users[-1] if req.wants_p_true else None, stream=bool(req.stream))
-        server.submit([job])
+        intake.submit([job])
         if req.stream:
-            return _EventStream(server, [job], server.stream([job], req, "chat"))
-        return await server.complete([job], req, "chat", request)
+            return EventStream(server, [job], writer.stream([job], req, "chat"))
+        return await writer.complete([job], req, "chat", request)
 
-    app.openapi = lambda: _openapi(app, server)  # type: ignore[method-assign]
+    app.openapi = lambda: openapi_schema(app, server, template_overhead)  # type: ignore[method-assign]
     return app
 
 

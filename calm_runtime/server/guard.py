@@ -4,16 +4,14 @@ keeps the request metrics."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 from .config import ServeConfig
 from .protocol import (
     APIError,
 )
+from .serving import ServerState
 
-if TYPE_CHECKING:
-    from .serving import _Server
-
+__all__ = ["CLIENT_CLOSED", "Guard", "too_large"]
 
 #: status recorded in the metrics for a request whose client left before any answer
 #: (nginx's "client closed request"; nothing is sent)
@@ -21,13 +19,13 @@ CLIENT_CLOSED = 499
 _ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 
 
-def _too_large(config: ServeConfig) -> APIError:
+def too_large(config: ServeConfig) -> APIError:
     return APIError(413, f"the request body exceeds {config.max_body_bytes} bytes; send a "
                     "shorter prompt", code="request_too_large")
 
 
 # ---------------------------------------------------------------------- the request's body
-class _Guard:
+class Guard:
     """ASGI middleware around every HTTP request: reads the body under the size limit and
     keeps the request metrics (count by status, latency, in flight).
 
@@ -37,7 +35,7 @@ class _Guard:
     the server's own ``receive`` (which reports the client's disconnect).
     """
 
-    def __init__(self, app, server: _Server) -> None:
+    def __init__(self, app, server: ServerState) -> None:
         self.app = app
         self.server = server
 
@@ -63,7 +61,7 @@ class _Guard:
         try:
             body = await self._read_body(scope, receive)
             if body is _TOO_LARGE:
-                response = self.server.error_response(_too_large(self.server.config),
+                response = self.server.error_response(too_large(self.server.config),
                                                       headers={"Connection": "close"})
                 await response(scope, receive, tracked)
             elif body is not None:  # None: the client left while sending

@@ -1,14 +1,18 @@
 """The request body as JSON: strict parsing (no NaN/Infinity, no lone surrogates) and the
-field a validation error names."""
+validation against the request model, whose errors name the field."""
 
 from __future__ import annotations
 
 import json
 import re
 
+from pydantic import ValidationError
+
 from .protocol import (
     APIError,
 )
+
+__all__ = ["json_object", "validated", "clip"]
 
 #: a JSON escape of a UTF-16 surrogate; only then can the parsed body hold a lone one
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
@@ -21,6 +25,32 @@ class _NotJSONNumber(ValueError):
 
 def _not_a_json_number(name: str):
     raise _NotJSONNumber(name)
+
+
+def json_object(body: bytes) -> dict:
+    """The body's JSON object, or a 400: not UTF-8 JSON, not an object, or a string (or key)
+    holding a lone UTF-16 surrogate."""
+    data = _load_json(body)
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    if _SURROGATE_ESCAPE.search(body.decode("utf-8")):
+        where = _lone_surrogate(data)
+        if where is not None:
+            raise APIError(400, f"{clip(where) or 'a key of the body'} holds a lone UTF-16 "
+                           "surrogate (an unpaired \\ud800-\\udfff escape), which is not "
+                           "valid Unicode; send valid text", param=clip(where) or None)
+    return data
+
+
+def validated(data: dict, model):
+    """``data`` as the request ``model``, or a 400 naming the first field in error."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = _error_param(first, data)
+        raise APIError(400, f"{where}: {first['msg']}" if where else first["msg"],
+                       param=where) from None
 
 
 def _load_json(body: bytes):
@@ -80,11 +110,10 @@ def _error_param(error: dict, data) -> str | None:
         elif isinstance(node, dict) and error.get("type") == "missing" and i == len(loc) - 1:
             parts.append(str(part))
         # anything else is the tag of a union's member ("str", "list[str]"), not a place
-    return _clip(".".join(parts)) or None
+    return clip(".".join(parts)) or None
 
 
-def _clip(text: str, size: int = 120) -> str:
+def clip(text: str, size: int = 120) -> str:
+    """``text``, cut to ``size`` characters (then ending in ``...``)."""
     return text if len(text) <= size else text[:size] + "..."
 
-
-# ---------------------------------------------------------------------- streaming

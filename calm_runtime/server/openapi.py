@@ -5,6 +5,8 @@ from __future__ import annotations
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from ..errors import CalmError
+from ..lm import CalibratedLM
 from .protocol import (
     MAX_CHOICE_CHARS,
     MAX_CHOICES,
@@ -14,18 +16,49 @@ from .protocol import (
     CompletionRequest,
     CompletionResponse,
 )
-from .serving import CHAT_MESSAGES_DOCUMENTED, TOKENS_PER_CHAR, _raw_recoverable, _Server
+from .serving import ServerState
+
+__all__ = ["openapi_schema", "request_body", "template_tokens", "TOKENS_PER_CHAR",
+           "CHAT_MESSAGES_DOCUMENTED"]
+
+#: a character is at most this many tokens (its UTF-8 bytes, under byte-level BPE or byte
+#: fallback): what the documented text limits assume
+TOKENS_PER_CHAR = 4
+#: the messages of a documented chat request (the server takes more that fit)
+CHAT_MESSAGES_DOCUMENTED = 8
 
 
-def _request_body(model) -> dict:
+def template_tokens(lm: CalibratedLM) -> int:
+    """Tokens the chat template adds around :data:`CHAT_MESSAGES_DOCUMENTED` messages (the
+    documented text limits leave room for them)."""
+    if not lm.tokenizer.has_chat_template:
+        return 0
+    roles = ["system"] + ["user", "assistant"] * CHAT_MESSAGES_DOCUMENTED
+    try:
+        ids = lm.tokenizer.encode_chat([{"role": r, "content": ""}
+                                        for r in roles[:CHAT_MESSAGES_DOCUMENTED]])
+    except CalmError:
+        return 0
+    return len(ids) + 1
+
+
+def _raw_recoverable(lm: CalibratedLM) -> bool:
+    try:
+        _ = lm.raw_logit_scale
+        return True
+    except CalmError:
+        return False
+
+
+def request_body(model) -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": {
         "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
 
 
-def _openapi(app: FastAPI, server: _Server) -> dict:
+def openapi_schema(app: FastAPI, server: ServerState, template_overhead: int) -> dict:
     """FastAPI's schema plus the request models (the endpoints parse bodies themselves) with
-    this server's limits, and, with an API key, the bearer scheme on every endpoint but
-    ``/health``."""
+    this server's limits (``template_overhead``: :func:`template_tokens` of its engine), and,
+    with an API key, the bearer scheme on every endpoint but ``/health``."""
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes,
                              description="OpenAI-compatible completions with calibrated "
@@ -34,7 +67,7 @@ def _openapi(app: FastAPI, server: _Server) -> dict:
         for model in (CompletionRequest, ChatRequest):
             body = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(body.pop("$defs", {}))
-            _document_limits(body, server)
+            _document_limits(body, server, template_overhead)
             components[model.__name__] = body
         # the answers' models, as the request models: the routes build their answers through
         # them (responses.py), and the document is written here, in one place
@@ -59,7 +92,7 @@ def _openapi(app: FastAPI, server: _Server) -> dict:
     return app.openapi_schema
 
 
-def _document_limits(body: dict, server: _Server) -> None:
+def _document_limits(body: dict, server: ServerState, template_overhead: int) -> None:
     """Narrow a request model's JSON schema to what this server accepts, so that a request
     the schema calls valid is served (a 2xx): its model name, its limits, the single value
     of each parameter calm cannot vary (the request models take any value there, to refuse
@@ -75,7 +108,7 @@ def _document_limits(body: dict, server: _Server) -> None:
     chat = "prompt" not in properties
     # the longest text that fits whatever it tokenises to (the chat template's own tokens
     # are set aside first)
-    room = max(1, server.max_prompt - (server.template_tokens if chat else 1))
+    room = max(1, server.max_prompt - (template_overhead if chat else 1))
     text_chars = max(1, room // TOKENS_PER_CHAR)
     text = {"type": "string", "minLength": 1, "maxLength": text_chars}
     tokens = optional({"type": "integer", "minimum": 1, "maximum": config.max_tokens_limit})
@@ -96,7 +129,7 @@ def _document_limits(body: dict, server: _Server) -> None:
     properties["structured_outputs"] = optional({
         "type": "object", "properties": {"choice": choices}, "required": ["choice"],
         "additionalProperties": False})
-    raw_ok = _raw_recoverable(server)
+    raw_ok = _raw_recoverable(server.lm)
     calm = {"type": "object", "additionalProperties": False, "properties": {
         "p_true": {"type": "boolean"},
         "choice_mode": optional({"enum": ["cloze"]}),  # letter mode needs a question

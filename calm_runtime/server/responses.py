@@ -1,15 +1,18 @@
-"""The response builders of :class:`~.serving._Server` (a mixin): OpenAI's completion and
+"""The response writers over the :class:`~.serving.ServerState`: OpenAI's completion and
 chat objects, streamed or whole, echo and constrained choices, each with calm's extension,
-and the waiting on results with the client's disconnect and the timeout."""
+the admission of scoring calls, and the waiting on results with the client's disconnect
+and the timeout."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import json
 import logging
+import threading
 import time
 import uuid
-from typing import TYPE_CHECKING
 
 import anyio
 from fastapi import Request
@@ -17,6 +20,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from ..errors import CalmError
+from ..scoring_passes import ScoringStopped
 from .batcher import END, Job
 from .guard import CLIENT_CLOSED
 from .protocol import (
@@ -34,9 +38,9 @@ from .protocol import (
     completion_logprobs,
     echo_logprobs,
 )
+from .serving import ServerState
 
-if TYPE_CHECKING:
-    from .serving import _Server
+__all__ = ["EventStream", "ResponseWriter", "out_of_memory"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,12 +58,12 @@ def _event(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
-class _EventStream(StreamingResponse):
+class EventStream(StreamingResponse):
     """The SSE response: while it streams it listens for the client's disconnect (whatever
     the ASGI server's spec version), and when the client leaves early the request's rows
     stop decoding."""
 
-    def __init__(self, server: _Server, jobs: list[Job], events) -> None:
+    def __init__(self, server: ServerState, jobs: list[Job], events) -> None:
         super().__init__(events, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache"})
         self._server = server
@@ -85,23 +89,102 @@ class _EventStream(StreamingResponse):
 
 
 
+class ResponseWriter:
+    """What the server answers with; the state is the server's, the admission of scoring
+    calls (one at a time, at most ``max_queue`` waiting) the writer's."""
 
-class _Responses:
-    """What :class:`~.serving._Server` answers with (its state is the server's)."""
+    def __init__(self, server: ServerState) -> None:
+        self.server = server
+        self.config = server.config
+        self.lm = server.lm
+        self.metrics = server.metrics
+        self._scoring_gate: asyncio.Semaphore | None = None  # made in the event loop
+        self._scoring_waiting = 0
+
+    async def scoring(self, request: Request, fn, *args, **kwargs):
+        """Run a prompt-scoring call (an echo, a constrained choice) under the same admission
+        control as generation: at most ``max_queue`` waiting (then 429), one at a time on the
+        engine beside the batcher, cut at ``request_timeout_s`` (504) or when the client
+        disconnects (``None``); the call stops between its steps (``should_stop``), so its
+        thread is free again at once. Its memory is bounded inside the call (the scoring
+        budget of :mod:`calm_runtime.scoring_passes`)."""
+        loop = asyncio.get_running_loop()
+        if self._scoring_gate is None:
+            self._scoring_gate = asyncio.Semaphore(1)
+        if self._scoring_waiting >= self.config.max_queue:
+            raise APIError(429, f"{self._scoring_waiting} scoring requests are waiting (the "
+                           "limit is --max-queue); retry later", type="rate_limit_error",
+                           code="queue_full")
+        deadline = loop.time() + self.config.request_timeout_s
+        stop = threading.Event()
+        gone = asyncio.ensure_future(_client_gone(request.receive))
+        self._scoring_waiting += 1
+        waiting = True
+        try:
+            try:
+                await asyncio.wait_for(self._scoring_gate.acquire(),
+                                       timeout=max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                raise self._scoring_timeout() from None
+            self._scoring_waiting -= 1
+            waiting = False
+            try:
+                task = asyncio.ensure_future(run_in_threadpool(
+                    functools.partial(fn, *args, should_stop=stop.is_set, **kwargs)))
+                done, _ = await asyncio.wait({task, gone},
+                                             timeout=max(0.0, deadline - loop.time()),
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if task in done:
+                    try:
+                        return task.result()
+                    except MemoryError as exc:
+                        raise out_of_memory(exc) from None
+                stop.set()
+                with contextlib.suppress(ScoringStopped, CalmError, MemoryError):
+                    await task  # returns at the call's next step
+                self.metrics.cancelled.inc()
+                if gone in done and gone.exception() is None:
+                    return None
+                raise self._scoring_timeout()
+            finally:
+                self._scoring_gate.release()
+        finally:
+            if waiting:
+                self._scoring_waiting -= 1
+            gone.cancel()
+
+    def _scoring_timeout(self) -> APIError:
+        return APIError(504, f"the request did not finish within "
+                        f"{self.config.request_timeout_s:g} s; retry with shorter prompts or "
+                        "fewer choices", type="timeout_error", code="timeout")
+
+    def _timeout(self, jobs: list[Job]) -> APIError:
+        for job in jobs:
+            self.server.batcher.cancel(job)
+        return APIError(504, f"the request did not finish within "
+                        f"{self.config.request_timeout_s:g} s; retry or ask for fewer tokens",
+                        type="timeout_error", code="timeout")
+
+    def _observe(self, result) -> None:
+        for token in result.generation.tokens:
+            self.metrics.token_confidence.observe(token.confidence)
+        self.metrics.sequence_confidence.observe(result.generation.sequence_confidence)
+        if result.p_true is not None:
+            self.metrics.p_true.observe(result.p_true)
 
     def _envelope(self, rid: str, kind: str, chunk: bool = False) -> dict:
         obj = {"completion": "text_completion",
                "chat": "chat.completion.chunk" if chunk else "chat.completion"}[kind]
         return {"id": rid, "object": obj, "created": int(time.time()),
-                "model": self.config.served_name, "system_fingerprint": self.fingerprint}
+                "model": self.config.served_name, "system_fingerprint": self.server.fingerprint}
 
     def _response(self, kind: str, choices: list, usage: Usage) -> dict:
         """A non-streaming response body, built through its model (protocol.py)."""
         model = CompletionResponse if kind == "completion" else ChatCompletionResponse
         prefix = "cmpl" if kind == "completion" else "chatcmpl"
         return model(id=f"{prefix}-{uuid.uuid4().hex}", created=int(time.time()),
-                     model=self.config.served_name, system_fingerprint=self.fingerprint,
-                     choices=choices, usage=usage, calm=self.identity).model_dump()
+                     model=self.config.served_name, system_fingerprint=self.server.fingerprint,
+                     choices=choices, usage=usage, calm=self.server.identity).model_dump()
 
     @staticmethod
     def _choice(kind: str, index: int, text: str, finish: str, logprobs, calm: dict):
@@ -127,13 +210,13 @@ class _Responses:
                     return waiter.result()
                 if gone in done:
                     if gone.exception() is None:
-                        self.abandon(jobs)
+                        self.server.abandon(jobs)
                         return None
                     waiting = {waiter}  # the connection cannot be watched: wait for the answer
                     continue
                 raise self._timeout(jobs)
         except asyncio.CancelledError:  # the server is stopping this request
-            self.abandon(jobs)
+            self.server.abandon(jobs)
             raise
         finally:
             gone.cancel()
@@ -167,7 +250,7 @@ class _Responses:
                          "confidence": picked.confidence, "choice_mode": mode,
                          "variant": picked.variant,
                          "answer_temperature": picked.answer_temperature,
-                         "calibrated": self.calibrated}
+                         "calibrated": self.server.calibrated}
             below = (options.abstain_below if options.abstain_below is not None
                      else self.lm.abstain_below)  # the request's, else the engine's
             if below is not None:
@@ -198,7 +281,7 @@ class _Responses:
         return Response(content=content, media_type="application/json")
 
     def _echo_choice(self, index: int, prompt: str, scored, req, top: int) -> CompletionChoice:
-        calm = {"calibrated": self.calibrated}
+        calm = {"calibrated": self.server.calibrated}
         if req.wants_raw:
             calm["raw_logprobs"] = echo_logprobs(scored, top, raw=True)
         return self._choice("completion", index, prompt, "length",
@@ -231,7 +314,7 @@ class _Responses:
                                           token_bytes=self.lm.tokenizer.token_bytes)
                             if req.logprobs else None)
             calm = {**choice_extension(g, result.p_true, req.wants_p_true),
-                    "calibrated": self.calibrated}
+                    "calibrated": self.server.calibrated}
             if req.wants_raw:
                 calm["raw_logprobs"] = (
                     completion_logprobs(g.tokens, req.logprobs, raw=True)
@@ -308,7 +391,7 @@ class _Responses:
                                    len(g.text) > sent else None, None,
                                    FINISH_REASONS[g.finish_reason],
                                    {**choice_extension(g, result.p_true, req.wants_p_true),
-                                    "calibrated": self.calibrated}))
+                                    "calibrated": self.server.calibrated}))
                 usage[0] += len(job.ids)
                 usage[1] += len(g.tokens)
             if req.stream_options and req.stream_options.include_usage:
@@ -338,7 +421,7 @@ class _Responses:
             yield _event(APIError(500, "the server failed on this request; the details are "
                                   "in its log", type="server_error").body())
         finally:
-            self.abandon(jobs, client_left=not ended)
+            self.server.abandon(jobs, client_left=not ended)
 
 
 def _encode_json(body: dict) -> bytes:
@@ -347,7 +430,8 @@ def _encode_json(body: dict) -> bytes:
 
 
 def _one_pass(fn):
-    """``fn`` for :meth:`_Server.scoring`: one forward pass, too short to stop inside."""
+    """``fn`` for :meth:`ResponseWriter.scoring`: one forward pass, too short to stop
+    inside."""
     def call(*args, should_stop=None, **kwargs):
         return fn(*args, **kwargs)
     return call

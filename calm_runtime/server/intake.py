@@ -1,0 +1,150 @@
+"""The request intake behind the routes: parsing and validation against the server's
+limits, encoding, and admission to the batcher's queue."""
+
+from __future__ import annotations
+
+from fastapi import Request
+
+from ..errors import CalmError
+from .batcher import Job, QueueFull, ShuttingDown
+from .guard import too_large
+from .json_body import clip, json_object, validated
+from .protocol import (
+    APIError,
+)
+from .serving import PROMPT_CHARS_PER_TOKEN, ServerState
+
+__all__ = ["Intake"]
+
+
+class Intake:
+    """What a request passes before it is answered; the state is the server's."""
+
+    def __init__(self, server: ServerState) -> None:
+        self.config = server.config
+        self.lm = server.lm
+        self.batcher = server.batcher
+        self.max_prompt = server.max_prompt
+        self.max_prompt_chars = server.max_prompt_chars
+
+    async def parse(self, request: Request, model):
+        body = await request.body()
+        if len(body) > self.config.max_body_bytes:  # Guard refuses these before
+            raise too_large(self.config)
+        req = validated(json_object(body), model)
+        if req.model != self.config.served_name:
+            raise APIError(404, f"model {clip(req.model, 80)!r} is not served here; this server "
+                           f"serves {self.config.served_name!r}", param="model",
+                           code="model_not_found")
+        bad = req.unsupported()
+        if bad:
+            raise APIError(400, f"{', '.join(bad)} not supported by calm serve; remove "
+                           f"{'it' if len(bad) == 1 else 'them'} from the request",
+                           param=bad[0])
+        return req
+
+    def max_tokens(self, asked: int | None, default: int) -> int:
+        value = default if asked is None else asked
+        if value > self.config.max_tokens_limit:
+            raise APIError(400, f"max_tokens {value} exceeds this server's limit of "
+                           f"{self.config.max_tokens_limit}; ask for fewer tokens",
+                           param="max_tokens")
+        return value
+
+    def check_constrained(self, req, *, logprobs: bool, max_tokens: int | None) -> None:
+        """Refuse, naming it, each field a constrained choice cannot honour: its answer is one
+        of the choices, scored whole, with calibrated ``option_probabilities`` in the ``calm``
+        object (not token ``logprobs``), never cut by ``stop`` or ``max_tokens`` (which must
+        still be within the server's limit)."""
+        refused = [("logprobs", logprobs, "the calm object's option_probabilities are the "
+                    "calibrated distribution over the choices"),
+                   ("echo", bool(getattr(req, "echo", False)), "echo scores the prompt only"),
+                   ("stop", bool(req.stops()), "a choice is answered whole"),
+                   ("calm.p_true", req.wants_p_true, "the choice's confidence is its calibrated "
+                    "option probability"),
+                   ("n", (req.n or 1) > 1, "a choice has one answer")]
+        for name, given, why in refused:
+            if given:
+                raise APIError(400, f"{name} is not supported with a constrained choice ({why}); "
+                               "drop it", param=name)
+        if max_tokens is not None:
+            self.max_tokens(max_tokens, self.config.default_max_tokens)
+
+    def options(self, req, *, top: int) -> dict:
+        return {"temperature": 1.0 if req.temperature is None else float(req.temperature),
+                "top_p": 1.0 if req.top_p is None else float(req.top_p),
+                "top_k": req.top_k or 0, "seed": req.seed, "stop": req.stops(),
+                "top_alternatives": top, "raw_logprobs": req.wants_raw}
+
+    def check_raw(self, req, logprobs: bool) -> None:
+        """Refuse ``calm.raw_logprobs`` without ``logprobs``, with constrained choices, or
+        on an engine whose raw log-probabilities cannot be recovered (per-token
+        calibration)."""
+        if not req.wants_raw:
+            return
+        if not logprobs:
+            raise APIError(400, "calm.raw_logprobs needs logprobs (the raw values come beside "
+                           "the calibrated ones); set logprobs", param="calm")
+        if req.choices() is not None:
+            raise APIError(400, "calm.raw_logprobs is for generated or echoed tokens, not "
+                           "constrained choices (their option_probabilities are calibrated)",
+                           param="calm")
+        try:
+            _ = self.lm.raw_logit_scale
+        except CalmError as exc:
+            raise APIError(400, str(exc), param="calm") from None
+
+    def check_chars(self, count: int, what: str, param: str) -> None:
+        """Refuse a prompt too long to be worth tokenising (see PROMPT_CHARS_PER_TOKEN)."""
+        if count > self.max_prompt_chars:
+            raise APIError(400, f"{what} is {count} characters; this server takes prompts of "
+                           f"at most {self.max_prompt} tokens, so at most "
+                           f"{self.max_prompt_chars} characters ({PROMPT_CHARS_PER_TOKEN} per "
+                           "token); shorten it", param=param, code="context_length_exceeded")
+
+    def encode(self, prompts: list[str]) -> list[list[int]]:
+        """Token ids of each prompt (blocking: call it on a worker thread)."""
+        encoded = []
+        for index, prompt in enumerate(prompts):
+            label = "the prompt" if len(prompts) == 1 else f"prompt[{index}]"
+            try:
+                ids = self.lm._encode_prompt(prompt, False, label)
+            except CalmError as exc:
+                raise APIError(400, str(exc), param="prompt") from None
+            encoded.append(self._check_prompt(ids, label))
+        return encoded
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Token ids of the rendered conversation (blocking: call it on a worker thread)."""
+        try:
+            ids = self.lm.tokenizer.encode_chat(
+                messages, allow_special_tokens=self.config.allow_special_tokens)
+        except CalmError as exc:
+            raise APIError(400, str(exc), param="messages") from None
+        return self._check_prompt(ids, "the conversation", "messages")
+
+    def _check_prompt(self, ids: list[int], label: str = "the prompt",
+                      param: str = "prompt") -> list[int]:
+        if len(ids) > self.max_prompt:
+            raise APIError(400, f"the prompt is {len(ids)} tokens; this server takes at most "
+                           f"{self.max_prompt}; shorten it", code="context_length_exceeded")
+        try:  # a prompt no prefill pass can hold is refused before it is queued
+            self.lm.check_prefill(len(ids), label, "--max-prefill-tokens")
+        except CalmError as exc:
+            raise APIError(400, str(exc), param=param,
+                           code="context_length_exceeded") from None
+        return ids
+
+    def submit(self, jobs: list[Job]) -> None:
+        try:
+            for job in jobs:
+                self.batcher.submit(job)
+        except QueueFull:
+            for job in jobs:
+                self.batcher.cancel(job)
+            raise APIError(429, f"the server's queue is full ({self.batcher.max_queue} rows "
+                           "waiting); retry shortly", type="rate_limit_error",
+                           code="queue_full") from None
+        except ShuttingDown:
+            raise APIError(503, "the server is shutting down; retry on another replica",
+                           type="server_error", code="shutting_down") from None
