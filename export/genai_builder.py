@@ -28,7 +28,7 @@ graph, and ``--quantize fp16`` too (int8/int4 quantise this graph's MatMuls).
 The engine is validated like every other (export/validate.py, through calm's runtime
 backend). Where the builder fails, or its graph does not pass, ``--graph auto`` exports
 calm's own graph instead and says why. calm drives only the builder releases it is tested
-with (``BUILDER_VERSIONS`` in export/_genai_build.py, pinned by the ``genai`` extra): with
+with (``BUILDER_VERSIONS`` in export/genai_build.py, pinned by the ``genai`` extra): with
 another, ``--graph auto`` takes calm's own graph and records why, ``--graph builder`` is a
 one-line error; the manifest's ``export.graph.builder_version`` names the release used.
 """
@@ -46,7 +46,7 @@ import numpy as np
 
 from calm_runtime.errors import CalmError
 
-from . import genai_build as _genai_build
+from . import genai_build
 from .engine_writer import BUILDER_GRAPH, GENAI_CONFIG
 from .onnx import (
     EXTERNAL_DATA_FILE,
@@ -91,7 +91,7 @@ def not_built_because(model_config, config) -> str | None:
         return "the builder's Mistral graph does not apply a sliding window"
     if importlib.util.find_spec("onnxruntime_genai") is None:
         return "onnxruntime-genai is not installed (pip install 'calm-llm[genai]')"
-    return _genai_build.version_problem()
+    return genai_build.version_problem()
 
 
 def build_graph(model, tokenizer, staging: Path, vocab_size: int, *, affine=None) -> dict:
@@ -175,7 +175,7 @@ def _run_builder(source: Path, output: Path, cache: Path, log: Path) -> None:
     with open(log, "w", encoding="utf-8") as sink, contextlib.redirect_stdout(sink), \
             contextlib.redirect_stderr(sink):
         try:
-            _genai_build.main(args)
+            genai_build.main(args)
         except Exception as exc:  # noqa: BLE001 - the builder raises its own untyped errors
             reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
             raise BuilderError(f"onnxruntime-genai's builder failed ({type(exc).__name__}: "

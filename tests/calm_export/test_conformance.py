@@ -34,6 +34,7 @@ pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 
 from conftest import (  # noqa: E402
+    FAMILIES,  # noqa: E402
     genai_greedy,
     random_calibration_adapter,
     tiny_tokenizer,
@@ -41,7 +42,6 @@ from conftest import (  # noqa: E402
 )
 
 from calm_export import ExportConfig, export_engine  # noqa: E402
-from conftest import FAMILIES  # noqa: E402
 from calm_runtime import CalibratedLM  # noqa: E402
 from calm_runtime.artifact import CalibrationAdapter  # noqa: E402
 from calm_runtime.cli import main as calm_main  # noqa: E402

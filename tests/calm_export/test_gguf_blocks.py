@@ -88,7 +88,8 @@ def _graph(weights):
     for i, w in enumerate(weights):
         inits.append(numpy_helper.from_array(np.ascontiguousarray(w.T), f"W{i}"))
         nodes.append(helper.make_node("MatMul", ["X", f"W{i}"], [f"Y{i}"], name=f"/mm{i}/MatMul"))
-        outputs.append(helper.make_tensor_value_info(f"Y{i}", TensorProto.FLOAT, [1, 3, w.shape[0]]))
+        outputs.append(helper.make_tensor_value_info(f"Y{i}", TensorProto.FLOAT,
+                                                     [1, 3, w.shape[0]]))
     graph = helper.make_graph(
         nodes, "g", [helper.make_tensor_value_info("X", TensorProto.FLOAT, [1, 3, COLS])],
         outputs, inits)

@@ -159,7 +159,6 @@ def test_the_families_and_real_rotary_settings_pass(tmp_path):
     released models (Llama-3.1's llama3, Qwen2.5's yarn, Phi-3's longrope whose advisory
     warning about original_max_position_embeddings is not a failure)."""
     import transformers
-
     from conftest import FAMILIES
 
     for family in FAMILIES:
