@@ -56,9 +56,9 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import _engine_quality
 import _llama_cpp
+import numpy as np
 from _common import command_line, git_commit
 
 HERE = Path(__file__).resolve().parent
