@@ -20,15 +20,13 @@ from pathlib import Path
 
 import numpy as np
 
-PROMPTS = (
-    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
-    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
-    "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is",
-    "Photosynthesis is the process by which plants",
-    "Question: What gas do plants absorb from the air?\nAnswer:",
-    "Question: Which planet is closest to the sun?\nA. Venus\nB. Mercury\nC. Mars\n"
-    "D. Earth\nAnswer:",
-)
+from calm_export.quantize import DRIFT_PROMPTS
+
+#: the drift prompts of calm-export (plain text, code, a list) and two scoring prompts
+PROMPTS = (*DRIFT_PROMPTS,
+           "Question: What gas do plants absorb from the air?\nAnswer:",
+           "Question: Which planet is closest to the sun?\nA. Venus\nB. Mercury\nC. Mars\n"
+           "D. Earth\nAnswer:")
 REFERENCE = "calm fp32"
 
 
@@ -84,7 +82,8 @@ def derive(builds: dict, work: Path) -> dict:
     return out
 
 
-def _logits(lm, prompt: str) -> np.ndarray:
+def prompt_logits(lm, prompt: str) -> np.ndarray:
+    """The engine's logits at every position of ``prompt`` (one prefill, no KV cache)."""
     ids = lm.tokenizer.encode(prompt)
     batch = np.asarray([ids], dtype=np.int64)
     logits, _ = lm.backend.run(batch, np.ones_like(batch),
@@ -92,7 +91,7 @@ def _logits(lm, prompt: str) -> np.ndarray:
     return np.asarray(logits[0], dtype=np.float64)
 
 
-def _softmax(z: np.ndarray) -> np.ndarray:
+def softmax(z: np.ndarray) -> np.ndarray:
     z = z - z.max(-1, keepdims=True)
     e = np.exp(z)
     return e / e.sum(-1, keepdims=True)
@@ -109,11 +108,11 @@ def quality(engines: dict[str, Path], data: str) -> dict:
     base, out = None, {}
     for name in [REFERENCE, *(n for n in engines if n != REFERENCE)]:
         lm = CalibratedLM.load(engines[name], threads=2, verify_hashes=False)
-        logits = [_logits(lm, p) for p in PROMPTS]
+        logits = [prompt_logits(lm, p) for p in PROMPTS]
         base = logits if name == REFERENCE else base
         agree = np.concatenate([a.argmax(-1) == b.argmax(-1) for a, b in zip(logits, base,
                                                                               strict=True)])
-        tv = np.concatenate([0.5 * np.abs(_softmax(a) - _softmax(b)).sum(-1)
+        tv = np.concatenate([0.5 * np.abs(softmax(a) - softmax(b)).sum(-1)
                              for a, b in zip(logits, base, strict=True)])
         metrics = score_records(lm, records, mode="cloze")["metrics"]
         lm.close()

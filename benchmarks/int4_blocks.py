@@ -26,16 +26,13 @@ from pathlib import Path
 
 import numpy as np
 from _common import command_line, git_commit
+from _engine_quality import PROMPTS, prompt_logits, softmax
 
 from calm_export import ExportConfig, quantize
 from calm_runtime.lm import CalibratedLM
 
 HERE = Path(__file__).resolve().parent
 STEM = "int4_blocks"
-PROMPTS = (*quantize.DRIFT_PROMPTS,
-           "Question: What gas do plants absorb from the air?\nAnswer:",
-           "Question: Which planet is closest to the sun?\nA. Venus\nB. Mercury\nC. Mars\n"
-           "D. Earth\nAnswer:")
 SETTINGS = (("int4", 16), ("int4", 32), ("int4", 64), ("int4", 128), ("int8", 32))
 
 
@@ -48,7 +45,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING)
     engine = Path(args.engine)
     fp32 = CalibratedLM.load(engine, threads=1)
-    base = [_logits(fp32, p) for p in PROMPTS]
+    base = [prompt_logits(fp32, p) for p in PROMPTS]
     rows = [{"setting": "fp32", "bytes": _size(engine), "ms_per_token": _speed(fp32, args.tokens),
              "top1_agreement": 1.0, "mean_total_variation": 0.0}]
     fp32.close()
@@ -63,9 +60,9 @@ def main(argv=None) -> int:
             lm = CalibratedLM.load(copy, threads=1, verify_hashes=False)
             agree, tv = [], []
             for want, prompt in zip(base, PROMPTS, strict=True):
-                got = _logits(lm, prompt)
+                got = prompt_logits(lm, prompt)
                 agree.append(got.argmax(-1) == want.argmax(-1))
-                tv.append(0.5 * np.abs(_softmax(got) - _softmax(want)).sum(-1))
+                tv.append(0.5 * np.abs(softmax(got) - softmax(want)).sum(-1))
             rows.append({"setting": f"{kind} block {block}", "bytes": _size(copy),
                          "ms_per_token": _speed(lm, args.tokens),
                          "top1_agreement": float(np.concatenate(agree).mean()),
@@ -80,20 +77,6 @@ def main(argv=None) -> int:
     (out / f"{STEM}.md").write_text(render(result))
     print(render(result))
     return 0
-
-
-def _logits(lm: CalibratedLM, prompt: str) -> np.ndarray:
-    ids = lm.tokenizer.encode(prompt)
-    batch = np.asarray([ids], dtype=np.int64)
-    logits, _ = lm.backend.run(batch, np.ones_like(batch),
-                               np.arange(len(ids), dtype=np.int64)[None], None)
-    return np.asarray(logits[0], dtype=np.float64)
-
-
-def _softmax(z: np.ndarray) -> np.ndarray:
-    z = z - z.max(-1, keepdims=True)
-    e = np.exp(z)
-    return e / e.sum(-1, keepdims=True)
 
 
 def _speed(lm: CalibratedLM, tokens: int) -> float:
