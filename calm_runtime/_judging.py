@@ -10,13 +10,11 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from . import scoring_passes
+from . import modes, scoring_passes
 from ._inputs import check_text, input_label, positive_int
-from .calibration import apply_calibration
 from .engine import EngineManifest
 from .errors import ConfigError
 from .prompts import (
-    CHOICE_MODES,
     CLOZE_VARIANTS,
     PTrueTemplate,
     cloze_context,
@@ -66,8 +64,7 @@ class Judging:
         ``"Question: ...\\nAnswer:"`` by ``variant`` (default: the one the engine records,
         else ``"mean"``), and the probabilities are ``softmax(scores / answer_temperature)``.
         """
-        if mode not in CHOICE_MODES:
-            raise ConfigError(f"unknown mode {mode!r}; choose one of {', '.join(CHOICE_MODES)}")
+        scoring = modes.mode(mode, choice=True)
         if len(questions) != len(options):
             raise ConfigError(f"{len(questions)} questions but {len(options)} option lists; "
                               "pass one list of options per question")
@@ -76,7 +73,7 @@ class Judging:
         for q, opts in zip(questions, options, strict=True):
             _check_question(q, opts)
         size = positive_int(batch_size, "batch_size")
-        if mode == "letter":
+        if scoring.token_level:
             return self._choose_letters(questions, options, chat, size)
         variant = self._cloze_variant(variant)
         contexts, conts = [], []
@@ -220,9 +217,7 @@ class Judging:
 
 def _choice(scores: np.ndarray, mode: str, variant: str | None, temperature: float,
             abstain_below: float | None = None) -> Choice:
-    z = apply_calibration(np.asarray(scores, dtype=np.float64), temperature=temperature)
-    e = np.exp(z - z.max())
-    probs = e / e.sum()
+    probs = modes.option_probabilities(np.asarray(scores, dtype=np.float64), temperature)
     best = int(np.argmax(probs))
     return Choice(probabilities=probs, prediction=best, confidence=float(probs[best]),
                   scores=np.asarray(scores, dtype=np.float64), mode=mode, variant=variant,

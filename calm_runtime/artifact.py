@@ -65,6 +65,7 @@ from .calibration import (
 )
 from .errors import ArtifactError, IncompatibleModelError
 from .fit_record import FitRecord
+from .modes import MODES
 
 __all__ = [
     "ADAPTER_SCHEMA_VERSION",
@@ -443,7 +444,7 @@ def describe_calibrated_outputs(*, kind: str, method: Mapping | None, token: boo
     """See :meth:`CalibrationAdapter.calibrated_outputs` (also used for engines, from their
     manifest's calibration section)."""
     method = method or {}
-    mode = method.get("mode")
+    mode = MODES.get(method.get("mode")) if isinstance(method.get("mode"), str) else None
     token_fit = method.get("token_fit") or {}
     if not token:
         token_by = None
@@ -451,10 +452,8 @@ def describe_calibrated_outputs(*, kind: str, method: Mapping | None, token: boo
         token_by = (f"{token_fit.get('method')}: token-level temperature "
                     f"{token_fit.get('temperature', temperature):.4g} "
                     f"({token_fit.get('signal', 'answer positions')})")
-    elif mode == "letter":
-        token_by = f"{kind}: temperature {temperature:.4g} fitted on the option letters' logits"
-    elif mode == "p_true":
-        token_by = f"{kind}: temperature {temperature:.4g} fitted on P(True)'s two letters"
+    elif mode is not None and mode.fitted_on:
+        token_by = f"{kind}: temperature {temperature:.4g} fitted on {mode.fitted_on}"
     else:
         token_by = kind
     if answer_temperature is not None:
@@ -462,7 +461,7 @@ def describe_calibrated_outputs(*, kind: str, method: Mapping | None, token: boo
                      + (" on token-calibrated scores" if token else ""))
     else:
         option_by = token_by
-    p_true_by = token_by if mode == "p_true" else None
+    p_true_by = token_by if mode is not None and not mode.choice else None
     return {"token_logprobs": token_by, "option_probabilities": option_by, "p_true": p_true_by}
 
 

@@ -12,12 +12,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .prompts import CHOICE_MODES, CLOZE_VARIANTS
+from .modes import CHOICE_MODES, MODE_NAMES
+from .prompts import CLOZE_VARIANTS
 
 __all__ = ["FitRecord", "FIT_MODES"]
 
 #: the modes a fit records: multiple choice (cloze, letter) and open-QA P(True)
-FIT_MODES = (*CHOICE_MODES, "p_true")
+FIT_MODES = MODE_NAMES
 
 
 @dataclass(frozen=True)

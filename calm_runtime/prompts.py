@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import ConfigError
+from .modes import CHOICE_MODES
 
 __all__ = [
     "PTrueTemplate",
@@ -107,8 +108,6 @@ def cloze_continuation(option: str) -> str:
     return f" {option}"
 
 
-#: the two ways a multiple-choice question is put to a model (docs/methods.md §2)
-CHOICE_MODES = ("cloze", "letter")
 #: How a cloze option is scored from the log-probability of its text: ``sum`` (summed),
 #: ``mean`` (per token) or ``char`` (per character of the option, lm-eval's ``acc_norm``).
 CLOZE_VARIANTS = ("sum", "mean", "char")

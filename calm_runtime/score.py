@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import metrics
+from . import metrics, modes
 from ._fs import show_name
 from .data import MultipleChoiceRecord, Record
 from .errors import ConfigError, DataError
@@ -109,7 +109,7 @@ def format_report(report: dict) -> str:
     rows = []
     if report["kind"] == "multiple_choice":
         head += f", {report['mode']}"
-        if report["mode"] == "cloze":
+        if not modes.mode(report["mode"]).token_level:  # a cloze variant and T_ans
             head += f", {report['variant']} scores, T_ans={report['answer_temperature']:.3f}"
         if "served_model" in report:  # a served model (calm score URL)
             name = "served model + adapter" if report.get("adapter") else "served model"

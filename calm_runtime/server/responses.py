@@ -19,6 +19,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from .. import modes
 from ..errors import CalmError
 from ..scoring_passes import ScoringStopped
 from .batcher import END, Job
@@ -229,10 +230,11 @@ class ResponseWriter:
         listed as ``A. ...`` after the question (the prompt, or the last user message)."""
         options = req.calm or CalmOptions()
         mode = options.choice_mode or self.lm.choice_mode  # the request's, else the engine's
+        continued = not modes.mode(mode, choice=True).token_level  # cloze
         out = []
         for index, (ids, question) in enumerate(zip(encoded, questions, strict=True)):
             try:
-                if mode == "cloze":
+                if continued:
                     picked = await self.scoring(request, self.lm.choose_continuation, ids,
                                                 choices)
                 else:

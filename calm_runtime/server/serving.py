@@ -12,6 +12,7 @@ import time
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from .. import modes
 from ..engine import ENGINE_MANIFEST_NAME
 from ..lm import CalibratedLM
 from .batcher import Job, MicroBatcher
@@ -57,7 +58,8 @@ class ServerState:
         #: response's calm object
         self.calibrated = lm.calibrated_outputs
         fitted = (lm.manifest.export or {}).get("prompt_format")
-        if fitted == "plain" and lm.tokenizer.has_chat_template and lm.choice_mode == "letter":
+        if (fitted == "plain" and lm.tokenizer.has_chat_template
+                and modes.mode(lm.choice_mode).chat_prompts):
             logger.warning("%s: its calibration was fitted on plain-text letter prompts; "
                            "/v1/chat/completions renders the chat template, a format the fit "
                            "did not see (fit with the default --chat to calibrate chat "
