@@ -1,5 +1,5 @@
 """The arrays DACA's fits share: input checks, the agreement set (the items where the model
-and the reference pick the same option), softmax and mean entropy (docs/methods.md §3)."""
+and the reference pick the same option) and mean entropy (docs/methods.md §3)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import logging
 import numpy as np
 
 from calm_runtime.errors import ConfigError, FitError
+from calm_runtime.modes import option_probabilities
 
 logger = logging.getLogger("calm_training.daca")
 
@@ -28,7 +29,7 @@ def agreement_set(plm_logits, polm_logits, mask, min_agreement, min_agreement_ra
     agree = f.argmax(axis=1) == g.argmax(axis=1)
     n, n_agree = f.shape[0], int(agree.sum())
     rate = n_agree / n if n else 0.0
-    p = softmax(f)
+    p = option_probabilities(f)
     if not mask:
         return p, g, n, rate
     if n_agree == 0:
@@ -69,11 +70,6 @@ def p_true_logits(x, name: str) -> np.ndarray:
                           f"{p.shape}.")
     p = np.clip(p, P_TRUE_EPS, 1.0 - P_TRUE_EPS)
     return np.stack([np.log(p), np.log1p(-p)], axis=1)
-
-
-def softmax(z: np.ndarray) -> np.ndarray:
-    e = np.exp(z - z.max(axis=1, keepdims=True))
-    return e / e.sum(axis=1, keepdims=True)
 
 
 def mean_entropy(p: np.ndarray) -> float:

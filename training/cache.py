@@ -15,6 +15,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from calm_runtime import modes
 from calm_runtime._fs import sha256_bytes, sha256_file
 from calm_runtime._paths import cache_dir
 from calm_runtime.artifact import MANIFEST_NAME, CalibrationAdapter
@@ -64,7 +65,7 @@ def cached_option_scores(model: ModelSource | str, records: Sequence[MultipleCho
     if source.served:  # a served model: its own per-request cache
         from .remote import remote_option_scores
 
-        use_chat = mode == "letter" and source.chat(chat)
+        use_chat = modes.mode(mode).chat_prompts and source.chat(chat)
         if use_chat:
             logger.info("letter prompts go to %s as chat messages (/v1/chat/completions, the "
                         "served chat template); --no-chat sends them as text",

@@ -52,6 +52,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from calm_runtime import modes
 from calm_runtime.data import (
     DATA_PARTS,
     MultipleChoiceRecord,
@@ -233,6 +234,8 @@ class _Encoder:
             raise ConfigError(f"calibration positions must be one of "
                               f"{', '.join(CALIBRATION_POSITIONS)}, got {positions!r}")
         self.tokenizer, self.mode, self.chat, self.max_length = tokenizer, mode, chat, max_length
+        #: letter mode: the options are read from the letters' next-token logits
+        self.letters = modes.mode(mode).token_level
         if entropy not in ENTROPY_KINDS:
             raise ConfigError(f"entropy must be one of {', '.join(ENTROPY_KINDS)}, got "
                               f"{entropy!r}")
@@ -277,7 +280,7 @@ class _Encoder:
 
     def option_example(self, record: MultipleChoiceRecord) -> Example:
         """The positions that score every option, tagged with option and weight."""
-        if self.mode == "letter":
+        if self.letters:
             base = self.letter_example(record, None)
             ids = self.letter_ids(len(record.choices))
             return Example(base.sequences, base.positions * len(ids), tuple(ids),
@@ -298,7 +301,7 @@ class _Encoder:
         if isinstance(record, MultipleChoiceRecord):
             if not labeled and self.entropy == "options":
                 return self.option_example(record)
-            if self.mode == "letter":
+            if self.letters:
                 return self.letter_example(record, record.answer if labeled else None)
             context = encode_text(self.tokenizer, cloze_context(self.question(record)),
                                   special=True)
@@ -369,7 +372,7 @@ def answer_token_ids(records: Sequence[Record], tokenizer, *, mode: str, chat: b
     ids: set[int] = set()
     for record in records:
         if isinstance(record, MultipleChoiceRecord):
-            if mode == "letter":
+            if encoder.letters:
                 ids.update(encoder.letter_ids(len(record.choices)))
             else:
                 for option in record.choices:

@@ -29,8 +29,8 @@ def reference_option_probs(reference: str, records: Sequence, *, mode: str, vari
     """``[N, k_max]`` option probabilities of the ``reference`` model (packaged name, folder
     or .gguf) on multiple-choice ``records``, scored as the trained model's options are."""
     from calm_runtime.models import load_model_and_tokenizer
+    from calm_runtime.modes import option_probabilities
 
-    from .fit import option_probabilities
     from .scoring import score_multiple_choice
 
     bad = sum(1 for r in records if not isinstance(r, MultipleChoiceRecord))

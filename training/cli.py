@@ -10,6 +10,7 @@ import dataclasses
 import logging
 from pathlib import Path
 
+from calm_runtime import modes
 from calm_runtime.cli_common import add_endpoint_limits, deprecated_alias, show_progress
 from calm_runtime.errors import BackendUnavailableError
 from calm_runtime.prompts import CLOZE_VARIANTS
@@ -183,7 +184,7 @@ def _fit(args) -> int:
         print("token level: " + (f"{_fit_line(token)} on {token['positions']} answer positions"
                                  if token["fitted"] else f"not fitted ({token['reason']})"))
     fmt = adapter.provenance.get("prompt_format")
-    if fmt and args.mode != "cloze":
+    if fmt and modes.mode(args.mode).chat_prompts:
         how = ("the chat template, as chat clients send" if fmt == "chat"
                else "text, without a chat template")
         print(f"prompt format: {fmt} ({how})")
@@ -232,7 +233,7 @@ def _eval(args) -> int:
         config = dataclasses.replace(config, variant=recorded or _FIT["variant"])
     if args.compare:
         methods = ("vanilla", "naive", "daca", "daca-vector", "ts", "ts-vector")
-        if args.mode == "p_true":
+        if not modes.mode(args.mode).choice:
             from calm_training.p_true import P_TRUE_METHODS as methods
         if not args.reference:
             methods = tuple(m for m in methods if m not in LABEL_FREE)

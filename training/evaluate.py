@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from calm_runtime.artifact import CalibrationAdapter
+from calm_runtime.modes import option_probabilities
 from calm_runtime.plot import write_reliability_diagram, write_risk_coverage
 from calm_runtime.prompts import cloze_variant_for
 
@@ -20,7 +21,6 @@ from .fit import (
     load_mc_records,
     metric_row,
     model_source,
-    option_probabilities,
     require_labels,
     variant_scores,
 )
@@ -41,7 +41,8 @@ def evaluate_adapter(config: FitConfig, adapter_dir: str | os.PathLike, *,
     from calm_runtime.data import split_indices
 
     adapter = CalibrationAdapter.from_pretrained(adapter_dir)
-    if config.mode == "cloze":  # the recorded variant or a one-line error, never a switch
+    scoring = config.scoring_mode
+    if not scoring.token_level:  # the recorded variant or a one-line error, never a switch
         cloze_variant_for(config.variant, adapter.fit_record.cloze_variant,
                           bound=adapter.fit_record.binds_variant, what=str(adapter_dir),
                           fix=f"evaluate with variant {adapter.cloze_variant!r} (calm eval "
@@ -62,10 +63,10 @@ def evaluate_adapter(config: FitConfig, adapter_dir: str | os.PathLike, *,
     _, test = split_indices(len(records), config.calibration_fraction, config.seed)
     k = int(np.bincount(vanilla.n_options).argmax())
     test = test[vanilla.n_options[test] == k]
-    answer_t = adapter.answer_temperature if config.mode == "cloze" else None
+    answer_t = scoring.answer_temperature(adapter.answer_temperature)
     rows, panels = {}, {}
     for name, scores, temperature in (("vanilla", vanilla, 1.0),
-                                      (adapter.kind, calibrated, answer_t or 1.0)):
+                                      (adapter.kind, calibrated, answer_t)):
         probs = option_probabilities(variant_scores(scores, base_config)[test, :k], temperature)
         rows[name], panels[name] = metric_row(probs, _labels(scores, test), config)
     return {"config": base_config.to_dict() | {"adapter": config.adapter},

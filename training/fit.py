@@ -24,9 +24,9 @@ import numpy as np
 from calm_runtime import metrics
 from calm_runtime._fs import check_creatable
 from calm_runtime.artifact import CalibrationAdapter
-from calm_runtime.calibration import apply_calibration
 from calm_runtime.data import MultipleChoiceRecord, dataset_hash, load_dataset, split_indices
 from calm_runtime.errors import ConfigError, DataError, FitError
+from calm_runtime.modes import option_probabilities
 from calm_runtime.prompts import letter_tokens
 
 from . import daca
@@ -54,15 +54,6 @@ __all__ = ["FitConfig", "METHODS", "LABEL_FREE", "DEFAULT_VARIANT", "compare_met
            "fit_adapter", "option_probabilities", "format_table", "format_selective_table"]
 
 logger = logging.getLogger(__name__)
-
-
-
-def option_probabilities(scores: np.ndarray, temperature: float = 1.0) -> np.ndarray:
-    """``softmax(scores / T)`` over the options (``-inf`` scores get probability 0)."""
-    z = apply_calibration(scores, temperature=temperature)
-    z = z - z.max(axis=1, keepdims=True)
-    e = np.exp(z)
-    return e / e.sum(axis=1, keepdims=True)
 
 
 @dataclass
@@ -122,7 +113,7 @@ def _prepare(config: FitConfig, *, need_reference: bool, progress: bool) -> _Pre
 
 def variant_scores(scores: OptionScores, config: FitConfig,
                    variant: str | None = None) -> np.ndarray:
-    return scores.scores((variant or config.variant) if config.mode == "cloze" else "sum")
+    return scores.scores(config.scoring_mode.score_variant(variant or config.variant))
 
 
 def _labeled(prep: _Prepared, idx: np.ndarray, what: str) -> np.ndarray:
@@ -180,7 +171,7 @@ def _not_for_served(method: str, config: FitConfig) -> str | None:
     temperatures only)."""
     reference = model_source(config, "reference") if method == "daca-vector" else None
     served = model_source(config, "model").served or (reference is not None and reference.served)
-    if config.mode == "letter" and method.endswith("-vector") and served:
+    if config.scoring_mode.token_level and method.endswith("-vector") and served:
         return ("not fitted for a served model: vector scaling is not shift-invariant and an "
                 "endpoint returns log-probabilities, not logits; use daca, naive or ts")
     return None
@@ -194,7 +185,7 @@ def compare_methods(config: FitConfig, methods: Sequence[str] = METHODS, *,
     calibration, and one row per method with accuracy, ECE (+ 95% bootstrap interval),
     MCE, AECE, Brier, NLL and the fitted parameters.
     """
-    if config.mode == "p_true":
+    if not config.scoring_mode.choice:  # P(True)
         from .p_true import P_TRUE_METHODS, compare_p_true
 
         return compare_p_true(config, [m for m in methods if m in P_TRUE_METHODS],
@@ -256,7 +247,7 @@ def fit_adapter(config: FitConfig, method: str, out: str | Path, *, overwrite: b
     polm.require_uncalibrated("an adapter fitted on its scores")
     if method == "threshold":
         return _fit_threshold_adapter(config, out, overwrite=overwrite, progress=progress)
-    if config.mode == "p_true":
+    if not config.scoring_mode.choice:
         return _fit_p_true_adapter(config, method, out, overwrite=overwrite)
     if method.endswith("-vector") and any(
             s is not None and s.served for s in (polm, model_source(config, "reference"))):
@@ -271,7 +262,7 @@ def fit_adapter(config: FitConfig, method: str, out: str | Path, *, overwrite: b
     token_record = None
     if isinstance(fit, daca.VectorFit):
         _write_vector(adapter, fit, config, polm.folder())
-    elif config.mode == "cloze":
+    elif not config.scoring_mode.token_level:  # cloze: an answer temperature
         fit, token_record = _cloze_fits(config, method, prep, base, adapter, fit, progress)
         adapter.answer_temperature = fit.temperature
     else:
@@ -284,7 +275,7 @@ def fit_adapter(config: FitConfig, method: str, out: str | Path, *, overwrite: b
                        "after": metrics.calibration_report(apply_fit(fit, prep.polm[prep.cal]),
                                                            labels, config.n_bins)}
     adapter.method = {"name": method, "mode": config.mode,
-                      "variant": config.variant if config.mode == "cloze" else None,
+                      "variant": config.scoring_mode.recorded_variant(config.variant),
                       "fit": fit.to_dict(), "settings": config.to_dict()}
     if token_record is not None:
         adapter.method["token_fit"] = token_record
@@ -360,15 +351,16 @@ def _fit_threshold_adapter(config: FitConfig, out, *, overwrite: bool, progress:
     selective risk at that threshold are reported (and recorded) beside it."""
     from .threshold import fit_threshold
 
-    if config.mode == "p_true":
+    scoring = config.scoring_mode
+    if not scoring.choice:
         raise ConfigError("calm fit threshold works on multiple-choice answers; use cloze or "
                           "letter mode")
     prep = _prepare(config, need_reference=False, progress=progress)
     base, identity = _base_adapter(config)
     scores = prep.polm
-    if identity.served is not None and config.mode == "letter":  # no engine to fuse T into
+    if identity.served is not None and scoring.token_level:  # no engine to fuse T into
         scores = scores / base.temperature
-    t_ans = (base.answer_temperature or 1.0) if config.mode == "cloze" else 1.0
+    t_ans = scoring.answer_temperature(base.answer_temperature)
     probs = option_probabilities(scores, t_ans)
     conf = probs.max(axis=1)
     labels = _labeled(prep, prep.cal, "calibration")
@@ -384,11 +376,11 @@ def _fit_threshold_adapter(config: FitConfig, out, *, overwrite: bool, progress:
     adapter = dataclasses.replace(
         base, created_at=None,
         abstention={**fit.to_dict(), "mode": config.mode,
-                    "variant": config.variant if config.mode == "cloze" else None,
+                    "variant": scoring.recorded_variant(config.variant),
                     "data": config.data, "test_split": test})
     if not config.adapter:
         adapter.method = {"name": "threshold", "mode": config.mode,
-                          "variant": config.variant if config.mode == "cloze" else None,
+                          "variant": scoring.recorded_variant(config.variant),
                           "settings": config.to_dict()}
     adapter.save_pretrained(out, overwrite=overwrite)
     return adapter, {"fit": fit.to_dict(), "test_split": test}
@@ -444,7 +436,7 @@ def _check_finite_temperature(fit) -> None:
 
 
 def _write_vector(adapter: CalibrationAdapter, fit, config: FitConfig, folder: Path) -> None:
-    if config.mode != "letter":
+    if not config.scoring_mode.token_level:
         raise ConfigError("vector scaling of cloze scores acts on summed log-probabilities and "
                           "cannot be stored as token calibration; use daca or ts in cloze mode, "
                           "or letter mode for vector scaling")

@@ -8,9 +8,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from calm_runtime import modes
 from calm_runtime.errors import ConfigError
 from calm_runtime.models import DEFAULT_API_KEY_ENV
-from calm_runtime.prompts import CHOICE_MODES, DEFAULT_CLOZE_VARIANT, DEFAULT_P_TRUE_TEMPLATE
+from calm_runtime.prompts import DEFAULT_CLOZE_VARIANT, DEFAULT_P_TRUE_TEMPLATE
 
 from .endpoint import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT
 from .scoring import CLOZE_VARIANTS
@@ -21,7 +22,7 @@ __all__ = ["ALL_MODES", "DEFAULT_VARIANT", "FitConfig", "LABEL_FREE", "METHODS"]
 METHODS = ("vanilla", "naive", "daca", "daca-vector", "ts", "ts-vector")
 LABEL_FREE = ("naive", "daca", "daca-vector")
 DEFAULT_VARIANT = DEFAULT_CLOZE_VARIANT  # one default for fitting, training and the runtime
-ALL_MODES = (*CHOICE_MODES, "p_true")
+ALL_MODES = modes.MODE_NAMES
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,6 +120,11 @@ class FitConfig:
             problems.append(f"limit {self.limit} must be >= 2")
         if problems:
             raise ConfigError("; ".join(problems) + "; fix the arguments")
+
+    @property
+    def scoring_mode(self) -> modes.Mode:
+        """What ``mode`` decides (:class:`calm_runtime.modes.Mode`)."""
+        return modes.mode(self.mode)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

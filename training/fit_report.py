@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from calm_runtime import metrics
+from calm_runtime import metrics, modes
 
 if TYPE_CHECKING:
     from .fit_config import FitConfig
@@ -59,7 +59,7 @@ def format_table(report: dict) -> str:
     cfg = report["config"]
     ref_variant = cfg.get("reference_variant")
     head = (f"{cfg['model']} on {cfg['data']} ({cfg['mode']}"
-            + (f", {cfg['variant']} scores" if cfg["mode"] == "cloze" else "")
+            + (f", {cfg['variant']} scores" if not modes.mode(cfg["mode"]).token_level else "")
             + (f", reference {ref_variant} scores" if ref_variant else "")
             + f"), test n={report['n_test']}"
             + (f", fit n={report['n_calibration']}" if report.get("n_calibration") else "")

@@ -111,7 +111,7 @@ class OptionEvaluator:
             offset += len(e.positions)
         answer_rows = torch.as_tensor(answer_rows, dtype=torch.long)
         decoder = self.model.lm.get_decoder()
-        shared = self.encoder.mode == "cloze" and all(_shares_context(e) for e in chunk)
+        shared = not self.encoder.letters and all(_shares_context(e) for e in chunk)
         with torch.no_grad():
             if not shared:
                 h = self.model.head.hidden(batch.input_ids, batch.attention_mask,

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from calm_runtime import modes
 from calm_runtime._paths import cache_dir
 from calm_runtime.data import MultipleChoiceRecord
 from calm_runtime.errors import CalmError, ConfigError
@@ -313,7 +314,7 @@ def remote_option_scores(endpoint: Endpoint, records: Sequence[MultipleChoiceRec
     out = OptionScores.empty(records, mode)
     values, n_tokens, n_chars, n = out.values, out.n_tokens, out.n_chars, len(records)
     stats = RemoteStats(total=n)
-    if mode == "letter":
+    if modes.mode(mode).token_level:
         letters = [letter_tokens(len(r.choices), chat=chat) for r in records]
         scored = _next_token_logprobs(endpoint, [letter_prompt(r.question, r.choices)
                                                  for r in records], letters, stats,

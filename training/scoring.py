@@ -27,11 +27,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from calm_runtime import scoring_passes
+from calm_runtime import modes, scoring_passes
 from calm_runtime.data import MultipleChoiceRecord
 from calm_runtime.errors import ConfigError, DataError
 from calm_runtime.prompts import (
-    CHOICE_MODES,
     CLOZE_VARIANTS,
     DEFAULT_CLOZE_VARIANT,
     cloze_context,
@@ -80,8 +79,7 @@ class OptionScores:
     def empty(cls, records: Sequence[MultipleChoiceRecord], mode: str) -> OptionScores:
         """The scores of ``records`` before any is read (NaN values, one token and character
         per option, the labels): every scorer (torch, engine, served) fills these in place."""
-        if mode not in CHOICE_MODES:
-            raise ConfigError(f"unknown mode {mode!r}; choose one of {', '.join(CHOICE_MODES)}")
+        modes.mode(mode, choice=True)
         if not records:
             raise DataError("no records to score; check the data file or split")
         shape = (len(records), max(len(r.choices) for r in records))
@@ -97,7 +95,7 @@ class OptionScores:
 
     def scores(self, variant: str = DEFAULT_CLOZE_VARIANT) -> np.ndarray:
         """Option scores ``[N, K_max]`` for softmax, ``-inf`` where an option is absent."""
-        if self.mode == "letter":
+        if modes.mode(self.mode).token_level:  # the letters' logits
             out = self.values.copy()
         else:
             out = cloze_option_scores(self.values, self.n_tokens, self.n_chars, variant)
@@ -344,7 +342,7 @@ def score_multiple_choice(model, tokenizer, records: Sequence[MultipleChoiceReco
     was_training = model.training
     model.eval()
     try:
-        if mode == "cloze":
+        if not modes.mode(mode).token_level:
             _score_cloze(model, tokenizer, records, values, n_tokens, n_chars, batch_size, pad,
                          calibration, tqdm, progress, limit)
         else:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from calm_runtime import modes
 from calm_runtime.artifact import CalibrationAdapter
 from calm_runtime.data import MultipleChoiceRecord
 from calm_runtime.errors import ConfigError, DataError
@@ -15,7 +16,7 @@ from calm_runtime.prompts import cloze_variant_for
 from calm_runtime.score import choices_report, require_labels
 
 from .cache import cached_option_scores
-from .fit import FitConfig, option_probabilities, variant_scores
+from .fit import FitConfig, variant_scores
 from .sources import model_source
 
 __all__ = ["score_served"]
@@ -39,8 +40,10 @@ def score_served(args, records) -> tuple[dict, str]:
                           f"{adapter.base_model.name}; a served model takes one fitted with "
                           f"calm fit --model {args.engine} (or export an engine with it)")
     record = adapter.fit_record if adapter is not None else FitRecord()
+    scoring = modes.mode(args.mode)
     variant = cloze_variant_for(
-        args.variant, record.cloze_variant, bound=args.mode == "cloze" and record.binds_variant,
+        args.variant, record.cloze_variant,
+        bound=not scoring.token_level and record.binds_variant,
         what=str(args.adapter), fix="drop --variant to use the recorded one, or fit an adapter "
                                     f"with calm fit --variant {args.variant}")
     config = FitConfig(model=args.engine, data=args.data, mode=args.mode, variant=variant,
@@ -61,16 +64,15 @@ def score_served(args, records) -> tuple[dict, str]:
     answer_t = 1.0
     if adapter is not None:  # a served model's adapter holds temperatures only
         scores = dataclasses.replace(scores, values=adapter.calibrate(scores.values))
-        if args.mode == "cloze":
-            answer_t = adapter.answer_temperature or 1.0
-    probs = option_probabilities(variant_scores(scores, config), answer_t)
+        answer_t = scoring.answer_temperature(adapter.answer_temperature)
+    probs = modes.option_probabilities(variant_scores(scores, config), answer_t)
     report = choices_report([row[:len(r.choices)] for row, r in zip(probs, records, strict=True)],
                             [r.answer for r in records], mode=args.mode,
-                            variant=variant if args.mode == "cloze" else None,
+                            variant=scoring.recorded_variant(variant),
                             answer_temperature=answer_t, n_bins=args.bins)
     report.update(backend=f"served model {endpoint.model!r} at {endpoint.base_url}",
                   served_model=endpoint.model, adapter=args.adapter,
                   temperature=adapter.temperature if adapter is not None else 1.0)
-    if args.mode == "letter":
+    if scoring.token_level:  # letters a served model may not return
         report["floored"] = int(scores.floored or 0)
     return report, re.sub(r"[^A-Za-z0-9._-]+", "_", endpoint.model) or "served"

@@ -228,7 +228,7 @@ def prompt_format(config: FitConfig) -> str:
     always text; letter and P(True) prompts follow ``config.chat`` (``None``: the chat
     template when the model has one; a served model has one when it answers chat
     completions), the same rule for a local, exported or served model."""
-    if config.mode == "cloze":
+    if not config.scoring_mode.chat_prompts:
         return "plain"
     return "chat" if model_source(config, "model").chat(config.chat) else "plain"
 

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
+from calm_runtime import modes
 from calm_runtime.artifact import CalibrationAdapter
 from calm_runtime.data import MultipleChoiceRecord
 from calm_runtime.errors import ConfigError, FitError
@@ -124,7 +125,8 @@ class _Trainer:
         self.config, self.device, self.dist = config, device, dist
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.model = CalmModel(config, device)
-        chat = config.mode == "letter" and uses_chat_template(self.model.tokenizer, config.chat)
+        chat = (modes.mode(config.mode).chat_prompts
+                and uses_chat_template(self.model.tokenizer, config.chat))
         train, self.train_info = calm_data.load_records(config.train, labeled=True,
                                                         limit=config.limit)
         cal, self.cal_info = calm_data.load_records(config.calibration, labeled=False,
@@ -407,7 +409,7 @@ class _Trainer:
             # "variant" is the cloze score variant, as in every adapter (export and the
             # runtime read it); the CALM solver or ablation is "solver"
             method={"name": "calm", "solver": cfg.method, "mode": cfg.mode,
-                    "variant": cfg.cloze_variant if cfg.mode == "cloze" else None,
+                    "variant": modes.mode(cfg.mode).recorded_variant(cfg.cloze_variant),
                     "alpha": self.model.alpha_names, "settings": cfg.to_dict(),
                     "alpha_token_count": (None if self.model.alpha_index is None
                                           else int(self.model.alpha_index.numel())),
