@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from calm_runtime import metrics
+from calm_runtime import metrics, modes
 from calm_runtime.data import MultipleChoiceRecord, dataset_hash, load_dataset
 from calm_runtime.errors import ConfigError, DataError, ExportValidationError, FitError
 from calm_runtime.prompts import CHOICE_MODES, cloze_variant_for
@@ -95,7 +95,7 @@ def scoring_settings(config, adapter) -> tuple[str, str | None]:
     """``(mode, cloze variant)``: the config's, else the adapter's fit, else cloze / "mean"."""
     record = adapter.fit_record
     mode = config.calibration_mode or (record.mode if record.mode in CHOICE_MODES else "cloze")
-    if mode == "letter":
+    if modes.mode(mode).token_level:  # letter: no cloze variant
         return mode, None
     variant = cloze_variant_for(
         config.calibration_variant, record.cloze_variant,
@@ -199,10 +199,10 @@ def check_calibration(manifest, config, run: CalibrationRun, *, fp32_root: Path 
     import onnx
 
     from calm_training.daca import fit_temperature_scaling
-    from calm_training.fit import option_probabilities
 
     data, mode, variant = run.data, run.mode, run.variant
-    if config.recalibrate and mode == "letter":  # fail before scoring if it cannot be folded
+    fused = modes.mode(mode).token_level  # letter: the refitted temperature goes into the head
+    if config.recalibrate and fused:  # fail before scoring if it cannot be folded
         head_constants(onnx.load(str(manifest.path(ONNX_FILE)), load_external_data=False))
     report = {"data": data.spec, "data_hash": data.data_hash, "n": int(data.labels.size),
               "n_options": len(data.options[0]), "dropped": data.dropped, "mode": mode,
@@ -223,10 +223,10 @@ def check_calibration(manifest, config, run: CalibrationRun, *, fp32_root: Path 
                        f"{data.labels.size} questions: the engine's scores carry no signal "
                        "there; use more or other data; no engine was written")
     calibration = manifest.calibration
-    if mode == "cloze":
+    if not fused:  # cloze: the answer temperature
         before = calibration["answer_temperature"]
         updates = {"answer_temperature": fit.temperature}
-        after_probs = option_probabilities(scores, fit.temperature)
+        after_probs = modes.option_probabilities(scores, fit.temperature)
         note = (f"answer_temperature refitted on the {variant_name} engine's {variant!r} cloze "
                 f"scores of {data.spec} (was {'none' if before is None else f'{before:.6g}'})")
         folded = []
