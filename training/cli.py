@@ -39,11 +39,12 @@ EVAL_EPILOG = """examples:
 
 
 def register(sub) -> None:
-    from calm_training.fit import DEFAULT_VARIANT, METHODS
+    from calm_training.fit import DEFAULT_VARIANT
+    from calm_training.methods import ADAPTER_METHODS
 
     fit = sub.add_parser("fit", help="fit a post-hoc calibration adapter", epilog=FIT_EPILOG,
                          formatter_class=argparse.RawDescriptionHelpFormatter)
-    fit.add_argument("method", choices=[*(m for m in METHODS if m != "vanilla"), "threshold"],
+    fit.add_argument("method", choices=list(ADAPTER_METHODS),
                      help="daca/naive/daca-vector are label-free (need --reference); "
                           "ts/ts-vector use the labels of the calibration split; threshold "
                           "picks an abstention threshold for --adapter (see --risk)")
@@ -158,13 +159,14 @@ def _config(args):
 
 def _fit(args) -> int:
     from calm_training.fit import fit_adapter
+    from calm_training.methods import fit_method
 
     config = dataclasses.replace(_config(args), risk=args.risk,
                                  risk_confidence=args.risk_confidence)
     adapter, report = fit_adapter(config, args.method, args.out,
                                   overwrite=args.overwrite, progress=show_progress(args))
     fit = report["fit"]
-    if args.method == "threshold":
+    if fit_method(args.method).abstention:
         test = report["test_split"]
         print(f"wrote {args.out}: abstain below confidence {fit['threshold']:.4f} (risk "
               f"<= {fit['risk']:g} with probability {fit['confidence']:g}; calibration "
@@ -218,12 +220,8 @@ def _fit_line(fit: dict) -> str:
 def _eval(args) -> int:
     from calm_runtime.errors import ConfigError
     from calm_training.evaluate import evaluate_adapter, write_report
-    from calm_training.fit import (
-        LABEL_FREE,
-        compare_methods,
-        format_selective_table,
-        format_table,
-    )
+    from calm_training.fit import compare_methods, format_selective_table, format_table
+    from calm_training.methods import compared_methods
 
     config = _config(args)
     if args.eval_adapter and args.variant is None:  # the one the adapter records
@@ -232,11 +230,7 @@ def _eval(args) -> int:
         recorded = CalibrationAdapter.from_pretrained(args.eval_adapter).cloze_variant
         config = dataclasses.replace(config, variant=recorded or _FIT["variant"])
     if args.compare:
-        methods = ("vanilla", "naive", "daca", "daca-vector", "ts", "ts-vector")
-        if not modes.mode(args.mode).choice:
-            from calm_training.p_true import P_TRUE_METHODS as methods
-        if not args.reference:
-            methods = tuple(m for m in methods if m not in LABEL_FREE)
+        methods = compared_methods(modes.mode(args.mode), reference=bool(args.reference))
         report = compare_methods(config, methods, progress=show_progress(args))
         stem = f"compare-{Path(args.data).stem}-{args.mode}"
     elif args.eval_adapter:

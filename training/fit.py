@@ -44,6 +44,7 @@ from .fit_report import (  # noqa: F401 - the tables stay importable from here
     format_table,
     served_floor,
 )
+from .methods import compared_methods, fit_method, option_method
 from .scoring import OptionScores
 from .sources import (  # noqa: F401 - prompt_format stays importable from here
     model_source,
@@ -130,19 +131,10 @@ def require_labels(labels: np.ndarray, what: str) -> np.ndarray:
 
 def _fit(method: str, prep: _Prepared):
     """Fit ``method`` on the calibration split; returns the fit object (None for vanilla)."""
-    g = prep.polm[prep.cal]
-    if method == "vanilla":
-        return None
-    if method in ("naive", "daca"):
-        return daca.fit_daca_temperature(prep.plm[prep.cal], g, mask=method == "daca")
-    if method == "daca-vector":
-        return daca.fit_daca_vector_scaling(prep.plm[prep.cal], g)
-    labels = _labeled(prep, prep.cal, "calibration")
-    if method == "ts":
-        return daca.fit_temperature_scaling(g, labels)
-    if method == "ts-vector":
-        return daca.fit_vector_scaling(g, labels)
-    raise ConfigError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    fitted = option_method(method)
+    labels = _labeled(prep, prep.cal, "calibration") if fitted.needs_labels else None
+    reference = prep.plm[prep.cal] if fitted.needs_reference else None
+    return fitted.fit_options(prep.polm[prep.cal], reference=reference, labels=labels)
 
 
 def apply_fit(fit, scores: np.ndarray) -> np.ndarray:
@@ -169,9 +161,11 @@ def _not_for_served(method: str, config: FitConfig) -> str | None:
     log-probabilities (logits minus a per-question constant) where the local path reads
     logits: the fit would depend on which one it saw (and a served model's adapter holds
     temperatures only)."""
-    reference = model_source(config, "reference") if method == "daca-vector" else None
+    fitted = fit_method(method)
+    reference = (model_source(config, "reference") if fitted.vector and fitted.needs_reference
+                 else None)
     served = model_source(config, "model").served or (reference is not None and reference.served)
-    if config.scoring_mode.token_level and method.endswith("-vector") and served:
+    if config.scoring_mode.token_level and fitted.vector and served:
         return ("not fitted for a served model: vector scaling is not shift-invariant and an "
                 "endpoint returns log-probabilities, not logits; use daca, naive or ts")
     return None
@@ -186,14 +180,14 @@ def compare_methods(config: FitConfig, methods: Sequence[str] = METHODS, *,
     MCE, AECE, Brier, NLL and the fitted parameters.
     """
     if not config.scoring_mode.choice:  # P(True)
-        from .p_true import P_TRUE_METHODS, compare_p_true
+        from .p_true import compare_p_true
 
-        return compare_p_true(config, [m for m in methods if m in P_TRUE_METHODS],
-                              progress=progress)
+        return compare_p_true(config, compared_methods(config.scoring_mode, reference=True,
+                                                       among=methods), progress=progress)
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
         raise ConfigError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
-    need_reference = any(m in LABEL_FREE for m in methods)
+    need_reference = any(fit_method(m).needs_reference for m in methods)
     prep = _prepare(config, need_reference=need_reference, progress=progress)
     labels = _labeled(prep, prep.test, "test")
     rows, panels = {}, {}
@@ -237,27 +231,28 @@ def fit_adapter(config: FitConfig, method: str, out: str | Path, *, overwrite: b
 
     Returns the adapter and the fit report (calibration-split metrics before/after).
     """
-    if method == "vanilla":
-        raise ConfigError("vanilla is the uncalibrated baseline; choose a method to fit: "
-                          f"{', '.join(m for m in METHODS if m != 'vanilla')}")
+    fitted = fit_method(method)
+    if fitted.baseline:
+        raise ConfigError(f"{fitted.refusal}; choose a method to fit: "
+                          f"{', '.join(m for m in METHODS if fit_method(m).writes_adapter)}")
     if (Path(out).exists() or Path(out).is_symlink()) and not overwrite:
         raise ConfigError(f"{out} already exists; choose another --out or pass --overwrite")
     check_creatable(Path(out))  # before any scoring
     polm = model_source(config, "model")
     polm.require_uncalibrated("an adapter fitted on its scores")
-    if method == "threshold":
+    if fitted.abstention:
         return _fit_threshold_adapter(config, out, overwrite=overwrite, progress=progress)
     if not config.scoring_mode.choice:
         return _fit_p_true_adapter(config, method, out, overwrite=overwrite)
-    if method.endswith("-vector") and any(
+    if fitted.vector and any(
             s is not None and s.served for s in (polm, model_source(config, "reference"))):
         raise ConfigError(f"{method} writes per-token weights, which need the model's token "
                           "ids; a served model takes daca, naive or ts")
-    prep = _prepare(config, need_reference=method in LABEL_FREE, progress=progress)
+    prep = _prepare(config, need_reference=fitted.needs_reference, progress=progress)
     fit = _fit(method, prep)
     _check_finite_temperature(fit)
     base, identity = _base_adapter(config)
-    adapter = dataclasses.replace(base, kind=_kind(base, method), created_at=None)
+    adapter = dataclasses.replace(base, kind=_kind(base, fitted.kind), created_at=None)
     vanilla = prep.polm
     token_record = None
     if isinstance(fit, daca.VectorFit):
@@ -283,7 +278,7 @@ def fit_adapter(config: FitConfig, method: str, out: str | Path, *, overwrite: b
     adapter.provenance = {
         "model": identity.to_dict(),
         "reference": (model_source(config, "reference").identity().to_dict()
-                      if method in LABEL_FREE else None),
+                      if fit_method(method).needs_reference else None),
         "data": config.data, "data_hash": dataset_hash(prep.records),
         "split": {"part": "calibration", "fraction": config.calibration_fraction,
                   "seed": config.seed, "n": int(prep.cal.size)},
@@ -407,7 +402,8 @@ def _fit_p_true_adapter(config: FitConfig, method: str, out, *, overwrite: bool)
     fit, n_cal, data_hash = fit_p_true(config, method)
     _check_finite_temperature(fit)
     base, identity = _base_adapter(config)
-    adapter = dataclasses.replace(base, kind=_kind(base, method) + "_p_true", created_at=None)
+    adapter = dataclasses.replace(base, kind=_kind(base, fit_method(method).kind) + "_p_true",
+                                  created_at=None)
     adapter.temperature = base.temperature * fit.temperature
     adapter.p_true_template = p_true_template(config.p_true_template).to_dict()
     adapter.method = {"name": method, "mode": "p_true", "fit": fit.to_dict(),
@@ -415,7 +411,7 @@ def _fit_p_true_adapter(config: FitConfig, method: str, out, *, overwrite: bool)
     adapter.provenance = {
         "model": identity.to_dict(),
         "reference": (model_source(config, "reference").identity().to_dict()
-                      if method in LABEL_FREE else None),
+                      if fit_method(method).needs_reference else None),
         "data": config.data, "data_hash": data_hash,
         "split": {"part": "calibration", "fraction": config.calibration_fraction,
                   "seed": config.seed, "n": n_cal}}
@@ -423,8 +419,7 @@ def _fit_p_true_adapter(config: FitConfig, method: str, out, *, overwrite: bool)
     return adapter, {"fit": fit.to_dict(), "calibration_split": {}}
 
 
-def _kind(base: CalibrationAdapter, method: str) -> str:
-    name = method.replace("-", "_")
+def _kind(base: CalibrationAdapter, name: str) -> str:
     return name if base.kind == "identity" else f"{base.kind}+{name}"
 
 

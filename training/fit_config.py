@@ -1,4 +1,6 @@
-"""``FitConfig``: what ``calm fit`` / ``calm eval`` fit and evaluate, and the method names.
+"""``FitConfig``: what ``calm fit`` / ``calm eval`` fit and evaluate, and the method names
+(``METHODS``, every post-hoc method, and ``LABEL_FREE``, those that need a reference model;
+:mod:`calm_training.methods` decides each).
 
 Nothing here scores a model; :mod:`calm_training.fit` runs the fits.
 """
@@ -14,13 +16,11 @@ from calm_runtime.models import DEFAULT_API_KEY_ENV
 from calm_runtime.prompts import DEFAULT_CLOZE_VARIANT, DEFAULT_P_TRUE_TEMPLATE
 
 from .endpoint import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT
+from .methods import LABEL_FREE, METHODS
 from .scoring import CLOZE_VARIANTS
 
 __all__ = ["ALL_MODES", "DEFAULT_VARIANT", "FitConfig", "LABEL_FREE", "METHODS"]
 
-#: every post-hoc method; the label-free ones need a reference model, the others labels
-METHODS = ("vanilla", "naive", "daca", "daca-vector", "ts", "ts-vector")
-LABEL_FREE = ("naive", "daca", "daca-vector")
 DEFAULT_VARIANT = DEFAULT_CLOZE_VARIANT  # one default for fitting, training and the runtime
 ALL_MODES = modes.MODE_NAMES
 

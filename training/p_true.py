@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -25,75 +24,19 @@ from calm_runtime.data import OpenQARecord, dataset_hash, load_dataset, split_in
 from calm_runtime.errors import ConfigError, DataError, FitError
 from calm_runtime.prompts import p_true_template
 
-from . import daca
 from .answers import generate_answers, score_p_true
 from .fit_report import add_selective, served_floor
+from .methods import P_TRUE_METHODS, p_true_method
+from .platt import PlattFit, fit_platt  # noqa: F401 - Platt scaling stays importable from here
 from .remote import remote_answers, remote_p_true
 from .scoring import is_correct
 from .sources import model_source
 
-__all__ = ["P_TRUE_METHODS", "compare_p_true", "fit_p_true", "open_qa_judgements"]
+__all__ = ["P_TRUE_METHODS", "PlattFit", "compare_p_true", "fit_p_true", "fit_platt",
+           "open_qa_judgements"]
 
 logger = logging.getLogger(__name__)
 
-P_TRUE_METHODS = ("vanilla", "naive", "daca", "ts", "platt")
-
-
-@dataclass(frozen=True)
-class PlattFit:
-    """``P(True) = sigmoid(slope * d + bias)`` with ``d = z_true - z_false``: a temperature
-    (``1 / slope``) and a shift, which moves the base rate where a temperature cannot.
-    Fitted by Newton's method on the binary NLL against answer correctness (convex)."""
-
-    slope: float
-    bias: float
-    n_used: int
-    iterations: int
-    method: str = "platt"
-
-    @property
-    def temperature(self) -> float:
-        return 1.0 / self.slope if self.slope else float("inf")
-
-    def apply(self, two_way: np.ndarray) -> np.ndarray:
-        d = two_way[:, 0] - two_way[:, 1]
-        return 1.0 / (1.0 + np.exp(-np.clip(self.slope * d + self.bias, -700, 700)))
-
-    def to_dict(self) -> dict:
-        return {"method": self.method, "slope": self.slope, "bias": self.bias,
-                "temperature": self.temperature, "n_used": self.n_used,
-                "iterations": self.iterations}
-
-
-def fit_platt(two_way: np.ndarray, correct: np.ndarray, *, max_iter: int = 100,
-              tol: float = 1e-10) -> PlattFit:
-    """Platt scaling of two-way logits against 0/1 correctness (damped Newton steps)."""
-    d = two_way[:, 0] - two_way[:, 1]
-    y = np.asarray(correct, dtype=float)
-    if y.min() == y.max():
-        raise FitError("Platt scaling needs both correct and wrong answers on the calibration "
-                       "split; use more data")
-    x = np.stack([d, np.ones_like(d)], axis=1)
-    w = np.zeros(2)
-
-    def loss(w):
-        z = x @ w
-        return float(np.mean(np.logaddexp(0.0, z) - y * z))
-
-    iterations = 0
-    for _ in range(max_iter):
-        iterations += 1
-        p = 1.0 / (1.0 + np.exp(-np.clip(x @ w, -700, 700)))
-        grad = x.T @ (p - y) / y.size
-        hess = (x * (p * (1 - p))[:, None]).T @ x / y.size + 1e-12 * np.eye(2)
-        step = np.linalg.solve(hess, grad)
-        scale, current = 1.0, loss(w)
-        while loss(w - scale * step) > current and scale > 1e-8:
-            scale /= 2
-        w = w - scale * step
-        if np.abs(scale * step).max() < tol:
-            break
-    return PlattFit(float(w[0]), float(w[1]), int(y.size), iterations)
 ANSWER_VERSION = 1  # bump when generation or judging changes (invalidates the cache)
 
 
@@ -184,19 +127,12 @@ def _p(two_way: np.ndarray, temperature: float = 1.0) -> np.ndarray:
 
 
 def _fit(method: str, judged: dict, cal: np.ndarray):
-    g = judged["polm"][cal]
-    if method == "vanilla":
-        return None
-    if method in ("naive", "daca"):
-        if "plm" not in judged:
-            raise ConfigError("label-free P(True) calibration needs --reference")
-        return daca.fit_daca_p_true(_p(judged["plm"][cal]), _p(g), mask=method == "daca")
-    if method == "ts":
-        return daca.fit_temperature_scaling(g, (1 - judged["correct"][cal]).astype(int))
-    if method == "platt":
-        return fit_platt(g, judged["correct"][cal])
-    raise ConfigError(f"unknown P(True) method {method!r}; choose one of "
-                      f"{', '.join(P_TRUE_METHODS)}")
+    fitted = p_true_method(method)
+    if fitted.needs_reference and "plm" not in judged:
+        raise ConfigError("label-free P(True) calibration needs --reference")
+    return fitted.fit_p_true(judged["polm"][cal],
+                             reference=judged["plm"][cal] if fitted.needs_reference else None,
+                             correct=judged["correct"][cal], p_true=_p)
 
 
 def compare_p_true(config, methods=P_TRUE_METHODS, *, progress: bool = True) -> dict:
@@ -243,11 +179,7 @@ def fit_p_true(config, method: str):
     """Fit ``method`` on the calibration split; returns ``(fit, n_calibration, data_hash)``."""
     judged = open_qa_judgements(config)
     cal, _ = split_indices(len(judged["records"]), config.calibration_fraction, config.seed)
-    if method == "platt":
-        raise ConfigError("Platt scaling is compared by calm eval --compare but not written as "
-                          "an adapter yet (it needs a shift on the true token); choose daca, "
-                          "naive or ts")
-    fit = _fit(method, judged, cal)
-    if fit is None:
-        raise ConfigError("vanilla is the uncalibrated baseline; choose daca, naive or ts")
-    return fit, int(cal.size), dataset_hash(judged["records"])
+    fitted = p_true_method(method)
+    if not fitted.writes_adapter:  # the baseline, or compared only (Platt)
+        raise ConfigError(f"{fitted.refusal}; choose daca, naive or ts")
+    return _fit(method, judged, cal), int(cal.size), dataset_hash(judged["records"])

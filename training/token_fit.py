@@ -30,6 +30,7 @@ from calm_runtime.errors import ConfigError, FitError
 from calm_runtime.prompts import cloze_context, cloze_continuation
 
 from . import daca
+from .methods import fit_method
 from .scoring import (
     batched_logits,
     context_limit,
@@ -44,8 +45,6 @@ __all__ = ["AnswerPositions", "answer_positions", "token_level_fit", "token_conf
 
 logger = logging.getLogger(__name__)
 
-#: methods with a token-level counterpart (the vector fits have none in cloze mode)
-TOKEN_METHODS = ("daca", "naive", "ts")
 NO_SHARED_TOKENIZER = ("the reference does not share the model's tokenizer, so a label-free "
                        "token-level fit has no signal (option-level only)")
 
@@ -137,10 +136,12 @@ def token_level_fit(method: str, *, model, tokenizer, records, chosen: np.ndarra
     ``model``/``reference`` are loaded torch models; ``chosen`` the model's option choice per
     record, ``agree`` whether the reference chose the same one (label-free methods),
     ``labels`` the correct options (``ts``). Returns ``(fit or None, record)``: the record
-    says what was fitted on which signal, or why nothing was."""
-    if method not in TOKEN_METHODS:
+    says what was fitted on which signal, or why nothing was (the vector fits have no
+    token-level counterpart)."""
+    fitted = fit_method(method)
+    if not fitted.token_level:
         return None, {"fitted": False, "reason": f"{method} has no token-level counterpart"}
-    if method == "ts":
+    if fitted.needs_labels:
         if labels is None or (labels < 0).any():
             return None, {"fitted": False, "reason": "labels missing on the calibration split"}
         pos = answer_positions(model, tokenizer, records, labels, calibration=calibration,
@@ -151,7 +152,7 @@ def token_level_fit(method: str, *, model, tokenizer, records, chosen: np.ndarra
                      **fit.to_dict()}
     if reference is None or not same_tokenizer:
         return None, {"fitted": False, "reason": NO_SHARED_TOKENIZER}
-    keep = np.arange(len(records)) if method == "naive" else np.flatnonzero(agree)
+    keep = np.flatnonzero(agree) if fitted.masked else np.arange(len(records))
     if keep.size == 0:
         return None, {"fitted": False, "reason": "no calibration question where both models "
                                                  "choose the same option"}
@@ -167,7 +168,7 @@ def token_level_fit(method: str, *, model, tokenizer, records, chosen: np.ndarra
     width = min(mine.logits.shape[1], theirs.logits.shape[1])
     try:  # naive: every position, no agreement mask (the baseline's failure mode)
         fit = daca.fit_token_daca_temperature(mine.logits[:, :width], theirs.logits[:, :width],
-                                              n_questions=len(records), mask=method != "naive")
+                                              n_questions=len(records), mask=fitted.masked)
     except FitError as exc:  # no agreeing position: a result (option-level only), not a crash
         return None, {"fitted": False, "reason": str(exc)}
     return fit, {"fitted": True,
@@ -186,10 +187,11 @@ def cloze_token_temperature(method: str, *, model, reference, records,
     reason recorded."""
     from .sources import as_source
 
-    if method not in TOKEN_METHODS:
+    fitted = fit_method(method)
+    if not fitted.token_level:
         return None, {"fitted": False, "reason": f"{method} has no token-level counterpart"}
     sources = {"model": as_source(model)}
-    if method != "ts" and reference is not None:
+    if fitted.needs_reference and reference is not None:
         sources["reference"] = as_source(reference)
     for role, source in sources.items():
         if not source.full_logits:
@@ -198,7 +200,7 @@ def cloze_token_temperature(method: str, *, model, reference, records,
                                     "reads full next-token distributions from a transformers "
                                     "model (option-level only)"}
     same = False
-    if method != "ts":
+    if fitted.needs_reference:
         if reference is None:
             return None, {"fitted": False, "reason": "no reference model"}
         mine = sources["model"].identity().tokenizer_sha256
@@ -211,7 +213,7 @@ def cloze_token_temperature(method: str, *, model, reference, records,
     calibration = (base_adapter if base_adapter is not None
                    and base_adapter.has_token_calibration() else None)
     ref = ref_tokenizer = None
-    if method != "ts":
+    if fitted.needs_reference:
         ref, ref_tokenizer, _ = sources["reference"].load()
     logger.info("fitting the token-level %s temperature on the answer positions of %d "
                 "calibration questions", method, len(records))

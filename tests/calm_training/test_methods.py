@@ -1,0 +1,156 @@
+"""The method registry (calm_training.methods): what each method declares it needs is what
+``calm fit`` and ``calm train`` do with it, and an unknown method is one clear error line."""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import pytest
+
+from calm_runtime import modes
+from calm_runtime.errors import ConfigError, DataError
+from calm_training import methods
+from calm_training.daca import TemperatureFit, VectorFit
+from calm_training.platt import PlattFit
+
+TRAIN_NAMES = ("bilevel", "regularization", "iterate-theta", "iterate-alpha", "scalar", "lora",
+               "cft")
+
+
+def _option_scores(n=200, k=4, seed=0):
+    """Reference and model option logits that mostly agree, and labels (the reference's
+    choice 80% of the time)."""
+    rng = np.random.default_rng(seed)
+    reference = rng.normal(size=(n, k))
+    model = 2.5 * reference + 0.5 * rng.normal(size=(n, k))
+    labels = np.where(rng.random(n) < 0.8, reference.argmax(1), rng.integers(0, k, n))
+    return reference, model, labels
+
+
+def test_the_lists_are_the_registry_and_keep_their_order():
+    from calm_training.calm_config import THETA_ONLY  # benchmarks/calm_decisive.py reads it
+    from calm_training.fit import LABEL_FREE, METHODS, option_probabilities  # noqa: F401
+    from calm_training.p_true import P_TRUE_METHODS
+
+    assert METHODS == ("vanilla", "naive", "daca", "daca-vector", "ts", "ts-vector")
+    assert LABEL_FREE == ("naive", "daca", "daca-vector")
+    assert P_TRUE_METHODS == ("vanilla", "naive", "daca", "ts", "platt")
+    assert methods.ADAPTER_METHODS == ("naive", "daca", "daca-vector", "ts", "ts-vector",
+                                       "threshold")
+    assert THETA_ONLY == ("lora", "cft")
+
+
+def test_the_cli_takes_the_registry_names():
+    from calm_runtime.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for command, names in (("fit", methods.ADAPTER_METHODS), ("train", TRAIN_NAMES)):
+        action = next(a for a in sub.choices[command]._actions if a.dest == "method")
+        assert tuple(action.choices) == names
+    assert {m for m in methods.METHODS if methods.fit_method(m).token_level} == {
+        "naive", "daca", "ts"}
+
+
+@pytest.mark.parametrize("name", methods.METHODS)
+def test_an_option_fit_reads_only_what_its_method_declares(name):
+    """fit.py passes the reference only to label-free methods and labels only to labeled
+    ones: each fits on what it declares, vector methods return a vector fit, and DACA's
+    mask is the declared one."""
+    method = methods.option_method(name)
+    reference, model, labels = _option_scores()
+    fit = method.fit_options(model, reference=reference if method.needs_reference else None,
+                             labels=labels if method.needs_labels else None)
+    assert method.needs_reference != method.needs_labels or method.baseline
+    if method.baseline:
+        assert fit is None and not method.writes_adapter
+        return
+    assert isinstance(fit, VectorFit if method.vector else TemperatureFit)
+    assert fit.n == len(model)
+    if method.needs_reference and not method.vector:
+        assert fit.method == ("daca" if method.masked else "naive")
+        assert fit.n_used == (int((reference.argmax(1) == model.argmax(1)).sum())
+                              if method.masked else len(model))
+    assert method.kind == name.replace("-", "_")
+
+
+def test_a_labeled_method_refuses_records_without_answers():
+    from calm_training import fit as fit_module
+
+    reference, model, labels = _option_scores()
+    labels[3] = -1
+    for name in methods.METHODS:
+        method = methods.option_method(name)
+        prep = fit_module._Prepared(records=[], cal=np.arange(len(model)), test=np.arange(0),
+                                    k=4, polm=model, plm=reference, labels=labels)
+        if method.needs_labels:
+            with pytest.raises(DataError, match="have no answer"):
+                fit_module._fit(name, prep)
+        else:
+            fit_module._fit(name, prep)
+
+
+@pytest.mark.parametrize("name", methods.P_TRUE_METHODS)
+def test_a_p_true_fit_reads_only_what_its_method_declares(name):
+    def _p(two_way):  # P(True) of [true, false] logits
+        return 1.0 / (1.0 + np.exp(two_way[:, 1] - two_way[:, 0]))
+
+    rng = np.random.default_rng(1)
+    reference = rng.normal(size=(200, 2))
+    model = 2.0 * reference + 0.3 * rng.normal(size=(200, 2))
+    correct = (rng.random(200) < _p(reference)).astype(float)
+    method = methods.p_true_method(name)
+    fit = method.fit_p_true(model, reference=reference if method.needs_reference else None,
+                            correct=correct if method.needs_labels else None, p_true=_p)
+    if method.baseline:
+        assert fit is None
+    else:
+        assert isinstance(fit, PlattFit if name == "platt" else TemperatureFit)
+        assert fit.method.startswith(name)
+    assert method.writes_adapter == (name in ("naive", "daca", "ts"))
+
+
+@pytest.mark.parametrize("name", methods.METHODS)
+def test_the_token_level_fit_follows_the_declaration(name):
+    """Without models: a method without a token-level counterpart says so, a labeled one
+    needs labels, a label-free one a reference with the same tokenizer."""
+    from calm_training.token_fit import NO_SHARED_TOKENIZER, token_level_fit
+
+    method = methods.fit_method(name)
+    fit, record = token_level_fit(name, model=None, tokenizer=None, records=[],
+                                  chosen=np.zeros(0), labels=None)
+    assert fit is None and not record["fitted"]
+    if not method.token_level:
+        assert record["reason"] == f"{name} has no token-level counterpart"
+    elif method.needs_labels:
+        assert record["reason"] == "labels missing on the calibration split"
+    else:
+        assert record["reason"] == NO_SHARED_TOKENIZER
+
+
+def test_compare_lists_follow_the_mode_and_the_reference():
+    cloze, p_true = modes.mode("cloze"), modes.mode("p_true")
+    assert methods.compared_methods(cloze, reference=True) == methods.METHODS
+    assert methods.compared_methods(cloze, reference=False) == ("vanilla", "ts", "ts-vector")
+    assert methods.compared_methods(p_true, reference=True) == methods.P_TRUE_METHODS
+    assert methods.compared_methods(p_true, reference=False) == ("vanilla", "ts", "platt")
+    # P(True) keeps the given ones it fits, in their order
+    assert methods.compared_methods(p_true, reference=True,
+                                    among=("ts", "daca-vector", "naive")) == ("ts", "naive")
+
+
+def test_an_unknown_fit_method_is_one_error_line(tmp_path):
+    from calm_training.fit import FitConfig, fit_adapter
+
+    for lookup in (methods.fit_method, methods.option_method, methods.p_true_method):
+        with pytest.raises(ConfigError, match=r"^unknown (P\(True\) )?method 'nope'; choose "
+                                              r"one of [a-z-]+(, [a-z-]+)+$"):
+            lookup("nope")
+    # before any model is resolved or scored
+    config = FitConfig(model=str(tmp_path / "no-such-model"), data=str(tmp_path / "none"))
+    with pytest.raises(ConfigError, match="unknown method 'nope'"):
+        fit_adapter(config, "nope", tmp_path / "out")
+    with pytest.raises(ConfigError, match="vanilla is the uncalibrated baseline; choose a "
+                                          "method to fit: naive, daca, daca-vector, ts, "
+                                          "ts-vector$"):
+        fit_adapter(config, "vanilla", tmp_path / "out")

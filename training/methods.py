@@ -1,0 +1,162 @@
+"""The methods of ``calm fit`` / ``calm eval --compare``, each decided once
+(docs/methods.md §3).
+
+:data:`FIT_METHODS` maps a post-hoc method's name to a :class:`FitMethod`: what it needs
+(a reference model, labels), whether it is vector scaling, DACA-masked or has a
+token-level counterpart, where it is fitted (option scores, P(True)'s two-way logits), the
+adapter kind it writes and the function of :mod:`calm_training.daca` (or
+:mod:`calm_training.platt`) that fits it. The rest of calm_training asks these objects and
+never compares a method's name; the CLI's choices and the configs' validation are the
+names listed here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import numpy as np
+
+from calm_runtime.errors import ConfigError
+
+from . import daca
+from .platt import fit_platt
+
+__all__ = ["ADAPTER_METHODS", "FIT_METHODS", "FitMethod", "LABEL_FREE", "METHODS",
+           "P_TRUE_METHODS", "compared_methods", "fit_method", "option_method", "p_true_method"]
+
+
+# ---------------------------------------------------------------------------- calm fit
+@dataclass(frozen=True)
+class FitMethod:
+    """One post-hoc method of ``calm fit`` / ``calm eval --compare``."""
+
+    name: str
+    #: label-free: fitted against a pre-trained reference model's scores (``--reference``)
+    needs_reference: bool = False
+    #: fitted against the calibration split's answers
+    needs_labels: bool = False
+    #: vector scaling (a weight and a bias per option), else one temperature
+    vector: bool = False
+    #: DACA's agreement mask (naive: every question, no mask)
+    masked: bool = False
+    #: has a token-level counterpart (a cloze fit then also fits the answer positions'
+    #: next-token temperature, calm_training.token_fit)
+    token_level: bool = False
+    #: fits on option scores ``[N, K]``: ``(reference, scores)`` label-free, else
+    #: ``(scores, labels)``; None: not an option-level method (or the unfitted baseline)
+    option_fit: Callable | None = None
+    #: fits on P(True)'s ``[true, false]`` logits: ``(reference P(True), P(True))``
+    #: label-free, else ``(two-way logits, correctness)``; None: none
+    p_true_fit: Callable | None = None
+    #: compared in the multiple-choice modes (cloze, letter) / in P(True) mode
+    choice: bool = True
+    p_true: bool = False
+    #: ``calm fit`` writes it as an adapter
+    writes_adapter: bool = True
+    #: picks an abstention threshold on a base adapter rather than fitting a calibration
+    abstention: bool = False
+    #: why ``calm fit`` writes no adapter for it (the start of the error line)
+    refusal: str | None = None
+
+    @property
+    def label_free(self) -> bool:
+        return self.needs_reference
+
+    @property
+    def baseline(self) -> bool:
+        """The uncalibrated baseline: nothing to fit."""
+        return self.option_fit is None and self.p_true_fit is None and not self.abstention
+
+    @property
+    def kind(self) -> str:
+        """The adapter kind it writes (after the base adapter's: ``calm+daca``)."""
+        return self.name.replace("-", "_")
+
+    def fits_in(self, scoring) -> bool:
+        """Whether it is compared in the scoring mode ``scoring`` (a
+        :class:`calm_runtime.modes.Mode`)."""
+        return self.choice if scoring.choice else self.p_true
+
+    def fit_options(self, scores, *, reference=None, labels=None):
+        """The fit on option scores ``scores`` ``[N, K]`` (None for the baseline)."""
+        if self.option_fit is None:
+            return None
+        if self.needs_reference:
+            return self.option_fit(reference, scores)
+        return self.option_fit(scores, labels)
+
+    def fit_p_true(self, two_way, *, reference=None, correct=None, p_true=None):
+        """The fit on two-way logits ``two_way`` ``[N, 2]`` (None for the baseline):
+        label-free methods fit ``p_true(two_way)`` to ``p_true(reference)``."""
+        if self.p_true_fit is None:
+            return None
+        if self.needs_reference:
+            return self.p_true_fit(p_true(reference), p_true(two_way))
+        return self.p_true_fit(two_way, correct)
+
+
+def _ts_p_true(two_way, correct):
+    """Temperature scaling of ``[true, false]`` logits: the label is index 0 when correct."""
+    return daca.fit_temperature_scaling(two_way, (1 - np.asarray(correct)).astype(int))
+
+
+_FIT = (
+    FitMethod("vanilla", p_true=True, writes_adapter=False,
+              refusal="vanilla is the uncalibrated baseline"),
+    FitMethod("naive", needs_reference=True, token_level=True, p_true=True,
+              option_fit=partial(daca.fit_daca_temperature, mask=False),
+              p_true_fit=partial(daca.fit_daca_p_true, mask=False)),
+    FitMethod("daca", needs_reference=True, masked=True, token_level=True, p_true=True,
+              option_fit=partial(daca.fit_daca_temperature, mask=True),
+              p_true_fit=partial(daca.fit_daca_p_true, mask=True)),
+    FitMethod("daca-vector", needs_reference=True, masked=True, vector=True,
+              option_fit=daca.fit_daca_vector_scaling),
+    FitMethod("ts", needs_labels=True, token_level=True, p_true=True,
+              option_fit=daca.fit_temperature_scaling, p_true_fit=_ts_p_true),
+    FitMethod("ts-vector", needs_labels=True, vector=True, option_fit=daca.fit_vector_scaling),
+    FitMethod("threshold", needs_labels=True, choice=False, abstention=True),
+    FitMethod("platt", needs_labels=True, choice=False, p_true=True, p_true_fit=fit_platt,
+              writes_adapter=False,
+              refusal="Platt scaling is compared by calm eval --compare but not written as "
+                      "an adapter yet (it needs a shift on the true token)"),
+)
+FIT_METHODS: dict[str, FitMethod] = {m.name: m for m in _FIT}
+#: the methods compared in the multiple-choice modes (the label-free ones need a reference
+#: model, the others labels) and in P(True) mode
+METHODS = tuple(m.name for m in _FIT if m.choice)
+P_TRUE_METHODS = tuple(m.name for m in _FIT if m.p_true)
+LABEL_FREE = tuple(m.name for m in _FIT if m.choice and m.needs_reference)
+#: what ``calm fit METHOD`` takes
+ADAPTER_METHODS = tuple(m.name for m in _FIT if m.writes_adapter)
+
+
+def fit_method(name: str) -> FitMethod:
+    """The method ``name`` of ``calm fit`` (a :class:`ConfigError` when unknown)."""
+    if name not in FIT_METHODS:
+        raise ConfigError(f"unknown method {name!r}; choose one of {', '.join(ADAPTER_METHODS)}")
+    return FIT_METHODS[name]
+
+
+def option_method(name: str) -> FitMethod:
+    """The method ``name`` as fitted on option scores (cloze, letter)."""
+    if name not in METHODS:
+        raise ConfigError(f"unknown method {name!r}; choose one of {', '.join(METHODS)}")
+    return FIT_METHODS[name]
+
+
+def p_true_method(name: str) -> FitMethod:
+    """The method ``name`` as fitted on P(True)'s two-way logits."""
+    if name not in P_TRUE_METHODS:
+        raise ConfigError(f"unknown P(True) method {name!r}; choose one of "
+                          f"{', '.join(P_TRUE_METHODS)}")
+    return FIT_METHODS[name]
+
+
+def compared_methods(scoring, *, reference: bool, among=None) -> tuple[str, ...]:
+    """The methods ``calm eval --compare`` fits in the scoring mode ``scoring`` (those of
+    ``among`` only, in its order, when given); the label-free ones only with a reference."""
+    names = tuple(FIT_METHODS) if among is None else among
+    return tuple(n for n in names if n in FIT_METHODS and FIT_METHODS[n].fits_in(scoring)
+                 and (reference or not FIT_METHODS[n].needs_reference))
