@@ -14,6 +14,8 @@ from calm_runtime.calibration import apply_calibration
 from calm_runtime.errors import ConfigError
 from calm_runtime.post_head import post_head
 
+from .methods import train_method
+
 __all__ = ["ATTENTION_PROJECTIONS", "AnswerHead", "CalmModel", "Ranks", "default_lora_targets",
            "pick_device"]
 
@@ -97,15 +99,16 @@ class CalmModel:
         self.cft_parts = {"ce": 0.0, "l_cal": 0.0}
         #: τ divides centred logits (docs/methods.md §1); the adapter records it
         self.center = getattr(config, "alpha_logits", "raw") == "centered"
-        if config.method == "scalar":
-            self.alpha_names = ["log_temperature"]
-            self.alpha = [torch.zeros(1, device=device, requires_grad=True)]
-        elif config.method in ("lora", "cft") or getattr(config, "freeze_alpha", False):
-            self.alpha_names, self.alpha = [], []
-        else:
-            self.alpha_names = ["log_tau", "shift"]
-            self.alpha = [torch.zeros(vocab, device=device, requires_grad=True)
-                          for _ in range(2)]
+        # α's variables as the method declares them (calm_training.methods.TrainMethod):
+        # none, one learned temperature, or (log_tau, shift) over the vocabulary;
+        # --freeze-alpha drops the per-vocabulary ones (scalar's temperature stays, as it
+        # always has)
+        names = train_method(config.method).alpha
+        if getattr(config, "freeze_alpha", False) and len(names) > 1:
+            names = ()
+        self.alpha_names = list(names)
+        size = 1 if len(names) == 1 else vocab
+        self.alpha = [torch.zeros(size, device=device, requires_grad=True) for _ in names]
 
     def restrict_alpha(self, token_ids) -> None:
         """Train τ, l only at ``token_ids`` (the identity elsewhere); α restarts at identity.

@@ -12,20 +12,24 @@ from calm_runtime.errors import ConfigError
 from calm_runtime.prompts import CHOICE_MODES, CLOZE_VARIANTS, DEFAULT_CLOZE_VARIANT
 
 from . import calm_data
+from .methods import (  # noqa: F401 - the names stay importable from here
+    KINDS,
+    THETA_ONLY,
+    TRAIN_METHODS,
+    UPPER_OBJECTIVES,
+    UPPER_SPECS,
+    TrainMethod,
+    train_method,
+)
+from .methods import TRAIN_METHOD_NAMES as METHODS
 
 __all__ = ["METHODS", "THETA_ONLY", "OPTIMIZERS", "INNER_OPTIMIZERS", "PHI_MODES",
            "UPPER_PARAMS", "ALPHA_TOKENS", "ALPHA_LOGITS", "UPPER_OBJECTIVES", "DEFAULT_LR",
            "DEFAULT_INNER_LR", "KINDS", "LEGACY_SETTINGS", "CalmConfig"]
 
-#: bilevel: BOME (docs/methods.md §4); regularization: min g + β f; iterate-theta: alternate a θ
-#: step on g and a (θ, α) step on f, no coupling; iterate-alpha: alternate a θ step on g and an
-#: α step on f, no coupling; scalar: BOME with α one learned temperature; lora: plain LoRA
-#: fine-tuning (no α); cft: calibration-aware fine-tuning, the training-time baseline (no α;
-#: calm_training.cft)
-METHODS = ("bilevel", "regularization", "iterate-theta", "iterate-alpha", "scalar", "lora",
-           "cft")
-#: methods without α and without a warm start (plain fine-tuning of θ on their own loss)
-THETA_ONLY = ("lora", "cft")
+# METHODS (the training methods), THETA_ONLY (those without α and without a warm start),
+# KINDS (their adapter kinds) and UPPER_OBJECTIVES: calm_training.methods decides each
+
 OPTIMIZERS = ("adam", "sgd")
 #: the inner solver of BOME's θ~ (calm_training.bilevel.INNER_OPTIMIZERS, torch-free here)
 INNER_OPTIMIZERS = ("sgd", "adam")
@@ -34,9 +38,6 @@ DEFAULT_INNER_LR = {"sgd": 0.01, "adam": 1e-3}
 #: what τ divides: the raw logits, or the logits centred on their vocabulary mean
 #: (docs/methods.md §1; the adapter records it)
 ALPHA_LOGITS = ("raw", "centered")
-#: the upper objective f: the paper's negative entropy of the option distribution, or
-#: calm's extension, DACA's agreement-masked KL to a pre-trained reference (needs --reference)
-UPPER_OBJECTIVES = ("entropy", "daca")
 PHI_MODES = ("grad", "value")  # the same as calm_training.bilevel.PHI_MODES (torch-free here)
 UPPER_PARAMS = ("all", "alpha")
 ALPHA_TOKENS = ("all", "options")
@@ -50,9 +51,6 @@ DEFAULT_LR = {"sgd": (0.1, 0.02), "adam": (1e-3, 5e-3)}
 #: setting existed (a recorded run without the key ran with this value, not the default)
 LEGACY_SETTINGS = {"inner_optimizer": "sgd", "alpha_logits": "raw", "upper": "entropy",
                    "reference": None, "alpha_holdout": 0.0}
-KINDS = {"bilevel": "calm", "regularization": "calm_regularization",
-         "iterate-theta": "calm_iterate_theta", "iterate-alpha": "calm_iterate_alpha",
-         "scalar": "calm_scalar", "lora": "lora", "cft": "cft"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -187,9 +185,11 @@ class CalmConfig:
         for name in ("train", "calibration", "lora_targets"):
             value = getattr(self, name)
             object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value))
+        method = TRAIN_METHODS.get(self.method)  # None: reported below
+        upper = UPPER_SPECS.get(self.upper)
         if self.optimizer is None:
             object.__setattr__(self, "optimizer",
-                               "adam" if self.method in THETA_ONLY else "sgd")
+                               method.default_optimizer if method else "sgd")
         problems = []
         if self.method not in METHODS:
             problems.append(f"method {self.method!r} is not one of {', '.join(METHODS)}")
@@ -214,7 +214,7 @@ class CalmConfig:
                 or not _is_int(self.q_window, 2):
             problems.append(f"warm_start_steps must be an integer >= 0 and q_window >= 2, got "
                             f"{self.warm_start_steps!r}, {self.q_window!r}")
-        elif _is_int(self.steps, 1) and self.method not in THETA_ONLY \
+        elif _is_int(self.steps, 1) and method is not None and method.warm_start \
                 and self.warm_start_steps is not None and self.warm_start_steps >= self.steps:
             problems.append(f"warm_start_steps {self.warm_start_steps} leaves none of the "
                             f"{self.steps} steps to the {self.method} method; raise --steps")
@@ -250,11 +250,12 @@ class CalmConfig:
             problems.append(f"cft_scale must be a finite number >= 0, got {self.cft_scale!r}")
         if not _is_int(self.cft_bins, 2):
             problems.append(f"cft_bins must be an integer >= 2, got {self.cft_bins!r}")
-        if self.upper == "daca" and not self.reference:
-            problems.append("upper daca needs a reference model; pass --reference (a "
+        if upper is not None and upper.needs_reference and not self.reference:
+            problems.append(f"upper {self.upper} needs a reference model; pass --reference (a "
                             "pre-trained model, e.g. the base of the model you train)")
-        if self.upper == "daca" and self.entropy != "options":
-            problems.append("upper daca compares option distributions; use --entropy options")
+        if upper is not None and upper.options_only and self.entropy != "options":
+            problems.append(f"upper {self.upper} compares option distributions; use --entropy "
+                            "options")
         if self.reference is not None and not isinstance(self.reference, str):
             object.__setattr__(self, "reference", os.fspath(self.reference))
         if not (isinstance(self.alpha_holdout, (int, float))
@@ -266,6 +267,11 @@ class CalmConfig:
             problems.append(f"momentum must be < 1, got {self.momentum!r}")
         if problems:
             raise ConfigError("; ".join(problems) + "; fix the training settings")
+
+    @property
+    def train_method(self) -> TrainMethod:
+        """What ``method`` decides (:class:`calm_training.methods.TrainMethod`)."""
+        return train_method(self.method)
 
     @property
     def cal_batch_size(self) -> int:
@@ -290,8 +296,8 @@ class CalmConfig:
     @property
     def warm_steps(self) -> int:
         """Warm-start steps: ``warm_start_steps``, or half of ``steps`` (0 for ``lora`` and
-        ``cft``)."""
-        if self.method in THETA_ONLY:
+        ``cft``, which have no warm start)."""
+        if not self.train_method.warm_start:
             return 0
         return self.warm_start_steps if self.warm_start_steps is not None else self.steps // 2
 

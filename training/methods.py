@@ -1,13 +1,17 @@
-"""The methods of ``calm fit`` / ``calm eval --compare``, each decided once
-(docs/methods.md §3).
+"""The methods of ``calm fit`` / ``calm eval --compare`` and of ``calm train``, each decided
+once (docs/methods.md §3, §4).
 
 :data:`FIT_METHODS` maps a post-hoc method's name to a :class:`FitMethod`: what it needs
 (a reference model, labels), whether it is vector scaling, DACA-masked or has a
 token-level counterpart, where it is fitted (option scores, P(True)'s two-way logits), the
 adapter kind it writes and the function of :mod:`calm_training.daca` (or
-:mod:`calm_training.platt`) that fits it. The rest of calm_training asks these objects and
-never compares a method's name; the CLI's choices and the configs' validation are the
-names listed here.
+:mod:`calm_training.platt`) that fits it. :data:`TRAIN_METHODS` maps a training method's
+name to a :class:`TrainMethod`: the α it learns (none: θ only), its outer step
+(:mod:`calm_training.bilevel`), its lower objective and the adapter kind;
+:data:`UPPER_OBJECTIVES` the upper objectives ``f`` (``--upper``). The rest of
+calm_training asks these objects and never compares a method's name; the CLI's choices
+and the configs' validation are the names listed here. torch-free (the outer steps import
+:mod:`calm_training.bilevel` when they run).
 """
 
 from __future__ import annotations
@@ -23,8 +27,10 @@ from calm_runtime.errors import ConfigError
 from . import daca
 from .platt import fit_platt
 
-__all__ = ["ADAPTER_METHODS", "FIT_METHODS", "FitMethod", "LABEL_FREE", "METHODS",
-           "P_TRUE_METHODS", "compared_methods", "fit_method", "option_method", "p_true_method"]
+__all__ = ["ADAPTER_METHODS", "FIT_METHODS", "FitMethod", "KINDS", "LABEL_FREE", "METHODS",
+           "P_TRUE_METHODS", "THETA_ONLY", "TRAIN_METHODS", "TRAIN_METHOD_NAMES", "TrainMethod",
+           "UPPER_OBJECTIVES", "UPPER_SPECS", "UpperObjective", "compared_methods", "fit_method",
+           "option_method", "p_true_method", "train_method", "upper_objective"]
 
 
 # ---------------------------------------------------------------------------- calm fit
@@ -160,3 +166,128 @@ def compared_methods(scoring, *, reference: bool, among=None) -> tuple[str, ...]
     names = tuple(FIT_METHODS) if among is None else among
     return tuple(n for n in names if n in FIT_METHODS and FIT_METHODS[n].fits_in(scoring)
                  and (reference or not FIT_METHODS[n].needs_reference))
+
+
+# ---------------------------------------------------------------------------- calm train
+@dataclass(frozen=True)
+class TrainMethod:
+    """One training method of ``calm train`` (docs/methods.md §4)."""
+
+    name: str
+    #: the adapter kind it writes (``lora`` whatever the method with ``--freeze-alpha``)
+    kind: str
+    #: α's variables: ``("log_tau", "shift")`` over the vocabulary, ``("log_temperature",)``
+    #: one learned temperature, or none (θ alone: plain fine-tuning on its own loss)
+    alpha: tuple[str, ...] = ("log_tau", "shift")
+    #: the outer step of calm_training.bilevel: ``bome`` (the bilevel method),
+    #: ``regularization`` (min g + β f), ``iterate`` (alternate a θ step on g and a step
+    #: on f) or ``descent`` (plain gradient steps on g)
+    solver: str = "bome"
+    #: ``iterate``: the f step moves θ and α (else α only)
+    theta_path: bool = False
+    #: the lower objective g (a loss of CalmModel.objective): ``ce`` on the answer, or
+    #: ``cft``, which reads every option and the starting model's bin accuracies
+    lower_loss: str = "ce"
+
+    @property
+    def theta_only(self) -> bool:
+        """No α and no warm start: plain fine-tuning of θ."""
+        return not self.alpha
+
+    @property
+    def learns_alpha(self) -> bool:
+        return bool(self.alpha)
+
+    @property
+    def bilevel(self) -> bool:
+        return self.solver == "bome"
+
+    @property
+    def warm_start(self) -> bool:
+        """Whether its first steps are plain LoRA steps (CalmConfig.warm_steps)."""
+        return not self.theta_only
+
+    @property
+    def default_optimizer(self) -> str:
+        """Adam for plain fine-tuning (the usual recipe), SGD for the CALM methods."""
+        return "adam" if self.theta_only else "sgd"
+
+    @property
+    def reads_all_options(self) -> bool:
+        """Its lower objective reads every option of a training question (and needs the
+        starting model's confidence-bin accuracies, CFT's E-step), not the answer only."""
+        return self.lower_loss == "cft"
+
+    def step(self, theta, alpha, lower, upper, optimizer, options, *, beta: float, reduce):
+        """One outer step (calm_training.bilevel) on ``theta`` and ``alpha``."""
+        from . import bilevel
+
+        args = (theta, alpha, lower, upper, optimizer)
+        if self.solver == "bome":
+            return bilevel.bome_step(*args, options, reduce=reduce)
+        if self.solver == "regularization":
+            return bilevel.regularization_step(*args, beta, reduce=reduce)
+        if self.solver == "iterate":
+            return bilevel.iterate_step(*args, theta_path=self.theta_path, reduce=reduce)
+        return bilevel.descent_step(*args, reduce=reduce)
+
+
+#: bilevel: BOME (docs/methods.md §4); regularization: min g + β f; iterate-theta: alternate
+#: a θ step on g and a (θ, α) step on f, no coupling; iterate-alpha: alternate a θ step on g
+#: and an α step on f, no coupling; scalar: BOME with α one learned temperature; lora: plain
+#: LoRA fine-tuning (no α); cft: calibration-aware fine-tuning, the training-time baseline
+#: (no α; calm_training.cft)
+_TRAIN = (
+    TrainMethod("bilevel", kind="calm"),
+    TrainMethod("regularization", kind="calm_regularization", solver="regularization"),
+    TrainMethod("iterate-theta", kind="calm_iterate_theta", solver="iterate", theta_path=True),
+    TrainMethod("iterate-alpha", kind="calm_iterate_alpha", solver="iterate"),
+    TrainMethod("scalar", kind="calm_scalar", alpha=("log_temperature",)),
+    TrainMethod("lora", kind="lora", alpha=(), solver="descent"),
+    TrainMethod("cft", kind="cft", alpha=(), solver="descent", lower_loss="cft"),
+)
+TRAIN_METHODS: dict[str, TrainMethod] = {m.name: m for m in _TRAIN}
+TRAIN_METHOD_NAMES = tuple(TRAIN_METHODS)
+#: methods without α and without a warm start (plain fine-tuning of θ on their own loss)
+THETA_ONLY = tuple(m.name for m in _TRAIN if m.theta_only)
+KINDS = {m.name: m.kind for m in _TRAIN}
+
+
+def train_method(name: str) -> TrainMethod:
+    """The training method ``name`` (a :class:`ConfigError` when unknown)."""
+    if name not in TRAIN_METHODS:
+        raise ConfigError(f"method {name!r} is not one of {', '.join(TRAIN_METHOD_NAMES)}")
+    return TRAIN_METHODS[name]
+
+
+@dataclass(frozen=True)
+class UpperObjective:
+    """One upper objective ``f`` of ``calm train`` (``--upper``)."""
+
+    name: str
+    #: fitted to a pre-trained reference model's option probabilities (``--reference``)
+    needs_reference: bool = False
+    #: reads the K-option distribution, so only ``--entropy options``
+    options_only: bool = False
+
+    def loss(self, entropy: str) -> str:
+        """Its loss of CalmModel.objective on the calibration batches (``entropy``: the
+        entropy kind, calm_data.ENTROPY_KINDS)."""
+        if self.needs_reference:
+            return "daca_kl"
+        return "neg_option_entropy" if entropy == "options" else "neg_entropy"
+
+
+#: entropy: the paper's negative entropy of the option distribution; daca: calm's
+#: extension, DACA's agreement-masked KL to a pre-trained reference
+_UPPER = (UpperObjective("entropy"),
+          UpperObjective("daca", needs_reference=True, options_only=True))
+UPPER_SPECS: dict[str, UpperObjective] = {u.name: u for u in _UPPER}
+UPPER_OBJECTIVES = tuple(UPPER_SPECS)
+
+
+def upper_objective(name: str) -> UpperObjective:
+    """The upper objective ``name`` (a :class:`ConfigError` when unknown)."""
+    if name not in UPPER_SPECS:
+        raise ConfigError(f"upper {name!r} is not one of {', '.join(UPPER_OBJECTIVES)}")
+    return UPPER_SPECS[name]

@@ -1,4 +1,4 @@
-"""Platt scaling of P(True)'s two-way logits (docs/methods.md §3, "Platt scaling"): a
+"""Platt scaling of P(True)'s two-way logits (docs/methods.md §5, "Platt scaling"): a
 temperature and a shift, compared by ``calm eval --compare`` in P(True) mode."""
 
 from __future__ import annotations

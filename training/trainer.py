@@ -46,14 +46,13 @@ from . import calm_data
 from .calm_config import (  # noqa: F401 - re-exported: the trainer's public names
     ALPHA_TOKENS,
     DEFAULT_LR,
-    KINDS,
     METHODS,
     OPTIMIZERS,
     PHI_MODES,
-    THETA_ONLY,
     UPPER_PARAMS,
     CalmConfig,
 )
+from .methods import upper_objective
 
 __all__ = ["METHODS", "OPTIMIZERS", "PHI_MODES", "UPPER_PARAMS", "ALPHA_TOKENS", "CalmConfig",
            "TrainResult", "train_calm", "latest_checkpoint"]
@@ -123,6 +122,9 @@ class _Trainer:
                                   f"x grad_accumulation {config.grad_accumulation}; every rank "
                                   "and micro-batch must get the same number of examples")
         self.config, self.device, self.dist = config, device, dist
+        #: what the method and the upper objective decide (calm_training.methods)
+        self.method = config.train_method
+        self.upper = upper_objective(config.upper)
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.model = CalmModel(config, device)
         chat = (modes.mode(config.mode).chat_prompts
@@ -139,7 +141,7 @@ class _Trainer:
         self.holdout_examples = None
         self.holdout_kind = None
         self.holdout_info = None
-        if config.method not in THETA_ONLY and config.alpha_holdout > 0:
+        if not self.method.theta_only and config.alpha_holdout > 0:
             held, train = calm_data.holdout_split(train, config.alpha_holdout)
             if self.model.alpha and all(isinstance(r, MultipleChoiceRecord) for r in held):
                 self.holdout_examples = calm_data.encode_labeled_options(
@@ -153,11 +155,11 @@ class _Trainer:
         # CFT reads every option of a training question; the other methods its answer only
         self.train_examples = (
             calm_data.encode_labeled_options(train, **encode, variant=config.cloze_variant)
-            if config.method == "cft" else calm_data.encode_training(train, **encode))
+            if self.method.reads_all_options else calm_data.encode_training(train, **encode))
         self.cal_examples = calm_data.encode_calibration(
             cal, **encode, positions=config.calibration_positions, entropy=config.entropy,
             variant=config.cloze_variant)
-        if config.upper == "daca":
+        if self.upper.needs_reference:
             from .calm_reference import reference_option_probs, with_reference
 
             probs = reference_option_probs(config.reference, cal, mode=config.mode,
@@ -171,7 +173,7 @@ class _Trainer:
         if config.init_lora is not None:
             self.model.load_lora(_lora_folder(config.init_lora))
         self.pad = padding_id(self.model.tokenizer)
-        if config.method == "cft":  # the E-step: bin accuracies of the starting model
+        if self.method.reads_all_options:  # CFT's E-step: bin accuracies of the starting model
             self.cft = {"bins": self._cft_bins(), "weight": config.cft_weight,
                         "scale": config.cft_scale, "global_batch": config.batch_size}
         groups = [{"params": self.model.theta, "lr": config.theta_lr}]
@@ -237,35 +239,28 @@ class _Trainer:
     def one_step(self) -> dict:
         import torch
 
-        from .bilevel import bome_step, descent_step, iterate_step, regularization_step
+        from .bilevel import descent_step
 
         cfg, m = self.config, self.model
         m.cft_parts = {"ce": 0.0, "l_cal": 0.0}
         lower = m.objective(self._batches(self.train_examples, cfg.batch_size, 0),
-                            "cft" if self.cft else "ce", cft=self.cft)
-        upper_loss = ("daca_kl" if cfg.upper == "daca" else
-                      "neg_option_entropy" if cfg.entropy == "options" else "neg_entropy")
-        upper = m.objective(self._batches(self.cal_examples, cfg.cal_batch_size, 1), upper_loss,
-                            alpha_l2=cfg.alpha_l2)
+                            self.method.lower_loss, cft=self.cft)
+        upper = m.objective(self._batches(self.cal_examples, cfg.cal_batch_size, 1),
+                            self.upper.loss(cfg.entropy), alpha_l2=cfg.alpha_l2)
         reduce = self.dist.reduce
-        phase = "warm-start" if self.warming else cfg.method
+        warming = self.warming
+        phase = "warm-start" if warming else cfg.method
         g_identity = None  # g with α at the identity (comparable with plain LoRA's g)
-        if m.alpha and phase != "warm-start":
+        if m.alpha and not warming:
             identity = [a.detach().new_zeros(a.shape) for a in m.alpha]
             value, _, _ = lower([t.detach() for t in m.theta], identity, False, False)
             value = value.reshape(1).to(device=m.theta[0].device, dtype=torch.float64)
             g_identity = float(reduce(value)[0])
-        if phase in ("bilevel", "scalar"):
-            stats = bome_step(m.theta, m.alpha, lower, upper, self.optimizer, self.options,
-                              reduce=reduce)
-        elif phase == "regularization":
-            stats = regularization_step(m.theta, m.alpha, lower, upper, self.optimizer,
-                                        cfg.beta, reduce=reduce)
-        elif phase in ("iterate-theta", "iterate-alpha"):
-            stats = iterate_step(m.theta, m.alpha, lower, upper, self.optimizer,
-                                 theta_path=phase == "iterate-theta", reduce=reduce)
-        else:  # plain LoRA, or the warm start of another method
+        if warming:  # plain LoRA steps before the method's own
             stats = descent_step(m.theta, m.alpha, lower, upper, self.optimizer, reduce=reduce)
+        else:
+            stats = self.method.step(m.theta, m.alpha, lower, upper, self.optimizer,
+                                     self.options, beta=cfg.beta, reduce=reduce)
         if g_identity is None:
             g_identity = stats.g
         self.step += 1
@@ -405,7 +400,7 @@ class _Trainer:
         return CalibrationAdapter(
             base_model=self.model.identity, tau=tau, shift=shift, temperature=1.0,
             centered=centered,
-            kind="lora" if cfg.freeze_alpha else KINDS[cfg.method],
+            kind="lora" if cfg.freeze_alpha else self.method.kind,
             # "variant" is the cloze score variant, as in every adapter (export and the
             # runtime read it); the CALM solver or ablation is "solver"
             method={"name": "calm", "solver": cfg.method, "mode": cfg.mode,

@@ -154,3 +154,104 @@ def test_an_unknown_fit_method_is_one_error_line(tmp_path):
                                           "method to fit: naive, daca, daca-vector, ts, "
                                           "ts-vector$"):
         fit_adapter(config, "vanilla", tmp_path / "out")
+
+
+# ---------------------------------------------------------------------------- calm train
+def _calm_config(**kw):
+    from calm_training.calm_config import CalmConfig
+
+    return CalmConfig(**{"model": "m", "train": ("x:train",), "calibration": ("x:unlabeled",),
+                         "steps": 10, **kw})
+
+
+def test_the_training_lists_are_the_registry():
+    from calm_training import calm_config, trainer
+
+    assert calm_config.METHODS == trainer.METHODS == methods.TRAIN_METHOD_NAMES == TRAIN_NAMES
+    assert calm_config.UPPER_OBJECTIVES == ("entropy", "daca")
+    assert calm_config.KINDS == {"bilevel": "calm", "regularization": "calm_regularization",
+                                 "iterate-theta": "calm_iterate_theta",
+                                 "iterate-alpha": "calm_iterate_alpha",
+                                 "scalar": "calm_scalar", "lora": "lora", "cft": "cft"}
+
+
+@pytest.mark.parametrize("name", TRAIN_NAMES)
+def test_calm_config_follows_the_training_method(name):
+    """θ-only methods: Adam by default, no warm start (so warm_start_steps may fill the
+    run); the others SGD and half the steps warm."""
+    method = methods.train_method(name)
+    config = _calm_config(method=name)
+    assert config.train_method is method
+    assert config.optimizer == method.default_optimizer == ("adam" if method.theta_only
+                                                              else "sgd")
+    assert config.warm_steps == (0 if method.theta_only else 5)
+    assert method.warm_start != method.theta_only
+    assert method.learns_alpha != method.theta_only
+    assert method.bilevel == (name in ("bilevel", "scalar"))
+    assert method.reads_all_options == (name == "cft")
+    if method.warm_start:
+        with pytest.raises(ConfigError, match="leaves none of the 10 steps"):
+            _calm_config(method=name, warm_start_steps=10)
+    else:
+        assert _calm_config(method=name, warm_start_steps=10).warm_steps == 0
+
+
+def test_the_upper_objective_declares_its_reference():
+    assert methods.upper_objective("entropy").loss("options") == "neg_option_entropy"
+    assert methods.upper_objective("entropy").loss("vocab") == "neg_entropy"
+    assert methods.upper_objective("daca").loss("options") == "daca_kl"
+    with pytest.raises(ConfigError, match="^upper daca needs a reference model; .*upper daca "
+                                          "compares option distributions; use --entropy "
+                                          "options; fix the training settings$"):
+        _calm_config(upper="daca", entropy="vocab")
+    assert _calm_config(upper="daca", reference="r").upper == "daca"
+
+
+def test_an_unknown_training_method_is_one_error_line():
+    for bad in (lambda: methods.train_method("nope"), lambda: _calm_config(method="nope")):
+        with pytest.raises(ConfigError, match=r"^method 'nope' is not one of bilevel, "
+                                              r"regularization, iterate-theta, iterate-alpha, "
+                                              r"scalar, lora, cft(; fix the training "
+                                              r"settings)?$"):
+            bad()
+    with pytest.raises(ConfigError, match="^upper 'nope' is not one of entropy, daca$"):
+        methods.upper_objective("nope")
+
+
+@pytest.mark.parametrize("name", TRAIN_NAMES)
+def test_each_method_takes_its_own_outer_step(name, monkeypatch):
+    pytest.importorskip("torch")
+    from calm_training import bilevel
+
+    calls = []
+    for step in ("bome_step", "regularization_step", "iterate_step", "descent_step"):
+        monkeypatch.setattr(bilevel, step, lambda *a, _step=step, **kw: calls.append(
+            (_step, a[5:], kw)))
+    method = methods.train_method(name)
+    method.step("theta", "alpha", "g", "f", "opt", "options", beta=0.7, reduce="mean")
+    want = {"bilevel": ("bome_step", ("options",), {}),
+            "scalar": ("bome_step", ("options",), {}),
+            "regularization": ("regularization_step", (0.7,), {}),
+            "iterate-theta": ("iterate_step", (), {"theta_path": True}),
+            "iterate-alpha": ("iterate_step", (), {"theta_path": False}),
+            "lora": ("descent_step", (), {}), "cft": ("descent_step", (), {})}[name]
+    assert calls == [(want[0], want[1], {**want[2], "reduce": "mean"})]
+
+
+@pytest.mark.usefixtures("private_calm_cache")
+@pytest.mark.parametrize(("name", "freeze"), [(n, False) for n in TRAIN_NAMES]
+                         + [("bilevel", True)])
+def test_the_model_carries_the_alpha_its_method_declares(name, freeze, tiny_llama_tied):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("peft")
+    from calm_training._calm_model import CalmModel
+
+    method = methods.train_method(name)
+    config = _calm_config(model=str(tiny_llama_tied), method=name, freeze_alpha=freeze,
+                          lora_rank=4)
+    model = CalmModel(config, torch.device("cpu"))
+    expected = () if freeze else method.alpha
+    assert tuple(model.alpha_names) == expected
+    vocab = model.identity.vocab_size
+    assert [a.numel() for a in model.alpha] == [1 if len(expected) == 1 else vocab] * len(
+        expected)
