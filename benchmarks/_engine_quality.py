@@ -8,9 +8,9 @@ Besides the engines engines.py builds, three are derived here from them:
   dequantised, fp32 arithmetic) instead of 4 (int8 activations);
 * ``calm int4 requantised, head fp32``: every MatMul but the LM head quantised anew to 4 bits
   from the fp32 graph (``calm_export.quantize``), the head kept fp32;
-* ``builder int4``: onnxruntime-genai's own int4 graph, given ``logits_to_keep`` and calm
-  fp32's manifest, tokenizer and genai_config (same inputs and outputs) so that calm's
-  runtime reads it like the others.
+* ``builder int4``: onnxruntime-genai's own int4 graph with calm fp32's manifest, tokenizer
+  and genai_config (same inputs and outputs; without ``logits_to_keep``, which the runtime
+  then does not feed) so that calm's runtime reads it like the others.
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ def derive(builds: dict, work: Path) -> dict:
     import onnx
 
     from calm_export import ExportConfig, quantize
-    from calm_export.onnx import add_logits_to_keep
 
     out = {}
     int4 = Path(builds["calm int4"]["path"])
@@ -75,9 +74,6 @@ def derive(builds: dict, work: Path) -> dict:
             source = Path(builds["builder int4"]["path"])
             for path in source.glob("model.onnx*"):
                 shutil.copy2(path, target / path.name)
-            vocab = int(np.asarray(onnx.load(str(target / "model.onnx"), load_external_data=False)
-                                   .graph.output[0].type.tensor_type.shape.dim[-1].dim_value))
-            add_logits_to_keep(target / "model.onnx", vocab)
         out["builder int4"] = target
     return out
 
