@@ -35,6 +35,25 @@ def _copy_without_graph(engine: Path, target: Path) -> None:
     shutil.copytree(engine, target, ignore=shutil.ignore_patterns("model.onnx*"))
 
 
+def _rehash(engine: Path) -> None:
+    """Record the derived graph's files in the copied manifest (``model.files``), so the
+    engine loads with its hashes checked like any other."""
+    import hashlib
+    import json
+
+    path = engine / "calm_engine.json"
+    manifest = json.loads(path.read_text())
+    files = {}
+    for name in sorted(p.name for p in engine.glob("model.onnx*")):
+        digest = hashlib.sha256()
+        with open(engine / name, "rb") as handle:
+            for chunk in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(chunk)
+        files[name] = digest.hexdigest()
+    manifest["model"]["files"] = files
+    path.write_text(json.dumps(manifest, indent=2) + "\n")
+
+
 def derive(builds: dict, work: Path) -> dict:
     """The derived engines (module docstring) as ``{name: folder}``, made once in ``work``."""
     import onnx
@@ -54,6 +73,7 @@ def derive(builds: dict, work: Path) -> dict:
                 if node.op_type == "MatMulNBits" and attribute.name == "accuracy_level":
                     attribute.i = 0
         onnx.save_model(model, str(target / "model.onnx"))
+        _rehash(target)
     out["calm int4 fp32 compute"] = target
 
     fp32 = Path(builds[REFERENCE]["path"])
@@ -65,6 +85,7 @@ def derive(builds: dict, work: Path) -> dict:
                 or name.startswith("/lm_head/")]
         quantize.quantize_int8(fp32 / "model.onnx", target / "model.onnx",
                                ExportConfig(quantize="int4"), external=True, bits=4, keep=head)
+        _rehash(target)
     out["calm int4 requantised, head fp32"] = target
 
     if "builder int4" in builds:
@@ -74,6 +95,7 @@ def derive(builds: dict, work: Path) -> dict:
             source = Path(builds["builder int4"]["path"])
             for path in source.glob("model.onnx*"):
                 shutil.copy2(path, target / path.name)
+            _rehash(target)
         out["builder int4"] = target
     return out
 
