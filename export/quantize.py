@@ -21,11 +21,13 @@ ARC-Easy accuracy 0.476 and ECE 0.148 against fp32's 0.474 and 0.149).
 
 int4 (``--quantize int4``): the same MatMulNBits scheme with 4 bits, every MatMul, blocks of 32
 (``ExportConfig.int4_block_size``; the block sizes compared in
-benchmarks/results/int4_blocks.md, by the command above). On SmolLM2, the same
-``engines.py`` command measures the int4 engine keeping the fp32 top token at 0.708 of the
-drift positions (mean total variation 0.2699), and ARC-Easy accuracy 0.456 and ECE 0.149
-against fp32's 0.474 and 0.149 (benchmarks/results/engines.md): a real cost in the
-next-token distribution that the option ranking mostly survives.
+benchmarks/results/int4_blocks.md, by the command above). A model that came from a GGUF is
+already quantised: its MatMuls keep the GGUF's own blocks (export/gguf_blocks.py) and only
+weights that are not the GGUF's are quantised anew (``--int4-blocks requantize`` quantises
+everything anew). On SmolLM2 (``calm-export --model smollm2-135m-instruct --quantize int4``)
+the carried engine keeps the fp32 top token at 0.986 of the drift positions, where
+quantising anew kept 0.725; benchmarks/results/engines.md has both engines' speed, drift,
+accuracy and ECE (``python benchmarks/engines.py``).
 
 fp16 (``--dtype fp16`` with ONNX, meant for GPU providers): onnxruntime's converter turns
 weights, activations and the KV cache into float16 and keeps the logits output float32.
