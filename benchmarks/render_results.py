@@ -410,10 +410,15 @@ def cost_section(latency_head: str, scoring_head: str, load_head: str) -> list[s
                   "min-max).", "", *tables[0], "",
                   "Targets (calm over the builder, paired by round):", "", *tables[2], ""]
         if len(tables) > 3:
+            quality = ("same positions for every engine (top-1 agreement and mean total "
+                       "variation against calm fp32), the builder's own int4 engine and two "
+                       "ablations of calm's int4 among them" if "builder int4" in
+                       "".join(tables[3]) else "drift against the fp32 graph at export")
             lines += ["What the precision costs on ARC-Easy's test part (cloze, `calm "
-                      "score` through each engine; drift against the fp32 graph at export). "
-                      "The builder's own int4 engine has no quality row yet:", "",
-                      *tables[3], ""]
+                      f"score` through each engine; {quality}):", "", *tables[3], ""]
+        if len(tables) > 4:
+            lines += ["Servers on the same workload (8 concurrent clients, greedy completions "
+                      "of at most 16 tokens, 2 threads):", "", *tables[4], ""]
     lines += [f"Scoring speed of `calm fit`/`calm eval` with the torch model and with its "
               f"engine folder as `--model` (`benchmarks/results/scoring.md`, produced by "
               f"{scoring_head}):", "", *md_tables("scoring.md")[0], "",
