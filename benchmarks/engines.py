@@ -187,7 +187,7 @@ def main(argv=None) -> int:
         if "builder int4" in derived:
             engines["builder int4"] = derived["builder int4"]
         scores = _engine_quality.quality(engines, args.score)
-    servers = _servers(llama, builds, folder) if llama else {}
+    servers = _servers(llama, builds) if llama else {}
     section = {"command": command_line("engines.py", argv), "commit": git_commit(),
                "scores": scores, "score_data": args.score, "servers": servers,
                "created": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -297,7 +297,7 @@ def _dominant_type(path: Path) -> str:
     return types.most_common(1)[0][0]
 
 
-def _servers(llama: dict, builds: dict, folder: Path) -> dict:
+def _servers(llama: dict, builds: dict) -> dict:
     """The server load test (benchmarks/_llama_cpp.py) on calm serve and llama-server."""
     from calm_runtime.data import load_dataset
     from calm_runtime.prompts import cloze_context

@@ -131,6 +131,7 @@ def decode_tensor(tensor) -> tuple[Blocks, np.ndarray]:
 
     ``k`` is recovered from the dequantised values and the block scales, then the blocks are
     checked to reproduce those values."""
+    from gguf import GGML_QUANT_SIZES
     from gguf.quants import dequantize
 
     name = tensor.tensor_type.name
@@ -138,8 +139,6 @@ def decode_tensor(tensor) -> tuple[Blocks, np.ndarray]:
     rows_n, cols = int(tensor.shape[1]), int(tensor.shape[0])  # ne0 = inputs
     raw = np.asarray(tensor.data)
     values = dequantize(raw, tensor.tensor_type).reshape(rows_n, cols).astype(np.float32)
-    from gguf import GGML_QUANT_SIZES
-
     type_size = GGML_QUANT_SIZES[tensor.tensor_type][1]
     native = raw.reshape(-1).view(np.uint8).reshape(-1, type_size)
     scale, minimum = _block_scales(name, native)
