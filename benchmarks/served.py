@@ -35,8 +35,8 @@ from calm_training.fit import (
     compare_methods,
     format_selective_table,
     format_table,
-    model_source,
 )
+from calm_training.plan import FitPlan
 
 HERE = Path(__file__).resolve().parent
 METHODS = ("vanilla", "naive", "daca", "ts")
@@ -153,7 +153,8 @@ def main(argv=None) -> int:
             config = FitConfig(model=model_url, reference=reference_url,
                                concurrency=concurrency, **common)
             began = time.perf_counter()
-            remote_option_scores(model_source(config, "model").endpoint, records, mode=args.mode)
+            remote_option_scores(FitPlan.resolve(config).model.endpoint, records,
+                                 mode=args.mode)
             timings[concurrency] = round(time.perf_counter() - began, 1)
             logger.info("model through its endpoint at concurrency %d: %.1f s", concurrency,
                         timings[concurrency])

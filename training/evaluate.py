@@ -11,19 +11,13 @@ from pathlib import Path
 import numpy as np
 
 from calm_runtime.artifact import CalibrationAdapter
+from calm_runtime.errors import ConfigError
 from calm_runtime.modes import option_probabilities
 from calm_runtime.plot import write_reliability_diagram, write_risk_coverage
 from calm_runtime.prompts import cloze_variant_for
 
-from .cache import cached_option_scores
-from .fit import (
-    FitConfig,
-    load_mc_records,
-    metric_row,
-    model_source,
-    require_labels,
-    variant_scores,
-)
+from .fit import FitConfig, metric_row, require_labels
+from .plan import FitPlan
 from .scoring import OptionScores
 
 __all__ = ["evaluate_adapter", "write_report"]
@@ -38,37 +32,32 @@ def evaluate_adapter(config: FitConfig, adapter_dir: str | os.PathLike, *,
     Token-level calibration and LoRA are applied while scoring (as an exported engine
     would); ``answer_temperature`` then scales the option scores in cloze mode.
     """
-    from calm_runtime.data import split_indices
-
     adapter = CalibrationAdapter.from_pretrained(adapter_dir)
     scoring = config.scoring_mode
+    if not scoring.choice:
+        raise ConfigError("calm eval --adapter evaluates multiple-choice answers (cloze or "
+                          "letter mode); for P(True) use calm eval --compare --mode p_true")
     if not scoring.token_level:  # the recorded variant or a one-line error, never a switch
         cloze_variant_for(config.variant, adapter.fit_record.cloze_variant,
                           bound=adapter.fit_record.binds_variant, what=str(adapter_dir),
                           fix=f"evaluate with variant {adapter.cloze_variant!r} (calm eval "
                               "does when --variant is not given)")
-    records = load_mc_records(config)
     base_config = FitConfig(**{**config.to_dict(), "adapter": None})
-    source = model_source(config, "model")
-    vanilla = cached_option_scores(source, records, mode=config.mode, chat=config.chat,
-                                   batch_size=config.batch_size, progress=progress,
-                                   max_length=config.max_length)
-    if source.served:  # a served model's adapter holds temperatures only
+    plan = FitPlan.resolve(base_config)
+    vanilla = plan.option_scores(progress=progress)
+    if plan.model.served:  # a served model's adapter holds temperatures only
         calibrated = dataclasses.replace(vanilla, values=vanilla.values / adapter.temperature)
     else:
-        calibrated = cached_option_scores(source, records, mode=config.mode,
-                                          adapter_dir=adapter_dir, chat=config.chat,
-                                          batch_size=config.batch_size, progress=progress,
-                                          max_length=config.max_length)
-    _, test = split_indices(len(records), config.calibration_fraction, config.seed)
+        calibrated = plan.option_scores(adapter_dir=adapter_dir, progress=progress)
+    _, test = plan.split
     k = int(np.bincount(vanilla.n_options).argmax())
     test = test[vanilla.n_options[test] == k]
     answer_t = scoring.answer_temperature(adapter.answer_temperature)
     rows, panels = {}, {}
     for name, scores, temperature in (("vanilla", vanilla, 1.0),
                                       (adapter.kind, calibrated, answer_t)):
-        probs = option_probabilities(variant_scores(scores, base_config)[test, :k], temperature)
-        rows[name], panels[name] = metric_row(probs, _labels(scores, test), config)
+        probs = option_probabilities(scores.scores(plan.variant())[test, :k], temperature)
+        rows[name], panels[name] = metric_row(probs, _labels(scores, test), plan.metrics)
     return {"config": base_config.to_dict() | {"adapter": config.adapter},
             "adapter": str(adapter_dir),
             "adapter_kind": adapter.kind, "n_test": int(test.size), "n_options": k,

@@ -24,13 +24,12 @@ import numpy as np
 from calm_runtime import metrics
 from calm_runtime._fs import check_creatable
 from calm_runtime.artifact import CalibrationAdapter
-from calm_runtime.data import MultipleChoiceRecord, dataset_hash, load_dataset, split_indices
+from calm_runtime.data import dataset_hash
 from calm_runtime.errors import ConfigError, DataError, FitError
 from calm_runtime.modes import option_probabilities
 from calm_runtime.prompts import letter_tokens
 
 from . import daca
-from .cache import cached_option_scores
 from .fit_config import (  # noqa: F401 - FitConfig and the names stay importable from here
     ALL_MODES,
     DEFAULT_VARIANT,
@@ -39,17 +38,14 @@ from .fit_config import (  # noqa: F401 - FitConfig and the names stay importabl
     FitConfig,
 )
 from .fit_report import (  # noqa: F401 - the tables stay importable from here
+    Metrics,
     add_selective,
     format_selective_table,
     format_table,
     served_floor,
 )
 from .methods import compared_methods, fit_method, option_method
-from .scoring import OptionScores
-from .sources import (  # noqa: F401 - prompt_format stays importable from here
-    model_source,
-    prompt_format,
-)
+from .plan import FitPlan
 
 __all__ = ["FitConfig", "METHODS", "LABEL_FREE", "DEFAULT_VARIANT", "compare_methods",
            "fit_adapter", "option_probabilities", "format_table", "format_selective_table"]
@@ -70,51 +66,28 @@ class _Prepared:
     floored: dict = dataclasses.field(default_factory=dict)
 
 
-def load_mc_records(config: FitConfig) -> list[MultipleChoiceRecord]:
-    records = load_dataset(config.data)
-    if records and not isinstance(records[0], MultipleChoiceRecord):
-        raise DataError(f"{config.data} holds open-QA records; post-hoc option calibration needs "
-                        "multiple-choice data (question, choices, answer)")
-    return records[: config.limit] if config.limit else records
-
-
-def _prepare(config: FitConfig, *, need_reference: bool, progress: bool) -> _Prepared:
-    if need_reference and not config.reference:  # before any scoring
-        raise ConfigError("label-free methods need a reference (pre-trained) model; pass "
-                          "--reference, e.g. gemma-3-270m")
-    records = load_mc_records(config)
-    polm_scores = cached_option_scores(model_source(config, "model"), records, mode=config.mode,
-                                       adapter_dir=config.adapter, chat=config.chat,
-                                       batch_size=config.batch_size, progress=progress,
-                                       max_length=config.max_length)
-    plm_scores = None
-    if need_reference:
-        plm_scores = cached_option_scores(model_source(config, "reference"), records,
-                                          mode=config.mode,
-                                          chat=config.chat, batch_size=config.batch_size,
-                                          max_length=config.max_length,
-                                          progress=progress)
+def _prepare(plan: FitPlan, *, need_reference: bool, progress: bool) -> _Prepared:
+    if need_reference:  # before any scoring
+        plan.require_reference()
+    records = plan.records
+    polm_scores = plan.option_scores(adapter_dir=plan.config.adapter, progress=progress)
+    plm_scores = plan.option_scores("reference", progress=progress) if need_reference else None
     n_options = polm_scores.n_options
     k = int(np.bincount(n_options).argmax())
-    cal, test = split_indices(len(records), config.calibration_fraction, config.seed)
+    cal, test = plan.split
     keep = n_options == k
     dropped = int((~keep).sum())
     if dropped:
         logger.info("%d of %d records have a number of options other than %d; they are left "
                     "out of fitting and evaluation", dropped, len(records), k)
     return _Prepared(records=records, cal=cal[keep[cal]], test=test[keep[test]], k=k,
-                     polm=variant_scores(polm_scores, config)[:, :k],
-                     plm=None if plm_scores is None else variant_scores(
-                         plm_scores, config, config.reference_variant)[:, :k],
+                     polm=polm_scores.scores(plan.variant())[:, :k],
+                     plm=None if plm_scores is None else
+                     plm_scores.scores(plan.variant("reference"))[:, :k],
                      labels=polm_scores.labels,
                      floored={role: scores.floored for role, scores in
                               (("model", polm_scores), ("reference", plm_scores))
                               if scores is not None and scores.floored is not None})
-
-
-def variant_scores(scores: OptionScores, config: FitConfig,
-                   variant: str | None = None) -> np.ndarray:
-    return scores.scores(config.scoring_mode.score_variant(variant or config.variant))
 
 
 def _labeled(prep: _Prepared, idx: np.ndarray, what: str) -> np.ndarray:
@@ -147,25 +120,22 @@ def apply_fit(fit, scores: np.ndarray) -> np.ndarray:
     return option_probabilities(scores, fit.temperature)
 
 
-def metric_row(probs: np.ndarray, labels: np.ndarray, config: FitConfig):
+def metric_row(probs: np.ndarray, labels: np.ndarray, settings: Metrics):
     """One table row (metrics + ECE bootstrap interval) and its reliability-diagram panel."""
-    row = metrics.calibration_report(probs, labels, config.n_bins)
+    row = metrics.calibration_report(probs, labels, settings.n_bins)
     conf, correct = probs.max(axis=1), (probs.argmax(axis=1) == labels).astype(float)
-    add_selective(row, conf, correct, config)
+    add_selective(row, conf, correct, settings)
     return row, (conf, correct)
 
 
-def _not_for_served(method: str, config: FitConfig) -> str | None:
+def _not_for_served(method: str, plan: FitPlan) -> str | None:
     """Why ``method`` is not fitted for a served model, else ``None``. Letter-mode vector
     scaling is not invariant to a shift of a question's scores, and an endpoint returns
     log-probabilities (logits minus a per-question constant) where the local path reads
     logits: the fit would depend on which one it saw (and a served model's adapter holds
     temperatures only)."""
     fitted = fit_method(method)
-    reference = (model_source(config, "reference") if fitted.vector and fitted.needs_reference
-                 else None)
-    served = model_source(config, "model").served or (reference is not None and reference.served)
-    if config.scoring_mode.token_level and fitted.vector and served:
+    if plan.mode.token_level and fitted.vector and plan.served:
         return ("not fitted for a served model: vector scaling is not shift-invariant and an "
                 "endpoint returns log-probabilities, not logits; use daca, naive or ts")
     return None
@@ -179,20 +149,21 @@ def compare_methods(config: FitConfig, methods: Sequence[str] = METHODS, *,
     calibration, and one row per method with accuracy, ECE (+ 95% bootstrap interval),
     MCE, AECE, Brier, NLL and the fitted parameters.
     """
-    if not config.scoring_mode.choice:  # P(True)
+    plan = FitPlan.resolve(config)
+    if not plan.mode.choice:  # P(True)
         from .p_true import compare_p_true
 
-        return compare_p_true(config, compared_methods(config.scoring_mode, reference=True,
-                                                       among=methods), progress=progress)
+        return compare_p_true(plan, compared_methods(plan.mode, reference=True, among=methods),
+                              progress=progress)
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
         raise ConfigError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
     need_reference = any(fit_method(m).needs_reference for m in methods)
-    prep = _prepare(config, need_reference=need_reference, progress=progress)
+    prep = _prepare(plan, need_reference=need_reference, progress=progress)
     labels = _labeled(prep, prep.test, "test")
     rows, panels = {}, {}
     for method in methods:
-        reason = _not_for_served(method, config)
+        reason = _not_for_served(method, plan)
         if reason:
             logger.warning("%s: %s", method, reason)
             rows[method] = {"error": reason}
@@ -203,7 +174,8 @@ def compare_methods(config: FitConfig, methods: Sequence[str] = METHODS, *,
             logger.warning("%s: %s", method, exc)
             rows[method] = {"error": str(exc)}
             continue
-        row, panels[method] = metric_row(apply_fit(fit, prep.polm[prep.test]), labels, config)
+        row, panels[method] = metric_row(apply_fit(fit, prep.polm[prep.test]), labels,
+                                         plan.metrics)
         row["fit"] = None if fit is None else fit.to_dict()
         rows[method] = row
     report = {
@@ -238,27 +210,26 @@ def fit_adapter(config: FitConfig, method: str, out: str | Path, *, overwrite: b
     if (Path(out).exists() or Path(out).is_symlink()) and not overwrite:
         raise ConfigError(f"{out} already exists; choose another --out or pass --overwrite")
     check_creatable(Path(out))  # before any scoring
-    polm = model_source(config, "model")
-    polm.require_uncalibrated("an adapter fitted on its scores")
+    plan = FitPlan.resolve(config)
+    plan.model.require_uncalibrated("an adapter fitted on its scores")
     if fitted.abstention:
-        return _fit_threshold_adapter(config, out, overwrite=overwrite, progress=progress)
-    if not config.scoring_mode.choice:
-        return _fit_p_true_adapter(config, method, out, overwrite=overwrite)
-    if fitted.vector and any(
-            s is not None and s.served for s in (polm, model_source(config, "reference"))):
+        return _fit_threshold_adapter(plan, out, overwrite=overwrite, progress=progress)
+    if not plan.mode.choice:
+        return _fit_p_true_adapter(plan, method, out, overwrite=overwrite)
+    if fitted.vector and plan.served:
         raise ConfigError(f"{method} writes per-token weights, which need the model's token "
                           "ids; a served model takes daca, naive or ts")
-    prep = _prepare(config, need_reference=fitted.needs_reference, progress=progress)
+    prep = _prepare(plan, need_reference=fitted.needs_reference, progress=progress)
     fit = _fit(method, prep)
     _check_finite_temperature(fit)
-    base, identity = _base_adapter(config)
+    base, identity = _base_adapter(plan)
     adapter = dataclasses.replace(base, kind=_kind(base, fitted.kind), created_at=None)
     vanilla = prep.polm
     token_record = None
     if isinstance(fit, daca.VectorFit):
-        _write_vector(adapter, fit, config, polm.folder())
-    elif not config.scoring_mode.token_level:  # cloze: an answer temperature
-        fit, token_record = _cloze_fits(config, method, prep, base, adapter, fit, progress)
+        _write_vector(adapter, fit, plan)
+    elif not plan.mode.token_level:  # cloze: an answer temperature
+        fit, token_record = _cloze_fits(plan, method, prep, base, adapter, fit, progress)
         adapter.answer_temperature = fit.temperature
     else:
         adapter.temperature = base.temperature * fit.temperature
@@ -269,24 +240,17 @@ def fit_adapter(config: FitConfig, method: str, out: str | Path, *, overwrite: b
                                                             labels, config.n_bins),
                        "after": metrics.calibration_report(apply_fit(fit, prep.polm[prep.cal]),
                                                            labels, config.n_bins)}
-    adapter.method = {"name": method, "mode": config.mode,
-                      "variant": config.scoring_mode.recorded_variant(config.variant),
+    adapter.method = {"name": method, "mode": config.mode, "variant": plan.recorded_variant,
                       "fit": fit.to_dict(), "settings": config.to_dict()}
     if token_record is not None:
         adapter.method["token_fit"] = token_record
     adapter.metrics = {"calibration_split": cal_metrics}
-    adapter.provenance = {
-        "model": identity.to_dict(),
-        "reference": (model_source(config, "reference").identity().to_dict()
-                      if fit_method(method).needs_reference else None),
-        "data": config.data, "data_hash": dataset_hash(prep.records),
-        "split": {"part": "calibration", "fraction": config.calibration_fraction,
-                  "seed": config.seed, "n": int(prep.cal.size)},
-        "base_adapter": base.kind if config.adapter else None,
-        # how the prompts reached the model (chat template or text): the format the
-        # calibration holds for
-        "prompt_format": prompt_format(config),
-    }
+    adapter.provenance = _provenance(plan, identity, fitted, data_hash=dataset_hash(prep.records),
+                                     n_calibration=int(prep.cal.size))
+    adapter.provenance["base_adapter"] = base.kind if config.adapter else None
+    # how the prompts reached the model (chat template or text): the format the calibration
+    # holds for
+    adapter.provenance["prompt_format"] = plan.prompt_format
     floor = served_floor(prep.floored, len(prep.records))
     if floor:
         adapter.provenance["served_floor"] = floor
@@ -296,7 +260,16 @@ def fit_adapter(config: FitConfig, method: str, out: str | Path, *, overwrite: b
                      "token_fit": token_record}
 
 
-def _cloze_fits(config: FitConfig, method: str, prep: _Prepared, base: CalibrationAdapter,
+def _provenance(plan: FitPlan, identity, fitted, *, data_hash: str, n_calibration: int) -> dict:
+    """What an adapter records of where it came from: the model, the reference (label-free
+    methods), the data and the calibration split."""
+    return {"model": identity.to_dict(),
+            "reference": plan.reference.identity().to_dict() if fitted.needs_reference else None,
+            "data": plan.config.data, "data_hash": data_hash,
+            "split": {**plan.split_record, "n": n_calibration}}
+
+
+def _cloze_fits(plan: FitPlan, method: str, prep: _Prepared, base: CalibrationAdapter,
                 adapter: CalibrationAdapter, fit, progress: bool):
     """Cloze mode: the token-level temperature (what the engine's head carries, when a signal
     exists: docs/methods.md §3 "Token level"), then the option-level fit on the option
@@ -309,10 +282,10 @@ def _cloze_fits(config: FitConfig, method: str, prep: _Prepared, base: Calibrati
     agree = None if prep.plm is None else prep.plm[cal].argmax(1) == chosen
     labels = prep.labels[cal] if (prep.labels[cal] >= 0).all() else None
     token_fit, record = cloze_token_temperature(
-        method, model=config.model, reference=config.reference,
+        method, model=plan.model, reference=plan.reference,
         records=[prep.records[i] for i in cal], chosen=chosen, agree=agree, labels=labels,
-        base_adapter=base if config.adapter else None, batch_size=config.batch_size,
-        max_length=config.max_length, progress=progress)
+        base_adapter=base if plan.config.adapter else None, batch_size=plan.config.batch_size,
+        max_length=plan.config.max_length, progress=progress)
     if token_fit is not None and token_fit.at_bound is not None:
         record = {**record, "fitted": False,
                   "reason": f"the token-level optimum is at a bound ({token_fit.at_bound}): "
@@ -330,32 +303,29 @@ def _cloze_fits(config: FitConfig, method: str, prep: _Prepared, base: Calibrati
     with tempfile.TemporaryDirectory(prefix="calm-token-") as tmp:
         staged = dataclasses.replace(base, temperature=adapter.temperature, created_at=None)
         staged.save_pretrained(Path(tmp) / "adapter")
-        scores = cached_option_scores(config.model, prep.records, mode=config.mode,
-                                      adapter_dir=Path(tmp) / "adapter", chat=config.chat,
-                                      batch_size=config.batch_size, progress=progress,
-                                      max_length=config.max_length)
-    prep.polm = variant_scores(scores, config)[:, :prep.k]
+        scores = plan.option_scores(adapter_dir=Path(tmp) / "adapter", progress=progress)
+    prep.polm = scores.scores(plan.variant())[:, :prep.k]
     fit = _fit(method, prep)
     _check_finite_temperature(fit)
     return fit, record
 
 
-def _fit_threshold_adapter(config: FitConfig, out, *, overwrite: bool, progress: bool):
-    """``calm fit threshold``: the base adapter (``config.adapter``, else the identity) with
+def _fit_threshold_adapter(plan: FitPlan, out, *, overwrite: bool, progress: bool):
+    """``calm fit threshold``: the base adapter (``--adapter``, else the identity) with
     the abstention threshold chosen on the calibration split; the test split's coverage and
     selective risk at that threshold are reported (and recorded) beside it."""
     from .threshold import fit_threshold
 
-    scoring = config.scoring_mode
-    if not scoring.choice:
+    config = plan.config
+    if not plan.mode.choice:
         raise ConfigError("calm fit threshold works on multiple-choice answers; use cloze or "
                           "letter mode")
-    prep = _prepare(config, need_reference=False, progress=progress)
-    base, identity = _base_adapter(config)
+    prep = _prepare(plan, need_reference=False, progress=progress)
+    base, identity = _base_adapter(plan)
     scores = prep.polm
-    if identity.served is not None and scoring.token_level:  # no engine to fuse T into
+    if identity.served is not None and plan.mode.token_level:  # no engine to fuse T into
         scores = scores / base.temperature
-    t_ans = scoring.answer_temperature(base.answer_temperature)
+    t_ans = plan.mode.answer_temperature(base.answer_temperature)
     probs = option_probabilities(scores, t_ans)
     conf = probs.max(axis=1)
     labels = _labeled(prep, prep.cal, "calibration")
@@ -370,51 +340,46 @@ def _fit_threshold_adapter(config: FitConfig, out, *, overwrite: bool, progress:
                 "risk_without_abstention": float(1 - right.mean())}
     adapter = dataclasses.replace(
         base, created_at=None,
-        abstention={**fit.to_dict(), "mode": config.mode,
-                    "variant": scoring.recorded_variant(config.variant),
+        abstention={**fit.to_dict(), "mode": config.mode, "variant": plan.recorded_variant,
                     "data": config.data, "test_split": test})
     if not config.adapter:
         adapter.method = {"name": "threshold", "mode": config.mode,
-                          "variant": scoring.recorded_variant(config.variant),
-                          "settings": config.to_dict()}
+                          "variant": plan.recorded_variant, "settings": config.to_dict()}
     adapter.save_pretrained(out, overwrite=overwrite)
     return adapter, {"fit": fit.to_dict(), "test_split": test}
 
 
-def _base_adapter(config: FitConfig):
-    source = model_source(config, "model")
-    source.check_adapter(config.adapter)
-    identity = source.identity()
-    base = (CalibrationAdapter.from_pretrained(config.adapter) if config.adapter
+def _base_adapter(plan: FitPlan):
+    adapter_dir = plan.config.adapter
+    plan.model.check_adapter(adapter_dir)
+    identity = plan.model.identity()
+    base = (CalibrationAdapter.from_pretrained(adapter_dir) if adapter_dir
             else CalibrationAdapter.identity(identity))
     base.base_model.check_compatible(identity)
     return base, identity
 
 
-def _fit_p_true_adapter(config: FitConfig, method: str, out, *, overwrite: bool):
+def _fit_p_true_adapter(plan: FitPlan, method: str, out, *, overwrite: bool):
     from calm_runtime.prompts import p_true_template
 
     from .p_true import fit_p_true
 
+    config = plan.config
     if config.adapter:
         raise ConfigError("P(True) fits on top of another adapter are not supported yet; fit "
                           "without --adapter")
-    fit, n_cal, data_hash = fit_p_true(config, method)
+    fitted = fit_method(method)
+    fit, n_cal, data_hash = fit_p_true(plan, method)
     _check_finite_temperature(fit)
-    base, identity = _base_adapter(config)
-    adapter = dataclasses.replace(base, kind=_kind(base, fit_method(method).kind) + "_p_true",
+    base, identity = _base_adapter(plan)
+    adapter = dataclasses.replace(base, kind=_kind(base, fitted.kind) + "_p_true",
                                   created_at=None)
     adapter.temperature = base.temperature * fit.temperature
     adapter.p_true_template = p_true_template(config.p_true_template).to_dict()
     adapter.method = {"name": method, "mode": "p_true", "fit": fit.to_dict(),
                       "settings": config.to_dict()}
-    adapter.provenance = {
-        "model": identity.to_dict(),
-        "reference": (model_source(config, "reference").identity().to_dict()
-                      if fit_method(method).needs_reference else None),
-        "data": config.data, "data_hash": data_hash,
-        "split": {"part": "calibration", "fraction": config.calibration_fraction,
-                  "seed": config.seed, "n": n_cal}}
+    adapter.provenance = _provenance(plan, identity, fitted, data_hash=data_hash,
+                                     n_calibration=n_cal)
     adapter.save_pretrained(out, overwrite=overwrite)
     return adapter, {"fit": fit.to_dict(), "calibration_split": {}}
 
@@ -430,8 +395,8 @@ def _check_finite_temperature(fit) -> None:
                        "signal there); use more or other data; nothing was written")
 
 
-def _write_vector(adapter: CalibrationAdapter, fit, config: FitConfig, folder: Path) -> None:
-    if not config.scoring_mode.token_level:
+def _write_vector(adapter: CalibrationAdapter, fit, plan: FitPlan) -> None:
+    if not plan.mode.token_level:
         raise ConfigError("vector scaling of cloze scores acts on summed log-probabilities and "
                           "cannot be stored as token calibration; use daca or ts in cloze mode, "
                           "or letter mode for vector scaling")
@@ -442,11 +407,9 @@ def _write_vector(adapter: CalibrationAdapter, fit, config: FitConfig, folder: P
 
     from .scoring import single_token_id, uses_chat_template
 
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    chat = uses_chat_template(tokenizer, config.chat)
+    tokenizer = AutoTokenizer.from_pretrained(str(plan.model.folder()))
+    chat = uses_chat_template(tokenizer, plan.config.chat)
     ids = [single_token_id(tokenizer, t) for t in letter_tokens(len(fit.weights), chat=chat)]
     tau, shift = daca.vector_fit_to_tau_shift(fit, ids, adapter.base_model.vocab_size,
                                               temperature=adapter.temperature)
     adapter.tau, adapter.shift = tau, shift
-
-

@@ -5,16 +5,22 @@ and the P(True) fits).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import numpy as np
 
 from calm_runtime import metrics, modes
 
-if TYPE_CHECKING:
-    from .fit_config import FitConfig
+__all__ = ["Metrics", "add_selective", "format_selective_table", "format_table",
+           "served_floor"]
 
-__all__ = ["add_selective", "format_selective_table", "format_table", "served_floor"]
+
+@dataclass(frozen=True)
+class Metrics:
+    """How a report's metrics are computed: ECE/MCE/AECE bins and bootstrap resamples."""
+
+    n_bins: int = 10
+    bootstrap: int = 1000
 
 
 def served_floor(floored: dict, n: int) -> dict | None:
@@ -28,17 +34,17 @@ def served_floor(floored: dict, n: int) -> dict | None:
             for role, count in floored.items()}
 
 
-def add_selective(row: dict, conf: np.ndarray, correct: np.ndarray, config: FitConfig) -> None:
+def add_selective(row: dict, conf: np.ndarray, correct: np.ndarray, settings: Metrics) -> None:
     """The ECE's bootstrap interval, the selective-prediction metrics (AUROC, AURC and PRR
     with bootstrap intervals; selective accuracy and coverage per threshold) and the
     per-question ``confidence`` and ``correct``
     arrays, so that every figure of a report can be recomputed from it."""
-    if config.bootstrap:
+    if settings.bootstrap:
         row["ece_ci95"] = list(metrics.bootstrap_interval(
-            lambda c, y: metrics.ece(c, y, config.n_bins), conf, correct,
-            n_resamples=config.bootstrap))
+            lambda c, y: metrics.ece(c, y, settings.n_bins), conf, correct,
+            n_resamples=settings.bootstrap))
     row.update(_finite_or_none(metrics.selective_report(conf, correct,
-                                                        bootstrap=config.bootstrap)))
+                                                        bootstrap=settings.bootstrap)))
     row["confidence"] = [float(c) for c in conf]
     row["correct"] = [int(c) for c in correct]
 

@@ -20,17 +20,17 @@ import numpy as np
 from calm_runtime import metrics
 from calm_runtime._fs import sha256_bytes
 from calm_runtime._paths import cache_dir
-from calm_runtime.data import OpenQARecord, dataset_hash, load_dataset, split_indices
-from calm_runtime.errors import ConfigError, DataError, FitError
+from calm_runtime.data import dataset_hash
+from calm_runtime.errors import ConfigError, FitError
 from calm_runtime.prompts import p_true_template
 
 from .answers import generate_answers, score_p_true
 from .fit_report import add_selective, served_floor
 from .methods import P_TRUE_METHODS, p_true_method
+from .plan import FitPlan
 from .platt import PlattFit, fit_platt  # noqa: F401 - Platt scaling stays importable from here
 from .remote import remote_answers, remote_p_true
 from .scoring import is_correct
-from .sources import model_source
 
 __all__ = ["P_TRUE_METHODS", "PlattFit", "compare_p_true", "fit_p_true", "fit_platt",
            "open_qa_judgements"]
@@ -38,14 +38,6 @@ __all__ = ["P_TRUE_METHODS", "PlattFit", "compare_p_true", "fit_p_true", "fit_pl
 logger = logging.getLogger(__name__)
 
 ANSWER_VERSION = 1  # bump when generation or judging changes (invalidates the cache)
-
-
-def _records(config) -> list[OpenQARecord]:
-    records = load_dataset(config.data)
-    if records and not isinstance(records[0], OpenQARecord):
-        raise DataError(f"{config.data} holds multiple-choice records; P(True) mode needs open-QA "
-                        "data (question, answers)")
-    return records[: config.limit] if config.limit else records
 
 
 def _cache_path(kind: str, material: dict) -> Path:
@@ -67,15 +59,17 @@ def _load_or(path: Path, compute):
     return value
 
 
-def open_qa_judgements(config, *, progress: bool = True) -> dict:
+def open_qa_judgements(plan: FitPlan, *, progress: bool = True) -> dict:
     """PoLM answers, their correctness, and each model's two-way P(True) logits (cached)."""
-    records = _records(config)
+    config = plan.config
+    records = plan.records
     template = p_true_template(config.p_true_template)
-    sources = {"polm": model_source(config, "model")}
-    if config.reference:
-        sources["plm"] = model_source(config, "reference")
-    if any(s.served for s in sources.values()):
-        return _remote_judgements(config, sources, records, template, progress=progress)
+    sources = {"polm": plan.model}
+    if plan.reference is not None:
+        sources["plm"] = plan.reference
+    if plan.served:
+        return _remote_judgements(sources, records, template, chat=config.chat,
+                                  progress=progress)
     base = {"version": ANSWER_VERSION, "data": dataset_hash(records),
             "polm": sources["polm"].fingerprint()}
     loaded = {}
@@ -101,7 +95,8 @@ def open_qa_judgements(config, *, progress: bool = True) -> dict:
     return out
 
 
-def _remote_judgements(config, sources: dict, records, template, *, progress: bool) -> dict:
+def _remote_judgements(sources: dict, records, template, *, chat: bool | None,
+                       progress: bool) -> dict:
     """:func:`open_qa_judgements` when the model (and the reference) are served: both
     through their endpoints (each request cached by the remote scorer)."""
     if not all(s.served for s in sources.values()):
@@ -115,7 +110,7 @@ def _remote_judgements(config, sources: dict, records, template, *, progress: bo
            "floored": {}}
     for role, source in sources.items():
         out[role], stats = remote_p_true(source.endpoint, questions, answers, template,
-                                         progress=progress, chat=source.chat(config.chat))
+                                         progress=progress, chat=source.chat(chat))
         out["floored"]["model" if role == "polm" else "reference"] = stats.floored
     return out
 
@@ -135,15 +130,16 @@ def _fit(method: str, judged: dict, cal: np.ndarray):
                              correct=judged["correct"][cal], p_true=_p)
 
 
-def compare_p_true(config, methods=P_TRUE_METHODS, *, progress: bool = True) -> dict:
+def compare_p_true(plan: FitPlan, methods=P_TRUE_METHODS, *, progress: bool = True) -> dict:
     """Fit P(True) calibrations on the calibration split; binary metrics on the test split.
 
     The label of an item is whether the PoLM's answer is correct; the confidence is
     P(True) (docs/methods.md §5).
     """
-    judged = open_qa_judgements(config, progress=progress)
+    judged = open_qa_judgements(plan, progress=progress)
     n = len(judged["records"])
-    cal, test = split_indices(n, config.calibration_fraction, config.seed)
+    cal, test = plan.split
+    settings = plan.metrics
     rows, panels = {}, {}
     for method in methods:
         try:
@@ -155,11 +151,11 @@ def compare_p_true(config, methods=P_TRUE_METHODS, *, progress: bool = True) -> 
         p = (fit.apply(judged["polm"][test]) if isinstance(fit, PlattFit)
              else _p(judged["polm"][test], 1.0 if fit is None else fit.temperature))
         y = judged["correct"][test]
-        row = metrics.binary_report(p, y, config.n_bins)
-        add_selective(row, p, y, config)
+        row = metrics.binary_report(p, y, settings.n_bins)
+        add_selective(row, p, y, settings)
         row["fit"] = None if fit is None else fit.to_dict()
         rows[method], panels[method] = row, (p, y)
-    report = {"config": config.to_dict(), "data_hash": dataset_hash(judged["records"]),
+    report = {"config": plan.config.to_dict(), "data_hash": dataset_hash(judged["records"]),
               "n_records": n, "n_calibration": int(cal.size), "n_test": int(test.size),
               "answer_accuracy": float(judged["correct"].mean()), "methods": rows,
               "_panels": panels}
@@ -169,16 +165,16 @@ def compare_p_true(config, methods=P_TRUE_METHODS, *, progress: bool = True) -> 
     if "plm" in judged:
         p_plm = _p(judged["plm"][test])
         report["reference_on_test"] = metrics.binary_report(p_plm, judged["correct"][test],
-                                                            config.n_bins)
+                                                            settings.n_bins)
         report["agreement_rate"] = float(((_p(judged["plm"][cal]) > 0.5)
                                           == (_p(judged["polm"][cal]) > 0.5)).mean())
     return report
 
 
-def fit_p_true(config, method: str):
+def fit_p_true(plan: FitPlan, method: str):
     """Fit ``method`` on the calibration split; returns ``(fit, n_calibration, data_hash)``."""
-    judged = open_qa_judgements(config)
-    cal, _ = split_indices(len(judged["records"]), config.calibration_fraction, config.seed)
+    judged = open_qa_judgements(plan)
+    cal, _ = plan.split
     fitted = p_true_method(method)
     if not fitted.writes_adapter:  # the baseline, or compared only (Platt)
         raise ConfigError(f"{fitted.refusal}; choose daca, naive or ts")

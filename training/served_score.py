@@ -16,8 +16,8 @@ from calm_runtime.prompts import cloze_variant_for
 from calm_runtime.score import choices_report, require_labels
 
 from .cache import cached_option_scores
-from .fit import FitConfig, variant_scores
-from .sources import model_source
+from .fit import FitConfig
+from .plan import FitPlan
 
 __all__ = ["score_served"]
 
@@ -50,7 +50,8 @@ def score_served(args, records) -> tuple[dict, str]:
                        n_bins=args.bins, chat=args.chat, model_name=args.model_name,
                        api_key_env=args.api_key_env, concurrency=args.concurrency,
                        timeout=args.timeout, max_retries=args.max_retries)
-    endpoint = model_source(config, "model").endpoint
+    plan = FitPlan.resolve(config)
+    endpoint = plan.model.endpoint
     if adapter is not None:
         recorded_at = adapter.base_model.served
         if (recorded_at["endpoint"], recorded_at["served_model"]) != (endpoint.base_url,
@@ -65,7 +66,7 @@ def score_served(args, records) -> tuple[dict, str]:
     if adapter is not None:  # a served model's adapter holds temperatures only
         scores = dataclasses.replace(scores, values=adapter.calibrate(scores.values))
         answer_t = scoring.answer_temperature(adapter.answer_temperature)
-    probs = modes.option_probabilities(variant_scores(scores, config), answer_t)
+    probs = modes.option_probabilities(scores.scores(plan.variant()), answer_t)
     report = choices_report([row[:len(r.choices)] for row, r in zip(probs, records, strict=True)],
                             [r.answer for r in records], mode=args.mode,
                             variant=scoring.recorded_variant(variant),

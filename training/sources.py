@@ -13,7 +13,7 @@ import json
 import os
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 from calm_runtime.artifact import ModelIdentity
 from calm_runtime.engine import ENGINE_MANIFEST_NAME
@@ -22,11 +22,8 @@ from calm_runtime.models import DEFAULT_API_KEY_ENV
 
 from .endpoint import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT, Endpoint, connect, is_endpoint
 
-if TYPE_CHECKING:
-    from .fit_config import FitConfig
-
 __all__ = ["ModelSource", "LocalModel", "EngineSource", "ServedModel", "resolve_source",
-           "as_source", "model_source", "prompt_format", "is_engine"]
+           "as_source", "is_engine"]
 
 
 def is_engine(spec: object) -> bool:
@@ -211,26 +208,6 @@ def as_source(model) -> ModelSource:
     if isinstance(model, Endpoint):
         return ServedModel(model.base_url, endpoint=model)
     return resolve_source(model)
-
-
-def model_source(config: FitConfig, role: str) -> ModelSource | None:
-    """``config.model`` / ``config.reference`` resolved (``None`` without a reference)."""
-    spec = getattr(config, role)
-    if spec is None:
-        return None
-    return resolve_source(spec, model_name=getattr(config, f"{role}_name"),
-                          api_key_env=config.api_key_env, concurrency=config.concurrency,
-                          timeout=config.timeout, max_retries=config.max_retries)
-
-
-def prompt_format(config: FitConfig) -> str:
-    """``"chat"`` or ``"plain"``: how the fit's prompts reach the model. Cloze prompts are
-    always text; letter and P(True) prompts follow ``config.chat`` (``None``: the chat
-    template when the model has one; a served model has one when it answers chat
-    completions), the same rule for a local, exported or served model."""
-    if not config.scoring_mode.chat_prompts:
-        return "plain"
-    return "chat" if model_source(config, "model").chat(config.chat) else "plain"
 
 
 def _json_field(path: Path, key: str):

@@ -287,12 +287,12 @@ def test_arguments_are_checked_before_any_scoring(tiny_llama_tied, mc_file, tmp_
                                                   monkeypatch):
     """A label-free method without --reference, an --out that exists or cannot be created:
     refused before a single question is scored."""
-    from calm_training import fit as fit_module
+    from calm_training import cache
 
     def no_scoring(*_a, **_k):
         raise AssertionError("scored before the arguments were checked")
 
-    monkeypatch.setattr(fit_module, "cached_option_scores", no_scoring)
+    monkeypatch.setattr(cache, "cached_option_scores", no_scoring)
     config = _config(tiny_llama_tied, mc_file, mode="cloze")
     with pytest.raises(ConfigError, match="need a reference"):
         fit_adapter(config, "daca", tmp_path / "a", progress=False)

@@ -17,6 +17,7 @@ from calm_runtime.prompts import p_true_template  # noqa: E402
 from calm_training import p_true  # noqa: E402
 from calm_training.answers import score_p_true  # noqa: E402
 from calm_training.fit import FitConfig, compare_methods, fit_adapter  # noqa: E402
+from calm_training.plan import FitPlan  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -37,7 +38,7 @@ def test_p_true_comparison_and_adapter(tiny_llama_tied, tiny_llama_untied, qa_fi
                                        monkeypatch):
     config = FitConfig(model=str(tiny_llama_tied), reference=str(tiny_llama_untied),
                        data=str(qa_file), mode="p_true", bootstrap=0, chat=False)
-    judged = p_true.open_qa_judgements(config, progress=False)
+    judged = p_true.open_qa_judgements(FitPlan.resolve(config), progress=False)
     assert len(judged["answers"]) == 24 and judged["polm"].shape == (24, 2)
     model, tokenizer, _ = load_model_and_tokenizer(str(tiny_llama_tied))
     direct = score_p_true(model, tokenizer, ["what is item 3?"], [judged["answers"][3]],
@@ -59,7 +60,8 @@ def test_p_true_comparison_and_adapter(tiny_llama_tied, tiny_llama_untied, qa_fi
 
     monkeypatch.setattr(p_true, "generate_answers", boom)
     monkeypatch.setattr(p_true, "score_p_true", boom)
-    assert p_true.open_qa_judgements(config, progress=False)["answers"] == judged["answers"]
+    assert p_true.open_qa_judgements(FitPlan.resolve(config),
+                                     progress=False)["answers"] == judged["answers"]
 
 
 def test_p_true_mode_needs_open_qa_data(tiny_llama_tied, tmp_path):

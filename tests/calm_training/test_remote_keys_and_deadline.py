@@ -233,13 +233,13 @@ def test_each_attempt_gets_what_is_left_of_the_deadline(monkeypatch):
 # ------------------------------------------------------------------ the settings
 def test_the_flags_reach_the_endpoint_and_their_defaults_are_one():
     from calm_training.fit_config import FitConfig
-    from calm_training.sources import model_source
+    from calm_training.plan import FitPlan
 
     assert (SERVED_TIMEOUT, SERVED_MAX_RETRIES) == (http_endpoint.DEFAULT_TIMEOUT,
                                                     http_endpoint.DEFAULT_MAX_RETRIES)
     assert (FitConfig.timeout, FitConfig.max_retries) == (SERVED_TIMEOUT, SERVED_MAX_RETRIES)
     config = FitConfig(model="http://127.0.0.1:9/v1", data="d", timeout=7.5, max_retries=1)
-    source = model_source(config, "model")
+    source = FitPlan.resolve(config).model
     assert source._connect["timeout"] == 7.5 and source._connect["retries"] == 1
     parser = build_parser()
     commands = next(a for a in parser._actions

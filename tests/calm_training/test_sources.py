@@ -10,12 +10,11 @@ from calm_runtime.errors import ConfigError
 from calm_runtime.models import model_fingerprint, model_identity
 from calm_training.endpoint import Endpoint
 from calm_training.fit_config import FitConfig
+from calm_training.plan import FitPlan
 from calm_training.sources import (
     LocalModel,
     ServedModel,
     as_source,
-    model_source,
-    prompt_format,
     resolve_source,
 )
 
@@ -49,9 +48,10 @@ def test_a_url_is_served_and_connected_on_first_use(server):
     url, seen = server
     config = FitConfig(model=url, data="arc-easy", mode="letter", reference=None,
                        api_key_env="CALM_TEST_KEY")
-    source = model_source(config, "model")
+    plan = FitPlan.resolve(config)
+    source = plan.model
     assert isinstance(source, ServedModel) and source.served and not source.full_logits
-    assert model_source(config, "reference") is None
+    assert plan.reference is None
     assert seen == []  # deciding the kind reads no network
     identity = source.identity()
     assert identity.served == {"endpoint": url, "served_model": "tiny"}
@@ -78,8 +78,8 @@ def test_the_prompt_format_follows_the_chat_template(tiny_llama_tied, tmp_path):
     letter = FitConfig(model=str(tiny_llama_tied), data="arc-easy", mode="letter")
     has = (tiny_llama_tied / "chat_template.jinja").is_file() or "chat_template" in (
         tiny_llama_tied / "tokenizer_config.json").read_text(encoding="utf-8")
-    assert prompt_format(letter) == ("chat" if has else "plain")
+    assert FitPlan.resolve(letter).prompt_format == ("chat" if has else "plain")
     forced = FitConfig(model=str(tiny_llama_tied), data="arc-easy", mode="letter", chat=False)
-    assert prompt_format(forced) == "plain"
+    assert FitPlan.resolve(forced).prompt_format == "plain"
     cloze = FitConfig(model=str(tiny_llama_tied), data="arc-easy", mode="cloze", chat=True)
-    assert prompt_format(cloze) == "plain"
+    assert FitPlan.resolve(cloze).prompt_format == "plain"

@@ -71,7 +71,8 @@ from conftest import write_mc_jsonl  # noqa: E402
 
 from calm_runtime.artifact import CalibrationAdapter  # noqa: E402
 from calm_training import cache as score_cache  # noqa: E402
-from calm_training.fit import FitConfig, fit_adapter, variant_scores  # noqa: E402
+from calm_training.fit import FitConfig, fit_adapter  # noqa: E402
+from calm_training.plan import FitPlan  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -138,13 +139,14 @@ def test_cloze_fit_writes_a_token_temperature_and_refits_the_options(
     scores = score_cache.cached_option_scores(str(tiny_llama_tied), records, mode="cloze",
                                               adapter_dir=tmp_path / "a", progress=False)
     cal, _ = split_indices(len(records), 0.3, 0)
-    g = variant_scores(scores, config)[cal]
+    variant = FitPlan.resolve(config).variant()
+    g = scores.scores(variant)[cal]
     if method == "ts":
         refit = daca.fit_temperature_scaling(g, scores.labels[cal])
     else:
         plm = score_cache.cached_option_scores(str(tiny_llama_untied), records, mode="cloze",
                                                progress=False)
-        refit = daca.fit_daca_temperature(variant_scores(plm, config)[cal], g)
+        refit = daca.fit_daca_temperature(plm.scores(variant)[cal], g)
     assert loaded.answer_temperature == pytest.approx(refit.temperature, rel=1e-6)
 
 

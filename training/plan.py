@@ -1,0 +1,137 @@
+"""``FitPlan``: one ``calm fit`` / ``calm eval`` run, resolved once.
+
+:meth:`FitPlan.resolve` turns a :class:`~calm_training.fit_config.FitConfig` into what the
+run works on: its scoring :class:`~calm_runtime.modes.Mode`, the model and the reference as
+:class:`~calm_training.sources.ModelSource` objects (each resolved once; a served one
+connects once, on first use, and every later step reuses that connection), the records, the
+calibration/test split and the prompt format. :mod:`calm_training.fit`,
+:mod:`calm_training.p_true` and :mod:`calm_training.evaluate` hand this plan, or the
+values they need from it, to their helpers, never the config.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from calm_runtime.data import MultipleChoiceRecord, OpenQARecord, load_dataset, split_indices
+from calm_runtime.errors import ConfigError, DataError
+from calm_runtime.modes import Mode
+
+from .fit_config import FitConfig
+from .fit_report import Metrics
+from .sources import ModelSource, resolve_source
+
+__all__ = ["FitPlan"]
+
+
+@dataclass(eq=False)
+class FitPlan:
+    """A run's settings resolved into what it works on (see the module's docstring)."""
+
+    config: FitConfig
+    mode: Mode
+    model: ModelSource
+    reference: ModelSource | None
+
+    @classmethod
+    def resolve(cls, config: FitConfig) -> FitPlan:
+        def source(role: str) -> ModelSource | None:
+            spec = getattr(config, role)
+            if spec is None:
+                return None
+            return resolve_source(spec, model_name=getattr(config, f"{role}_name"),
+                                  api_key_env=config.api_key_env,
+                                  concurrency=config.concurrency, timeout=config.timeout,
+                                  max_retries=config.max_retries)
+
+        return cls(config=config, mode=config.scoring_mode, model=source("model"),
+                   reference=source("reference"))
+
+    # ------------------------------------------------------------------------ settings
+    @property
+    def metrics(self) -> Metrics:
+        return Metrics(n_bins=self.config.n_bins, bootstrap=self.config.bootstrap)
+
+    @property
+    def served(self) -> bool:
+        """Whether the model or the reference is a served model."""
+        return any(s is not None and s.served for s in (self.model, self.reference))
+
+    def require_reference(self) -> ModelSource:
+        """The reference, or a one-line error (before any scoring) when there is none."""
+        if self.reference is None:
+            raise ConfigError("label-free methods need a reference (pre-trained) model; pass "
+                              "--reference, e.g. gemma-3-270m")
+        return self.reference
+
+    @cached_property
+    def prompt_format(self) -> str:
+        """``"chat"`` or ``"plain"``: how the run's prompts reach the model. Cloze prompts
+        are always text; letter and P(True) prompts follow ``--chat`` (unset: the chat
+        template when the model has one; a served model has one when it answers chat
+        completions), the same rule for a local, exported or served model."""
+        if not self.mode.chat_prompts:
+            return "plain"
+        return "chat" if self.model.chat(self.config.chat) else "plain"
+
+    # ------------------------------------------------------------------------ data
+    @cached_property
+    def records(self) -> list:
+        """The data's records (the first ``--limit``), of the kind the mode scores:
+        multiple-choice records in cloze and letter mode, open-QA records in P(True) mode."""
+        data = self.config.data
+        records = load_dataset(data)
+        want, other = ((MultipleChoiceRecord, "open-QA") if self.mode.choice
+                       else (OpenQARecord, "multiple-choice"))
+        if records and not isinstance(records[0], want):
+            need = ("post-hoc option calibration needs multiple-choice data (question, "
+                    "choices, answer)" if self.mode.choice
+                    else "P(True) mode needs open-QA data (question, answers)")
+            raise DataError(f"{data} holds {other} records; {need}")
+        limit = self.config.limit
+        return records[:limit] if limit else records
+
+    @cached_property
+    def split(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(calibration, test)`` indices into :attr:`records` (``calm_runtime.data``'s
+        seeded split)."""
+        return split_indices(len(self.records), self.config.calibration_fraction,
+                             self.config.seed)
+
+    @property
+    def split_record(self) -> dict:
+        """The calibration split as an adapter's provenance records it."""
+        return {"part": "calibration", "fraction": self.config.calibration_fraction,
+                "seed": self.config.seed, "n": int(self.split[0].size)}
+
+    # ------------------------------------------------------------------------ scores
+    def option_scores(self, role: str = "model", *, adapter_dir: str | os.PathLike | None = None,
+                      progress: bool = True):
+        """The option scores of :attr:`records` by the model (or the reference), with
+        ``adapter_dir``'s calibration applied while scoring; from the score cache when
+        possible."""
+        from .cache import cached_option_scores
+
+        source = self.model if role == "model" else self.require_reference()
+        config = self.config
+        return cached_option_scores(source, self.records, mode=config.mode,
+                                    adapter_dir=adapter_dir, chat=config.chat,
+                                    batch_size=config.batch_size, progress=progress,
+                                    max_length=config.max_length)
+
+    def variant(self, role: str = "model") -> str:
+        """The score variant read for ``role``: the reference's own cloze variant when one
+        is set, the run's otherwise (letter scores have one)."""
+        config = self.config
+        asked = (config.reference_variant or config.variant) if role == "reference" \
+            else config.variant
+        return self.mode.score_variant(asked)
+
+    @property
+    def recorded_variant(self) -> str | None:
+        """The cloze variant an adapter records (``None`` in the token-level modes)."""
+        return self.mode.recorded_variant(self.config.variant)
