@@ -179,3 +179,52 @@ def test_no_module_is_over_the_size_limit():
     assert len(sizes) > 50
     over = {name: n for name, n in sizes.items() if n > MAX_MODULE_LINES}
     assert not over, f"modules over {MAX_MODULE_LINES} lines: {over}"
+
+
+#: a fit's settings reach the functions that need them through the resolved plan; the walk
+#: of ``config`` (tests/structure_walk.py: the functions it, the plan built from it, or one of
+#: its fields is handed to) stays short and in few files
+MAX_FIT_WALK = (30, 10)  # stops, files
+
+
+def test_a_fit_resolves_its_config_once():
+    from structure_walk import walk
+
+    found = walk(_modules(), "calm_training.fit", "fit_adapter", "config")
+    stops = {f"{module}.{name}" for module, name in found.stops}
+    assert "calm_training.plan.FitPlan.resolve" in stops
+    assert "calm_training.sources.resolve_source" in stops  # through the plan, once
+    assert len(found.stops) <= MAX_FIT_WALK[0], found.stops
+    assert len(found.files) <= MAX_FIT_WALK[1], found.files
+
+
+def test_the_walk_follows_a_value_through_calls_and_plans(tmp_path):
+    from structure_walk import walk
+
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "a.py").write_text(
+        "from .b import Plan, use\n"
+        "def start(config):\n"
+        "    plan = Plan.resolve(config)\n"
+        "    size = len(config.name)\n"
+        "    use(plan, size)\n"
+        "    plan.run()\n")
+    (package / "b.py").write_text(
+        "class Plan:\n"
+        "    @classmethod\n"
+        "    def resolve(cls, config):\n"
+        "        return cls()\n"
+        "    def run(self):\n"
+        "        helper(self.config)\n"
+        "def use(plan, size):\n"
+        "    return plan\n"
+        "def helper(config):\n"
+        "    return unrelated(1)\n"
+        "def unrelated(x):\n"
+        "    return x\n")
+    modules = {"pkg.a": package / "a.py", "pkg.b": package / "b.py"}
+    found = walk(modules, "pkg.a", "start", "config")
+    assert [name for _, name in found.stops] == [
+        "start", "Plan.resolve", "use", "Plan.run", "helper"]
+    assert found.files == ["pkg.a", "pkg.b"] and found.returns == 0

@@ -1,0 +1,188 @@
+"""The walk of one value through the project's own functions, read from the source.
+
+``walk(modules, "calm_training.fit", "fit_adapter", "config")`` starts at a function and a
+parameter and follows the value: into every project function a call hands it to (as an
+argument, positionally or by keyword), into the methods called on it, and on through the
+names that hold it (``x = value``; ``plan = FitPlan.resolve(config)``: an object a project class
+builds from it carries it; ``config = plan.config`` reads it back; what a function computes
+from it does not). Each function reached is a stop
+(once); the walk's files are the files of its stops, in visiting order, and a return is a
+step back to a file the walk had already left. Calls are resolved through each module's
+imports and its own top-level names; a method call on a carried value is resolved by the
+class names of the module the value's constructor came from, which is what the tests need
+here, not a type checker.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class Walk:
+    stops: list[tuple[str, str]] = field(default_factory=list)  # (module, qualified name)
+
+    @property
+    def files(self) -> list[str]:
+        return list(dict.fromkeys(module for module, _ in self.stops))
+
+    @property
+    def returns(self) -> int:
+        seen, last, count = set(), None, 0
+        for module, _ in self.stops:
+            if module != last and module in seen:
+                count += 1
+            seen.add(module)
+            last = module
+        return count
+
+
+class _Module:
+    def __init__(self, name: str, path: Path, modules: dict[str, Path]) -> None:
+        self.name = name
+        self.tree = ast.parse(path.read_text(encoding="utf-8"))
+        self.functions: dict[str, ast.FunctionDef] = {}
+        self.classes: dict[str, dict[str, ast.FunctionDef]] = {}
+        for node in self.tree.body:
+            if isinstance(node, ast.FunctionDef):
+                self.functions[node.name] = node
+            elif isinstance(node, ast.ClassDef):
+                self.classes[node.name] = {n.name: n for n in node.body
+                                           if isinstance(n, ast.FunctionDef)}
+        self.imported: dict[str, tuple[str, str]] = {}  # local name -> (module, name)
+        package = name.rsplit(".", 1)[0]
+        for node in ast.walk(self.tree):
+            if isinstance(node, ast.ImportFrom):
+                base = (package if node.level == 1 else "") + (
+                    ("." if node.level and node.module else "") + (node.module or ""))
+                base = base.lstrip(".")
+                for alias in node.names:
+                    if base in modules:
+                        self.imported[alias.asname or alias.name] = (base, alias.name)
+                    elif f"{base}.{alias.name}" in modules:
+                        self.imported[alias.asname or alias.name] = (f"{base}.{alias.name}", "")
+
+
+def walk(modules: dict[str, Path], module: str, function: str, parameter: str) -> Walk:
+    loaded: dict[str, _Module] = {}
+
+    def get(name: str) -> _Module:
+        if name not in loaded:
+            loaded[name] = _Module(name, modules[name], modules)
+        return loaded[name]
+
+    def lookup(module: _Module, name: str):
+        """``(module, qualified name, node)`` of a top-level function or class method."""
+        if name in module.functions:
+            return module.name, name, module.functions[name]
+        if name in module.imported:
+            target, attr = module.imported[name]
+            if attr:
+                return lookup(get(target), attr)
+        return None
+
+    def callee(module: _Module, call: ast.Call, carried: dict[str, str | None]):
+        func = call.func
+        if isinstance(func, ast.Name):
+            return lookup(module, func.id)
+        if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+            owner = func.value.id
+            if owner in carried and carried[owner]:  # a method on a carried object
+                mod, cls = carried[owner].split(":")
+                methods = get(mod).classes.get(cls, {})
+                if func.attr in methods:
+                    return mod, f"{cls}.{func.attr}", methods[func.attr]
+            target = _class_of(module, owner, get)
+            if target and func.attr in target[2]:
+                return target[0], f"{target[1]}.{func.attr}", target[2][func.attr]
+            if owner in module.imported and not module.imported[owner][1]:
+                return lookup(get(module.imported[owner][0]), func.attr)
+        return None
+
+    result = Walk()
+    visited: set[tuple[str, str]] = set()
+
+    def visit(mod_name: str, qualname: str, node: ast.FunctionDef, names: dict) -> None:
+        key = (mod_name, qualname)
+        if key in visited:
+            return
+        visited.add(key)
+        result.stops.append(key)
+        module = get(mod_name)
+        carried = dict(names)
+        for stmt in ast.walk(node):
+            if isinstance(stmt, ast.Assign | ast.AnnAssign):
+                value = stmt.value
+                targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+                kind = _carries(value, carried, module, get, parameter)
+                if kind is not False:
+                    for target in targets:
+                        if isinstance(target, ast.Name):
+                            carried[target.id] = kind
+        for call in [n for n in ast.walk(node) if isinstance(n, ast.Call)]:
+            args = [(i, a) for i, a in enumerate(call.args)] + [
+                (k.arg, k.value) for k in call.keywords]
+            handed = [(slot, a.id) for slot, a in args
+                      if isinstance(a, ast.Name) and a.id in carried]
+            on_carried = (isinstance(call.func, ast.Attribute)
+                          and isinstance(call.func.value, ast.Name)
+                          and call.func.value.id in carried)
+            read = any(isinstance(a, ast.Attribute) and isinstance(a.value, ast.Name)
+                       and a.value.id in carried for _, a in args)
+            if not handed and not on_carried and not read:
+                continue
+            found = callee(module, call, carried)
+            if found is None:
+                continue
+            target_mod, target_name, target_node = found
+            params = [a.arg for a in target_node.args.args + target_node.args.kwonlyargs]
+            offset = 1 if params[:1] in (["self"], ["cls"]) else 0
+            inner = {}
+            for slot, name in handed:
+                param = (params[slot + offset] if isinstance(slot, int)
+                         and slot + offset < len(params) else slot)
+                if isinstance(param, str):
+                    inner[param] = carried[name]
+            if on_carried and offset:
+                inner[params[0]] = carried[call.func.value.id]
+            visit(target_mod, target_name, target_node, inner)
+
+    mod = get(module)
+    visit(module, function, mod.functions[function], {parameter: None})
+    return result
+
+
+def _class_of(module: _Module, name: str, get):
+    """``(module, class, methods)`` when ``name`` is a project class seen from ``module``."""
+    if name in module.classes:
+        return module.name, name, module.classes[name]
+    if name in module.imported:
+        target, attr = module.imported[name]
+        if attr and attr in get(target).classes:
+            return target, attr, get(target).classes[attr]
+    return None
+
+
+def _carries(value, carried: dict, module: _Module, get, parameter: str):
+    """``False`` when ``value`` does not carry a carried value; else its class (``"module:
+    Class"``) when it is built by a project class's constructor or class method, or None."""
+    names = {n.id for n in ast.walk(value) if isinstance(n, ast.Name)}
+    if not names & set(carried):
+        return False
+    if isinstance(value, ast.Name):
+        return carried[value.id]
+    if isinstance(value, ast.Call):
+        func = value.func
+        owner = func.value.id if isinstance(func, ast.Attribute) and isinstance(
+            func.value, ast.Name) else func.id if isinstance(func, ast.Name) else None
+        if owner is not None:
+            cls = _class_of(module, owner, get)
+            if cls is not None:
+                return f"{cls[0]}:{cls[1]}"
+        return False
+    if isinstance(value, ast.Attribute) and isinstance(value.value, ast.Name) \
+            and value.value.id in carried and value.attr == parameter:
+        return None  # plan.config: the value read back
+    return False
