@@ -5,7 +5,8 @@ current tokens, ``position_ids``, KV cache) and returns float32 **calibrated** l
 numpy array; none of them computes confidences (that is :mod:`calm_runtime.sampling`).
 
 * :class:`OnnxRuntimeBackend` (``"onnxruntime"``): ``model.onnx`` with the CPU, CUDA or
-  TensorRT execution provider (IO binding keeps the KV cache on the GPU);
+  TensorRT execution provider (IO binding keeps the KV cache on the GPU); on a packed
+  engine (onnxruntime-genai's builder graph) it is a :class:`PackedOnnxRuntimeBackend`;
 * :class:`TorchBackend` (``"torch"``): the merged transformers model with the calibration
   applied by :mod:`calm_runtime.calibration` (the reference; also for GPUs without
   onnxruntime-gpu);
@@ -19,11 +20,12 @@ from __future__ import annotations
 
 from ..errors import ConfigError
 from ._base import Backend, BackendMemoryError
-from ._onnxruntime import OnnxRuntimeBackend
+from ._onnxruntime import OnnxRuntimeBackend, PackedOnnxRuntimeBackend
 from ._tensorrt import TensorRTBackend
 from ._torch import TorchBackend
 
-__all__ = ["Backend", "BackendMemoryError", "OnnxRuntimeBackend", "TorchBackend",
+__all__ = ["Backend", "BackendMemoryError", "OnnxRuntimeBackend", "PackedOnnxRuntimeBackend",
+           "TorchBackend",
            "TensorRTBackend", "BACKENDS", "create_backend"]
 
 BACKENDS: dict[str, type[Backend]] = {

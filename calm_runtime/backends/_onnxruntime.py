@@ -13,7 +13,8 @@ in chunks that bound the logits array instead.
 A *packed* engine (no ``position_ids`` input: onnxruntime-genai's builder graph, whose
 ``GroupQueryAttention`` takes positions from the mask count) keeps its tokens at the start
 of each row and one cache buffer per layer that every step reads and writes in place
-(:mod:`._packed_kv`); the backend translates the runtime's left-padded calls to it.
+(:mod:`._packed_kv`); :class:`PackedOnnxRuntimeBackend`, which the manifest of such an engine
+gets, translates the runtime's left-padded calls to it.
 
 onnxruntime-gpu silently falls back to the CPU when it cannot load CUDA; calm checks
 ``session.get_providers()`` after creating the session and raises instead.
@@ -42,7 +43,7 @@ from ..errors import ArtifactError, BackendUnavailableError, ConfigError
 from ._base import Backend, BackendMemoryError, is_allocation_failure
 from ._packed_kv import PackedCache, pack_rows, unpack_logits
 
-__all__ = ["OnnxRuntimeBackend", "PROVIDER_ALIASES"]
+__all__ = ["OnnxRuntimeBackend", "PackedOnnxRuntimeBackend", "PROVIDER_ALIASES"]
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +91,9 @@ def normalize_providers(providers: str | Sequence | None) -> tuple[list[str], li
 
 
 class OnnxRuntimeBackend(Backend):
-    """``model.onnx`` in an ONNX Runtime session.
+    """``model.onnx`` in an ONNX Runtime session: calm's own graph, which takes explicit
+    positions and keeps a left-padded KV cache. Created on a packed engine's manifest, it is
+    a :class:`PackedOnnxRuntimeBackend` (the builder's graph; see the module's docstring).
 
     Args:
         manifest: the loaded :class:`~calm_runtime.engine.EngineManifest`.
@@ -107,6 +110,13 @@ class OnnxRuntimeBackend(Backend):
     #: needed (longer prompts are prefilled in chunks): 256 MiB is ~1,300 positions of a
     #: 50k vocabulary, ~250 of a 262k one
     max_logits_bytes: int = 256 << 20
+    #: the graph takes explicit positions (else it is packed, see the module's docstring)
+    positions: bool = True
+
+    def __new__(cls, manifest, **_options):
+        if cls is OnnxRuntimeBackend and getattr(manifest, "packed", False):
+            cls = PackedOnnxRuntimeBackend
+        return super().__new__(cls)
 
     def __init__(self, manifest, *, providers: str | Sequence | None = None,
                  threads: int | None = None, session_options: Mapping[str, Any] | None = None):
@@ -151,20 +161,14 @@ class OnnxRuntimeBackend(Backend):
                 f"{inactive[0]} was requested but onnxruntime runs on {active} (it falls back "
                 "silently when the CUDA/cuDNN/TensorRT libraries are missing); install the "
                 "libraries onnxruntime-gpu needs, or pass providers=['CPUExecutionProvider']")
-        #: the graph takes explicit positions (else it is packed, see the module doc)
-        self.positions = not manifest.packed
         self._check_io(session, manifest, path, self.positions)
         self._session = session
         #: the graph projects only the last positions when asked (``logits_to_keep``)
         self.keeps_logits = any(i.name == "logits_to_keep"
                                 for i in session.get_overridable_initializers())
-        # calm's own graph holds each layer's attention matrix; the packed (builder) graph's
-        # GroupQueryAttention does not. A packed prefill keeps one count of last positions for
-        # all rows (the longest row's padding included), so only a single row's is 1 wide,
-        # and a packed pass over a past returns every position
-        self.materializes_attention = self.positions
-        self.keeps_last_logits = ((self.keeps_logits, self.keeps_logits) if self.positions
-                                  else ("one-row" if self.keeps_logits else False, False))
+        # calm's own graph holds each layer's attention matrix
+        self.materializes_attention = True
+        self.keeps_last_logits = (self.keeps_logits, self.keeps_logits)
         self._inputs, self._outputs = engine_io_names(manifest.num_layers,
                                                       position_ids=self.positions)
         self._past_names = self._inputs[3 if self.positions else 2:]
@@ -182,8 +186,6 @@ class OnnxRuntimeBackend(Backend):
         self.device = f"cuda:{self._device_id}" if gpu else "cpu"
         self.description = f"onnxruntime {ort.__version__} {active[0]}"
         self._ort = ort
-        self._packed = None if self.positions else PackedCache(
-            ort, self._kv_shape, self._kv_dtype, self._kv_device, self._device_id)
         # the arenas a release shrinks (the CPU's, and the GPU's when a GPU provider runs);
         # a failed shrink (no arena there) drops the GPU, then gives up
         self._shrink_targets = ["cpu:0"] + ([f"gpu:{self._device_id}"] if gpu else [])
@@ -235,8 +237,6 @@ class OnnxRuntimeBackend(Backend):
                 "shorter prompts at once or lower max_prefill_tokens") from None
 
     def _pass(self, input_ids, attention_mask, position_ids, state, last_only):
-        if self._packed is not None:
-            return self._run_packed(input_ids, attention_mask, position_ids, state, last_only)
         if state is None:
             state = self._empty(input_ids.shape[0])
         batch, seq = input_ids.shape
@@ -295,57 +295,6 @@ class OnnxRuntimeBackend(Backend):
                        for value in present]
         return logits.numpy(), present
 
-    def _run_packed(self, input_ids, attention_mask, position_ids, state, last_only):
-        batch, seq = input_ids.shape
-        if state is None:  # prefill: rows packed to the left, logits moved back
-            ids, mask, lengths, columns = pack_rows(input_ids, attention_mask, position_ids)
-            keep = seq - int(lengths.min()) + 1 if last_only and self.keeps_logits else 0
-            ortvalue = self._ort.OrtValue.ortvalue_from_numpy
-            feeds = {"input_ids": ortvalue(ids), "attention_mask": ortvalue(mask)}
-            if self.keeps_logits:
-                feeds["logits_to_keep"] = ortvalue(np.array([keep], dtype=np.int64))
-            for name, value in zip(self._past_names, self._empty(batch), strict=True):
-                feeds[name] = ortvalue(value)
-            logits, *present = self._session.run_with_ort_values(self._outputs, feeds)
-            logits = logits.numpy()
-            if last_only:
-                last = lengths - 1 - (seq - logits.shape[1])
-                logits = logits[np.arange(batch), last][:, None]
-            else:
-                logits = unpack_logits(logits, columns, seq)
-            return logits, self._packed.from_present(present, lengths)
-        if batch > 1 and seq > 1:  # the kernel takes several new tokens over a past only
-            # for a single row: a batch goes one token at a time (decode steps)
-            total = attention_mask.shape[1]
-            parts = []
-            for j in range(seq):
-                part, state = self._run_packed(
-                    input_ids[:, j:j + 1], attention_mask[:, :total - seq + j + 1],
-                    position_ids[:, j:j + 1], state, False)
-                parts.append(part)
-            logits = np.concatenate(parts, axis=1)
-            return (logits[:, -1:] if last_only else logits), state
-        mask, real = self._packed.step_inputs(state, attention_mask, position_ids, seq)
-        state = self._packed.grown(state, mask.shape[1])
-        binding, logits_value = state.step if state.step is not None else (None, None)
-        if binding is None or logits_value.shape() != [batch, seq, self._vocab]:
-            binding = self._session.io_binding()
-            for name, present, value in zip(self._past_names, self._outputs[1:],
-                                            state.values, strict=True):
-                binding.bind_ortvalue_input(name, value)  # read and written in place
-                binding.bind_ortvalue_output(present, value)
-            logits_value = self._ort.OrtValue.ortvalue_from_shape_and_type(
-                [batch, seq, self._vocab], np.float32, "cpu", 0)
-            binding.bind_ortvalue_output("logits", logits_value)
-            state.step = (binding, logits_value)
-        binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids))
-        binding.bind_cpu_input("attention_mask", mask)
-        self._session.run_with_iobinding(binding)
-        logits = np.array(logits_value.numpy())  # a copy: the next step writes that buffer
-        if last_only:
-            logits = logits[:, -1:]
-        return logits, self._packed.advance(state, real, seq)
-
     def release(self) -> None:
         """Give the arena's free memory back to the system after a call's passes (a no-op
         unless a pass of several tokens ran since the last release). Buffers still held (a KV
@@ -375,8 +324,6 @@ class OnnxRuntimeBackend(Backend):
                 self._shrink_targets = self._shrink_targets[:-1]
 
     def assemble(self, parts, batch, width):
-        if self._packed is not None:
-            return self._packed.assemble(parts, batch)
         out = []
         for layer in range(len(self._past_names)):
             host = [(rows, value if isinstance(value, np.ndarray) else value.numpy())
@@ -395,8 +342,6 @@ class OnnxRuntimeBackend(Backend):
         rows = np.asarray(rows, dtype=np.int64)
         if state is None:
             return None
-        if self._packed is not None:
-            return self._packed.select(state, rows)
         out = []
         for value in state:
             host = value if isinstance(value, np.ndarray) else value.numpy()
@@ -407,3 +352,82 @@ class OnnxRuntimeBackend(Backend):
 
     def close(self) -> None:
         self._session = None
+
+
+class PackedOnnxRuntimeBackend(OnnxRuntimeBackend):
+    """A packed engine's graph (no ``position_ids`` input: onnxruntime-genai's builder
+    graph, whose ``GroupQueryAttention`` takes positions from the mask count): its tokens sit
+    at the start of each row, and one cache buffer per layer is read and written in place
+    (:class:`~calm_runtime.backends._packed_kv.PackedCache`). The runtime's left-padded calls
+    are translated to it here."""
+
+    positions = False
+
+    def __init__(self, manifest, **options) -> None:
+        super().__init__(manifest, **options)
+        # GroupQueryAttention holds no attention matrix. A packed prefill keeps one count of
+        # last positions for all rows (the longest row's padding included), so only a single
+        # row's is 1 wide, and a pass over a past returns every position
+        self.materializes_attention = False
+        self.keeps_last_logits = ("one-row" if self.keeps_logits else False, False)
+        self._packed = PackedCache(self._ort, self._kv_shape, self._kv_dtype, self._kv_device,
+                                   self._device_id)
+
+    def _pass(self, input_ids, attention_mask, position_ids, state, last_only):
+        batch, seq = input_ids.shape
+        if state is None:  # prefill: rows packed to the left, logits moved back
+            ids, mask, lengths, columns = pack_rows(input_ids, attention_mask, position_ids)
+            keep = seq - int(lengths.min()) + 1 if last_only and self.keeps_logits else 0
+            ortvalue = self._ort.OrtValue.ortvalue_from_numpy
+            feeds = {"input_ids": ortvalue(ids), "attention_mask": ortvalue(mask)}
+            if self.keeps_logits:
+                feeds["logits_to_keep"] = ortvalue(np.array([keep], dtype=np.int64))
+            for name, value in zip(self._past_names, self._empty(batch), strict=True):
+                feeds[name] = ortvalue(value)
+            logits, *present = self._session.run_with_ort_values(self._outputs, feeds)
+            logits = logits.numpy()
+            if last_only:
+                last = lengths - 1 - (seq - logits.shape[1])
+                logits = logits[np.arange(batch), last][:, None]
+            else:
+                logits = unpack_logits(logits, columns, seq)
+            return logits, self._packed.from_present(present, lengths)
+        if batch > 1 and seq > 1:  # the kernel takes several new tokens over a past only
+            # for a single row: a batch goes one token at a time (decode steps)
+            total = attention_mask.shape[1]
+            parts = []
+            for j in range(seq):
+                part, state = self._pass(
+                    input_ids[:, j:j + 1], attention_mask[:, :total - seq + j + 1],
+                    position_ids[:, j:j + 1], state, False)
+                parts.append(part)
+            logits = np.concatenate(parts, axis=1)
+            return (logits[:, -1:] if last_only else logits), state
+        mask, real = self._packed.step_inputs(state, attention_mask, position_ids, seq)
+        state = self._packed.grown(state, mask.shape[1])
+        binding, logits_value = state.step if state.step is not None else (None, None)
+        if binding is None or logits_value.shape() != [batch, seq, self._vocab]:
+            binding = self._session.io_binding()
+            for name, present, value in zip(self._past_names, self._outputs[1:],
+                                            state.values, strict=True):
+                binding.bind_ortvalue_input(name, value)  # read and written in place
+                binding.bind_ortvalue_output(present, value)
+            logits_value = self._ort.OrtValue.ortvalue_from_shape_and_type(
+                [batch, seq, self._vocab], np.float32, "cpu", 0)
+            binding.bind_ortvalue_output("logits", logits_value)
+            state.step = (binding, logits_value)
+        binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids))
+        binding.bind_cpu_input("attention_mask", mask)
+        self._session.run_with_iobinding(binding)
+        logits = np.array(logits_value.numpy())  # a copy: the next step writes that buffer
+        if last_only:
+            logits = logits[:, -1:]
+        return logits, self._packed.advance(state, real, seq)
+
+    def assemble(self, parts, batch, width):
+        return self._packed.assemble(parts, batch)
+
+    def select(self, state, rows):
+        if state is None:
+            return None
+        return self._packed.select(state, np.asarray(rows, dtype=np.int64))

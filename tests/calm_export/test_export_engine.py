@@ -113,9 +113,12 @@ def _reference(model_dir, adapter, ids, mask):
 def _engine_replay(engine_dir, manifest, ids, mask, tokens):
     """The engine run as calm serves it (ONNX Runtime through calm's backend; a packed
     builder graph through its in-place cache), fed the reference's tokens."""
-    from calm_runtime.backends import OnnxRuntimeBackend
+    from calm_runtime.backends import OnnxRuntimeBackend, PackedOnnxRuntimeBackend
 
     backend = OnnxRuntimeBackend(EngineManifest.load(engine_dir), threads=1)
+    # the manifest decides the class: a packed graph gets the packed backend
+    assert isinstance(backend, PackedOnnxRuntimeBackend) is manifest.packed
+    assert backend.positions is not manifest.packed
     positions = np.clip(mask.cumsum(-1) - 1, 0, None)
     step_ids, prefill, per_step, state = ids, None, [], None
     for step in range(STEPS):
