@@ -44,10 +44,10 @@ def _graph(family) -> str:
     import transformers
 
     from calm_export.config import ExportConfig
-    from calm_export.genai_builder import not_built_because
+    from calm_export.graphs import BUILDER
 
     config = getattr(transformers, family.config_class)(**family.tiny_config())
-    reason = not_built_because(config, ExportConfig(progress=False))
+    reason = BUILDER.unsupported_because(ExportConfig(progress=False), config)
     if reason is None:
         return "onnxruntime-genai builder"
     return "calm's own (" + ("sliding window" if family.model_type == "mistral"

@@ -181,11 +181,13 @@ class ExportConfig:
             problems.append(f"opset must be an integer in [14, 23], got {self.opset!r}")
         if self.graph not in GRAPHS:
             problems.append(f"graph must be one of {list(GRAPHS)}, got {self.graph!r}")
-        elif self.graph == "builder" and (self.format != "onnx" or self.head_layout != "untied"
-                                          or self.variant == "fp16"):
-            problems.append("--graph builder makes fp32/int8/int4 ONNX engines with an untied "
-                            "head; use --graph auto (TensorRT, fp16 and --head-layout "
-                            "tied-scale build calm's own graph)")
+        elif self.graph == "builder" and self.format != "gguf":  # gguf: _gguf_problems
+            from .graphs.builder import settings_problem
+
+            problem = settings_problem(self)
+            if problem is not None:
+                problems.append(f"--graph builder cannot build this engine: {problem}; use "
+                                "--graph auto")
         if self.exporter not in EXPORTERS:
             problems.append(f"exporter must be one of {list(EXPORTERS)}, got {self.exporter!r}")
         if self.head_layout not in HEAD_LAYOUTS:

@@ -27,7 +27,8 @@ graph, and ``--quantize fp16`` too (int8/int4 quantise this graph's MatMuls).
 
 The engine is validated like every other (export/validate.py, through calm's runtime
 backend). Where the builder fails, or its graph does not pass, ``--graph auto`` exports
-calm's own graph instead and says why. calm drives only the builder releases it is tested
+calm's own graph instead and says why (export/graphs/: where the builder can build is
+decided in graphs/builder.py). calm drives only the builder releases it is tested
 with (``BUILDER_VERSIONS`` in export/genai_build.py, pinned by the ``genai`` extra): with
 another, ``--graph auto`` takes calm's own graph and records why, ``--graph builder`` is a
 one-line error; the manifest's ``export.graph.builder_version`` names the release used.
@@ -36,7 +37,6 @@ one-line error; the manifest's ``export.graph.builder_version`` names the releas
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import logging
 import shutil
 from collections import Counter
@@ -56,42 +56,13 @@ from .onnx import (
     graph_opset,
 )
 
-__all__ = ["BUILDER_FAMILIES", "GRAPH_KIND", "BuilderError", "build_graph", "not_built_because"]
+__all__ = ["GRAPH_KIND", "BuilderError", "build_graph"]
 
 logger = logging.getLogger(__name__)
 
 GRAPH_KIND = BUILDER_GRAPH
-#: model types whose builder graph passes calm's conformance matrix (tests/calm_export/
-#: test_conformance.py); OLMo-2, Cohere and GPT-NeoX are not built by onnxruntime-genai.
-BUILDER_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "gemma2",
-                    "gemma3_text")
-
-
 class BuilderError(CalmError):
     """onnxruntime-genai's builder did not produce a graph."""
-
-
-def not_built_because(model_config, config) -> str | None:
-    """Why ``--graph auto`` does not use the builder for this model and settings (``None``:
-    it does)."""
-    model_type = getattr(model_config.get_text_config(decoder=True), "model_type", None)
-    if config.format != "onnx":
-        return "TensorRT's parser reads standard ONNX ops only"
-    if config.variant == "fp16":
-        return "the fp16 variant converts calm's standard graph"
-    if config.head_layout != "untied":
-        return "--head-layout tied-scale keeps calm's own head"
-    if config.exporter != "auto":
-        return f"--exporter {config.exporter} exports calm's own graph"
-    if model_type not in BUILDER_FAMILIES:
-        return f"onnxruntime-genai's builder does not build {model_type} models"
-    window = getattr(model_config, "sliding_window", None)
-    if model_type == "mistral" and window:
-        # measured: the builder's Mistral graph attends past the window (tiny model, window 8)
-        return "the builder's Mistral graph does not apply a sliding window"
-    if importlib.util.find_spec("onnxruntime_genai") is None:
-        return "onnxruntime-genai is not installed (pip install 'calm-llm[genai]')"
-    return genai_build.version_problem()
 
 
 def build_graph(model, tokenizer, staging: Path, vocab_size: int, *, affine=None) -> dict:

@@ -22,7 +22,7 @@ from pathlib import Path
 from calm_runtime._fs import atomic_directory, check_creatable
 from calm_runtime.artifact import CalibrationAdapter, describe_calibrated_outputs
 from calm_runtime.engine import EngineManifest
-from calm_runtime.errors import ArtifactError, ConfigError, ExportValidationError
+from calm_runtime.errors import ArtifactError, ConfigError
 from calm_runtime.models import (
     PACKAGED_MODELS,
     check_model_config,
@@ -32,12 +32,12 @@ from calm_runtime.models import (
 )
 from calm_runtime.prompts import DEFAULT_P_TRUE_TEMPLATE
 
-from . import engine_writer, fuse, genai_builder, heads, recalibrate, validate
+from . import engine_writer, fuse, genai_builder, graphs, heads, recalibrate, validate
 from .build_stages import build_tensorrt, build_variant, validate_graph
 from .checkpoint import CHECKPOINT_MANIFEST
 from .config import ExportConfig
 from .gguf_file import gguf_origin
-from .onnx import ONNX_FILE, KVCacheDecoder, decoder_shape, export_onnx, fuse_graph
+from .onnx import ONNX_FILE, KVCacheDecoder, decoder_shape
 
 __all__ = ["ExportResult", "export_engine"]
 
@@ -261,44 +261,20 @@ def _export(model_spec, out: Path, adapter_arg, config: ExportConfig,
 
     with atomic_directory(out, overwrite=config.overwrite) as staging:
         stages.start("export")
-        facts, checked = None, None
-        reason = None if config.graph in ("builder", "auto") else f"--graph {config.graph}"
-        if reason is None:
-            reason = genai_builder.not_built_because(model.config, config)
-            if reason is not None and config.graph == "builder":
-                raise ConfigError(f"--graph builder cannot build this engine: {reason}; use "
-                                  "--graph auto")
-        if reason is None:
-            try:
-                facts = genai_builder.build_graph(model, tokenizer, staging, shape.vocab_size,
-                                                  affine=affine)
-                stages.start("validate")
-                checked = validate_graph(staging, shape, config, tokenizer, pad_id, cases,
-                                          references, tolerance)
-            except (genai_builder.BuilderError, ExportValidationError) as exc:
-                if config.graph == "builder":
-                    raise
-                logger.warning("the builder graph is not used (%s); exporting calm's own graph",
-                               exc)
-                facts, reason = None, f"builder failed: {exc}"
-                for stale in staging.iterdir():
-                    if stale.is_file():
-                        stale.unlink()
-                stages.start("export")
-        fused_torch = None
-        if facts is None:
-            if reason is not None and config.graph == "auto":
-                logger.info("graph: calm's own (%s)", reason)
-            fused_torch = check_fused_torch(model)
-            facts = _export_own_graph(model, shape, staging, config, external, affine)
-        del model
+
+        def validate_staged():
+            return validate_graph(staging, shape, config, tokenizer, pad_id, cases, references,
+                                  tolerance)
+        built = graphs.build_graph(
+            graphs.GraphJob(model=model, tokenizer=tokenizer, shape=shape, config=config,
+                            affine=affine, external=external, staging=staging),
+            validate=validate_staged, check_torch=check_fused_torch, on_stage=stages.start)
+        facts, checked, fused_torch = built.facts, built.checked, built.fused_torch
+        del model, built
         gc.collect()
         if checked is None:
             stages.start("validate")
-            checked = validate_graph(staging, shape, config, tokenizer, pad_id, cases,
-                                      references, tolerance)
-        if reason is not None and config.graph == "auto":
-            facts["graph"]["builder_not_used"] = reason
+            checked = validate_staged()
         got, drift_cases, drift_base, single, double, overall, runtime = checked
         report = {
             "passed": True, "max_abs_diff": overall.max_abs_diff, "worst_at": overall.where,
@@ -460,19 +436,6 @@ def _export_checkpoint(model, tokenizer, out: Path, folder: Path, identity, adap
     logger.info("calibrated checkpoint written to %s (%.1f MB, max |logit diff| %.3g, %.1f s)",
                 out, sum(sizes.values()) / 1e6, report["max_abs_diff"], stages.seconds["total"])
     return ExportResult(path=out, manifest=manifest, file_sizes=sizes, seconds=stages.seconds)
-
-
-def _export_own_graph(model, shape, staging: Path, config: ExportConfig, external: bool,
-                      affine) -> dict:
-    """calm's graph (torch.export): standard ops, or with ONNX Runtime's fused RMSNorm."""
-    facts = export_onnx(model, shape, staging, opset=config.opset, exporter=config.exporter,
-                        external_data=external, logits_affine=affine)
-    facts["graph"] = {"kind": "standard", "fused_ops": {}}
-    if config.graph in ("fused", "auto") and config.format == "onnx" and not config.variant:
-        # a variant is built from the standard graph (the quantisers and the fp16 converter
-        # read standard ops) and fused after it
-        facts["graph"] = fuse_graph(staging / ONNX_FILE, shape, external=external)
-    return facts
 
 
 def _load_adapter(adapter_arg) -> tuple[CalibrationAdapter | None, Path | None]:

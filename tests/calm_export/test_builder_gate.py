@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("onnxruntime_genai")
 transformers = pytest.importorskip("transformers")
 
-from calm_export import genai_build, genai_builder  # noqa: E402
+from calm_export import genai_build, genai_builder, graphs  # noqa: E402
 from calm_export.config import ExportConfig  # noqa: E402
 
 OLD = "0.8.0"  # the release pyproject.toml used to allow, below the tested range
@@ -75,13 +75,24 @@ def test_the_gate(version, inside):
 # ------------------------------------------------------------------------- --graph auto
 def test_graph_auto_records_why_an_untested_builder_is_not_used(monkeypatch):
     config = ExportConfig(progress=False)
-    assert genai_builder.not_built_because(_llama_config(), config) is None
+    assert graphs.BUILDER.unsupported_because(config, _llama_config()) is None
     monkeypatch.setattr(genai_build, "installed_version", lambda: OLD)
-    reason = genai_builder.not_built_because(_llama_config(), config)
+    reason = graphs.BUILDER.unsupported_because(config, _llama_config())
     assert reason == genai_build.version_problem(OLD) and "\n" not in reason
     # the reasons that come first still do (the model's family, the settings)
-    assert "does not build" in genai_builder.not_built_because(
-        transformers.GPTNeoXConfig(), config)
+    assert "does not build" in graphs.BUILDER.unsupported_because(
+        config, transformers.GPTNeoXConfig())
+    assert "TensorRT" in graphs.BUILDER.unsupported_because(
+        ExportConfig(progress=False, format="tensorrt"), _llama_config())
+
+
+def test_graph_builder_with_settings_it_cannot_build_is_refused_by_the_config():
+    from calm_runtime.errors import ConfigError
+
+    for settings in ({"dtype": "fp16"}, {"head_layout": "tied-scale"},
+                     {"exporter": "dynamo"}, {"format": "hf"}):
+        with pytest.raises(ConfigError, match="--graph builder cannot build this engine: "):
+            ExportConfig(progress=False, graph="builder", **settings)
 
 
 def test_graph_builder_with_an_untested_builder_is_one_line(tmp_path, tiny_llama_untied,

@@ -167,7 +167,7 @@ def test_engine_prefill_equals_the_reference_past_the_window(case):
 
 
 def test_default_graph_is_the_builders_where_it_builds_the_family(case):
-    from calm_export.genai_builder import BUILDER_FAMILIES
+    from calm_export.graphs.builder import BUILDER_FAMILIES
 
     graph = json.loads((case.engine / "calm_engine.json").read_text())["export"]["graph"]
     mistral_window = case.family.model_type == "mistral"  # its builder graph ignores the window

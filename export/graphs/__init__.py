@@ -1,0 +1,118 @@
+"""How an engine's ONNX graph is built: one strategy per graph kind.
+
+* :mod:`.builder`: onnxruntime-genai's model builder graph with the calibration in its head
+  (``genai-builder``);
+* :mod:`.fused`: calm's own graph (torch.export) with ONNX Runtime's fused RMSNorm ops
+  (``ort-fused``);
+* :mod:`.standard`: calm's own graph in standard ONNX ops only (``standard``).
+
+Each strategy says why it cannot build an engine for a model and settings
+(``unsupported_because``; ``None``: it can) and builds the graph into the staging folder
+(``build``). Eligibility is decided there and nowhere else: ``ExportConfig`` asks the
+builder about the settings alone, :func:`build_graph` asks every candidate about the model
+too. ``--graph`` names the candidates in order (:data:`CANDIDATES`); the first that can
+build does, and where a fallible one (the builder: its graph is validated while the model
+is still loaded) fails, the next one builds instead. When the last candidate cannot build
+(``--graph builder`` on a model or settings the builder does not cover), that is a
+one-line error.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from calm_runtime.errors import ConfigError
+
+from .base import GraphStrategy
+from .builder import BuilderGraph
+from .fused import FusedGraph
+from .standard import StandardGraph
+
+__all__ = ["BUILDER", "CANDIDATES", "FUSED", "STANDARD", "GraphJob", "GraphStrategy",
+           "build_graph"]
+
+logger = logging.getLogger(__name__)
+
+BUILDER, FUSED, STANDARD = BuilderGraph(), FusedGraph(), StandardGraph()
+#: ``--graph`` -> the strategies tried, in order
+CANDIDATES: dict[str, tuple[GraphStrategy, ...]] = {
+    "auto": (BUILDER, FUSED, STANDARD),
+    "builder": (BUILDER,),
+    "fused": (FUSED, STANDARD),
+    "standard": (STANDARD,),
+}
+
+
+@dataclass
+class GraphJob:
+    """What a strategy builds from: the merged, head-fused model and its settings."""
+
+    model: Any
+    tokenizer: Any
+    shape: Any  # calm_export.onnx.DecoderShape
+    config: Any  # calm_export.config.ExportConfig
+    #: the calibration applied after the head (soft-capping families, a kept tied head)
+    affine: Any
+    external: bool
+    staging: Path
+
+
+@dataclass
+class BuiltGraph:
+    facts: dict
+    #: the validation's result when the strategy was validated while the model was loaded
+    checked: Any = None
+    #: calm's own graph: the fused torch decoder's largest difference from the reference
+    fused_torch: float | None = None
+
+
+def build_graph(job: GraphJob, *, validate: Callable[[], Any],
+                check_torch: Callable[[Any], float],
+                on_stage: Callable[[str], None] = lambda _name: None) -> BuiltGraph:
+    """Build the graph ``--graph`` asks for (see the module's docstring). ``validate()``
+    validates what is in the staging folder; ``check_torch(model)`` compares calm's fused
+    torch decoder with the reference before calm's own graph is exported. The reason the
+    builder was not used is recorded in ``facts["graph"]["builder_not_used"]`` under
+    ``--graph auto``."""
+    config = job.config
+    not_used = None if config.graph in ("builder", "auto") else f"--graph {config.graph}"
+    candidates = CANDIDATES[config.graph]
+    for strategy in candidates:
+        last = strategy is candidates[-1]
+        reason = strategy.unsupported_because(config, job.model.config)
+        if reason is not None:
+            if last:
+                raise ConfigError(f"--graph {strategy.name} cannot build this engine: "
+                                  f"{reason}; use --graph auto")
+            not_used = not_used or reason
+            continue
+        if not strategy.fallible:
+            if not_used is not None and config.graph == "auto":
+                logger.info("graph: calm's own (%s)", not_used)
+            built = BuiltGraph(facts={}, fused_torch=check_torch(job.model))
+            built.facts = strategy.build(job)
+            break
+        try:
+            facts = strategy.build(job)
+            on_stage("validate")
+            built = BuiltGraph(facts=facts, checked=validate())
+            break
+        except strategy.failures as exc:
+            if last:
+                raise
+            logger.warning("the %s graph is not used (%s); exporting calm's own graph",
+                           strategy.name, exc)
+            not_used = f"{strategy.name} failed: {exc}"
+            for stale in job.staging.iterdir():
+                if stale.is_file():
+                    stale.unlink()
+            on_stage("export")
+    else:  # pragma: no cover - the standard graph builds every engine calm exports
+        raise ConfigError(f"no graph of {CANDIDATES[config.graph]} can build this engine")
+    if not_used is not None and config.graph == "auto":
+        built.facts["graph"]["builder_not_used"] = not_used
+    return built

@@ -1,0 +1,27 @@
+"""calm's own graph with its RMSNorms as ONNX Runtime's fused normalisation ops
+(``--graph fused``, ``ort-fused``; export/onnx.py ``fuse_graph``)."""
+
+from __future__ import annotations
+
+from .base import GraphStrategy
+from .standard import StandardGraph
+
+
+class FusedGraph(GraphStrategy):
+    name = "fused"
+
+    def unsupported_because(self, config, model_config=None) -> str | None:
+        if config.format != "onnx":
+            return "TensorRT's parser reads standard ONNX ops only"
+        if config.variant:
+            # the quantisers and the fp16 converter read standard ops: a variant is built
+            # from the standard graph and fused after it
+            return f"the {config.variant} variant is built from the standard graph"
+        return None
+
+    def build(self, job) -> dict:
+        from ..onnx import ONNX_FILE, fuse_graph
+
+        facts = StandardGraph().build(job)
+        facts["graph"] = fuse_graph(job.staging / ONNX_FILE, job.shape, external=job.external)
+        return facts
