@@ -161,6 +161,12 @@ ROUND2_ARMS = ("calm-centred", "calm-centred-daca")
 #: arms whose settings start from the default arm's (the rest start from COMMON)
 DERIVED = ("lora-matched", "ablation-iterate", "ablation-regularization", "ablation-scalar")
 CANDIDATES = ("calm-bome-all", "calm-bome-alpha")
+#: CFT's learning rate is chosen on the validation split like the other arms' settings: each
+#: CFT arm is trained at seed 0 at every rate of this grid and read on ``sciq:unlabeled``
+#: with its labels; the rate with the lower option NLL is the arm's (``--cft-lr``). The
+#: seed-0 run at the arm's recorded rate (1e-3) is that rate's probe.
+CFT_ARMS = ("cft", "cft-ce")
+CFT_LR_GRID = (3e-4, 1e-3, 3e-3)
 LETTER_LORA = {"method": "lora", "optimizer": "adam", "outer_lr": 1e-3, "warm_start_steps": 0}
 
 
@@ -174,6 +180,50 @@ def arm_settings(arm: str, gate: dict, default: str | None) -> dict:
                              f"{' and '.join(f'{c}:0' for c in CANDIDATES)}; run those first")
         base = arm_settings(default, gate, None)
     return {**base, **ARMS[arm]}
+
+
+def cft_lr_probe(args, arm: str, lr: float, gate: dict) -> dict:
+    """``arm`` trained at seed 0 with learning rate ``lr``, its option NLL on the validation
+    split; written as part ``gate-cft-lr-{arm}-{lr}`` (reused when present). At the arm's
+    own rate the seed-0 run is the probe."""
+    settings = {**arm_settings(arm, gate, None), "outer_lr": lr}
+    name = f"gate-cft-lr-{arm}-{lr:g}"
+    found = read_part(args, name)
+    if found is not None and not args.retrain:
+        return found
+    run = read_part(args, f"{arm}-s0")
+    if run is not None and run["settings"]["outer_lr"] == lr and "diverged" not in run:
+        write_part(args, name, {"arm": arm, "outer_lr": lr, "from": f"{arm}-s0",
+                                "validation_nll": run["validation_nll"]["alpha"]})
+        return read_part(args, name)
+    try:
+        result = train_calm(_config(args, settings, 0), None, progress=not args.quiet)
+    except FitError as exc:
+        write_part(args, name, {"arm": arm, "outer_lr": lr, "diverged": str(exc)})
+        return read_part(args, name)
+    evaluator = _evaluator(args, gate["mode"], result.model)
+    hidden = evaluator.hidden(_validation())
+    nll = metrics.nll(option_probabilities(evaluator.scores(hidden)[0]), hidden.labels)
+    write_part(args, name, {"arm": arm, "outer_lr": lr, "validation_nll": nll,
+                            "train_s": round(result.seconds, 1)})
+    return read_part(args, name)
+
+
+def choose_cft_lr(args, gate: dict) -> dict:
+    """Each CFT arm's learning rate: the grid's rate with the lower validation NLL."""
+    chosen = {}
+    for arm in CFT_ARMS:
+        probes = [cft_lr_probe(args, arm, lr, gate) for lr in CFT_LR_GRID]
+        stable = [p for p in probes if "diverged" not in p]
+        best = min(stable, key=lambda p: p["validation_nll"])
+        chosen[arm] = {"outer_lr": best["outer_lr"],
+                       "validation_nll": {f"{p['outer_lr']:g}": p.get("validation_nll")
+                                          for p in probes}}
+    write_part(args, "gate-cft-lr", {"grid": list(CFT_LR_GRID), "arms": chosen,
+                                     "rule": "the rate with the lower option NLL on the "
+                                             f"validation split ({DOMAIN}:unlabeled with its "
+                                             "labels), seed 0"})
+    return read_part(args, "gate-cft-lr")
 
 
 def _config(args, settings: dict, seed: int) -> CalmConfig:
@@ -387,6 +437,9 @@ def run_one(args, arm: str, seed: int, gate: dict, default: str | None) -> dict:
     alphas = {"alpha": (None, None)}
     if arm != "vanilla":
         settings = arm_settings(arm, gate, default)
+        cft_lr = read_part(args, "gate-cft-lr")
+        if arm in CFT_ARMS and cft_lr is not None:  # the rate chosen on the validation split
+            settings["outer_lr"] = cft_lr["arms"][arm]["outer_lr"]
         out = Path(args.adapters) / name
         try:
             result = train_calm(_config(args, settings, seed), out, overwrite=True,
@@ -692,6 +745,7 @@ def report(args) -> int:
     payload = {"command": args.command, "run_commands": sorted({p["command"] for p in
                                                                  [gate, *parts.values()]}),
                "commit": commits, "gate": gate, "letter_gates": letter_gates,
+               "cft_lr": read_part(args, "gate-cft-lr"),
                "default": chosen, "claims": results,
                "runs": runs, "diverged": diverged,
                "planned": [f"{a}:{s}" for a, s in plan(default)],
@@ -757,6 +811,25 @@ def _letter_gate_lines(payload: dict) -> list[str]:
     return lines
 
 
+def _cft_lr_lines(payload: dict) -> list[str]:
+    """CFT's learning rate chosen on the validation split, and whether its runs used it."""
+    chosen = payload.get("cft_lr")
+    if not chosen:
+        return []
+    lines = []
+    for arm, c in chosen["arms"].items():
+        grid = ", ".join(f"{lr}: {nll:.4f}" if nll is not None else f"{lr}: diverged"
+                         for lr, nll in c["validation_nll"].items())
+        used = sorted({r["settings"].get("outer_lr") for name, r in payload["runs"].items()
+                       if name.startswith(f"{arm}-s")}, key=str)
+        state = ("no runs yet." if not used else "its runs use it." if used == [c["outer_lr"]]
+                 else f"its runs used {', '.join(map(str, used))}: they are to be rerun at "
+                      "the chosen rate.")
+        lines.append(f"- {arm}: validation NLL by learning rate ({grid}); chosen "
+                     f"{c['outer_lr']:g}; {state}")
+    return lines
+
+
 def _cft_lines(runs: dict) -> list[str]:
     """What each CFT run trained against and how large its two loss terms were at the end."""
     rows = [(name, run) for name, run in runs.items() if run.get("cft_bins")]
@@ -819,7 +892,8 @@ def render(payload: dict) -> str:
                    "{}-s{}".format(*r.split(":"))) not in done]
     lines = [f"Generated by `{payload['command']}` from the runs of "
              f"{'; '.join(f'`{c}`' for c in payload['run_commands'])} at {payload['commit']}.",
-             "", "## The gate", "", *_gate_lines(gate), *_letter_gate_lines(payload), "",
+             "", "## The gate", "", *_gate_lines(gate), *_letter_gate_lines(payload),
+             *_cft_lr_lines(payload), "",
              "## Default arm", "",
              (f"**{default['arm']}** ({default['rule']}; NLL "
               + ", ".join(f"{a} {v:.4f}" for a, v in default["validation_nll"].items()) + ")"
@@ -880,6 +954,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--letter-gate", metavar="MODEL",
                         help="only run the letter-mode gate for MODEL (another packaged model "
                              "that might answer letters above chance), then report")
+    parser.add_argument("--cft-lr", action="store_true",
+                        help="only choose the CFT arms' learning rates on the validation "
+                             "split (seed-0 probes over CFT_LR_GRID), then report")
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--alpha-lr-grid", type=float, nargs="+", default=[0.02, 0.2, 2.0])
     parser.add_argument("--entropy-gate", type=float, default=0.05)
@@ -921,6 +998,10 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.report:
+        return report(args)
+    if args.cft_lr:
+        install_named([args.model], (DOMAIN,))
+        choose_cft_lr(args, run_gate(args))
         return report(args)
     if args.letter_gate:
         install_named([args.letter_gate], (DOMAIN,))

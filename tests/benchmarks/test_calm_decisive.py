@@ -100,7 +100,7 @@ def test_report_gives_every_claim_a_verdict_or_not_run(bench, tmp_path):
         runs[f"lora-matched-s{seed}"] = _part(bench, "lora-matched", seed, 0.8)
     # a CFT run (one seed): its claims are decided, its bins and loss terms reported
     runs["cft-s0"] = {**_part(bench, "cft", 0, 0.7),
-                      "settings": {"cft_weight": 1.0, "cft_scale": 1e-3},
+                      "settings": {"cft_weight": 1.0, "cft_scale": 1e-3, "outer_lr": 1e-3},
                       "cft_bins": {"accuracy": [0.0] * 3 + [0.4] + [0.0] * 6,
                                    "count": [0] * 3 + [12] + [0] * 6},
                       "last": {"cft_ce": 1.25, "cft_l_cal": 0.05}}
@@ -110,12 +110,21 @@ def test_report_gives_every_claim_a_verdict_or_not_run(bench, tmp_path):
                                           "diverged": "step 30: f is nan"}
     runs["gate-probe-2"] = {"alpha_lr": 2.0, "diverged": "step 30: f is nan",
                             "commit": "abc1234", "command": "python x"}
+    # CFT's learning rate chosen on the validation split from its seed-0 probes (the probes
+    # exist, so nothing is trained): the lowest NLL wins, a diverged rate is left out
+    for lr, nll in ((3e-4, 1.2), (1e-3, 1.7), (3e-3, None)):
+        for arm in bench.CFT_ARMS:
+            probe = {"arm": arm, "outer_lr": lr, "commit": "abc1234", "command": "python x"}
+            probe |= {"validation_nll": nll} if nll is not None else {"diverged": "nan"}
+            (parts / f"gate-cft-lr-{arm}-{lr:g}.json").write_text(json.dumps(probe))
     for name, part in runs.items():
         (parts / f"{name}.json").write_text(json.dumps(part))
     readme = tmp_path / "README.md"
     readme.write_text(f"intro\n{bench.README_START}\nPLACEHOLDER\n{bench.README_END}\nrest\n")
     args = bench.parse_args(["--report", "--out", str(tmp_path), "--readme", str(readme),
                              "--decision-bootstrap", "200"])
+    chosen = bench.choose_cft_lr(args, gate)
+    assert {a: c["outer_lr"] for a, c in chosen["arms"].items()} == {"cft": 3e-4, "cft-ce": 3e-4}
     assert bench.report(args) == 0
     payload = json.loads((tmp_path / "calm_decisive.json").read_text())
     verdicts = {c["claim"]: c["verdict"] for c in payload["claims"]}
@@ -138,6 +147,8 @@ def test_report_gives_every_claim_a_verdict_or_not_run(bench, tmp_path):
     assert "ablation-iterate:0" in md and "Decision rule" in md
     assert "ablation-regularization:0" not in md.split("Runs not yet made")[1].split("\n")[0]
     assert "Diverged (no results" in md
+    assert "- cft: validation NLL by learning rate (0.0003: 1.2000, 0.001: 1.7000, 0.003: " \
+        "diverged); chosen 0.0003; its runs used 0.001: they are to be rerun" in md
     cft_row = md.split("## CFT runs")[1].split("| cft-s0 |")[1].split("\n")[0]
     assert "0.3: 0.40/12" in cft_row and "| 0 | 5e-05 |" in cft_row  # (1 − w)·CE, w·c·L_cal
     text = readme.read_text()
