@@ -228,3 +228,44 @@ def test_the_walk_follows_a_value_through_calls_and_plans(tmp_path):
     assert [name for _, name in found.stops] == [
         "start", "Plan.resolve", "use", "Plan.run", "helper"]
     assert found.files == ["pkg.a", "pkg.b"] and found.returns == 0
+
+
+def test_no_private_name_crosses_a_module():
+    """A name another module uses is public: no ``from x import _name``."""
+    crossing = []
+    for folder in PACKAGES.values():
+        for path in (ROOT / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.ImportFrom):
+                    crossing += [f"{path.relative_to(ROOT)}: {node.module}.{a.name}"
+                                 for a in node.names
+                                 if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not crossing, crossing
+
+
+#: the scoring modes are decided by calm_runtime.modes.Mode; nothing compares their names
+MODE_NAMES = ("cloze", "letter", "p_true")
+
+
+def _compared_strings(tree: ast.AST) -> set[str]:
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            for part in [node.left, *node.comparators]:
+                values = part.elts if isinstance(part, ast.Tuple | ast.Set | ast.List) else [part]
+                found |= {v.value for v in values
+                          if isinstance(v, ast.Constant) and isinstance(v.value, str)}
+    return found
+
+
+def test_modes_are_never_compared_by_name():
+    where = {}
+    for folder in PACKAGES.values():
+        for path in (ROOT / folder).rglob("*.py"):
+            hits = _compared_strings(ast.parse(path.read_text(encoding="utf-8"))) & set(
+                MODE_NAMES)
+            if hits:
+                where[str(path.relative_to(ROOT))] = sorted(hits)
+    assert not where, where
+    assert _compared_strings(ast.parse('if m in ("cloze", "x") or k == "letter": pass')) == {
+        "cloze", "x", "letter"}
