@@ -6,7 +6,7 @@ import argparse
 import subprocess
 from pathlib import Path
 
-from calm_runtime.prompts import CHOICE_MODES
+from calm_runtime.data.prompts import CHOICE_MODES
 
 HERE = Path(__file__).resolve().parent
 

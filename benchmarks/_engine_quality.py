@@ -118,9 +118,9 @@ def softmax(z: np.ndarray) -> np.ndarray:
 def quality(engines: dict[str, Path], data: str) -> dict:
     """``{name: {accuracy, ece, nll, brier, n, top1_agreement, mean_total_variation,
     positions}}`` for every engine, against ``engines[REFERENCE]``."""
-    from calm_runtime.data import load_dataset
-    from calm_runtime.lm import CalibratedLM
-    from calm_runtime.score import score_records
+    from calm_runtime.data.sets import load_dataset
+    from calm_runtime.inference.lm import CalibratedLM
+    from calm_runtime.measure.score import score_records
 
     records = load_dataset(data)
     base, out = None, {}

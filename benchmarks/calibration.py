@@ -28,8 +28,8 @@ from pathlib import Path
 
 from _common import command_line, git_commit
 
-from calm_runtime.cli import install_named
-from calm_runtime.prompts import CHOICE_MODES
+from calm_runtime.cli.main import install_named
+from calm_runtime.data.prompts import CHOICE_MODES
 from calm_training.evaluate import write_report
 from calm_training.fit import FitConfig, compare_methods, format_selective_table, format_table
 

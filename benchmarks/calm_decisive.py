@@ -93,11 +93,11 @@ from pathlib import Path
 import numpy as np
 from _common import command_line, git_commit, rewrite_generated_block
 
-from calm_runtime import metrics
-from calm_runtime.artifact import CalibrationAdapter
-from calm_runtime.cli import install_named
-from calm_runtime.data import load_dataset, split_records
+from calm_runtime.cli.main import install_named
+from calm_runtime.data.sets import load_dataset, split_records
 from calm_runtime.errors import FitError
+from calm_runtime.formats.artifact import CalibrationAdapter
+from calm_runtime.measure import metrics
 from calm_training import calm_data, daca
 from calm_training.calm_config import THETA_ONLY
 from calm_training.fit import option_probabilities

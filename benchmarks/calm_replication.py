@@ -59,10 +59,10 @@ from pathlib import Path
 import numpy as np
 from _common import git_commit, rewrite_generated_block
 
-from calm_runtime import metrics
-from calm_runtime.artifact import CalibrationAdapter
-from calm_runtime.cli import install_named
-from calm_runtime.data import load_dataset, split_records
+from calm_runtime.cli.main import install_named
+from calm_runtime.data.sets import load_dataset, split_records
+from calm_runtime.formats.artifact import CalibrationAdapter
+from calm_runtime.measure import metrics
 from calm_training import calm_data, daca
 from calm_training.fit import option_probabilities
 from calm_training.trainer import CalmConfig, train_calm

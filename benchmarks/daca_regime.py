@@ -43,12 +43,12 @@ from pathlib import Path
 import numpy as np
 from _common import command_line, git_commit
 
-from calm_runtime import metrics
-from calm_runtime.artifact import CalibrationAdapter
-from calm_runtime.cli import install_named
-from calm_runtime.data import load_dataset, split_indices
+from calm_runtime.cli.main import install_named
+from calm_runtime.data.prompts import CHOICE_MODES
+from calm_runtime.data.sets import load_dataset, split_indices
 from calm_runtime.errors import ConfigError, FitError
-from calm_runtime.prompts import CHOICE_MODES
+from calm_runtime.formats.artifact import CalibrationAdapter
+from calm_runtime.measure import metrics
 from calm_training import daca
 from calm_training.cache import cached_option_scores
 from calm_training.calm_data import TRAIN_PART, TRAIN_SPLIT_FRACTION, TRAIN_SPLIT_SEED

@@ -105,8 +105,8 @@ def main(argv=None) -> int:
         return 0
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from calm_runtime._paths import cache_dir
-    from calm_runtime.cli import install_named
-    from calm_runtime.models import resolve_model
+    from calm_runtime.cli.main import install_named
+    from calm_runtime.data.models import resolve_model
 
     install_named([args.model])
     folder = resolve_model(args.model)
@@ -260,8 +260,8 @@ def _llama_builds(args, work: Path) -> dict:
     """llama.cpp's arms: the model's own GGUF and calm's calibrated GGUF of it (a scalar
     temperature adapter; the speed does not depend on its value)."""
     from calm_export.gguf_file import source_gguf
-    from calm_runtime.artifact import CalibrationAdapter
-    from calm_runtime.models import model_identity, resolve_model
+    from calm_runtime.data.models import model_identity, resolve_model
+    from calm_runtime.formats.artifact import CalibrationAdapter
 
     tools = _llama_cpp.binaries(args.llama_cpp)
     source = work / "source.gguf"
@@ -299,8 +299,8 @@ def _dominant_type(path: Path) -> str:
 
 def _servers(llama: dict, builds: dict) -> dict:
     """The server load test (benchmarks/_llama_cpp.py) on calm serve and llama-server."""
-    from calm_runtime.data import load_dataset
-    from calm_runtime.prompts import cloze_context
+    from calm_runtime.data.prompts import cloze_context
+    from calm_runtime.data.sets import load_dataset
 
     prompts = [cloze_context(r.question) for r in load_dataset("arc-easy:test")[:64]]
     out = {}
@@ -334,7 +334,7 @@ def make_runners(builds: dict, folder: Path) -> dict:
 
 
 def _calm_runner(path: Path):
-    from calm_runtime.lm import CalibratedLM
+    from calm_runtime.inference.lm import CalibratedLM
 
     lm = CalibratedLM.load(path, threads=1)
 

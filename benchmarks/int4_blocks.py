@@ -29,7 +29,7 @@ from _common import command_line, git_commit
 from _engine_quality import PROMPTS, prompt_logits, softmax
 
 from calm_export import ExportConfig, quantize
-from calm_runtime.lm import CalibratedLM
+from calm_runtime.inference.lm import CalibratedLM
 
 HERE = Path(__file__).resolve().parent
 STEM = "int4_blocks"

@@ -106,7 +106,7 @@ def copy_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
 
 
 def weight_bytes(engine: Path) -> int:
-    from calm_runtime.engine import EngineManifest
+    from calm_runtime.formats.engine import EngineManifest
 
     manifest = EngineManifest.load(engine, verify_hashes=False)
     files = manifest.model.get("files") or [manifest.model["file"]]
@@ -116,8 +116,8 @@ def weight_bytes(engine: Path) -> int:
 # ---------------------------------------------------------------------- contenders
 def ort_loop(backend, prompt_ids, batch, tokens, *, stats=False, calibrate=None):
     """The bare KV-cache loop on a backend: argmax (and optionally confidences) only."""
-    from calm_runtime._generation import initial_positions
-    from calm_runtime.sampling import step_stats
+    from calm_runtime.inference._generation import initial_positions
+    from calm_runtime.inference.sampling import step_stats
 
     ids = np.asarray([prompt_ids] * batch, dtype=np.int64)
     mask = np.ones_like(ids)
@@ -270,9 +270,9 @@ def main(argv=None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from calm_runtime import CalibratedLM
-    from calm_runtime.artifact import CalibrationAdapter
     from calm_runtime.calibration import apply_calibration
-    from calm_runtime.models import resolve_model
+    from calm_runtime.data.models import resolve_model
+    from calm_runtime.formats.artifact import CalibrationAdapter
 
     torch.set_num_threads(args.threads)
     rss = PeakRSS()
@@ -448,7 +448,7 @@ def prefill_table(engine: Path, model_spec: str | None, tokens: int, threads: in
     """Milliseconds to prefill one ``tokens``-long prompt: last position only vs every
     position (chunked) on the same session, and transformers with ``logits_to_keep=1``."""
     from calm_runtime import CalibratedLM
-    from calm_runtime._generation import initial_positions
+    from calm_runtime.inference._generation import initial_positions
 
     lm = CalibratedLM.load(engine, threads=threads)
     text = " ".join([PROMPT] * (4 * tokens // max(1, len(lm.tokenizer.encode(PROMPT))) + 4))
@@ -476,7 +476,7 @@ def prefill_table(engine: Path, model_spec: str | None, tokens: int, threads: in
         import torch
         from transformers import AutoModelForCausalLM
 
-        from calm_runtime.models import resolve_model
+        from calm_runtime.data.models import resolve_model
 
         model = AutoModelForCausalLM.from_pretrained(
             str(resolve_model(model_spec, install=True)), dtype=torch.float32).eval()
@@ -505,8 +505,8 @@ def prefill_table(engine: Path, model_spec: str | None, tokens: int, threads: in
 
 def _confidence_cost(lm, prompt_ids, batches) -> dict:
     """Milliseconds of ``step_stats`` (the confidences) on the engine's real logits, per step."""
-    from calm_runtime._generation import initial_positions
-    from calm_runtime.sampling import step_stats
+    from calm_runtime.inference._generation import initial_positions
+    from calm_runtime.inference.sampling import step_stats
 
     out = {}
     for batch in batches:

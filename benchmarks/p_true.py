@@ -26,7 +26,7 @@ from pathlib import Path
 
 from _common import command_line, git_commit
 
-from calm_runtime.cli import install_named
+from calm_runtime.cli.main import install_named
 from calm_training.evaluate import write_report
 from calm_training.fit import FitConfig, compare_methods, format_selective_table, format_table
 from calm_training.p_true import P_TRUE_METHODS

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 from _common import command_line, git_commit
 
-from calm_runtime.prompts import CHOICE_MODES
+from calm_runtime.data.prompts import CHOICE_MODES
 
 HERE = Path(__file__).resolve().parent
 logger = logging.getLogger("scoring")
@@ -61,9 +61,9 @@ def main(argv=None) -> int:
 
     import torch
 
-    from calm_runtime.cli import install_named
-    from calm_runtime.data import load_dataset
-    from calm_runtime.models import load_model_and_tokenizer
+    from calm_runtime.cli.main import install_named
+    from calm_runtime.data.models import load_model_and_tokenizer
+    from calm_runtime.data.sets import load_dataset
     from calm_training.engine_model import load_engine
     from calm_training.scoring import score_multiple_choice
 

@@ -34,8 +34,8 @@ logger = logging.getLogger("serve_load")
 
 
 def _prompts(n: int) -> list[str]:
-    from calm_runtime.data import load_dataset
-    from calm_runtime.prompts import cloze_context
+    from calm_runtime.data.prompts import cloze_context
+    from calm_runtime.data.sets import load_dataset
 
     return [cloze_context(r.question) for r in load_dataset("arc-easy:test", install=True)[:n]]
 

@@ -28,8 +28,8 @@ from pathlib import Path
 
 from _common import command_line, git_commit, model_pair_parser
 
-from calm_runtime.cli import install_named
-from calm_runtime.models import resolve_model
+from calm_runtime.cli.main import install_named
+from calm_runtime.data.models import resolve_model
 from calm_training.fit import (
     FitConfig,
     compare_methods,
@@ -60,7 +60,7 @@ def _export(spec: str, out: Path) -> Path:
 
 def _serve(engine: Path, name: str, workers: int) -> tuple[subprocess.Popen, str]:
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "calm_runtime.cli", "-q", "serve",
+    proc = subprocess.Popen([sys.executable, "-m", "calm_runtime.cli.main", "-q", "serve",
                              str(engine), "--port", str(port), "--model-name", name,
                              "--workers", str(workers), "--max-tokens-limit", "64"],
                             stdout=subprocess.DEVNULL)
@@ -143,7 +143,7 @@ def main(argv=None) -> int:
         procs.append(proc)
         timings = {}
         from calm_runtime._paths import cache_dir
-        from calm_runtime.data import load_dataset
+        from calm_runtime.data.sets import load_dataset
         from calm_training.remote import remote_option_scores
 
         records = load_dataset(args.data)[: args.limit] if args.limit else load_dataset(

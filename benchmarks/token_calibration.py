@@ -44,11 +44,11 @@ from pathlib import Path
 import numpy as np
 from _common import cluster_bootstrap_interval, command_line, git_commit, temperature_interval
 
-from calm_runtime import metrics
-from calm_runtime.artifact import CalibrationAdapter
-from calm_runtime.cli import install_named
-from calm_runtime.data import load_dataset, split_records
-from calm_runtime.models import load_model_and_tokenizer
+from calm_runtime.cli.main import install_named
+from calm_runtime.data.models import load_model_and_tokenizer
+from calm_runtime.data.sets import load_dataset, split_records
+from calm_runtime.formats.artifact import CalibrationAdapter
+from calm_runtime.measure import metrics
 from calm_training.cache import cached_option_scores
 from calm_training.calm_data import TRAIN_SPLIT_FRACTION, TRAIN_SPLIT_SEED, UNLABELED_PART
 from calm_training.fit import DEFAULT_VARIANT

@@ -9,11 +9,9 @@ The core needs numpy, safetensors and tokenizers; the ONNX Runtime backend comes
     lm.choose(question, options), lm.p_true(question, answer)
 """
 
-from ._version import __version__  # noqa: E402
-from .artifact import CalibrationAdapter, ModelIdentity, tokenizer_sha256  # noqa: E402
-from .backends import OnnxRuntimeBackend, TensorRTBackend, TorchBackend  # noqa: E402
-from .calibration import apply_calibration, fused_head  # noqa: E402
-from .errors import (  # noqa: E402
+from calm_runtime._version import __version__
+from calm_runtime.calibration import apply_calibration, fused_head
+from calm_runtime.errors import (
     ArtifactError,
     BackendUnavailableError,
     CalmError,
@@ -25,9 +23,11 @@ from .errors import (  # noqa: E402
     ModelSourceError,
     SchemaVersionError,
 )
-from .lm import CalibratedLM  # noqa: E402
-from .results import Alternative, Choice, Generation, Timing, Token  # noqa: E402
-from .sampling import SamplingParams  # noqa: E402
+from calm_runtime.formats.artifact import CalibrationAdapter, ModelIdentity, tokenizer_sha256
+from calm_runtime.inference.backends import OnnxRuntimeBackend, TensorRTBackend, TorchBackend
+from calm_runtime.inference.lm import CalibratedLM
+from calm_runtime.inference.results import Alternative, Choice, Generation, Timing, Token
+from calm_runtime.inference.sampling import SamplingParams
 
 __all__ = [
     "__version__",

@@ -19,7 +19,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from .errors import ArtifactError
+from calm_runtime.errors import ArtifactError
 
 logger = logging.getLogger(__name__)
 

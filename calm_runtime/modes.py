@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .calibration import apply_calibration
-from .errors import ConfigError
+from calm_runtime.calibration import apply_calibration
+from calm_runtime.errors import ConfigError
 
 __all__ = ["Mode", "MODES", "MODE_NAMES", "CHOICE_MODES", "mode", "option_probabilities"]
 

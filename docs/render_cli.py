@@ -34,7 +34,7 @@ def _sections(parser: argparse.ArgumentParser, title: str, level: int) -> list[s
 def render() -> str:
     os.environ["COLUMNS"] = "100"  # argparse wraps help to the terminal width
     from calm_export.cli import build_parser as export_parser
-    from calm_runtime.cli import build_parser as calm_parser
+    from calm_runtime.cli.main import build_parser as calm_parser
 
     lines = [START, ""]
     lines += _sections(calm_parser(), "calm", 3)

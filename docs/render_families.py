@@ -23,7 +23,7 @@ def _facts(family) -> tuple[str, bool]:
     import transformers
 
     from calm_export.checkpoint import head_loads_bias
-    from calm_runtime.post_head import post_head
+    from calm_runtime.inference.post_head import post_head
 
     config = getattr(transformers, family.config_class)(**family.tiny_config())
     with torch.device("meta"):

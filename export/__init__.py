@@ -3,7 +3,7 @@
     from calm_export import ExportConfig, export_engine
     result = export_engine("smollm2-135m-instruct", "engine/", adapter="adapter/")
 
-The engine directory's format is defined by :mod:`calm_runtime.engine` (the runtime reads
+The engine directory's format is defined by :mod:`calm_runtime.formats.engine` (the runtime reads
 it through the same module). Needs the ``export`` extra (torch, transformers, peft, onnx);
 importing the package and its CLI module does not.
 """

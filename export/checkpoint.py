@@ -32,11 +32,11 @@ import torch
 
 from calm_runtime import __version__
 from calm_runtime._fs import sha256_file
-from calm_runtime._manifest import write_json
-from calm_runtime.artifact import CalibrationAdapter
 from calm_runtime.calibration import fused_head
 from calm_runtime.errors import ArtifactError, IncompatibleModelError
-from calm_runtime.post_head import model_configs
+from calm_runtime.formats._manifest import write_json
+from calm_runtime.formats.artifact import CalibrationAdapter
+from calm_runtime.inference.post_head import model_configs
 
 from .heads import PostHead
 
@@ -64,7 +64,7 @@ def check_foldable(model_dir: Path, adapter: CalibrationAdapter) -> None:
     cannot hold (the same rules as :func:`fold_into_checkpoint`, on an empty model)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from calm_runtime.post_head import post_head
+    from calm_runtime.inference.post_head import post_head
 
     config = AutoConfig.from_pretrained(str(model_dir))
     with torch.device("meta"):

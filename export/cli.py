@@ -9,9 +9,9 @@ import sys
 from collections.abc import Sequence
 
 from calm_runtime._extras import missing
-from calm_runtime.cli_common import install_named, missing_extra_message, run_command
+from calm_runtime.cli.common import install_named, missing_extra_message, run_command
+from calm_runtime.data.prompts import CHOICE_MODES, CLOZE_VARIANTS, DEFAULT_CLOZE_VARIANT
 from calm_runtime.errors import ConfigError
-from calm_runtime.prompts import CHOICE_MODES, CLOZE_VARIANTS, DEFAULT_CLOZE_VARIANT
 
 from .config import (  # torch-free, like this module
     DTYPES,

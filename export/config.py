@@ -6,8 +6,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import ClassVar
 
+from calm_runtime.data.prompts import CHOICE_MODES, CLOZE_VARIANTS, p_true_template
 from calm_runtime.errors import ConfigError
-from calm_runtime.prompts import CHOICE_MODES, CLOZE_VARIANTS, p_true_template
 
 __all__ = ["ExportConfig"]
 
@@ -99,7 +99,7 @@ class ExportConfig:
     #: positions, else the export fails; lower than int8's 0.9 because 4 bits move a third of
     #: the next-token distribution on that model (mean total variation 0.32); 0 disables.
     int4_min_agreement: float = 0.6
-    #: Multiple-choice data (a spec for calm_runtime.data.load_dataset, e.g.
+    #: Multiple-choice data (a spec for calm_runtime.data.sets.load_dataset, e.g.
     #: "arc-easy:calibration") to report ECE on, before and after quantisation.
     calibration_data: str | None = None
     #: Refit the final temperature on the final engine's own scores of ``calibration_data``

@@ -10,10 +10,15 @@ from pathlib import Path
 
 from calm_runtime import __version__
 from calm_runtime._fs import sha256_bytes, sha256_file
-from calm_runtime._manifest import write_json
-from calm_runtime.artifact import MANIFEST_NAME, TENSORS_NAME, CalibrationAdapter, ModelIdentity
-from calm_runtime.engine import EngineManifest, engine_io_names
-from calm_runtime.prompts import p_true_template
+from calm_runtime.data.prompts import p_true_template
+from calm_runtime.formats._manifest import write_json
+from calm_runtime.formats.artifact import (
+    MANIFEST_NAME,
+    TENSORS_NAME,
+    CalibrationAdapter,
+    ModelIdentity,
+)
+from calm_runtime.formats.engine import EngineManifest, engine_io_names
 
 from .onnx import DecoderShape
 

@@ -39,10 +39,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from calm_runtime.artifact import CalibrationAdapter
 from calm_runtime.calibration import center_logits, fused_head
+from calm_runtime.data.models import load_lora
 from calm_runtime.errors import ArtifactError
-from calm_runtime.models import load_lora
+from calm_runtime.formats.artifact import CalibrationAdapter
 
 __all__ = [
     "LogitsAffine",

@@ -21,7 +21,7 @@ changes but the head's weights:
 Sliding-window layers keep full-length caches (``windowed_kv_cache=false``; the attention
 masks the window itself), so every layer's cache has the same layout for calm's runtime.
 The graph has no ``position_ids`` input: its rows are packed to the left, which calm's
-runtime does (calm_runtime/backends/_packed_kv.py) and onnxruntime-genai does natively.
+runtime does (calm_runtime/inference/backends/_packed_kv.py) and onnxruntime-genai does natively.
 It uses ONNX Runtime contrib ops, so ``--format tensorrt`` builds from calm's standard
 graph, and ``--quantize fp16`` too (int8/int4 quantise this graph's MatMuls).
 

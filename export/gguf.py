@@ -47,16 +47,16 @@ import numpy as np
 from calm_runtime import __version__
 from calm_runtime._fs import sha256_file, show_name
 from calm_runtime._paths import cache_dir
-from calm_runtime.artifact import (
+from calm_runtime.calibration import fused_head
+from calm_runtime.data.models import PACKAGED_MODELS
+from calm_runtime.errors import ArtifactError, ConfigError, IncompatibleModelError
+from calm_runtime.formats.artifact import (
     MANIFEST_NAME,
     TENSORS_NAME,
     CalibrationAdapter,
     ModelIdentity,
     tokenizer_sha256,
 )
-from calm_runtime.calibration import fused_head
-from calm_runtime.errors import ArtifactError, ConfigError, IncompatibleModelError
-from calm_runtime.models import PACKAGED_MODELS
 
 from .config import ExportConfig
 from .gguf_file import (

@@ -2,7 +2,7 @@
 
 A GGUF's quantised weights are blocks along the input dimension, each ``w = scale * k +
 min`` with small integers ``k``; the packaged models are dequantised to float32 once
-(calm_runtime/models.py), so calm's fp32 graph holds exactly these values. Quantising that
+(calm_runtime/data/models.py), so calm's fp32 graph holds exactly these values. Quantising that
 graph again (``quantize_int4``'s MatMulNBitsQuantizer) is a second rounding; this module
 instead finds, for every MatMul of the graph, the GGUF rows its weight columns came from and
 writes MatMulNBits with those very blocks:

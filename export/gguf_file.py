@@ -30,8 +30,8 @@ from pathlib import Path
 import numpy as np
 
 from calm_runtime._fs import show_name
+from calm_runtime.data.models import PACKAGED_MODELS
 from calm_runtime.errors import ArtifactError, BackendUnavailableError, ModelSourceError
-from calm_runtime.models import PACKAGED_MODELS
 
 __all__ = ["BLOCK_SCALES", "GGUFSource", "TensorOut", "encode_kv", "gguf_origin", "open_source",
            "require_gguf",

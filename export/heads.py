@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 
 from calm_runtime.errors import ExportValidationError
-from calm_runtime.post_head import PostHead, model_configs, post_head
+from calm_runtime.inference.post_head import PostHead, model_configs, post_head
 
 __all__ = ["PostHead", "check_post_head", "neutralise", "post_head"]
 

@@ -3,7 +3,7 @@
 :class:`KVCacheDecoder` turns flat tensors into a transformers ``DynamicCache`` and back,
 so the graph has plain inputs ``input_ids``, ``attention_mask``, ``position_ids``,
 ``past_key_values.{i}.key/value`` and outputs ``logits``, ``present.{i}.key/value``
-(the names :func:`calm_runtime.engine.engine_io_names` defines). The dynamo exporter
+(the names :func:`calm_runtime.formats.engine.engine_io_names` defines). The dynamo exporter
 (``torch.export``) is the default; the TorchScript tracer is the fallback.
 """
 
@@ -20,8 +20,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from calm_runtime.engine import engine_io_names
 from calm_runtime.errors import CalmError
+from calm_runtime.formats.engine import engine_io_names
 
 __all__ = ["DecoderShape", "KVCacheDecoder", "OnnxExportError", "LOGITS_TO_KEEP",
            "add_logits_to_keep", "append_logits_affine", "decoder_shape", "export_onnx",

@@ -20,17 +20,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from calm_runtime._fs import atomic_directory, check_creatable
-from calm_runtime.artifact import CalibrationAdapter, describe_calibrated_outputs
-from calm_runtime.engine import EngineManifest
-from calm_runtime.errors import ArtifactError, ConfigError
-from calm_runtime.models import (
+from calm_runtime.data.models import (
     PACKAGED_MODELS,
     check_model_config,
     load_model_and_tokenizer,
     model_identity,
     resolve_model,
 )
-from calm_runtime.prompts import DEFAULT_P_TRUE_TEMPLATE
+from calm_runtime.data.prompts import DEFAULT_P_TRUE_TEMPLATE
+from calm_runtime.errors import ArtifactError, ConfigError
+from calm_runtime.formats.artifact import CalibrationAdapter, describe_calibrated_outputs
+from calm_runtime.formats.engine import EngineManifest
 
 from . import engine_writer, fuse, genai_builder, graphs, heads, recalibrate, validate
 from .build_stages import build_tensorrt, build_variant, validate_graph
@@ -129,7 +129,7 @@ def export_engine(model: str | os.PathLike, out: str | os.PathLike, *,
                   config: ExportConfig | None = None) -> ExportResult:
     """Build a validated, calibrated inference engine for ``model`` in the directory ``out``.
 
-    ``model`` is any spec :func:`calm_runtime.models.resolve_model` accepts; ``adapter`` is
+    ``model`` is any spec :func:`calm_runtime.data.models.resolve_model` accepts; ``adapter`` is
     an adapter directory, a :class:`CalibrationAdapter`, or ``None`` (identity calibration).
     Raises a :class:`~calm_runtime.errors.CalmError` subclass on bad input or a failed
     validation; then nothing is written and an existing engine at ``out`` is untouched.
@@ -453,7 +453,7 @@ def _template(config: ExportConfig, adapter: CalibrationAdapter):
     if config.p_true_template is None:
         return recorded if recorded is not None else DEFAULT_P_TRUE_TEMPLATE
     if recorded is not None:
-        from calm_runtime.prompts import p_true_template
+        from calm_runtime.data.prompts import p_true_template
 
         if p_true_template(recorded).to_dict() != p_true_template(config.p_true_template).to_dict():
             logger.warning("the adapter was fitted with another P(True) template; the engine "

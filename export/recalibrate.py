@@ -3,7 +3,7 @@
 With calibration data the staged engine answers every question through
 :class:`calm_runtime.CalibratedLM` (the runtime's own scoring: same prompts, same option
 tokens), once on the validated fp32 graph and once on the final variant (int8 or fp16),
-and :func:`calm_runtime.metrics.calibration_report` gives ECE, accuracy, NLL, ... of both.
+and :func:`calm_runtime.measure.metrics.calibration_report` gives ECE, accuracy, NLL, ... of both.
 
 ``--recalibrate`` then refits the temperature on the final graph's own scores with
 labeled temperature scaling (:func:`calm_training.daca.fit_temperature_scaling`, NLL):
@@ -31,10 +31,11 @@ from pathlib import Path
 
 import numpy as np
 
-from calm_runtime import metrics, modes
-from calm_runtime.data import MultipleChoiceRecord, dataset_hash, load_dataset
+from calm_runtime import modes
+from calm_runtime.data.prompts import CHOICE_MODES, cloze_variant_for
+from calm_runtime.data.sets import MultipleChoiceRecord, dataset_hash, load_dataset
 from calm_runtime.errors import ConfigError, DataError, ExportValidationError, FitError
-from calm_runtime.prompts import CHOICE_MODES, cloze_variant_for
+from calm_runtime.measure import metrics
 
 from .onnx import ONNX_FILE
 
@@ -66,7 +67,7 @@ class CalibrationRun:
 
 
 def load_calibration_data(spec: str, limit: int | None = None) -> CalibrationData:
-    """Read ``spec`` (any :func:`calm_runtime.data.load_dataset` spec); every record needs
+    """Read ``spec`` (any :func:`calm_runtime.data.sets.load_dataset` spec); every record needs
     an answer, and only records with the most common number of options are kept."""
     records = load_dataset(spec)
     if limit is not None:
@@ -169,9 +170,9 @@ def fold_temperature(path: Path, factor: float, *, external: bool) -> list[str]:
 # ---------------------------------------------------------------------- scoring
 def _lm(manifest, model_root: Path | None = None):
     """A CalibratedLM on the staged engine (the graph from ``model_root`` when given)."""
-    from calm_runtime._tokenizer import EngineTokenizer
-    from calm_runtime.backends import create_backend
-    from calm_runtime.lm import CalibratedLM
+    from calm_runtime.inference._tokenizer import EngineTokenizer
+    from calm_runtime.inference.backends import create_backend
+    from calm_runtime.inference.lm import CalibratedLM
 
     view = manifest if model_root is None else dataclasses.replace(manifest, root=model_root)
     return CalibratedLM(manifest, create_backend("onnxruntime", view), EngineTokenizer(manifest))

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from calm_runtime.engine import engine_io_names
 from calm_runtime.errors import BackendUnavailableError, ExportValidationError
+from calm_runtime.formats.engine import engine_io_names
 
 from .onnx import DecoderShape
 

@@ -18,13 +18,13 @@ from pathlib import Path
 
 import numpy as np
 
-from calm_runtime.errors import ExportValidationError
-from calm_runtime.prompts import (
+from calm_runtime.data.prompts import (
     DEFAULT_P_TRUE_TEMPLATE,
     cloze_context,
     letter_prompt,
     p_true_template,
 )
+from calm_runtime.errors import ExportValidationError
 
 __all__ = [
     "Case",
@@ -220,7 +220,7 @@ def onnx_runner(path: Path, shape) -> tuple[Runner, str]:
     takes the graph's dtype (float16 for fp16 graphs)."""
     import onnxruntime as ort
 
-    from calm_runtime.backends import OnnxRuntimeBackend
+    from calm_runtime.inference.backends import OnnxRuntimeBackend
 
     backend = OnnxRuntimeBackend(_GraphFacts(Path(path), shape))
 
@@ -231,13 +231,14 @@ def onnx_runner(path: Path, shape) -> tuple[Runner, str]:
 
 
 class _GraphFacts:
-    """What :class:`~calm_runtime.backends.OnnxRuntimeBackend` reads from a manifest, for a
-    graph that has none yet (the I/O names are read from the graph itself)."""
+    """What :class:`~calm_runtime.inference.backends.OnnxRuntimeBackend` reads from a
+    manifest, for a graph that has none yet (the I/O names are read from the graph
+    itself)."""
 
     def __init__(self, path: Path, shape) -> None:
         import onnx
 
-        from calm_runtime.engine import engine_io_names
+        from calm_runtime.formats.engine import engine_io_names
 
         graph = onnx.load(str(path), load_external_data=False).graph
         positions = any(i.name == "position_ids" for i in graph.input)

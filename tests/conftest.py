@@ -113,8 +113,8 @@ def tiny_lora_dir(tmp_path_factory, model_dir, *, seed: int = 1):
 def random_calibration_adapter(model_dir, *, lora_dir=None, seed: int = 2,
                                temperature: float = 1.3):
     """A CalibrationAdapter with random positive tau, random shift and temperature."""
-    from calm_runtime.artifact import CalibrationAdapter
-    from calm_runtime.models import model_identity
+    from calm_runtime.data.models import model_identity
+    from calm_runtime.formats.artifact import CalibrationAdapter
 
     identity = model_identity(model_dir)
     rng = np.random.default_rng(seed)
@@ -187,8 +187,8 @@ def runtime_engine(tmp_path_factory):
 def runtime_reference_model(runtime_engine):
     """``(model, adapter)``: the engine's source model with its LoRA merged (torch, eval) and
     the CalibrationAdapter whose ``calibrate`` gives the reference's calibrated logits."""
-    from calm_runtime.artifact import CalibrationAdapter
-    from calm_runtime.models import load_model_and_tokenizer
+    from calm_runtime.data.models import load_model_and_tokenizer
+    from calm_runtime.formats.artifact import CalibrationAdapter
 
     model_dir, adapter_dir, _ = runtime_engine
     adapter = CalibrationAdapter.from_pretrained(adapter_dir)
@@ -275,7 +275,7 @@ def synthetic_engine_manifest(root, *, adapter: dict | None = None, adapter_kind
     genai_config.json should be :func:`synthetic_onnx_graph` (naming the listed data files)
     and :func:`synthetic_genai_config`, which the loader checks."""
     from calm_runtime._fs import sha256_file
-    from calm_runtime.engine import engine_io_names
+    from calm_runtime.formats.engine import engine_io_names
 
     inputs, outputs = engine_io_names(1)
     return {
@@ -343,7 +343,7 @@ def mc_file(tmp_path_factory):
 @pytest.fixture(scope="module")
 def runtime_lm(runtime_engine):
     """The runtime engine loaded with calm_runtime (one thread)."""
-    from calm_runtime.lm import CalibratedLM
+    from calm_runtime.inference.lm import CalibratedLM
 
     lm = CalibratedLM.load(runtime_engine[2], threads=1)
     yield lm
@@ -431,7 +431,7 @@ def calm_serve_process(engine, *options: str, name: str = "served"):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "calm_runtime.cli", "-q", "serve", str(engine), "--port",
+        [sys.executable, "-m", "calm_runtime.cli.main", "-q", "serve", str(engine), "--port",
          str(port), "--threads", "1", "--model-name", name, *options],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"

@@ -65,7 +65,7 @@ def test_cli_reference_lists_every_command_and_option():
     pytest.importorskip("torch")  # with the train and export extras, no command is a stand-in
     pytest.importorskip("onnx")
     from calm_export.cli import build_parser as export_parser
-    from calm_runtime.cli import build_parser as calm_parser
+    from calm_runtime.cli.main import build_parser as calm_parser
 
     text = (ROOT / "docs" / "cli.md").read_text(encoding="utf-8")
     blocks = dict(re.findall(r"^#+ `([^`]+)`\n\n```text\n(.*?)\n```", text, re.S | re.M))
@@ -148,7 +148,7 @@ def test_tutorial_commands_parse_and_take_limit():
     pytest.importorskip("torch")
     pytest.importorskip("onnx")
     from calm_export.cli import build_parser as export_parser
-    from calm_runtime.cli import build_parser as calm_parser
+    from calm_runtime.cli.main import build_parser as calm_parser
 
     commands = _shell_commands(ROOT / "docs" / "tutorial.md")
     assert {c[1] for c in commands if c[0] == "calm"} >= {"eval", "fit", "score", "serve",
@@ -166,7 +166,7 @@ def test_help_states_no_measured_numbers():
     pytest.importorskip("torch")
     pytest.importorskip("onnx")
     from calm_export.cli import build_parser as export_parser
-    from calm_runtime.cli import build_parser as calm_parser
+    from calm_runtime.cli.main import build_parser as calm_parser
 
     measured = re.compile(r"\[\s*[-+−]?\d*\.\d+\s*,\s*[-+−]?\d*\.\d+\s*\]"  # an interval
                           r"|±|\b\d+(?:\.\d+)?x (?:faster|slower|the)\b"     # a speed ratio

@@ -19,14 +19,14 @@ MODEL = "smollm2-135m-instruct"
 
 @pytest.fixture(scope="module")
 def installed():
-    from calm_runtime.data import install_dataset
-    from calm_runtime.models import install_model
+    from calm_runtime.data.models import install_model
+    from calm_runtime.data.sets import install_dataset
 
     return install_model(MODEL), install_dataset("arc-easy")
 
 
 def test_second_install_is_a_no_op(installed, monkeypatch):
-    from calm_runtime import models
+    from calm_runtime.data import models
 
     def boom(*_a, **_k):
         raise AssertionError("a second install must not reinstall or reconvert")
@@ -38,9 +38,9 @@ def test_second_install_is_a_no_op(installed, monkeypatch):
 
 
 def test_cloze_scoring_on_the_real_model_beats_chance(installed):
-    from calm_runtime import metrics
-    from calm_runtime.data import load_dataset
-    from calm_runtime.models import load_model_and_tokenizer
+    from calm_runtime.data.models import load_model_and_tokenizer
+    from calm_runtime.data.sets import load_dataset
+    from calm_runtime.measure import metrics
     from calm_training.fit import option_probabilities
     from calm_training.scoring import score_multiple_choice
 
@@ -62,8 +62,8 @@ def test_cloze_scoring_on_the_real_model_beats_chance(installed):
 def test_two_step_calm_train_records_alpha_and_ships_it_only_if_it_helps(installed, tmp_path):
     """A real `calm train` (2 steps): the adapter records α's own share on held-out training
     questions and carries the identity α whenever that share does not lower their NLL."""
-    from calm_runtime.artifact import CalibrationAdapter
-    from calm_runtime.cli import main
+    from calm_runtime.cli.main import main
+    from calm_runtime.formats.artifact import CalibrationAdapter
 
     out = tmp_path / "calm"
     assert main(["train", "--model", MODEL, "--train", "arc-easy:train", "--calibration",

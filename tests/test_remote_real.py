@@ -56,7 +56,7 @@ def _tiny_reference(folder):
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """Two `calm serve` processes: the SmolLM2 engine and the tiny reference engine."""
-    from calm_runtime.models import install_model
+    from calm_runtime.data.models import install_model
 
     root = tmp_path_factory.mktemp("remote")
     smol = install_model(MODEL)
@@ -68,7 +68,7 @@ def served(tmp_path_factory):
         for role, engine in engines.items():
             port = _free_port()
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "calm_runtime.cli", "-q", "serve", str(engine),
+                [sys.executable, "-m", "calm_runtime.cli.main", "-q", "serve", str(engine),
                  "--port", str(port), "--threads", "1", "--model-name", role],
                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
             urls[role] = f"http://127.0.0.1:{port}/v1"
@@ -91,7 +91,7 @@ def served(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def questions(tmp_path_factory):
-    from calm_runtime.data import install_dataset
+    from calm_runtime.data.sets import install_dataset
 
     path = tmp_path_factory.mktemp("data") / "arc40.jsonl"
     lines = install_dataset("arc-easy").read_text().splitlines()[:N_QUESTIONS]

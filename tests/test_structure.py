@@ -137,7 +137,7 @@ def test_the_optional_commands_are_entry_points():
 #: where a spec's kind (local model, engine, served model) may be told apart: the resolver,
 #: and the runtime's ``calm score`` (an engine or a URL), which cannot import training
 KIND_TESTS = {"is_engine": {"training/sources.py"},
-              "is_endpoint": {"training/sources.py", "calm_runtime/cli.py"},
+              "is_endpoint": {"training/sources.py", "calm_runtime/cli/main.py"},
               "isinstance Endpoint": {"training/sources.py"}}
 
 

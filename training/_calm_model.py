@@ -12,7 +12,7 @@ import torch
 
 from calm_runtime.calibration import apply_calibration
 from calm_runtime.errors import ConfigError
-from calm_runtime.post_head import post_head
+from calm_runtime.inference.post_head import post_head
 
 from .methods import train_method
 
@@ -40,7 +40,7 @@ class AnswerHead(torch.nn.Module):
 
     def project(self, hidden):
         """Logits ``[P, V]`` of hidden states through the LM head and the family's soft cap
-        or logit scaling (calm_runtime.post_head), at least in float32 (half precision is
+        or logit scaling (calm_runtime.inference.post_head), at least in float32 (half precision is
         upcast; float64 stays, for gradient checks)."""
         z = self.lm.get_output_embeddings()(hidden)
         if z.dtype != torch.float64:
@@ -74,7 +74,7 @@ class CalmModel:
     def __init__(self, config, device) -> None:
         from peft import LoraConfig, get_peft_model
 
-        from calm_runtime.models import load_model_and_tokenizer, quiet_peft, resolve_model
+        from calm_runtime.data.models import load_model_and_tokenizer, quiet_peft, resolve_model
 
         lm, self.tokenizer, self.identity = load_model_and_tokenizer(config.model)
         self.folder = resolve_model(config.model)

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from calm_runtime.data.prompts import PTrueTemplate, cloze_context
 from calm_runtime.errors import ConfigError
-from calm_runtime.prompts import PTrueTemplate, cloze_context
 
 from .engine_model import EngineModel
 from .scoring import (

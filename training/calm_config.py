@@ -8,8 +8,8 @@ import math
 import os
 from dataclasses import dataclass
 
+from calm_runtime.data.prompts import CHOICE_MODES, CLOZE_VARIANTS, DEFAULT_CLOZE_VARIANT
 from calm_runtime.errors import ConfigError
-from calm_runtime.prompts import CHOICE_MODES, CLOZE_VARIANTS, DEFAULT_CLOZE_VARIANT
 
 from . import calm_data
 from .methods import (  # noqa: F401 - the names stay importable from here

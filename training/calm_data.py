@@ -3,7 +3,7 @@
 Which records train CALM
 ------------------------
 ``calm eval`` and :func:`calm_training.fit.compare_methods` evaluate on the ``test`` part
-of a named set (70%, :func:`calm_runtime.data.split_records` with fraction 0.3, seed 0).
+of a named set (70%, :func:`calm_runtime.data.sets.split_records` with fraction 0.3, seed 0).
 CALM must never see those records, so its two data sets are carved out of the other 30%,
 the ``calibration`` part, which post-hoc methods (TS, DACA) fit on as well:
 
@@ -15,7 +15,7 @@ the ``calibration`` part, which post-hoc methods (TS, DACA) fit on as well:
 The three parts are disjoint, so training on ``arc-easy:train`` with ``arc-easy:unlabeled``
 as calibration set and evaluating on ``arc-easy`` (its test part) never overlap. ``NAME``
 may be a named set or a ``.jsonl`` path; any other spec (``NAME``, ``NAME:test``, a path) is
-passed to :func:`calm_runtime.data.load_dataset` unchanged, with a warning when it overlaps
+passed to :func:`calm_runtime.data.sets.load_dataset` unchanged, with a warning when it overlaps
 the evaluation part.
 
 Positions and targets
@@ -53,18 +53,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from calm_runtime import modes
-from calm_runtime.data import (
-    DATA_PARTS,
-    MultipleChoiceRecord,
-    OpenQARecord,
-    Record,
-    dataset_hash,
-    load_dataset,
-    split_records,
-)
-from calm_runtime.errors import ConfigError, DataError
-from calm_runtime.olmo_eval_sets import SOURCES
-from calm_runtime.prompts import (
+from calm_runtime.data.olmo_eval_sets import SOURCES
+from calm_runtime.data.prompts import (
     CHOICE_MODES,
     CLOZE_VARIANTS,
     DEFAULT_CLOZE_VARIANT,
@@ -74,6 +64,16 @@ from calm_runtime.prompts import (
     letter_tokens,
     option_char_count,
 )
+from calm_runtime.data.sets import (
+    DATA_PARTS,
+    MultipleChoiceRecord,
+    OpenQARecord,
+    Record,
+    dataset_hash,
+    load_dataset,
+    split_records,
+)
+from calm_runtime.errors import ConfigError, DataError
 
 from .scoring import (
     CHARS_PER_TOKEN_MARGIN,
@@ -341,7 +341,7 @@ def encode_calibration(records: Sequence[Record], tokenizer, *, mode: str, chat:
     option token, all options (one sequence each); ``answer`` — only the position where the
     answer starts (one sequence per question, about K times cheaper).
     ``entropy="options"``: the entropy of the K-option distribution (module docstring),
-    cloze scores of the ``variant`` (:data:`~calm_runtime.prompts.CLOZE_VARIANTS`).
+    cloze scores of the ``variant`` (:data:`~calm_runtime.data.prompts.CLOZE_VARIANTS`).
     """
     encoder = _Encoder(tokenizer, mode=mode, chat=chat, max_length=max_length,
                        positions=positions, entropy=entropy, variant=variant)

@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from calm_runtime.data import MultipleChoiceRecord
+from calm_runtime.data.sets import MultipleChoiceRecord
 from calm_runtime.errors import ConfigError
 
 __all__ = ["reference_option_probs", "with_reference"]
@@ -28,7 +28,7 @@ def reference_option_probs(reference: str, records: Sequence, *, mode: str, vari
                            progress: bool = True) -> np.ndarray:
     """``[N, k_max]`` option probabilities of the ``reference`` model (packaged name, folder
     or .gguf) on multiple-choice ``records``, scored as the trained model's options are."""
-    from calm_runtime.models import load_model_and_tokenizer
+    from calm_runtime.data.models import load_model_and_tokenizer
     from calm_runtime.modes import option_probabilities
 
     from .scoring import score_multiple_choice

@@ -58,7 +58,7 @@ def bin_index(conf, bins: int):
     """Equal-width bin of each confidence: ``floor(conf · bins)``, 1.0 in the top bin.
 
     Bins are closed on the left, as in the published trainer (``bucketize(right=True)``);
-    ``calm_runtime.metrics.reliability_bins`` closes them on the right, as ECE reads them.
+    ``calm_runtime.measure.metrics.reliability_bins`` closes them on the right, as ECE reads them.
     The estimate and the loss both use this one rule, so a question on an edge sits in the
     same bin in both."""
     if isinstance(conf, torch.Tensor):

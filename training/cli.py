@@ -11,9 +11,9 @@ import logging
 from pathlib import Path
 
 from calm_runtime import modes
-from calm_runtime.cli_common import add_endpoint_limits, deprecated_alias, show_progress
+from calm_runtime.cli.common import add_endpoint_limits, deprecated_alias, show_progress
+from calm_runtime.data.prompts import CLOZE_VARIANTS
 from calm_runtime.errors import BackendUnavailableError
-from calm_runtime.prompts import CLOZE_VARIANTS
 
 from .fit_config import ALL_MODES, FitConfig
 from .train_cli import register_train
@@ -225,7 +225,7 @@ def _eval(args) -> int:
 
     config = _config(args)
     if args.eval_adapter and args.variant is None:  # the one the adapter records
-        from calm_runtime.artifact import CalibrationAdapter
+        from calm_runtime.formats.artifact import CalibrationAdapter
 
         recorded = CalibrationAdapter.from_pretrained(args.eval_adapter).cloze_variant
         config = dataclasses.replace(config, variant=recorded or _FIT["variant"])
@@ -250,8 +250,8 @@ def _eval(args) -> int:
 def _quickstart(args) -> int:
     """fit (label-free DACA) -> compare -> export the engine -> serve it with calm_runtime."""
     from calm_runtime._extras import install_hint, missing
-    from calm_runtime.data import install_dataset
-    from calm_runtime.models import install_model
+    from calm_runtime.data.models import install_model
+    from calm_runtime.data.sets import install_dataset
     from calm_training.evaluate import write_report
     from calm_training.fit import (
         DEFAULT_VARIANT,
@@ -297,8 +297,8 @@ def _quickstart_engine(args, config, adapter_dir: Path, engine_dir: Path, daca_r
     """Export the calibrated engine and use it from calm_runtime, torch-free."""
     from calm_export import ExportConfig, export_engine
     from calm_runtime import CalibratedLM
-    from calm_runtime.data import load_dataset, split_indices
-    from calm_runtime.score import format_report, score_records
+    from calm_runtime.data.sets import load_dataset, split_indices
+    from calm_runtime.measure.score import format_report, score_records
 
     result = export_engine(config.model, engine_dir, adapter=adapter_dir,
                            config=ExportConfig(overwrite=True, progress=show_progress(args)))

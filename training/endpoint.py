@@ -24,8 +24,8 @@ import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from calm_runtime.data.models import DEFAULT_API_KEY_ENV, is_endpoint  # noqa: F401 - re-exported
 from calm_runtime.errors import CalmError, ConfigError
-from calm_runtime.models import DEFAULT_API_KEY_ENV, is_endpoint  # noqa: F401 - re-exported
 
 __all__ = ["DEFAULT_MAX_RETRIES", "DEFAULT_TIMEOUT", "Endpoint", "RemoteError",
            "MAX_RESPONSE_BYTES", "abort_requests", "connect", "is_endpoint", "printable",

@@ -16,9 +16,9 @@ import os
 from types import SimpleNamespace
 
 from calm_runtime._fs import sha256_bytes
-from calm_runtime.artifact import ModelIdentity
-from calm_runtime.engine import EngineManifest
 from calm_runtime.errors import ConfigError
+from calm_runtime.formats.artifact import ModelIdentity
+from calm_runtime.formats.engine import EngineManifest
 
 __all__ = ["EngineModel", "load_engine", "engine_fingerprint", "engine_identity",
            "require_uncalibrated"]

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import numpy as np
 
-from calm_runtime.artifact import CalibrationAdapter
+from calm_runtime.data.prompts import cloze_variant_for
 from calm_runtime.errors import ConfigError
+from calm_runtime.formats.artifact import CalibrationAdapter
+from calm_runtime.measure.plot import write_reliability_diagram, write_risk_coverage
 from calm_runtime.modes import option_probabilities
-from calm_runtime.plot import write_reliability_diagram, write_risk_coverage
-from calm_runtime.prompts import cloze_variant_for
 
 from .fit import FitConfig, metric_row, require_labels
 from .plan import FitPlan

@@ -21,13 +21,13 @@ from pathlib import Path
 
 import numpy as np
 
-from calm_runtime import metrics
 from calm_runtime._fs import check_creatable
-from calm_runtime.artifact import CalibrationAdapter
-from calm_runtime.data import dataset_hash
+from calm_runtime.data.prompts import letter_tokens
+from calm_runtime.data.sets import dataset_hash
 from calm_runtime.errors import ConfigError, DataError, FitError
+from calm_runtime.formats.artifact import CalibrationAdapter
+from calm_runtime.measure import metrics
 from calm_runtime.modes import option_probabilities
-from calm_runtime.prompts import letter_tokens
 
 from . import daca
 from .fit_config import (  # noqa: F401 - FitConfig and the names stay importable from here
@@ -360,7 +360,7 @@ def _base_adapter(plan: FitPlan):
 
 
 def _fit_p_true_adapter(plan: FitPlan, method: str, out, *, overwrite: bool):
-    from calm_runtime.prompts import p_true_template
+    from calm_runtime.data.prompts import p_true_template
 
     from .p_true import fit_p_true
 

@@ -11,9 +11,9 @@ import dataclasses
 from dataclasses import dataclass
 
 from calm_runtime import modes
+from calm_runtime.data.models import DEFAULT_API_KEY_ENV
+from calm_runtime.data.prompts import DEFAULT_CLOZE_VARIANT, DEFAULT_P_TRUE_TEMPLATE
 from calm_runtime.errors import ConfigError
-from calm_runtime.models import DEFAULT_API_KEY_ENV
-from calm_runtime.prompts import DEFAULT_CLOZE_VARIANT, DEFAULT_P_TRUE_TEMPLATE
 
 from .endpoint import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT
 from .methods import LABEL_FREE, METHODS

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from calm_runtime import metrics, modes
+from calm_runtime import modes
+from calm_runtime.measure import metrics
 
 __all__ = ["Metrics", "add_selective", "format_selective_table", "format_table",
            "served_floor"]

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import numpy as np
 
-from calm_runtime import metrics
 from calm_runtime._fs import sha256_bytes
 from calm_runtime._paths import cache_dir
-from calm_runtime.data import dataset_hash
+from calm_runtime.data.prompts import p_true_template
+from calm_runtime.data.sets import dataset_hash
 from calm_runtime.errors import ConfigError, FitError
-from calm_runtime.prompts import p_true_template
+from calm_runtime.measure import metrics
 
 from .answers import generate_answers, score_p_true
 from .fit_report import add_selective, served_floor

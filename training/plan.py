@@ -17,7 +17,7 @@ from functools import cached_property
 
 import numpy as np
 
-from calm_runtime.data import MultipleChoiceRecord, OpenQARecord, load_dataset, split_indices
+from calm_runtime.data.sets import MultipleChoiceRecord, OpenQARecord, load_dataset, split_indices
 from calm_runtime.errors import ConfigError, DataError
 from calm_runtime.modes import Mode
 
@@ -97,7 +97,7 @@ class FitPlan:
 
     @cached_property
     def split(self) -> tuple[np.ndarray, np.ndarray]:
-        """``(calibration, test)`` indices into :attr:`records` (``calm_runtime.data``'s
+        """``(calibration, test)`` indices into :attr:`records` (``calm_runtime.data.sets``'s
         seeded split)."""
         return split_indices(len(self.records), self.config.calibration_fraction,
                              self.config.seed)

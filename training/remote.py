@@ -47,9 +47,7 @@ import numpy as np
 
 from calm_runtime import modes
 from calm_runtime._paths import cache_dir
-from calm_runtime.data import MultipleChoiceRecord
-from calm_runtime.errors import CalmError, ConfigError
-from calm_runtime.prompts import (
+from calm_runtime.data.prompts import (
     PTrueTemplate,
     cloze_context,
     cloze_continuation,
@@ -57,6 +55,8 @@ from calm_runtime.prompts import (
     letter_tokens,
     option_char_count,
 )
+from calm_runtime.data.sets import MultipleChoiceRecord
+from calm_runtime.errors import CalmError, ConfigError
 
 from .answer_logprobs import (  # noqa: F401 - re-exported: the answers this module reads
     TOP_LOGPROBS,

@@ -16,7 +16,8 @@ do not change a score (tested against an unbatched computation).
 
 ``model`` may also be an :class:`~calm_training.engine_model.EngineModel` (an exported
 engine): the same token ids then run through ONNX Runtime with the runtime's scoring
-passes (``calm_runtime.scoring_passes``), and the scores equal the torch path's to export parity.
+passes (``calm_runtime.inference.scoring_passes``), and the scores equal the torch path's
+to export parity.
 """
 
 from __future__ import annotations
@@ -27,10 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from calm_runtime import modes, scoring_passes
-from calm_runtime.data import MultipleChoiceRecord
-from calm_runtime.errors import ConfigError, DataError
-from calm_runtime.prompts import (
+from calm_runtime import modes
+from calm_runtime.data.prompts import (
     CLOZE_VARIANTS,
     DEFAULT_CLOZE_VARIANT,
     cloze_context,
@@ -40,7 +39,10 @@ from calm_runtime.prompts import (
     letter_tokens,
     option_char_count,
 )
-from calm_runtime.score import is_correct, normalize_answer
+from calm_runtime.data.sets import MultipleChoiceRecord
+from calm_runtime.errors import ConfigError, DataError
+from calm_runtime.inference import scoring_passes
+from calm_runtime.measure.score import is_correct, normalize_answer
 
 from .engine_model import EngineModel
 
@@ -326,7 +328,7 @@ def score_multiple_choice(model, tokenizer, records: Sequence[MultipleChoiceReco
                           max_length: int | None = None) -> OptionScores:
     """Option scores for ``records`` in ``mode`` (see the module docstring).
 
-    ``calibration`` (a :class:`~calm_runtime.artifact.CalibrationAdapter`) is applied to the
+    ``calibration`` (a :class:`~calm_runtime.formats.artifact.CalibrationAdapter`) is applied to the
     full-vocabulary logits before anything is read from them, as an engine would. Every
     sequence must fit :func:`context_limit` (the model's context or ``max_length``); a
     record that does not is a :class:`DataError` naming it, raised before any batch runs.

@@ -8,12 +8,12 @@ import dataclasses
 import re
 
 from calm_runtime import modes
-from calm_runtime.artifact import CalibrationAdapter
-from calm_runtime.data import MultipleChoiceRecord
+from calm_runtime.data.prompts import cloze_variant_for
+from calm_runtime.data.sets import MultipleChoiceRecord
 from calm_runtime.errors import ConfigError, DataError
-from calm_runtime.fit_record import FitRecord
-from calm_runtime.prompts import cloze_variant_for
-from calm_runtime.score import choices_report, require_labels
+from calm_runtime.formats.artifact import CalibrationAdapter
+from calm_runtime.formats.fit_record import FitRecord
+from calm_runtime.measure.score import choices_report, require_labels
 
 from .cache import cached_option_scores
 from .fit import FitConfig
@@ -25,8 +25,9 @@ __all__ = ["score_served"]
 def score_served(args, records) -> tuple[dict, str]:
     """``calm score URL``: the served model's option scores as ``calm eval`` gets them
     (:func:`calm_training.cache.cached_option_scores`), the adapter's temperatures applied as
-    ``calm eval`` applies them, and the report :func:`calm_runtime.score.choices_report` makes
-    for an engine; returns the report and the report file's name stem."""
+    ``calm eval`` applies them, and the report
+    :func:`calm_runtime.measure.score.choices_report` makes for an engine; returns the
+    report and the report file's name stem."""
     if records and not isinstance(records[0], MultipleChoiceRecord):
         raise ConfigError(f"{args.data} holds open-QA records; calm score scores a served "
                           "model's multiple-choice answers only; for P(True) use calm eval "

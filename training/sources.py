@@ -15,10 +15,10 @@ from functools import cached_property
 from pathlib import Path
 from typing import ClassVar
 
-from calm_runtime.artifact import ModelIdentity
-from calm_runtime.engine import ENGINE_MANIFEST_NAME
+from calm_runtime.data.models import DEFAULT_API_KEY_ENV
 from calm_runtime.errors import ConfigError
-from calm_runtime.models import DEFAULT_API_KEY_ENV
+from calm_runtime.formats.artifact import ModelIdentity
+from calm_runtime.formats.engine import ENGINE_MANIFEST_NAME
 
 from .endpoint import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT, Endpoint, connect, is_endpoint
 
@@ -91,23 +91,23 @@ class LocalModel(ModelSource):
     full_logits = True
 
     def folder(self) -> Path:
-        from calm_runtime.models import resolve_model
+        from calm_runtime.data.models import resolve_model
 
         return resolve_model(self.spec)
 
     def identity(self) -> ModelIdentity:
-        from calm_runtime.models import model_identity
+        from calm_runtime.data.models import model_identity
 
         return model_identity(self.folder(),
                               name=self.spec if not Path(self.spec).exists() else None)
 
     def fingerprint(self) -> str:
-        from calm_runtime.models import model_fingerprint
+        from calm_runtime.data.models import model_fingerprint
 
         return model_fingerprint(self.folder())
 
     def load(self, lora_path=None):
-        from calm_runtime.models import load_model_and_tokenizer
+        from calm_runtime.data.models import load_model_and_tokenizer
 
         return load_model_and_tokenizer(self.folder(), lora_path=lora_path)
 

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from calm_runtime.data import MultipleChoiceRecord
+from calm_runtime.data.prompts import cloze_context, cloze_continuation
+from calm_runtime.data.sets import MultipleChoiceRecord
 from calm_runtime.errors import ConfigError, FitError
-from calm_runtime.prompts import cloze_context, cloze_continuation
 
 from . import daca
 from .methods import fit_method

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import argparse
 
-from calm_runtime.cli_common import show_progress
-from calm_runtime.prompts import CHOICE_MODES, CLOZE_VARIANTS
+from calm_runtime.cli.common import show_progress
+from calm_runtime.data.prompts import CHOICE_MODES, CLOZE_VARIANTS
 
 __all__ = ["register_train"]
 
@@ -22,7 +22,7 @@ examples:
       --calibration sciq:unlabeled --out adapters/calm-smollm2
   calm train ... --method lora --out adapters/lora-smollm2     # the plain LoRA reference
   calm train ... --method cft --out adapters/cft-smollm2       # the training-time baseline
-  torchrun --nproc_per_node 2 -m calm_runtime.cli train ...      # data parallel
+  torchrun --nproc_per_node 2 -m calm_runtime.cli.main train ...      # data parallel
   calm fit daca --model smollm2-135m-instruct --reference gemma-3-270m --data arc-easy \\
       --adapter adapters/calm-smollm2 --out adapters/calm-daca   # compose with DACA
 """

@@ -38,9 +38,9 @@ from pathlib import Path
 import numpy as np
 
 from calm_runtime import modes
-from calm_runtime.artifact import CalibrationAdapter
-from calm_runtime.data import MultipleChoiceRecord
+from calm_runtime.data.sets import MultipleChoiceRecord
 from calm_runtime.errors import ConfigError, FitError
+from calm_runtime.formats.artifact import CalibrationAdapter
 
 from . import calm_data
 from .calm_config import (  # noqa: F401 - re-exported: the trainer's public names
@@ -384,7 +384,7 @@ class _Trainer:
         import torch
         import transformers
 
-        from calm_runtime.models import model_fingerprint
+        from calm_runtime.data.models import model_fingerprint
 
         cfg = self.config
         tau, shift = self.model.tau_shift()

@@ -14,12 +14,12 @@ from __future__ import annotations
 try:
     import fastapi  # noqa: F401
 except ImportError as err:  # one clear line instead of a missing-module error deep inside
-    from ..cli_common import missing_extra_message
-    from ..errors import BackendUnavailableError
+    from calm_runtime.cli.common import missing_extra_message
+    from calm_runtime.errors import BackendUnavailableError
 
     raise BackendUnavailableError(missing_extra_message("serve", "calm_runtime.server")) from err
 
-from .app import create_app
-from .config import ServeConfig
+from calm_runtime.server.app import create_app
+from calm_runtime.server.config import ServeConfig
 
 __all__ = ["create_app", "ServeConfig"]

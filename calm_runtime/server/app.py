@@ -41,23 +41,18 @@ from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .._version import __version__
-from ..errors import CalmError, ConfigError
-from ..lm import CalibratedLM
-from .batcher import Job
-from .config import ServeConfig
-from .guard import Guard
-from .intake import Intake
-from .metrics import CONTENT_TYPE_LATEST
-from .openapi import openapi_schema, request_body, template_tokens
-from .protocol import (
-    APIError,
-    ChatRequest,
-    CompletionRequest,
-    ErrorResponse,
-)
-from .responses import EventStream, ResponseWriter
-from .serving import ECHO_MAX_ENTRIES, PROMPT_CHARS_PER_TOKEN, ServerState  # noqa: F401
+from calm_runtime._version import __version__
+from calm_runtime.errors import CalmError, ConfigError
+from calm_runtime.inference.lm import CalibratedLM
+from calm_runtime.server.batcher import Job
+from calm_runtime.server.config import ServeConfig
+from calm_runtime.server.guard import Guard
+from calm_runtime.server.intake import Intake
+from calm_runtime.server.metrics import CONTENT_TYPE_LATEST
+from calm_runtime.server.openapi import openapi_schema, request_body, template_tokens
+from calm_runtime.server.protocol import APIError, ChatRequest, CompletionRequest, ErrorResponse
+from calm_runtime.server.responses import EventStream, ResponseWriter
+from calm_runtime.server.serving import ECHO_MAX_ENTRIES, PROMPT_CHARS_PER_TOKEN, ServerState  # noqa: F401
 
 __all__ = ["create_app", "app_from_environment", "CONFIG_ENV", "PROMPT_CHARS_PER_TOKEN"]
 

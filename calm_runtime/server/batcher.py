@@ -27,8 +27,8 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from ..errors import CalmError
-from ..results import Generation
+from calm_runtime.errors import CalmError
+from calm_runtime.inference.results import Generation
 
 __all__ = ["Job", "JobResult", "MicroBatcher", "QueueFull", "ShuttingDown", "END"]
 

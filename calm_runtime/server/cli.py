@@ -1,4 +1,4 @@
-"""The handler of ``calm serve`` (the parser lives in :mod:`calm_runtime.cli`)."""
+"""The handler of ``calm serve`` (the parser lives in :mod:`calm_runtime.cli.main`)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from dataclasses import fields
 
 import uvicorn
 
-from ..errors import ConfigError
-from .app import CONFIG_ENV, create_app
-from .config import ServeConfig
+from calm_runtime.errors import ConfigError
+from calm_runtime.server.app import CONFIG_ENV, create_app
+from calm_runtime.server.config import ServeConfig
 
 __all__ = ["serve", "config_from_args"]
 
@@ -55,7 +55,7 @@ def serve(args) -> int:
         logger.warning("binding %s without --api-key-env: anyone who can reach this address "
                        "can use the server", args.host)
     if args.ray:
-        from .ray_serve import run_ray
+        from calm_runtime.server.ray_serve import run_ray
 
         run_ray(config, host=args.host, port=args.port, replicas=args.replicas,
                 replica_cpus=args.replica_cpus)

@@ -1,5 +1,5 @@
-"""``ServeConfig`` (defined in :mod:`calm_runtime.serve_config`, importable without FastAPI)."""
+"""``ServeConfig`` (defined in :mod:`calm_runtime.cli.serve_config`, importable without FastAPI)."""
 
-from ..serve_config import ServeConfig
+from calm_runtime.cli.serve_config import ServeConfig
 
 __all__ = ["ServeConfig"]

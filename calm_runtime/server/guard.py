@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import time
 
-from .config import ServeConfig
-from .protocol import (
-    APIError,
-)
-from .serving import ServerState
+from calm_runtime.server.config import ServeConfig
+from calm_runtime.server.protocol import APIError
+from calm_runtime.server.serving import ServerState
 
 __all__ = ["CLIENT_CLOSED", "Guard", "too_large"]
 

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 from fastapi import Request
 
-from ..errors import CalmError
-from .batcher import Job, QueueFull, ShuttingDown
-from .guard import too_large
-from .json_body import clip, json_object, validated
-from .protocol import (
-    APIError,
-)
-from .serving import PROMPT_CHARS_PER_TOKEN, ServerState
+from calm_runtime.errors import CalmError
+from calm_runtime.server.batcher import Job, QueueFull, ShuttingDown
+from calm_runtime.server.guard import too_large
+from calm_runtime.server.json_body import clip, json_object, validated
+from calm_runtime.server.protocol import APIError
+from calm_runtime.server.serving import PROMPT_CHARS_PER_TOKEN, ServerState
 
 __all__ = ["Intake"]
 

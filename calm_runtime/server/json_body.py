@@ -8,9 +8,7 @@ import re
 
 from pydantic import ValidationError
 
-from .protocol import (
-    APIError,
-)
+from calm_runtime.server.protocol import APIError
 
 __all__ = ["json_object", "validated", "clip"]
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from ..errors import CalmError
-from ..lm import CalibratedLM
-from .protocol import (
+from calm_runtime.errors import CalmError
+from calm_runtime.inference.lm import CalibratedLM
+from calm_runtime.server.protocol import (
     MAX_CHOICE_CHARS,
     MAX_CHOICES,
     MIN_CHOICES,
@@ -16,7 +16,7 @@ from .protocol import (
     CompletionRequest,
     CompletionResponse,
 )
-from .serving import ServerState
+from calm_runtime.server.serving import ServerState
 
 __all__ = ["openapi_schema", "request_body", "template_tokens", "TOKENS_PER_CHAR",
            "CHAT_MESSAGES_DOCUMENTED"]

@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ..results import Generation, Token
+from calm_runtime.inference.results import Generation, Token
 
 __all__ = ["CompletionRequest", "ChatRequest", "ErrorResponse", "APIError", "FINISH_REASONS",
            "Usage", "AssistantMessage", "CompletionChoice", "ChatChoice", "CompletionResponse",

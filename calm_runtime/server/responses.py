@@ -19,12 +19,12 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from .. import modes
-from ..errors import CalmError
-from ..scoring_passes import ScoringStopped
-from .batcher import END, Job
-from .guard import CLIENT_CLOSED
-from .protocol import (
+from calm_runtime import modes
+from calm_runtime.errors import CalmError
+from calm_runtime.inference.scoring_passes import ScoringStopped
+from calm_runtime.server.batcher import END, Job
+from calm_runtime.server.guard import CLIENT_CLOSED
+from calm_runtime.server.protocol import (
     FINISH_REASONS,
     APIError,
     AssistantMessage,
@@ -39,7 +39,7 @@ from .protocol import (
     completion_logprobs,
     echo_logprobs,
 )
-from .serving import ServerState
+from calm_runtime.server.serving import ServerState
 
 __all__ = ["EventStream", "ResponseWriter", "out_of_memory"]
 
@@ -108,7 +108,7 @@ class ResponseWriter:
         engine beside the batcher, cut at ``request_timeout_s`` (504) or when the client
         disconnects (``None``); the call stops between its steps (``should_stop``), so its
         thread is free again at once. Its memory is bounded inside the call (the scoring
-        budget of :mod:`calm_runtime.scoring_passes`)."""
+        budget of :mod:`calm_runtime.inference.scoring_passes`)."""
         loop = asyncio.get_running_loop()
         if self._scoring_gate is None:
             self._scoring_gate = asyncio.Semaphore(1)

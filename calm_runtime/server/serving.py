@@ -12,15 +12,13 @@ import time
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from .. import modes
-from ..engine import ENGINE_MANIFEST_NAME
-from ..lm import CalibratedLM
-from .batcher import Job, MicroBatcher
-from .config import ServeConfig
-from .metrics import ServerMetrics
-from .protocol import (
-    APIError,
-)
+from calm_runtime import modes
+from calm_runtime.formats.engine import ENGINE_MANIFEST_NAME
+from calm_runtime.inference.lm import CalibratedLM
+from calm_runtime.server.batcher import Job, MicroBatcher
+from calm_runtime.server.config import ServeConfig
+from calm_runtime.server.metrics import ServerMetrics
+from calm_runtime.server.protocol import APIError
 
 __all__ = ["ServerState", "ECHO_MAX_ENTRIES", "PROMPT_CHARS_PER_TOKEN"]
 

@@ -162,7 +162,7 @@ def test_train_help_holds_no_measured_number(capsys):
     one)."""
     import re
 
-    from calm_runtime.cli import main
+    from calm_runtime.cli.main import main
 
     with pytest.raises(SystemExit):
         main(["train", "--help"])

@@ -93,8 +93,8 @@ def test_fit_rows_are_the_rows_the_token_fit_minimises(bench, tiny_llama_tied, t
     the temperature ``token_level_fit`` fitted, and their count is its ``n_used``."""
     from conftest import write_mc_jsonl
 
-    from calm_runtime.data import load_dataset
-    from calm_runtime.models import load_model_and_tokenizer
+    from calm_runtime.data.models import load_model_and_tokenizer
+    from calm_runtime.data.sets import load_dataset
     from calm_training.token_fit import token_level_fit
 
     records = load_dataset(str(write_mc_jsonl(tmp_path / "mc.jsonl", n=12)))

@@ -26,10 +26,10 @@ from calm_export import (  # noqa: E402
     export_engine,
     fuse,  # noqa: E402
 )
-from calm_runtime.artifact import CalibrationAdapter, ModelIdentity  # noqa: E402
 from calm_runtime.calibration import apply_calibration, fused_head  # noqa: E402
-from calm_runtime.engine import EngineManifest  # noqa: E402
 from calm_runtime.errors import ArtifactError  # noqa: E402
+from calm_runtime.formats.artifact import CalibrationAdapter, ModelIdentity  # noqa: E402
+from calm_runtime.formats.engine import EngineManifest  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 #: the fused head against the formula, float32 (the acceptance bound of the issue)
@@ -138,7 +138,7 @@ def test_engine_checkpoint_and_torch_backend_agree_with_the_formula(tmp_path,
                                                                     tiny_llama_untied):
     """calm's own graph (ONNX Runtime), the --format hf checkpoint and the runtime's torch
     backend: three routes, one formula."""
-    from calm_runtime.backends import OnnxRuntimeBackend, TorchBackend
+    from calm_runtime.inference.backends import OnnxRuntimeBackend, TorchBackend
 
     adapter = _centred(tiny_llama_untied, seed=5)
     adapter.save_pretrained(tmp_path / "adapter")

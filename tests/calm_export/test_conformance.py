@@ -43,11 +43,11 @@ from conftest import (  # noqa: E402
 
 from calm_export import ExportConfig, export_engine  # noqa: E402
 from calm_runtime import CalibratedLM  # noqa: E402
-from calm_runtime.artifact import CalibrationAdapter  # noqa: E402
-from calm_runtime.cli import main as calm_main  # noqa: E402
-from calm_runtime.data import MultipleChoiceRecord  # noqa: E402
+from calm_runtime.cli.main import main as calm_main  # noqa: E402
+from calm_runtime.data.sets import MultipleChoiceRecord  # noqa: E402
 from calm_runtime.errors import IncompatibleModelError  # noqa: E402
-from calm_runtime.post_head import post_head  # noqa: E402
+from calm_runtime.formats.artifact import CalibrationAdapter  # noqa: E402
+from calm_runtime.inference.post_head import post_head  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -96,7 +96,7 @@ class Case:
 
 @pytest.fixture(scope="module", params=FAMILIES, ids=[f.name for f in FAMILIES])
 def case(request, tmp_path_factory):
-    from calm_runtime.models import load_model_and_tokenizer
+    from calm_runtime.data.models import load_model_and_tokenizer
 
     family = request.param
     root = tmp_path_factory.mktemp(family.model_type)
@@ -146,7 +146,7 @@ def test_export_passes_validation_and_records_the_post_head_op(case):
 
 
 def test_engine_prefill_equals_the_reference_past_the_window(case):
-    from calm_runtime.engine import engine_io_names
+    from calm_runtime.formats.engine import engine_io_names
 
     ids = case.tokenizer(LONG_PROMPT)["input_ids"]
     assert len(ids) > 2 * 8
@@ -180,7 +180,7 @@ def test_default_graph_is_the_builders_where_it_builds_the_family(case):
 def test_a_left_padded_batch_equals_its_rows_alone(case):
     """Two prompts of different lengths in one left-padded batch: prefill logits at the real
     positions and 6 greedy decode steps equal each prompt run alone (batch 1)."""
-    from calm_runtime._generation import initial_positions, left_pad
+    from calm_runtime.inference._generation import initial_positions, left_pad
 
     backend = CalibratedLM.load(case.engine, threads=1).backend
     rows = [case.tokenizer(LONG_PROMPT)["input_ids"], case.tokenizer("Answer:")["input_ids"]]

@@ -1,4 +1,4 @@
-"""The engine contract (calm_runtime/engine.py): strict reading, hashes, safe paths.
+"""The engine contract (calm_runtime/formats/engine.py): strict reading, hashes, safe paths.
 
 These tests build a synthetic engine folder (a hand-encoded graph proto naming its external
 data, no weights) so they need neither torch nor onnx; the end-to-end tests check real engines.
@@ -14,13 +14,13 @@ import pytest
 from conftest import synthetic_genai_config, synthetic_onnx_graph
 
 from calm_runtime._fs import sha256_file
-from calm_runtime.engine import (
+from calm_runtime.errors import ArtifactError, SchemaVersionError
+from calm_runtime.formats.engine import (
     ENGINE_MANIFEST_NAME,
     ENGINE_SCHEMA_VERSION,
     EngineManifest,
     engine_io_names,
 )
-from calm_runtime.errors import ArtifactError, SchemaVersionError
 
 SHA = "0" * 64
 
@@ -172,7 +172,7 @@ def test_not_an_engine_directory(tmp_path):
 
 
 def test_engine_module_imports_without_torch_or_onnx():
-    code = ("import sys; import calm_runtime.engine; "
+    code = ("import sys; import calm_runtime.formats.engine; "
             "bad = [m for m in ('torch', 'onnx', 'onnxruntime', 'transformers') "
             "if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)

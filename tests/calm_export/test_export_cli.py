@@ -86,8 +86,8 @@ def test_calm_export_subcommand_is_the_same_command(tmp_path, capsys, tiny_llama
     """``calm export`` takes calm-export's options and writes the same engine."""
     from calm_export import cli as export_cli
     from calm_export import onnx as calm_onnx
-    from calm_runtime.cli import build_parser
-    from calm_runtime.cli import main as calm_main
+    from calm_runtime.cli.main import build_parser
+    from calm_runtime.cli.main import main as calm_main
 
     sub = next(a for a in build_parser()._actions if a.dest == "command").choices["export"]
     options = {s for a in sub._actions for s in a.option_strings}
@@ -117,7 +117,7 @@ class Block(importlib.abc.MetaPathFinder):
 
 sys.meta_path.insert(0, Block())
 from calm_export.cli import main as export_main
-from calm_runtime.cli import main as calm_main
+from calm_runtime.cli.main import main as calm_main
 sys.exit(export_main(sys.argv[2:]) if sys.argv[1] == "calm-export" else calm_main(sys.argv[2:]))
 '''
 

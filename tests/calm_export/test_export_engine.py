@@ -22,10 +22,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache  # no
 
 from calm_export import ExportConfig, export_engine  # noqa: E402
 from calm_runtime._fs import sha256_file  # noqa: E402
-from calm_runtime.artifact import CalibrationAdapter  # noqa: E402
 from calm_runtime.calibration import apply_calibration  # noqa: E402
-from calm_runtime.engine import EngineManifest  # noqa: E402
-from calm_runtime.models import model_identity  # noqa: E402
+from calm_runtime.data.models import model_identity  # noqa: E402
+from calm_runtime.formats.artifact import CalibrationAdapter  # noqa: E402
+from calm_runtime.formats.engine import EngineManifest  # noqa: E402
 
 STEPS = 20
 #: fp32 ONNX Runtime vs torch on 2 tiny layers differ by ~1e-6 on logits of magnitude ~5.
@@ -113,7 +113,7 @@ def _reference(model_dir, adapter, ids, mask):
 def _engine_replay(engine_dir, manifest, ids, mask, tokens):
     """The engine run as calm serves it (ONNX Runtime through calm's backend; a packed
     builder graph through its in-place cache), fed the reference's tokens."""
-    from calm_runtime.backends import OnnxRuntimeBackend, PackedOnnxRuntimeBackend
+    from calm_runtime.inference.backends import OnnxRuntimeBackend, PackedOnnxRuntimeBackend
 
     backend = OnnxRuntimeBackend(EngineManifest.load(engine_dir), threads=1)
     # the manifest decides the class: a packed graph gets the packed backend

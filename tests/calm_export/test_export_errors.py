@@ -16,8 +16,7 @@ from conftest import random_calibration_adapter  # noqa: E402
 
 from calm_export import ExportConfig, export_engine, fuse, pipeline, validate  # noqa: E402
 from calm_runtime._fs import sha256_file  # noqa: E402
-from calm_runtime.artifact import CalibrationAdapter, ModelIdentity  # noqa: E402
-from calm_runtime.engine import EngineManifest  # noqa: E402
+from calm_runtime.data.models import model_identity  # noqa: E402
 from calm_runtime.errors import (  # noqa: E402
     ArtifactError,
     BackendUnavailableError,
@@ -26,7 +25,8 @@ from calm_runtime.errors import (  # noqa: E402
     IncompatibleModelError,
     ModelSourceError,
 )
-from calm_runtime.models import model_identity  # noqa: E402
+from calm_runtime.formats.artifact import CalibrationAdapter, ModelIdentity  # noqa: E402
+from calm_runtime.formats.engine import EngineManifest  # noqa: E402
 
 FAST = {"progress": False, "exporter": "torchscript", "greedy_steps": 4}
 
@@ -279,8 +279,8 @@ def test_hf_checkpoint_holds_the_shift_where_the_head_has_a_bias(tmp_path):
 
 
 def test_serving_an_hf_checkpoint_points_to_calm_export(tmp_path):
-    from calm_runtime.engine import EngineManifest
     from calm_runtime.errors import ArtifactError
+    from calm_runtime.formats.engine import EngineManifest
 
     folder = tmp_path / "ckpt"
     folder.mkdir()

@@ -19,10 +19,10 @@ from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 from calm_export import ExportConfig, export_engine, quantize, recalibrate  # noqa: E402
 from calm_export.validate import Case, Rollout  # noqa: E402
-from calm_runtime import metrics  # noqa: E402
-from calm_runtime.data import MultipleChoiceRecord, write_jsonl  # noqa: E402
+from calm_runtime.data.sets import MultipleChoiceRecord, write_jsonl  # noqa: E402
 from calm_runtime.errors import ConfigError, ExportValidationError  # noqa: E402
-from calm_runtime.lm import CalibratedLM  # noqa: E402
+from calm_runtime.inference.lm import CalibratedLM  # noqa: E402
+from calm_runtime.measure import metrics  # noqa: E402
 
 FAST = {"progress": False, "exporter": "torchscript", "greedy_steps": 4}
 TOPICS = ["cats", "rivers", "stars", "bread", "trains", "salt", "moss", "glass"]

@@ -13,9 +13,9 @@ from conftest import random_calibration_adapter  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from calm_export import fuse  # noqa: E402
-from calm_runtime.artifact import CalibrationAdapter, ModelIdentity  # noqa: E402
 from calm_runtime.calibration import apply_calibration  # noqa: E402
 from calm_runtime.errors import ArtifactError, IncompatibleModelError  # noqa: E402
+from calm_runtime.formats.artifact import CalibrationAdapter, ModelIdentity  # noqa: E402
 
 #: fp32 on 2 tiny layers: the fused matmul rounds differently from matmul-then-scale by
 #: a few ulps of logits of magnitude ~5, i.e. ~1e-6; 1e-5 leaves room and still catches

@@ -131,7 +131,7 @@ def compare(original: dict[str, float], calibrated: dict[str, float],
 def test_llama_server_serves_the_calibrated_gguf_with_differences_divided_by_t(tmp_path):
     from calm_export.config import ExportConfig
     from calm_export.gguf import export_gguf, source_gguf
-    from calm_runtime.artifact import CalibrationAdapter, ModelIdentity
+    from calm_runtime.formats.artifact import CalibrationAdapter, ModelIdentity
 
     vocab = 49152
     adapter = CalibrationAdapter(base_model=ModelIdentity(MODEL, vocab, None),

@@ -5,7 +5,7 @@ The four hostile configs of the probe (``vocab_size`` 2**31: an 8 GiB numpy allo
 transformers' StrictDataclassFieldValidationError; ``num_key_value_heads`` 3 with 4 query
 heads: a RuntimeError) each give one ``ModelSourceError`` line on stderr and exit 1, with
 no traceback and nothing written; the check is transformers' own config validation plus
-calm's bounds (calm_runtime.models.check_model_config), and real families' configs pass.
+calm's bounds (calm_runtime.data.models.check_model_config), and real families' configs pass.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ pytest.importorskip("transformers")
 
 from calm_export import pipeline  # noqa: E402
 from calm_export.cli import main  # noqa: E402
-from calm_runtime import _model_config  # noqa: E402
+from calm_runtime.data.models import check_model_config, load_model_and_tokenizer  # noqa: E402
 from calm_runtime.errors import ModelSourceError  # noqa: E402
-from calm_runtime.models import check_model_config, load_model_and_tokenizer  # noqa: E402
+from calm_runtime.formats import _model_config
 
 #: the probe's four configs: (the change to config.json, what the one line must say)
 HOSTILE = {
@@ -197,7 +197,7 @@ def test_weights_that_do_not_fit_the_config_are_one_line(tmp_path, tiny_llama_un
 
 
 def test_the_bounds_fit_inside_the_engine_manifests_own_limit():
-    from calm_runtime.engine import MODEL_NUMBER_LIMIT
+    from calm_runtime.formats.engine import MODEL_NUMBER_LIMIT
 
     for name in ("VOCAB_SIZE", "HIDDEN_SIZE", "INTERMEDIATE_SIZE", "LAYERS", "HEADS",
                  "HEAD_DIM", "CONTEXT"):

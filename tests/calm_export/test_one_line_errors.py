@@ -13,7 +13,7 @@ pytest.importorskip("peft")
 
 from conftest import random_calibration_adapter, write_mc_jsonl  # noqa: E402
 
-from calm_runtime.cli import main  # noqa: E402
+from calm_runtime.cli.main import main  # noqa: E402
 
 
 def _one_line(capsys, prefix: str) -> str:

@@ -14,11 +14,11 @@ pytest.importorskip("onnxruntime_genai")
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from calm_export import ExportConfig, export_engine  # noqa: E402
-from calm_runtime.artifact import CalibrationAdapter  # noqa: E402
-from calm_runtime.backends import OnnxRuntimeBackend  # noqa: E402
 from calm_runtime.calibration import apply_calibration  # noqa: E402
-from calm_runtime.engine import EngineManifest  # noqa: E402
-from calm_runtime.models import model_identity  # noqa: E402
+from calm_runtime.data.models import model_identity  # noqa: E402
+from calm_runtime.formats.artifact import CalibrationAdapter  # noqa: E402
+from calm_runtime.formats.engine import EngineManifest  # noqa: E402
+from calm_runtime.inference.backends import OnnxRuntimeBackend  # noqa: E402
 
 
 def _adapter(folder, tau, shift, temperature):

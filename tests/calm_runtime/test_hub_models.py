@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 
 CHILD = r"""
 import sys
-from calm_runtime.models import resolve_model
+from calm_runtime.data.models import resolve_model
 from calm_runtime.errors import CalmError
 try:
     print(resolve_model(sys.argv[1]))

@@ -33,11 +33,16 @@ from conftest import synthetic_engine_manifest, synthetic_genai_config, syntheti
 from safetensors.numpy import save_file
 
 from calm_runtime._fs import sha256_file
-from calm_runtime._tokenizer import EngineTokenizer
-from calm_runtime.artifact import MANIFEST_NAME, TENSORS_NAME, CalibrationAdapter, ModelIdentity
-from calm_runtime.data import dataset_hash, read_jsonl
-from calm_runtime.engine import ENGINE_MANIFEST_NAME, EngineManifest
+from calm_runtime.data.sets import dataset_hash, read_jsonl
 from calm_runtime.errors import ArtifactError, CalmError, DataError
+from calm_runtime.formats.artifact import (
+    MANIFEST_NAME,
+    TENSORS_NAME,
+    CalibrationAdapter,
+    ModelIdentity,
+)
+from calm_runtime.formats.engine import ENGINE_MANIFEST_NAME, EngineManifest
+from calm_runtime.inference._tokenizer import EngineTokenizer
 
 VOCAB = 8
 SECRET = b"-----BEGIN OPENSSH PRIVATE KEY----- not really -----END OPENSSH PRIVATE KEY-----\n"
@@ -227,7 +232,7 @@ def test_the_copy_checks_each_file_again(tmp_path: Path, monkeypatch):
     # the copy itself still refuses to read a file outside the folder
     peft = _lora(tmp_path / "shared_peft")
     (peft / "notes.txt").symlink_to(_secret(tmp_path))
-    monkeypatch.setattr("calm_runtime.artifact.check_tree", lambda *a, **k: None,
+    monkeypatch.setattr("calm_runtime.formats.artifact.check_tree", lambda *a, **k: None,
                         raising=False)
     _expect(ArtifactError, _adapter(lora_path=peft).save_pretrained, tmp_path / "new",
             match="outside the folder")

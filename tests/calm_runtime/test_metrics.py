@@ -1,4 +1,5 @@
-"""Known-answer and cross-check tests for calm_runtime.metrics and calm_runtime.plot."""
+"""Known-answer and cross-check tests for calm_runtime.measure.metrics and
+calm_runtime.measure.plot."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 from calm_runtime.errors import BackendUnavailableError, ConfigError
-from calm_runtime.metrics import (
+from calm_runtime.measure.metrics import (
     accuracy,
     aece,
     binary_report,
@@ -23,7 +24,7 @@ from calm_runtime.metrics import (
     nll,
     reliability_bins,
 )
-from calm_runtime.plot import write_reliability_diagram
+from calm_runtime.measure.plot import write_reliability_diagram
 
 # A hand-checkable case with 4 equal-width bins (edges 0, .25, .5, .75, 1 are exact floats).
 CONF = np.array([0.0, 0.2, 0.25, 0.6, 0.8, 1.0, 1.0, 0.9])
@@ -235,8 +236,8 @@ def test_bad_inputs_raise_config_error(call, message):
 
 
 def test_metrics_import_without_torch_or_matplotlib():
-    code = ("import sys; sys.modules['torch'] = None; import calm_runtime.metrics, "
-            "calm_runtime.plot; assert 'matplotlib' not in sys.modules")
+    code = ("import sys; sys.modules['torch'] = None; import calm_runtime.measure.metrics, "
+            "calm_runtime.measure.plot; assert 'matplotlib' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -273,7 +274,7 @@ def test_reliability_diagram_without_matplotlib(tmp_path, monkeypatch):
 
 def test_auroc_matches_scikit_learn_with_ties():
     sklearn_metrics = pytest.importorskip("sklearn.metrics")
-    from calm_runtime.metrics import auroc
+    from calm_runtime.measure.metrics import auroc
 
     rng = np.random.default_rng(0)
     for trial in range(20):
@@ -287,7 +288,7 @@ def test_auroc_matches_scikit_learn_with_ties():
 
 
 def test_auroc_known_cases():
-    from calm_runtime.metrics import auroc
+    from calm_runtime.measure.metrics import auroc
 
     correct = np.array([1, 0, 1, 0, 1.0])
     assert auroc(np.full(5, 0.7), correct) == 0.5
@@ -297,7 +298,7 @@ def test_auroc_known_cases():
 
 
 def test_risk_coverage_aurc_and_prr_by_hand():
-    from calm_runtime.metrics import aurc, prr, risk_coverage
+    from calm_runtime.measure.metrics import aurc, prr, risk_coverage
 
     conf, correct = np.array([0.9, 0.8, 0.7, 0.6]), np.array([1, 0, 1, 0.0])
     coverage, risk = risk_coverage(conf, correct)
@@ -317,7 +318,11 @@ def test_risk_coverage_aurc_and_prr_by_hand():
 
 
 def test_selective_accuracy_and_report():
-    from calm_runtime.metrics import SELECTIVE_THRESHOLDS, selective_accuracy, selective_report
+    from calm_runtime.measure.metrics import (
+        SELECTIVE_THRESHOLDS,
+        selective_accuracy,
+        selective_report,
+    )
 
     conf = np.array([0.95, 0.9, 0.7, 0.55, 0.4])
     correct = np.array([1, 1, 0, 1, 0.0])

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from calm_runtime import modes
+from calm_runtime.data.prompts import CHOICE_MODES
 from calm_runtime.errors import ConfigError
-from calm_runtime.prompts import CHOICE_MODES
 
 
 def test_each_mode_decides():

@@ -28,14 +28,14 @@ pytest.importorskip("onnxruntime")
 
 from conftest import tiny_llama_dir  # noqa: E402
 
-from calm_runtime._generation import (  # noqa: E402
+from calm_runtime.errors import ConfigError  # noqa: E402
+from calm_runtime.inference._generation import (  # noqa: E402
     ATTENTION_BUFFERS,
     PREFILL_BYTES_PER_TOKEN,
     PrefillBudget,
 )
-from calm_runtime.backends import BackendMemoryError  # noqa: E402
-from calm_runtime.errors import ConfigError  # noqa: E402
-from calm_runtime.lm import CalibratedLM  # noqa: E402
+from calm_runtime.inference.backends import BackendMemoryError  # noqa: E402
+from calm_runtime.inference.lm import CalibratedLM  # noqa: E402
 
 LETTERS = list("abcdefgh ")
 
@@ -214,7 +214,7 @@ def test_memory_returns_after_a_long_prefill(fused_engine):
     end of the call."""
     script = textwrap.dedent(f"""
         import numpy as np
-        from calm_runtime.lm import CalibratedLM
+        from calm_runtime.inference.lm import CalibratedLM
 
         def rss(key):
             for line in open("/proc/self/status"):

@@ -100,8 +100,8 @@ def test_p_true_agrees(baseline, other):
 
 # ---------------------------------------------------------------------- backend errors
 def test_torch_backend_needs_the_engines_adapter(runtime_engine, tmp_path):
-    from calm_runtime.artifact import CalibrationAdapter
-    from calm_runtime.models import model_identity
+    from calm_runtime.data.models import model_identity
+    from calm_runtime.formats.artifact import CalibrationAdapter
 
     model_dir, _, engine_dir = runtime_engine
     with pytest.raises(ConfigError, match="pass adapter=PATH"):
@@ -188,8 +188,8 @@ def test_last_position_logits_equal_the_full_projection(runtime_engine, tmp_path
     import onnx
     import onnxruntime as ort
 
-    from calm_runtime.backends._onnxruntime import OnnxRuntimeBackend
-    from calm_runtime.engine import EngineManifest
+    from calm_runtime.formats.engine import EngineManifest
+    from calm_runtime.inference.backends._onnxruntime import OnnxRuntimeBackend
 
     manifest = EngineManifest.load(runtime_engine[2])
     backend = OnnxRuntimeBackend(manifest, threads=1)

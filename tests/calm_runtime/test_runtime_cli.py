@@ -9,9 +9,10 @@ import pytest
 
 pytest.importorskip("onnxruntime")
 
-from calm_runtime import CalibratedLM, metrics  # noqa: E402
-from calm_runtime.cli import main  # noqa: E402
-from calm_runtime.data import MultipleChoiceRecord, OpenQARecord, write_jsonl  # noqa: E402
+from calm_runtime import CalibratedLM
+from calm_runtime.cli.main import main  # noqa: E402
+from calm_runtime.data.sets import MultipleChoiceRecord, OpenQARecord, write_jsonl  # noqa: E402
+from calm_runtime.measure import metrics
 
 PROMPT = "Question: What is the capital of France?\nAnswer:"
 MC = [MultipleChoiceRecord("Which is prime?", ("4", "7", "9"), answer=1),
@@ -125,7 +126,7 @@ def test_sigterm_during_an_import_is_delivered_after_it(tmp_path, monkeypatch):
     import importlib
     import time
 
-    from calm_runtime.cli import Terminated, signals_as_exceptions
+    from calm_runtime.cli.main import Terminated, signals_as_exceptions
 
     (tmp_path / "calm_sigterm_probe.py").write_text(
         "import os, signal, time\n"

@@ -154,7 +154,7 @@ def test_calm_score_on_a_10mb_record_stops_in_one_line_with_bounded_memory(runti
                     "id": "huge"})
     data = tmp_path / "with-huge.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
-    command = [sys.executable, "-m", "calm_runtime.cli", "-q", "score", str(runtime_engine[2]),
+    command = [sys.executable, "-m", "calm_runtime.cli.main", "-q", "score", str(runtime_engine[2]),
                "--data", str(data), "--part", "all", "--out", str(tmp_path / "score.json")]
     env = dict(os.environ, CALM_CACHE=str(tmp_path / "cache"))
     result = json.loads(subprocess.run([sys.executable, "-c", rss, *command], env=env,

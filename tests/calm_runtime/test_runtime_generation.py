@@ -4,7 +4,7 @@ The reference runs the engine's source model (LoRA merged) on the whole sequence
 step — no KV cache, no padding — applies the calibration with the formula module
 (``CalibrationAdapter.calibrate``), computes probabilities and entropy in float64 with
 ``softmax`` directly, and samples by the documented rule with a full sort of the
-vocabulary (see ``calm_runtime.sampling``). Tolerances: see ``TOLERANCE``.
+vocabulary (see ``calm_runtime.inference.sampling``). Tolerances: see ``TOLERANCE``.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from calm_runtime import CalibratedLM  # noqa: E402
-from calm_runtime._generation import DecodeSettings, GenerationRun  # noqa: E402
 from calm_runtime.errors import ConfigError  # noqa: E402
-from calm_runtime.sampling import SamplingParams  # noqa: E402
+from calm_runtime.inference._generation import DecodeSettings, GenerationRun  # noqa: E402
+from calm_runtime.inference.sampling import SamplingParams  # noqa: E402
 
 #: |runtime - reference| allowed. The engine matches the reference's calibrated logits to
 #: ~1e-5 here (validated by calm-export to 1e-4 + 1e-4 * scale); probabilities move by at
@@ -203,7 +203,7 @@ def test_chat_template_renders_like_transformers(lm, hf_tokenizer):
 
 
 def test_incremental_token_text_rebuilds_multibyte_text(lm):
-    from calm_runtime._tokenizer import IncrementalDecoder
+    from calm_runtime.inference._tokenizer import IncrementalDecoder
 
     text = " naïve café — 東京 😀 done"
     ids = lm.tokenizer.encode(text, add_bos=False)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from calm_runtime.errors import ConfigError
-from calm_runtime.sampling import (
+from calm_runtime.inference.sampling import (
     SamplingParams,
     _candidates,
     choose_tokens,
@@ -97,7 +97,7 @@ def test_bad_sampling_settings_are_one_config_error(bad):
 
 
 def test_blockwise_inverse_cdf_equals_a_global_cumsum():
-    from calm_runtime.sampling import _inverse_cdf
+    from calm_runtime.inference.sampling import _inverse_cdf
 
     rng = np.random.default_rng(1)
     for n in (7, 4096, 10_000, 50_001):

@@ -15,8 +15,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from calm_runtime import CalibratedLM  # noqa: E402
-from calm_runtime.data import MultipleChoiceRecord  # noqa: E402
-from calm_runtime.prompts import DEFAULT_CLOZE_VARIANT, p_true_template  # noqa: E402
+from calm_runtime.data.prompts import DEFAULT_CLOZE_VARIANT, p_true_template  # noqa: E402
+from calm_runtime.data.sets import MultipleChoiceRecord  # noqa: E402
 
 #: |engine - torch| on option scores (summed log-probabilities of a few tokens, or logits)
 #: and on probabilities; the engine's logits are within ~1e-5 of the reference here
@@ -117,7 +117,7 @@ def test_recorded_variant_is_the_default(runtime_engine, lm):
     manifest = dataclasses.replace(lm.manifest, export={**lm.manifest.export,
                                                         "cloze_variant": "char"})
     other = CalibratedLM(manifest, lm.backend, lm.tokenizer)
-    # unrecorded: the one project-wide default (calm_runtime.prompts.DEFAULT_CLOZE_VARIANT)
+    # unrecorded: the one project-wide default (calm_runtime.data.prompts.DEFAULT_CLOZE_VARIANT)
     assert lm.default_variant == DEFAULT_CLOZE_VARIANT == "mean"
     assert other.default_variant == "char"
     question, options = QUESTIONS[1]
@@ -157,7 +157,7 @@ def test_scoring_in_the_smallest_steps_equals_one_pass(lm, monkeypatch):
     """Continuations in row chunks of 1 and position segments of 1 (a 1-byte budget), and
     prompt scoring in 1-token segments, give the same numbers as one pass; should_stop ends
     a call between steps."""
-    from calm_runtime import scoring_passes
+    from calm_runtime.inference import scoring_passes
 
     ctx = lm.tokenizer.encode("Question: what is red?\nAnswer:")
     conts = [lm.tokenizer.encode(f" option number {k} is long", add_bos=False)

@@ -37,10 +37,10 @@ sys.meta_path.insert(0, BlockTorch())
 import numpy as np
 
 import calm_runtime
-import calm_runtime.data
-import calm_runtime.metrics
-import calm_runtime.models
-import calm_runtime.prompts
+import calm_runtime.data.sets
+import calm_runtime.measure.metrics
+import calm_runtime.data.models
+import calm_runtime.data.prompts
 from calm_runtime import CalibrationAdapter, ModelIdentity
 
 report = {"import_attempts": list(ATTEMPTS)}
@@ -67,14 +67,14 @@ report["fused_head"] = bool(isinstance(new_w, np.ndarray) and new_b.shape == (vo
 # metrics
 conf = np.array([0.0, 0.2, 0.25, 0.6, 0.8, 1.0, 1.0, 0.9])
 correct = np.array([0, 0, 1, 1, 1, 1, 0, 1])
-report["ece"] = calm_runtime.metrics.ece(conf, correct, n_bins=4)
+report["ece"] = calm_runtime.measure.metrics.ece(conf, correct, n_bins=4)
 probs = np.array([[0.7, 0.2, 0.1], [0.1, 0.8, 0.1], [0.3, 0.3, 0.4]])
-report["calibration_report"] = calm_runtime.metrics.calibration_report(probs,
+report["calibration_report"] = calm_runtime.measure.metrics.calibration_report(probs,
                                                                        np.array([0, 1, 0]))
 
 report["attempts_before_models_call"] = list(ATTEMPTS)
 try:
-    calm_runtime.models._import_torch_transformers()
+    calm_runtime.data.models._import_torch_transformers()
 except BaseException as exc:  # any type is reported; the parent wants ModelSourceError
     report["models_error"] = [type(exc).__name__, str(exc)]
 else:

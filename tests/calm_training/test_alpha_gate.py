@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 
-from calm_runtime.artifact import CalibrationAdapter  # noqa: E402
+from calm_runtime.formats.artifact import CalibrationAdapter  # noqa: E402
 from calm_training import calm_data  # noqa: E402
 from calm_training.alpha_gate import decide, option_share  # noqa: E402
 from calm_training.trainer import CalmConfig, train_calm  # noqa: E402
@@ -79,7 +79,7 @@ def test_a_real_train_records_the_share_and_writes_identity_when_it_does_not_hel
 
 
 def test_cli_last_line_says_what_the_gate_decided(tiny_llama_tied, mc_file, tmp_path, capsys):
-    from calm_runtime.cli import main
+    from calm_runtime.cli.main import main
 
     code = main(["train", "--model", str(tiny_llama_tied), "--train", f"{mc_file}:train",
                  "--calibration", f"{mc_file}:unlabeled", "--out", str(tmp_path / "b"),

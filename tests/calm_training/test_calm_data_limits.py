@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from calm_runtime.data import MultipleChoiceRecord  # noqa: E402
+from calm_runtime.data.sets import MultipleChoiceRecord  # noqa: E402
 from calm_training import calm_data, scoring  # noqa: E402
 
 

@@ -11,9 +11,9 @@ pytest.importorskip("peft")
 
 from conftest import tiny_lora_dir  # noqa: E402
 
-from calm_runtime.artifact import CalibrationAdapter  # noqa: E402
-from calm_runtime.cli import main  # noqa: E402
+from calm_runtime.cli.main import main  # noqa: E402
 from calm_runtime.errors import ConfigError, DataError  # noqa: E402
+from calm_runtime.formats.artifact import CalibrationAdapter  # noqa: E402
 from calm_training import calm_data  # noqa: E402
 from calm_training.trainer import CalmConfig, train_calm  # noqa: E402
 
@@ -127,7 +127,7 @@ def test_options_entropy_gradient_matches_finite_differences(calm_model, mc_file
 def test_options_entropy_needs_options(tiny_llama_tied):
     from transformers import AutoTokenizer
 
-    from calm_runtime.data import OpenQARecord
+    from calm_runtime.data.sets import OpenQARecord
 
     tok = AutoTokenizer.from_pretrained(str(tiny_llama_tied))
     with pytest.raises(DataError, match="--entropy vocab"):
@@ -215,8 +215,8 @@ def test_alpha_l2_penalises_alpha_once(calm_model, mc_file):
 def test_option_evaluator_equals_the_project_scorer(tiny_llama_tied, mc_file, tmp_path):
     """Shared-context hidden states + any α give the scores of score_multiple_choice on the
     LoRA-merged model with the adapter applied; θ = 0 is the base model."""
-    from calm_runtime.data import load_dataset
-    from calm_runtime.models import load_model_and_tokenizer
+    from calm_runtime.data.models import load_model_and_tokenizer
+    from calm_runtime.data.sets import load_dataset
     from calm_training._calm_model import CalmModel
     from calm_training.option_eval import OptionEvaluator
     from calm_training.scoring import score_multiple_choice

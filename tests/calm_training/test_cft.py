@@ -11,9 +11,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 
-from calm_runtime.artifact import CalibrationAdapter  # noqa: E402
-from calm_runtime.cli import main  # noqa: E402
+from calm_runtime.cli.main import main  # noqa: E402
 from calm_runtime.errors import ConfigError, DataError  # noqa: E402
+from calm_runtime.formats.artifact import CalibrationAdapter  # noqa: E402
 from calm_training import calm_data  # noqa: E402
 from calm_training.cft import CftBins, cft_loss, estimate_bins, other_targets  # noqa: E402
 from calm_training.trainer import CalmConfig, train_calm  # noqa: E402

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from calm_runtime.cli import build_parser  # noqa: E402
+from calm_runtime.cli.main import build_parser  # noqa: E402
 
 #: option dest -> config field where the names differ
 ALIASES = {"bins": "n_bins"}

@@ -19,7 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 
-from calm_runtime.artifact import CalibrationAdapter  # noqa: E402
+from calm_runtime.formats.artifact import CalibrationAdapter  # noqa: E402
 from calm_training.trainer import CalmConfig, train_calm  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
@@ -52,7 +52,7 @@ def test_two_processes_match_one(tiny_llama_tied, tmp_path):
            "TOKENIZERS_PARALLELISM": "false"}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                "--nnodes", "1", "--master_addr", "127.0.0.1", "--master_port",
-               str(_free_port()), "-m", "calm_runtime.cli", "-q", "train",
+               str(_free_port()), "-m", "calm_runtime.cli.main", "-q", "train",
                "--model", str(tiny_llama_tied), "--train", f"{data}:train",
                "--calibration", f"{data}:unlabeled", "--out", str(tmp_path / "ddp"),
                "--lora-targets", "q_proj,v_proj", "--device", "cpu"]

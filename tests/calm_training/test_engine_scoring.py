@@ -10,9 +10,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("onnxruntime")
 
-from calm_runtime.data import MultipleChoiceRecord, OpenQARecord, write_jsonl  # noqa: E402
+from calm_runtime.data.prompts import p_true_template  # noqa: E402
+from calm_runtime.data.sets import MultipleChoiceRecord, OpenQARecord, write_jsonl  # noqa: E402
 from calm_runtime.errors import ConfigError  # noqa: E402
-from calm_runtime.prompts import p_true_template  # noqa: E402
 from calm_training.answers import generate_answers, score_p_true  # noqa: E402
 from calm_training.cache import cached_option_scores  # noqa: E402
 from calm_training.engine_model import (  # noqa: E402
@@ -124,7 +124,7 @@ def test_fit_and_eval_through_engines(runtime_engine, tmp_path, monkeypatch):
     assert adapter.temperature > 0 and (tmp_path / "adapter").is_dir()
 
     # greedy answers through the uncalibrated engine equal torch greedy on its source model
-    from calm_runtime.models import load_model_and_tokenizer
+    from calm_runtime.data.models import load_model_and_tokenizer
 
     source, tokenizer, _ = load_model_and_tokenizer(model_dir)
     want = generate_answers(source, tokenizer, QUESTIONS, max_new_tokens=6, progress=False)

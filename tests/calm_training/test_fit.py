@@ -12,13 +12,13 @@ pytest.importorskip("transformers")
 
 from conftest import write_mc_jsonl  # noqa: E402
 
-from calm_runtime.artifact import CalibrationAdapter, ModelIdentity  # noqa: E402
 from calm_runtime.errors import (  # noqa: E402
     ConfigError,
     DataError,
     IncompatibleModelError,
     ModelSourceError,
 )
+from calm_runtime.formats.artifact import CalibrationAdapter, ModelIdentity  # noqa: E402
 from calm_training import cache as score_cache  # noqa: E402
 from calm_training.evaluate import evaluate_adapter, write_report  # noqa: E402
 from calm_training.fit import FitConfig, compare_methods, fit_adapter, format_table  # noqa: E402
@@ -98,7 +98,7 @@ def test_a_method_that_cannot_fit_is_reported_not_fatal(tiny_llama_tied, mc_file
 def _relabel_by_model(config, path, tmp_path, mode="letter"):
     """A copy of the data whose answers follow the model's own choice (letter or cloze sum)
     80% of the time, so that fitted vector-scaling weights are positive (as on a real model)."""
-    from calm_runtime.data import load_dataset
+    from calm_runtime.data.sets import load_dataset
 
     scores = score_cache.cached_option_scores(config.model, load_dataset(str(path)),
                                               mode=mode, chat=False, progress=False)
@@ -176,7 +176,7 @@ def test_eval_follows_the_variant_the_answer_temperature_was_fitted_on(
         tiny_llama_tied, mc_file, tmp_path, monkeypatch, capsys):
     """One policy (docs/cli.md): the recorded variant is the default, another one is a
     one-line error, never a silent switch."""
-    from calm_runtime.cli import main
+    from calm_runtime.cli.main import main
 
     monkeypatch.setenv("CALM_CACHE", str(tmp_path / "cache"))
     data = _relabel_by_model(_config(tiny_llama_tied, mc_file), mc_file, tmp_path, "cloze")
@@ -221,7 +221,7 @@ def test_one_10mb_record_stops_in_one_line_with_bounded_memory(tiny_llama_tied, 
     huge = {"question": "water " * 1_750_000, "choices": ["fire", "dog"], "answer": 0,
             "id": "huge"}
     data.write_text(mc_file.read_text() + json.dumps(huge) + "\n")
-    command = [sys.executable, "-m", "calm_runtime.cli", "-q", "fit", "ts", "--model",
+    command = [sys.executable, "-m", "calm_runtime.cli.main", "-q", "fit", "ts", "--model",
                str(tiny_llama_tied), "--data", str(data), "--out", str(tmp_path / "adapter")]
     env = dict(os.environ, CALM_CACHE=str(tmp_path / "cache"))
     result = json.loads(subprocess.run([sys.executable, "-c", RSS_WRAPPER, *command], env=env,
@@ -238,7 +238,7 @@ def test_reports_carry_selective_metrics_and_the_per_question_arrays(tiny_llama_
                                                                      tmp_path):
     """Every figure of a report can be recomputed from it; a risk-coverage plot sits next to
     the reliability diagram."""
-    from calm_runtime import metrics
+    from calm_runtime.measure import metrics
     from calm_training.fit import format_selective_table
 
     config = _config(tiny_llama_tied, mc_file, mode="cloze")
@@ -264,7 +264,7 @@ def test_reports_carry_selective_metrics_and_the_per_question_arrays(tiny_llama_
 def test_calm_eval_adapter_writes_its_report(mode, tiny_llama_tied, tiny_llama_untied, mc_file,
                                              tmp_path, capsys):
     """`calm eval --adapter` (a README command) prints its table and writes its report."""
-    from calm_runtime.cli import main
+    from calm_runtime.cli.main import main
 
     common = ["--model", str(tiny_llama_tied), "--data", str(mc_file), "--mode", mode, "-q"]
     if mode == "letter":

@@ -42,7 +42,7 @@ def test_the_lists_are_the_registry_and_keep_their_order():
 
 
 def test_the_cli_takes_the_registry_names():
-    from calm_runtime.cli import build_parser
+    from calm_runtime.cli.main import build_parser
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     for command, names in (("fit", methods.ADAPTER_METHODS), ("train", TRAIN_NAMES)):

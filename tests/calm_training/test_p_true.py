@@ -10,10 +10,10 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from calm_runtime.artifact import CalibrationAdapter  # noqa: E402
+from calm_runtime.data.models import load_model_and_tokenizer  # noqa: E402
+from calm_runtime.data.prompts import p_true_template  # noqa: E402
 from calm_runtime.errors import DataError  # noqa: E402
-from calm_runtime.models import load_model_and_tokenizer  # noqa: E402
-from calm_runtime.prompts import p_true_template  # noqa: E402
+from calm_runtime.formats.artifact import CalibrationAdapter  # noqa: E402
 from calm_training import p_true  # noqa: E402
 from calm_training.answers import score_p_true  # noqa: E402
 from calm_training.fit import FitConfig, compare_methods, fit_adapter  # noqa: E402

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import JSONHandler, loopback_server
 
-from calm_runtime.data import MultipleChoiceRecord
+from calm_runtime.data.sets import MultipleChoiceRecord
 from calm_runtime.errors import CalmError, ConfigError
 from calm_training import endpoint as http_endpoint
 from calm_training import remote

@@ -19,8 +19,8 @@ from http.server import BaseHTTPRequestHandler
 import pytest
 from conftest import JSONHandler, loopback_server
 
-from calm_runtime.cli import SERVED_MAX_RETRIES, SERVED_TIMEOUT, build_parser, main
-from calm_runtime.data import MultipleChoiceRecord, write_jsonl
+from calm_runtime.cli.main import SERVED_MAX_RETRIES, SERVED_TIMEOUT, build_parser, main
+from calm_runtime.data.sets import MultipleChoiceRecord, write_jsonl
 from calm_runtime.errors import ConfigError
 from calm_training import endpoint as http_endpoint
 from calm_training import remote

@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 from conftest import JSONHandler, loopback_server, write_mc_jsonl
 
-from calm_runtime.artifact import CalibrationAdapter
-from calm_runtime.cli import main
-from calm_runtime.data import MultipleChoiceRecord
+from calm_runtime.cli.main import main
+from calm_runtime.data.sets import MultipleChoiceRecord
+from calm_runtime.formats.artifact import CalibrationAdapter
 from calm_training import remote
 
 # ------------------------------------------------------------------ recorded-shape fixtures

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from conftest import JSONHandler, loopback_server
 
-from calm_runtime.artifact import CalibrationAdapter, ModelIdentity
-from calm_runtime.cli import main
-from calm_runtime.data import MultipleChoiceRecord, OpenQARecord, write_jsonl
+from calm_runtime.cli.main import main
+from calm_runtime.data.sets import MultipleChoiceRecord, OpenQARecord, write_jsonl
+from calm_runtime.formats.artifact import CalibrationAdapter, ModelIdentity
 
 RECORDS = [MultipleChoiceRecord(f"question {i}?", ("yes", "no", "maybe"), i % 3)
            for i in range(6)]

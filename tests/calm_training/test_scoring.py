@@ -8,15 +8,15 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from calm_runtime.artifact import CalibrationAdapter, ModelIdentity  # noqa: E402
-from calm_runtime.data import MultipleChoiceRecord  # noqa: E402
-from calm_runtime.errors import ConfigError, DataError  # noqa: E402
-from calm_runtime.prompts import (  # noqa: E402
+from calm_runtime.data.prompts import (  # noqa: E402
     cloze_context,
     cloze_continuation,
     letter_prompt,
     p_true_template,
 )
+from calm_runtime.data.sets import MultipleChoiceRecord  # noqa: E402
+from calm_runtime.errors import ConfigError, DataError  # noqa: E402
+from calm_runtime.formats.artifact import CalibrationAdapter, ModelIdentity  # noqa: E402
 from calm_training.answers import score_p_true  # noqa: E402
 from calm_training.scoring import (  # noqa: E402
     is_correct,

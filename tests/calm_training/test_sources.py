@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from conftest import JSONHandler, loopback_server
 
+from calm_runtime.data.models import model_fingerprint, model_identity
 from calm_runtime.errors import ConfigError
-from calm_runtime.models import model_fingerprint, model_identity
 from calm_training.endpoint import Endpoint
 from calm_training.fit_config import FitConfig
 from calm_training.plan import FitPlan

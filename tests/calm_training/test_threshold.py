@@ -64,7 +64,7 @@ def test_fit_threshold_to_engine_to_choices(tiny_llama_tied, mc_file, tmp_path):
     from calm_export.config import ExportConfig
     from calm_export.pipeline import export_engine
     from calm_runtime import CalibratedLM
-    from calm_runtime.data import load_dataset
+    from calm_runtime.data.sets import load_dataset
     from calm_training.fit import FitConfig, fit_adapter
 
     config = FitConfig(model=str(tiny_llama_tied), data=str(mc_file), mode="cloze",
@@ -91,8 +91,8 @@ def test_the_engine_records_the_mode_its_calibration_was_fitted_in():
     else cloze."""
     from types import SimpleNamespace
 
-    from calm_runtime.artifact import CalibrationAdapter, ModelIdentity
-    from calm_runtime.lm import recorded_choice_mode
+    from calm_runtime.formats.artifact import CalibrationAdapter, ModelIdentity
+    from calm_runtime.inference.lm import recorded_choice_mode
 
     def adapter(abstention, method):
         return CalibrationAdapter.identity(ModelIdentity("m", 8), abstention=abstention,

@@ -69,7 +69,7 @@ pytest.importorskip("transformers")
 
 from conftest import write_mc_jsonl  # noqa: E402
 
-from calm_runtime.artifact import CalibrationAdapter  # noqa: E402
+from calm_runtime.formats.artifact import CalibrationAdapter  # noqa: E402
 from calm_training import cache as score_cache  # noqa: E402
 from calm_training.fit import FitConfig, fit_adapter  # noqa: E402
 from calm_training.plan import FitPlan  # noqa: E402
@@ -90,7 +90,7 @@ def _greedy_answers(model_dir, path, tmp_path):
     question (two tokens), so that its answer tokens are predictable at token level."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from calm_runtime.prompts import cloze_context
+    from calm_runtime.data.prompts import cloze_context
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
     tok = AutoTokenizer.from_pretrained(str(model_dir))
@@ -133,7 +133,7 @@ def test_cloze_fit_writes_a_token_temperature_and_refits_the_options(
     assert manifest["summary"]["calibrated_outputs"] == outputs
     # the option temperature is the fit on the scores the runtime reads: those of the model
     # with the token temperature applied
-    from calm_runtime.data import load_dataset, split_indices
+    from calm_runtime.data.sets import load_dataset, split_indices
 
     records = load_dataset(str(mc_file))
     scores = score_cache.cached_option_scores(str(tiny_llama_tied), records, mode="cloze",

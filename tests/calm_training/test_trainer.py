@@ -10,10 +10,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 
-from calm_runtime.artifact import CalibrationAdapter  # noqa: E402
-from calm_runtime.cli import main  # noqa: E402
-from calm_runtime.data import load_dataset, split_indices  # noqa: E402
+from calm_runtime.cli.main import main  # noqa: E402
+from calm_runtime.data.sets import load_dataset, split_indices  # noqa: E402
 from calm_runtime.errors import ConfigError, DataError  # noqa: E402
+from calm_runtime.formats.artifact import CalibrationAdapter  # noqa: E402
 from calm_training import calm_data  # noqa: E402
 from calm_training.trainer import CalmConfig, train_calm  # noqa: E402
 
@@ -57,7 +57,7 @@ def test_artifact_round_trips_with_identical_logits(trained, tiny_llama_tied):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from calm_runtime.models import load_model_and_tokenizer
+    from calm_runtime.data.models import load_model_and_tokenizer
 
     loaded = CalibrationAdapter.from_pretrained(trained.out)
     assert loaded.kind == "calm" and loaded.temperature == 1.0
@@ -199,7 +199,7 @@ def test_train_unlabeled_and_test_parts_are_disjoint(mc_file):
 def test_encoding_positions_and_targets(tiny_llama_tied):
     from transformers import AutoTokenizer
 
-    from calm_runtime.data import MultipleChoiceRecord, OpenQARecord
+    from calm_runtime.data.sets import MultipleChoiceRecord, OpenQARecord
 
     tok = AutoTokenizer.from_pretrained(str(tiny_llama_tied))
     mc = MultipleChoiceRecord(question="2 + 2 =", choices=("three", "four"), answer=1)

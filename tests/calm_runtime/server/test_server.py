@@ -353,7 +353,8 @@ def test_cli_serves_with_two_workers_and_stops_on_sigterm(runtime_engine_dir, ru
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     process = subprocess.Popen(
-        [sys.executable, "-m", "calm_runtime.cli", "-q", "serve", str(runtime_engine_dir), "--port",
+        [sys.executable, "-m", "calm_runtime.cli.main", "-q", "serve", str(runtime_engine_dir),
+         "--port",
          str(port), "--workers", "2", "--model-name", NAME, "--threads", "1"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -58,7 +58,7 @@ class Server:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "calm_runtime.cli", "-q", "serve", str(engine), "--port",
+            [sys.executable, "-m", "calm_runtime.cli.main", "-q", "serve", str(engine), "--port",
              str(self.port), "--threads", "2", "--model-name", "long", *options],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 120

@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
-from calm_runtime.prompts import cloze_context  # noqa: E402
+from calm_runtime.data.prompts import cloze_context  # noqa: E402
 
 NAME = "tiny"
 QUESTION, OPTIONS = "what is red?", ["fire", "the blue sun", "dog"]

@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
-from calm_runtime.prompts import cloze_context, cloze_continuation  # noqa: E402
+from calm_runtime.data.prompts import cloze_context, cloze_continuation  # noqa: E402
 
 NAME = "tiny"
 QUESTIONS = [("what is red?", ("fire", "the blue sun", "dog")),
@@ -69,7 +69,7 @@ def test_the_remote_scorer_against_calm_serve_equals_the_engine(runtime_openai, 
                                                                 tmp_path, monkeypatch):
     """calm's own client for served models, in cloze and letter mode, reads the same numbers
     the engine gives locally."""
-    from calm_runtime.data import MultipleChoiceRecord
+    from calm_runtime.data.sets import MultipleChoiceRecord
     from calm_training import remote
 
     monkeypatch.setenv("CALM_CACHE", str(tmp_path / "cache"))
@@ -85,7 +85,7 @@ def test_the_remote_scorer_against_calm_serve_equals_the_engine(runtime_openai, 
                                    atol=1e-4)
     # letter mode: each letter's value is its full-vocabulary log-probability after the
     # prompt: read from the 20 alternatives when it is among them, else scored by echo
-    from calm_runtime.prompts import letter_prompt, letter_tokens
+    from calm_runtime.data.prompts import letter_prompt, letter_tokens
 
     letter, stats = remote.remote_option_scores(endpoint, records, mode="letter",
                                                 progress=False)

@@ -20,7 +20,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
-from calm_runtime.lm import CalibratedLM  # noqa: E402
+from calm_runtime.inference.lm import CalibratedLM  # noqa: E402
 from calm_runtime.server import ServeConfig, create_app  # noqa: E402
 from calm_runtime.server.app import PROMPT_CHARS_PER_TOKEN  # noqa: E402
 from calm_runtime.server.background import serve_in_background as running  # noqa: E402

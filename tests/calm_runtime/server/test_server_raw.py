@@ -25,8 +25,8 @@ def temperature_engine(tmp_path_factory):
     """``(model_dir, engine_dir)``: a tiny model exported with a temperature-only adapter."""
     from calm_export.config import ExportConfig
     from calm_export.pipeline import export_engine
-    from calm_runtime.artifact import CalibrationAdapter
-    from calm_runtime.models import model_identity
+    from calm_runtime.data.models import model_identity
+    from calm_runtime.formats.artifact import CalibrationAdapter
 
     model_dir = tiny_llama_dir(tmp_path_factory, tied=True, seed=21, name="raw-llama")
     (model_dir / "chat_template.jinja").write_text(RUNTIME_CHAT_TEMPLATE, encoding="utf-8")
@@ -42,7 +42,7 @@ def temperature_engine(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def lm(temperature_engine):
-    from calm_runtime.lm import CalibratedLM
+    from calm_runtime.inference.lm import CalibratedLM
 
     model = CalibratedLM.load(temperature_engine[1], threads=1)
     yield model
@@ -166,8 +166,8 @@ def cloze_only_engine(tmp_path_factory):
     the head (a cross-tokenizer DACA fit)."""
     from calm_export.config import ExportConfig
     from calm_export.pipeline import export_engine
-    from calm_runtime.artifact import CalibrationAdapter
-    from calm_runtime.models import model_identity
+    from calm_runtime.data.models import model_identity
+    from calm_runtime.formats.artifact import CalibrationAdapter
 
     model_dir = tiny_llama_dir(tmp_path_factory, tied=True, seed=22, name="cloze-only-llama")
     adapter = CalibrationAdapter.identity(model_identity(model_dir), answer_temperature=2.0,
@@ -186,8 +186,8 @@ def cloze_only_engine(tmp_path_factory):
 
 def test_a_cloze_only_engine_says_its_token_logprobs_are_uncalibrated(cloze_only_engine,
                                                                       capsys):
-    from calm_runtime.cli import main
-    from calm_runtime.lm import CalibratedLM
+    from calm_runtime.cli.main import main
+    from calm_runtime.inference.lm import CalibratedLM
     from calm_runtime.server import ServeConfig, create_app
     from calm_runtime.server.background import serve_in_background
 
@@ -218,7 +218,7 @@ def test_another_variant_than_the_answer_temperature_was_fitted_on_is_refused(
     """One policy (docs/cli.md): the recorded variant is the default; another one is a
     one-line error, not a warning beside numbers the temperature does not fit."""
     from calm_runtime.errors import ConfigError
-    from calm_runtime.lm import CalibratedLM
+    from calm_runtime.inference.lm import CalibratedLM
 
     engine = CalibratedLM.load(cloze_only_engine, threads=1)
     try:

@@ -12,7 +12,7 @@ ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'calm
 serve = pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
 
-from calm_runtime.lm import CalibratedLM  # noqa: E402
+from calm_runtime.inference.lm import CalibratedLM  # noqa: E402
 from calm_runtime.server import ServeConfig  # noqa: E402
 from calm_runtime.server.ray_serve import calm_deployment  # noqa: E402
 

@@ -1,0 +1,108 @@
+"""``calm serve``'s command line: the parser, whose defaults come from
+:class:`~calm_runtime.cli.serve_config.ServeConfig`, and the handler that starts the server. It
+imports neither the serve extra nor torch until the command runs, so ``calm --help`` works
+without them."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from calm_runtime.cli.common import missing_extra_message
+from calm_runtime.errors import BackendUnavailableError
+
+__all__ = ["DefaultsHelpFormatter", "add_serve"]
+
+
+class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Examples kept as written, and every option's default shown in ``--help`` (those that
+    are not None/False and not already named in the help text)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if (default in (None, False, argparse.SUPPRESS) or "default" in text
+                or action.option_strings == []):
+            return text
+        return f"{text} (default: {default})"
+
+
+def _serve_default(name: str):
+    """A ``calm serve`` option's default: ServeConfig's field (one place for both)."""
+    import dataclasses
+
+    from calm_runtime.cli.serve_config import ServeConfig
+
+    return next(f.default for f in dataclasses.fields(ServeConfig) if f.name == name)
+
+
+def add_serve(sub) -> None:
+    """Register ``calm serve`` (its handler imports the serve extra only when it runs)."""
+    p = sub.add_parser(
+        "serve", help="serve an engine over OpenAI's HTTP API with calibrated confidences",
+        description="An OpenAI-compatible server (POST /v1/completions, /v1/chat/completions; "
+        "GET /v1/models, /health, /metrics) whose logprobs are calibrated and whose choices "
+        "carry a 'calm' object with token confidences, the sequence confidence and, on "
+        "request, P(True). Concurrent requests are micro-batched. Needs the serve extra.",
+        epilog="examples:\n  calm serve engine/ --port 8000\n"
+        "  CALM_API_KEY=secret calm serve engine/ --api-key-env CALM_API_KEY --workers 2\n"
+        "  calm serve engine/ --ray --replicas 2\n\n"
+        "then, with the openai client:\n"
+        "  client = openai.OpenAI(base_url=\"http://127.0.0.1:8000/v1\", api_key=\"unused\")\n"
+        "  client.completions.create(model=\"engine\", prompt=\"Question: ...\", max_tokens=16)",
+        formatter_class=DefaultsHelpFormatter)
+    p.add_argument("engine", help="engine directory written by calm-export")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (loopback only; 0.0.0.0 exposes it)")
+    p.add_argument("--port", type=int, default=8000, help="port to bind")
+    p.add_argument("--workers", type=int, default=1,
+                   help="server processes, each with its own engine and batcher")
+    p.add_argument("--api-key-env", metavar="VAR", default=None,
+                   help="require 'Authorization: Bearer KEY' with KEY read from this variable")
+    p.add_argument("--api-key", metavar="KEY", default=None,
+                   help="vLLM's flag: the key itself (visible in the process list; prefer "
+                        "--api-key-env)")
+    p.add_argument("--model-name", "--served-model-name", dest="model_name", default=None,
+                   help="model id clients send (vLLM: --served-model-name; default: the "
+                        "engine folder name)")
+    p.add_argument("--backend", default="onnxruntime",
+                   choices=["onnxruntime", "torch", "tensorrt"], help="engine backend")
+    p.add_argument("--threads", type=int, default=None,
+                   help="intra-op threads per worker (default: all cores)")
+    p.add_argument("--max-batch-size", type=int, default=_serve_default("max_batch_size"),
+                   help="rows decoded together; 1 turns micro-batching off")
+    p.add_argument("--batch-window-ms", type=float, default=_serve_default("batch_window_ms"),
+                   help="how long a request waits for others to batch with")
+    p.add_argument("--max-queue", type=int, default=_serve_default("max_queue"),
+                   help="rows waiting before HTTP 429")
+    p.add_argument("--request-timeout", type=float, default=_serve_default("request_timeout_s"),
+                   metavar="SECONDS", help="per request, then HTTP 504")
+    p.add_argument("--max-tokens-limit", type=int, default=_serve_default("max_tokens_limit"),
+                   help="the largest max_tokens a request may ask for")
+    p.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="longest prompt (default: the model's context - 1)")
+    p.add_argument("--max-body-bytes", type=int, default=_serve_default("max_body_bytes"),
+                   help="largest request body, then HTTP 413")
+    p.add_argument("--max-prefill-tokens", "--max-num-batched-tokens", dest="max_prefill_tokens",
+                   type=int, default=_serve_default("max_prefill_tokens"),
+                   help="most tokens (rows x padded length) one prefill pass takes, with at "
+                        "most 64 KiB of attention scores and logits per token (vLLM: "
+                        "--max-num-batched-tokens): bigger batches are split, longer prompts "
+                        "prefilled in pieces; a prompt that cannot fit gets HTTP 400")
+    p.add_argument("--allow-special-tokens", action="store_true",
+                   help="encode special-token text inside chat messages as special tokens "
+                        "(as transformers does); by default it is plain text, so a message "
+                        "cannot forge a turn")
+    p.add_argument("--ray", action="store_true", help="serve on a local Ray Serve instance")
+    p.add_argument("--replicas", type=int, default=2, help="Ray Serve replicas (with --ray)")
+    p.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs per Ray replica")
+    p.set_defaults(handler=_serve)
+
+
+def _serve(args) -> int:
+    try:
+        from calm_runtime.server.cli import serve
+    except ImportError as exc:
+        logging.getLogger(__name__).debug("serve extra missing: %s", exc)
+        raise BackendUnavailableError(missing_extra_message("serve")) from None
+    return serve(args)

@@ -1,0 +1,118 @@
+"""``ServeConfig``: every setting of ``calm serve`` in one checked, JSON-ready record.
+
+It lives outside ``calm_runtime.server`` so that the command line reads its defaults without
+the serve extra (FastAPI); ``calm_runtime.server.config`` re-exports it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from calm_runtime.errors import ConfigError
+
+__all__ = ["ServeConfig"]
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """What the server loads and the limits it enforces.
+
+    Attributes:
+        engine: the engine directory (fixed at start; no request can choose another).
+        model_name: the model id clients send and ``/v1/models`` lists (default: the
+            engine folder's name).
+        backend, threads: passed to :meth:`CalibratedLM.load`.
+        max_batch_size: most rows per batched decode (1 turns micro-batching off).
+        batch_window_ms: how long the first waiting request waits for others to join it.
+        max_queue: most rows waiting for a batch; beyond it requests get HTTP 429.
+        request_timeout_s: a request not finished by then gets HTTP 504.
+        max_tokens_limit: the largest ``max_tokens`` a request may ask for.
+        default_max_tokens: ``max_tokens`` when a completions request gives none (chat
+            requests default to ``max_tokens_limit``).
+        max_prompt_tokens: the longest prompt accepted (default: the model's context - 1);
+            a prompt of more than ``PROMPT_CHARS_PER_TOKEN`` (32) characters per token of it
+            is refused before tokenising (:mod:`calm_runtime.server.app`).
+        max_body_bytes: the largest request body accepted: counted as it arrives (chunked
+            bodies too), HTTP 413 and the connection closed as soon as it is passed.
+        max_prefill_tokens: the most tokens (rows x padded length) one prefill or scoring
+            pass takes, with a working set of at most 64 KiB per token of it (attention
+            scores and logits): larger batches are split into groups of rows, longer prompts
+            into pieces on top of their KV cache; a prompt that cannot fit even alone gets
+            HTTP 400 before any work (vLLM's ``--max-num-batched-tokens``;
+            :class:`~calm_runtime.inference._generation.PrefillBudget`).
+        api_key_env: name of the environment variable that holds the bearer API key
+            (``None``: no key). The key itself never enters this record.
+        verify_hashes: hash the engine files at load.
+        allow_special_tokens: encode special-token text inside chat messages as the special
+            tokens themselves (as transformers does); by default it is plain text, so a
+            message cannot forge a turn.
+    """
+
+    engine: str
+    model_name: str | None = None
+    backend: str = "onnxruntime"
+    threads: int | None = None
+    max_batch_size: int = 8
+    batch_window_ms: float = 5.0
+    max_queue: int = 64
+    request_timeout_s: float = 120.0
+    max_tokens_limit: int = 512
+    default_max_tokens: int = 16
+    max_prompt_tokens: int | None = None
+    max_body_bytes: int = 1_000_000
+    max_prefill_tokens: int = 4096
+    api_key_env: str | None = None
+    verify_hashes: bool = True
+    allow_special_tokens: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_size", "max_queue", "max_tokens_limit", "default_max_tokens",
+                     "max_body_bytes", "max_prefill_tokens"):
+            _positive_int(getattr(self, name), name)
+        for name in ("threads", "max_prompt_tokens"):
+            if getattr(self, name) is not None:
+                _positive_int(getattr(self, name), name)
+        for name, low in (("batch_window_ms", 0.0), ("request_timeout_s", 1e-3)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value) or value < low:
+                raise ConfigError(f"{name} must be a finite number >= {low}, got {value!r}")
+        if self.default_max_tokens > self.max_tokens_limit:
+            raise ConfigError(f"default_max_tokens {self.default_max_tokens} exceeds "
+                              f"max_tokens_limit {self.max_tokens_limit}; lower it or raise the "
+                              "limit")
+
+    @property
+    def served_name(self) -> str:
+        return self.model_name or Path(self.engine).resolve().name
+
+    def api_key(self) -> str | None:
+        """The API key from ``api_key_env`` (read at call time), or ``None`` without one."""
+        if self.api_key_env is None:
+            return None
+        value = os.environ.get(self.api_key_env, "")
+        if not value:
+            raise ConfigError(f"the environment variable {self.api_key_env} that should hold the "
+                              "API key is empty or unset; export it or drop --api-key-env")
+        return value
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> ServeConfig:
+        data = json.loads(text)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown serve setting(s) {unknown}; known: {sorted(known)}")
+        return cls(**data)
+
+
+def _positive_int(value, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")

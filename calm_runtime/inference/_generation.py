@@ -1,0 +1,383 @@
+"""The decode loop: a numpy loop over a backend with the KV cache.
+
+One :class:`GenerationRun` per call holds all per-call state (nothing is shared between
+calls, so many threads can generate on one backend). Rows are left-padded; a row that
+finishes is dropped from the batch (its KV rows are removed with ``backend.select``), so
+the remaining rows run as if alone. A row whose caller gave up (the ``cancelled`` check,
+asked between decode steps) is dropped the same way, with ``finish_reason="cancelled"``.
+Timing excludes the time the consumer of a stream spends between tokens.
+
+The prefill obeys the backend's :class:`PrefillBudget` (``backend.prefill_budget``, set by
+:class:`~calm_runtime.inference.lm.CalibratedLM` from ``max_prefill_tokens``): a batch whose prefill
+would not fit one pass is cut into groups of rows (longest first, each group left-padded to
+its own longest row), a row that does not fit alone is prefilled in pieces of positions on
+top of its own KV cache, and the groups' caches are put back together in the callers' row
+order (``backend.assemble``) before decoding. A prompt that cannot fit even alone is refused
+(:meth:`PrefillBudget.check`) before anything runs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from calm_runtime.errors import ConfigError
+from calm_runtime.inference._tokenizer import EngineTokenizer, IncrementalDecoder
+from calm_runtime.inference.results import Alternative, Generation, Timing, Token
+from calm_runtime.inference.sampling import (
+    SamplingParams,
+    choose_tokens,
+    raw_log_softmax,
+    row_generators,
+    step_stats,
+    top_alternatives,
+)
+
+__all__ = ["GenerationRun", "left_pad", "initial_positions", "PrefillBudget", "prefill", "release",
+           "DEFAULT_MAX_PREFILL_TOKENS", "PREFILL_BYTES_PER_TOKEN", "ATTENTION_BUFFERS"]
+
+#: ``max_prefill_tokens`` by default (``calm serve --max-prefill-tokens``): the most tokens
+#: (rows x padded positions) one prefill pass takes, as vLLM's ``--max-num-batched-tokens``
+DEFAULT_MAX_PREFILL_TOKENS = 4096
+#: bytes of working set (attention scores and logits) a pass may hold per token of
+#: ``max_prefill_tokens``: 256 MiB at the default
+PREFILL_BYTES_PER_TOKEN = 64 << 10
+#: float32 attention matrices (rows x heads x new x (past + new)) alive at once in a pass of a
+#: graph that materialises them: one prefill of 1,024-3,100 tokens of calm's own graph on ONNX
+#: Runtime's CPU provider grew the process by 4.6x one matrix without the memory arena and
+#: 5.1-5.5x with it (its power-of-two regions round up)
+ATTENTION_BUFFERS = 5
+
+
+def left_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(input_ids, attention_mask)`` ``[B, max_len]`` int64, padding on the left."""
+    length = max(len(s) for s in sequences)
+    ids = np.full((len(sequences), length), pad_id, dtype=np.int64)
+    mask = np.zeros((len(sequences), length), dtype=np.int64)
+    for row, seq in enumerate(sequences):
+        if seq:
+            ids[row, length - len(seq):] = seq
+            mask[row, length - len(seq):] = 1
+    return ids, mask
+
+
+def initial_positions(mask: np.ndarray) -> np.ndarray:
+    """Position ids that count real tokens only (0 on the padding)."""
+    return np.clip(np.cumsum(mask, axis=-1) - 1, 0, None).astype(np.int64)
+
+
+def _largest(fits: Callable[[int], bool], high: int) -> int:
+    """The largest ``n`` in ``1..high`` with ``fits(n)`` (``fits`` holds for all smaller ``n``
+    when it holds for ``n``), or 0 when ``fits(1)`` fails."""
+    low = 0
+    while low < high:
+        mid = (low + high + 1) // 2
+        if fits(mid):
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+@dataclass(frozen=True)
+class PrefillBudget:
+    """The bound on one forward pass over many positions (a prefill, a scoring segment).
+
+    A pass of ``rows`` x ``new`` positions on top of ``past`` cached ones fits when
+
+    * ``rows * new <= tokens`` (``max_prefill_tokens``), and
+    * its working set, ``4 * rows * (ATTENTION_BUFFERS * heads * new * (past + new) +
+      kept * vocab)`` bytes, is at most ``tokens * PREFILL_BYTES_PER_TOKEN``, where ``heads``
+      is 0 for a graph that never holds the attention matrix (ONNX Runtime's
+      ``GroupQueryAttention`` of the builder graph) and ``kept`` is 1 when the pass projects
+      only the last position (``logits_to_keep``), else ``new``.
+
+    ``chunked``: a row that does not fit alone may be prefilled in pieces on top of its own
+    cache (every backend but TensorRT, whose plan takes one token at a time over a past).
+    """
+
+    tokens: int
+    heads: int = 0
+    vocab: int = 0
+    #: a first pass (no past) / a pass on top of a cache projects only the last position
+    #: (``"one-row"``: only when it has one row)
+    last_logits: bool | str = True
+    last_logits_with_past: bool | str = True
+    chunked: bool = True
+
+    @classmethod
+    def for_backend(cls, backend, manifest, tokens: int) -> PrefillBudget:
+        """The budget of ``tokens`` on ``backend`` running ``manifest``'s graph (what the
+        backend declares: ``materializes_attention``, ``keeps_last_logits``,
+        ``multi_token_with_past``)."""
+        model = manifest.model
+        heads = model.get("num_attention_heads") or max(
+            model["num_kv_heads"], model["hidden_size"] // max(model["head_dim"], 1))
+        first, with_past = getattr(backend, "keeps_last_logits", (False, False))
+        return cls(tokens=int(tokens),
+                   heads=int(heads) if getattr(backend, "materializes_attention", True) else 0,
+                   vocab=int(manifest.vocab_size), last_logits=first,
+                   last_logits_with_past=with_past,
+                   chunked=bool(getattr(backend, "multi_token_with_past", True)))
+
+    @property
+    def bytes(self) -> int:
+        """The working set one pass may hold."""
+        return self.tokens * PREFILL_BYTES_PER_TOKEN
+
+    def cost(self, rows: int, new: int, past: int = 0, *, all_logits: bool = False) -> int:
+        """Bytes of attention scores and logits a pass of ``rows`` x ``new`` positions on top
+        of ``past`` holds (``all_logits``: the logits of every position are asked for)."""
+        last = self.last_logits_with_past if past else self.last_logits
+        if last == "one-row":  # one count of last positions for all rows (packed graph)
+            last = rows == 1
+        kept = new if all_logits or not last else 1
+        return 4 * rows * (ATTENTION_BUFFERS * self.heads * new * (past + new)
+                           + kept * self.vocab)
+
+    def fits(self, rows: int, new: int, past: int = 0, *, all_logits: bool = False) -> bool:
+        return (rows * new <= self.tokens
+                and self.cost(rows, new, past, all_logits=all_logits) <= self.bytes)
+
+    def span(self, rows: int, total: int, *, all_logits: bool = False) -> int:
+        """The most positions per pass for ``rows`` rows fed in pieces on top of their cache
+        up to ``total`` positions (every piece fits, the last one included); 0: none."""
+        return _largest(lambda n: (self.fits(rows, n, 0, all_logits=all_logits)
+                                   and self.fits(rows, n, max(0, total - n),
+                                                 all_logits=all_logits)), max(1, total))
+
+    def rows(self, new: int, total: int, *, all_logits: bool = False) -> int:
+        """The most rows a pass of ``new`` positions up to ``total`` (past + new) takes."""
+        return _largest(lambda r: self.fits(r, new, total - new, all_logits=all_logits),
+                        max(1, self.tokens))
+
+    def chunk(self, length: int) -> int:
+        """Positions per prefill pass of one row of ``length`` tokens: ``length`` when it fits
+        one pass, pieces when the backend can chunk, 0 when it cannot be prefilled."""
+        if self.fits(1, length):
+            return length
+        return self.span(1, length) if self.chunked else 0
+
+    def check(self, length: int, label: str = "the prompt",
+              flag: str = "max_prefill_tokens") -> None:
+        """Refuse (:class:`ConfigError`) a prompt of ``length`` tokens that cannot be prefilled
+        even alone; ``flag`` is how the message names the setting."""
+        if self.chunk(length) > 0:
+            return
+        if not self.chunked and length > self.tokens:
+            why = (f"this engine's backend cannot prefill a prompt in pieces and takes at most "
+                   f"{self.tokens} tokens in one pass ({flag} {self.tokens})")
+        else:
+            why = (f"even one position of it over {length} tokens needs more than the "
+                   f"{self.bytes >> 20} MiB prefill budget of {flag} {self.tokens}")
+        raise ConfigError(f"{label} is {length} tokens; {why}; shorten the prompt or raise "
+                          f"{flag}")
+
+    def plan(self, lengths: Sequence[int]) -> list[tuple[list[int], int]]:
+        """The prefill passes of rows of ``lengths`` tokens: ``(rows, chunk)`` groups, all the
+        rows in one group when they fit one pass (left-padded to the longest), else groups of
+        rows by decreasing length that each fit one pass, and rows that fit no pass alone in
+        pieces of ``chunk`` positions. Raises :class:`ConfigError` before any pass when a row
+        cannot be prefilled (see :meth:`check`)."""
+        n = len(lengths)
+        for i, length in enumerate(lengths):
+            self.check(length, "the prompt" if n == 1 else f"prompt {i + 1} of {n}")
+        width = max(lengths)
+        if self.fits(n, width):
+            return [(list(range(n)), width)]
+        order = sorted(range(n), key=lambda i: -lengths[i])
+        groups: list[list[int]] = []
+        for i in order:
+            if groups and self.fits(len(groups[-1]) + 1, lengths[groups[-1][0]]):
+                groups[-1].append(i)
+            else:
+                groups.append([i])
+        return [(rows, self.chunk(lengths[rows[0]])) for rows in groups]
+
+
+def release(backend) -> None:
+    """``backend.release()`` where the backend has it (the end of a call: memory cached
+    between its passes goes back to the system)."""
+    fn = getattr(backend, "release", None)
+    if fn is not None:
+        fn()
+
+
+def prefill(backend, prompts: Sequence[Sequence[int]], pad_id: int, *,
+            keep_state: bool = True) -> tuple[np.ndarray, object]:
+    """The last position's logits ``[N, V]`` of each prompt and (``keep_state``) the KV state
+    of the left-padded batch, run within ``backend.prefill_budget`` (see the module doc)."""
+    budget = getattr(backend, "prefill_budget", None)
+    lengths = [len(p) for p in prompts]
+    width = max(lengths)
+    plan = ([(list(range(len(prompts))), width)] if budget is None
+            else budget.plan(lengths))
+    if len(plan) == 1 and plan[0][1] >= width:  # one pass, as always
+        ids, mask = left_pad(prompts, pad_id)
+        logits, state = backend.run(ids, mask, initial_positions(mask), None, last_only=True)
+        return logits[:, -1], (state if keep_state else None)
+    last: list = [None] * len(prompts)
+    parts = []
+    for rows, chunk in plan:
+        ids, mask = left_pad([prompts[i] for i in rows], pad_id)
+        positions = initial_positions(mask)
+        state = None
+        for start in range(0, ids.shape[1], chunk):
+            end = min(ids.shape[1], start + chunk)
+            logits, state = backend.run(ids[:, start:end], mask[:, :end],
+                                        positions[:, start:end], state, last_only=True)
+        for j, i in enumerate(rows):
+            last[i] = logits[j, -1]
+        if keep_state:
+            parts.append((np.asarray(rows, dtype=np.int64), state))
+        del state
+    logits = np.stack(last)
+    if not keep_state:
+        return logits, None
+    return logits, backend.assemble(parts, len(prompts), width)
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    max_new_tokens: tuple[int, ...]  # per row, already capped by the context
+    sampling: SamplingParams
+    stop: tuple[str, ...]
+    top_alternatives: int
+    eos_ids: frozenset[int]
+    row_offset: int = 0  # index of the first row in the whole call (selects its generator)
+    #: when set, each token (and alternative) also gets its raw log-probability,
+    #: ``log_softmax(raw_scale · z_cal)`` (see ``CalibratedLM.raw_logit_scale``)
+    raw_scale: float | None = None
+
+
+class GenerationRun:
+    """Iterate ``(row, Token)`` as tokens are chosen; :attr:`results` is filled at the end.
+
+    ``cancelled(row)``, when given, is asked for every unfinished row before each decode
+    step (from the decoding thread; it must be cheap and thread-safe): a row it answers
+    ``True`` for stops there and leaves the batch, and its result so far has
+    ``finish_reason="cancelled"``. The run ends early when every row is cancelled.
+    """
+
+    def __init__(self, backend, tokenizer: EngineTokenizer, prompts: Sequence[Sequence[int]],
+                 settings: DecodeSettings,
+                 cancelled: Callable[[int], bool] | None = None) -> None:
+        self._backend = backend
+        self._tok = tokenizer
+        self._prompts = [list(p) for p in prompts]
+        self._settings = settings
+        self._cancelled = cancelled
+        self.results: list[Generation] | None = None
+
+    def __iter__(self) -> Iterator[tuple[int, Token]]:
+        try:
+            yield from self._decode()
+        finally:  # the run's cache is gone: the backend may give its memory back
+            release(self._backend)
+
+    def _decode(self) -> Iterator[tuple[int, Token]]:
+        s = self._settings
+        n = len(self._prompts)
+        generators = None
+        if not s.sampling.greedy:
+            generators = row_generators(s.sampling.seed, s.row_offset + n)[s.row_offset:]
+        decoders = [IncrementalDecoder(self._tok, p) for p in self._prompts]
+        texts = [""] * n
+        cut = [None] * n  # where a stop string begins in texts[row]
+        tokens: list[list[Token]] = [[] for _ in range(n)]
+        finish: list[str | None] = [None] * n
+        longest_stop = max((len(x) for x in s.stop), default=0)
+
+        started = time.perf_counter()
+        _, mask = left_pad(self._prompts, self._tok.pad_token_id)
+        positions = initial_positions(mask)[:, -1:]
+        # a run whose rows all stop after their first token needs no cache
+        last, state = prefill(self._backend, self._prompts, self._tok.pad_token_id,
+                              keep_state=max(s.max_new_tokens) > 1)
+        logits = last[:, None]
+        active = np.arange(n)
+        prefill_s, decode_s, steps = 0.0, 0.0, 0
+        while True:
+            stats = step_stats(logits[:, -1])
+            rows = np.arange(active.size)
+            chosen = choose_tokens(stats, s.sampling,
+                                   [generators[r] for r in active] if generators else [])
+            probs = stats.probability(rows, chosen)
+            logps = stats.logprob(rows, chosen)
+            events, keep = [], []
+            for b, row in enumerate(active):
+                token_id = int(chosen[b])
+                text = decoders[row].step(token_id)
+                reason = None
+                if token_id in s.eos_ids:
+                    reason = "eos"
+                elif len(tokens[row]) + 1 >= s.max_new_tokens[row]:
+                    reason = "length"
+                if reason is not None:
+                    text += decoders[row].flush()
+                before = len(texts[row])
+                texts[row] += text
+                if longest_stop and text:
+                    where = _find_stop(texts[row], s.stop, max(0, before - longest_stop + 1))
+                    if where is not None:
+                        cut[row], reason = where, "stop"
+                raw = (None if s.raw_scale is None
+                       else raw_log_softmax(stats.shifted[b], s.raw_scale))
+                top = None
+                if s.top_alternatives:
+                    alt_ids, alt_p = top_alternatives(stats, b, s.top_alternatives)
+                    top = tuple(Alternative(int(i), self._tok.token_text(int(i)), float(p),
+                                            None if raw is None else float(raw[i]))
+                                for i, p in zip(alt_ids, alt_p, strict=True))
+                token = Token(id=token_id, text=text, confidence=float(probs[b]),
+                              logprob=float(logps[b]), entropy=float(stats.entropy[b]), top=top,
+                              raw_logprob=None if raw is None else float(raw[token_id]))
+                tokens[row].append(token)
+                events.append((int(row), token))
+                if reason is None:
+                    keep.append(b)
+                else:
+                    finish[row] = reason
+            now = time.perf_counter()
+            if steps == 0:
+                prefill_s = now - started
+            else:
+                decode_s += now - started
+            yield from events
+            if self._cancelled is not None and keep:
+                gone = [b for b in keep if self._cancelled(int(active[b]))]
+                for b in gone:
+                    finish[active[b]] = "cancelled"
+                keep = [b for b in keep if b not in gone]
+            if not keep:
+                break
+            started = time.perf_counter()
+            if len(keep) < active.size:
+                keep_idx = np.asarray(keep, dtype=np.int64)
+                state = self._backend.select(state, keep_idx)
+                mask, positions, active = mask[keep_idx], positions[keep_idx], active[keep_idx]
+                chosen = chosen[keep_idx]
+            mask = np.concatenate([mask, np.ones((active.size, 1), np.int64)], axis=1)
+            positions = positions + 1
+            logits, state = self._backend.run(chosen[:, None].astype(np.int64), mask, positions,
+                                              state, last_only=True)
+            steps += 1
+        timing = Timing(prefill_s=prefill_s, decode_s=decode_s, decode_steps=steps)
+        self.results = [
+            Generation(text=texts[r] if cut[r] is None else texts[r][:cut[r]],
+                       tokens=tuple(tokens[r]), finish_reason=finish[r] or "length",
+                       prompt_tokens=len(self._prompts[r]), timing=timing)
+            for r in range(n)]
+
+
+def _find_stop(text: str, stops: Sequence[str], start: int) -> int | None:
+    """The earliest index at or after ``start`` where a stop string begins, if any."""
+    best = None
+    for stop in stops:
+        at = text.find(stop, start)
+        if at >= 0 and (best is None or at < best):
+            best = at
+    return best
