@@ -168,6 +168,12 @@ class EngineTokenizer:
             self._split_tokenizer = split
         return list(split.encode(text, add_special_tokens=False).ids)
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Token ids of ``text`` without the post-processor, and each token's ``(start,
+        end)`` characters in ``text``."""
+        encoding = self._tokenizer.encode(text, add_special_tokens=False)
+        return list(encoding.ids), [tuple(span) for span in encoding.offsets]
+
     def encode_batch(self, texts: Sequence[str], *, add_bos: bool | None = None) -> list[list[int]]:
         return [self.encode(t, add_bos=add_bos) for t in texts]
 

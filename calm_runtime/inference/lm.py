@@ -144,7 +144,7 @@ class CalibratedLM(Judging):
         """
         manifest = EngineManifest.load(engine_dir, verify_hashes=verify_hashes)
         tokenizer = EngineTokenizer(manifest)
-        size = tokenizer._tokenizer.get_vocab_size(with_added_tokens=True)
+        size = tokenizer.vocab_size
         if size > manifest.vocab_size:
             raise ArtifactError(f"{manifest.root}: the tokenizer has {size} tokens but the "
                                 f"manifest's model.vocab_size is {manifest.vocab_size}; "
@@ -208,15 +208,14 @@ class CalibratedLM(Judging):
         return f"CalibratedLM({self.manifest.root}, {self.backend.description})"
 
     # ------------------------------------------------------------------ prompts
-    def encode_prompt(self, prompt: str, *, chat: bool | None = False) -> list[int]:
+    def encode_prompt(self, prompt: str, *, chat: bool | None = False,
+                      label: str = "the prompt") -> list[int]:
         """Token ids of a prompt: the chat template (``chat``) or BOS per the manifest.
 
         Raises :class:`ConfigError` for an empty prompt, invalid Unicode, or one longer
-        than the model's context.
+        than the model's context; ``label`` names the prompt in that message (e.g.
+        ``"prompt[2]"`` of a batch).
         """
-        return self._encode_prompt(prompt, chat, "the prompt")
-
-    def _encode_prompt(self, prompt: str, chat: bool | None, label: str) -> list[int]:
         if not isinstance(prompt, str):
             raise ConfigError(f"{label} must be a string, got {type(prompt).__name__}")
         if not prompt:
@@ -260,7 +259,8 @@ class CalibratedLM(Judging):
         prompts = [prompt] if single else list(prompt)
         if not prompts:
             raise ConfigError("no prompts given; pass a string or a non-empty list of strings")
-        encoded = [self._encode_prompt(p, chat, input_label("prompt", i, len(prompts)))
+        encoded = [self.encode_prompt(p, chat=chat,
+                                      label=input_label("prompt", i, len(prompts)))
                    for i, p in enumerate(prompts)]
         settings = self._settings(encoded, max_new_tokens, temperature, top_k, top_p, seed,
                                   stop, top_alternatives, raw_logprobs)
@@ -391,8 +391,8 @@ class CalibratedLM(Judging):
         top = non_negative_int(top, "top")
         scale = self.raw_logit_scale if raw_logprobs else None
         self._check_chars(prompt, "the prompt", "shorten the prompt")
-        encoding = self.tokenizer._tokenizer.encode(prompt, add_special_tokens=False)
-        ids, offsets = list(encoding.ids), [start for start, _ in encoding.offsets]
+        ids, spans = self.tokenizer.encode_with_offsets(prompt)
+        offsets = [start for start, _ in spans]
         if self.tokenizer.add_bos:
             ids, offsets = [self.tokenizer.bos_token_id, *ids], [0, *offsets]
         self._check_length(len(ids), f"the prompt ({len(ids)} tokens)",
@@ -405,7 +405,7 @@ class CalibratedLM(Judging):
                                   f"max_prefill_tokens {self.max_prefill_tokens}: one position "
                                   "over it needs more; shorten the prompt or raise it")
             segment = min(segment, fits)
-        out = [PromptToken(ids[0], self._piece(prompt, encoding, 0, ids), offsets[0], None)]
+        out = [PromptToken(ids[0], self._piece(prompt, spans, 0), offsets[0], None)]
         state, logits, done = None, None, 0
         for t in range(1, len(ids)):
             if t - 1 >= done:  # run the next segment of positions t-1 .. (the cache carries)
@@ -430,17 +430,17 @@ class CalibratedLM(Judging):
                                                  float(np.exp(logp[i])),
                                                  None if raw is None else float(raw[i]))
                                      for i in best)
-            out.append(PromptToken(ids[t], self._piece(prompt, encoding, t, ids), offsets[t],
+            out.append(PromptToken(ids[t], self._piece(prompt, spans, t), offsets[t],
                                    float(logp[ids[t]]), alternatives,
                                    None if raw is None else float(raw[ids[t]])))
         return out
 
-    def _piece(self, prompt: str, encoding, t: int, ids: Sequence[int]) -> str:
+    def _piece(self, prompt: str, spans: Sequence[tuple[int, int]], t: int) -> str:
         """The prompt text of token ``t`` (``""`` for the BOS the engine adds)."""
         shift = 1 if self.tokenizer.add_bos else 0
         if t < shift:
             return ""
-        start, end = encoding.offsets[t - shift]
+        start, end = spans[t - shift]
         return prompt[start:end]
 
     # ------------------------------------------------------------------ helpers

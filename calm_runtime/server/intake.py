@@ -106,7 +106,7 @@ class Intake:
         for index, prompt in enumerate(prompts):
             label = "the prompt" if len(prompts) == 1 else f"prompt[{index}]"
             try:
-                ids = self.lm._encode_prompt(prompt, False, label)
+                ids = self.lm.encode_prompt(prompt, chat=False, label=label)
             except CalmError as exc:
                 raise APIError(400, str(exc), param="prompt") from None
             encoded.append(self._check_prompt(ids, label))
