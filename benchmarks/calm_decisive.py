@@ -98,10 +98,11 @@ from calm_runtime.data.sets import load_dataset, split_records
 from calm_runtime.errors import FitError
 from calm_runtime.formats.artifact import CalibrationAdapter
 from calm_runtime.measure import metrics
-from calm_training import calm_data, daca
-from calm_training.calm_config import THETA_ONLY
-from calm_training.fit import option_probabilities
-from calm_training.trainer import CalmConfig, train_calm
+from calm_training.calm import data as calm_data
+from calm_training.calm.config import THETA_ONLY
+from calm_training.calm.trainer import CalmConfig, train_calm
+from calm_training.posthoc import daca
+from calm_training.posthoc.fit import option_probabilities
 
 HERE = Path(__file__).resolve().parent
 logger = logging.getLogger("calm_decisive")
@@ -255,9 +256,9 @@ def _evaluator(args, mode: str, model=None):
     empty LoRA of the arms' shape."""
     import torch
 
-    from calm_training._calm_model import CalmModel
-    from calm_training.option_eval import OptionEvaluator
-    from calm_training.scoring import uses_chat_template
+    from calm_training.calm.model import CalmModel
+    from calm_training.calm.option_eval import OptionEvaluator
+    from calm_training.scoring.local import uses_chat_template
 
     if model is None:
         config = CalmConfig(model=args.model, train=("-",), calibration=("-",),

@@ -63,9 +63,10 @@ from calm_runtime.cli.main import install_named
 from calm_runtime.data.sets import load_dataset, split_records
 from calm_runtime.formats.artifact import CalibrationAdapter
 from calm_runtime.measure import metrics
-from calm_training import calm_data, daca
-from calm_training.fit import option_probabilities
-from calm_training.trainer import CalmConfig, train_calm
+from calm_training.calm import data as calm_data
+from calm_training.calm.trainer import CalmConfig, train_calm
+from calm_training.posthoc import daca
+from calm_training.posthoc.fit import option_probabilities
 
 HERE = Path(__file__).resolve().parent
 SETS = ("arc-easy", "sciq", "arc-challenge", "mmlu")
@@ -82,7 +83,7 @@ COMMON = {"batch_size": 8, "calibration_batch_size": 8, "lora_rank": 8, "lora_al
           "mode": "cloze", "phi": "grad", "warm_start_lr": 1e-3, "q_window": 10, "beta": 1.0,
           "alpha_l2": 0.0, "upper_params": "all", "alpha_tokens": "all", "momentum": 0.9,
           "freeze_alpha": False, "cft_weight": 0.5, "cft_scale": 1e-3, "cft_bins": 10,
-          # settings added later, at the behaviour these runs had (calm_config.LEGACY_SETTINGS)
+          # settings added later, at the behaviour these runs had (calm.config.LEGACY_SETTINGS)
           "inner_optimizer": "sgd", "alpha_logits": "raw", "upper": "entropy",
           "reference": None, "alpha_holdout": 0.0}
 SGD = {"method": "bilevel", "optimizer": "sgd", "momentum": 0.9, "outer_lr": 0.1,
@@ -141,8 +142,8 @@ def _labeled_unlabeled_half(name: str):
 
 
 def _evaluator(args):
-    from calm_training._calm_model import CalmModel
-    from calm_training.option_eval import OptionEvaluator
+    from calm_training.calm.model import CalmModel
+    from calm_training.calm.option_eval import OptionEvaluator
 
     config = CalmConfig(model=args.model, train=("-",), calibration=("-",), method="bilevel",
                         lora_rank=COMMON["lora_rank"], lora_alpha=COMMON["lora_alpha"])
@@ -160,7 +161,7 @@ def _device():
 def _probe(args, direction: str, arm: str, **settings) -> dict:
     """Train ``arm`` for the warm start + ``--probe-steps`` bilevel steps with ``settings``;
     its option NLL on ``DIR:train`` (labels of the training split only) and its last q."""
-    from calm_training.option_eval import OptionEvaluator
+    from calm_training.calm.option_eval import OptionEvaluator
 
     train = _four(calm_data.resolve_records(f"{direction}:train"))
     config = _config(args, direction, arm, steps=args.warm_start_steps + args.probe_steps,

@@ -4,7 +4,7 @@
         [--data arc-easy] [--limit 200] [--modes cloze letter] [--threads 1] [--rounds 3]
 
 ``calm fit`` and ``calm eval`` score every question of a data set with both models before
-anything is fitted; this measures that step both ways ``calm_training.scoring`` runs it:
+anything is fitted; this measures that step both ways ``calm_training.scoring.local`` runs it:
 with the source model in torch (eager, ``logits_to_keep``, each cloze context once with its
 KV cache shared by the options), and with the model's engine folder given as the model
 (ONNX Runtime, the same token ids and the same shared-prefix cloze passes). Each pair is an
@@ -64,8 +64,8 @@ def main(argv=None) -> int:
     from calm_runtime.cli.main import install_named
     from calm_runtime.data.models import load_model_and_tokenizer
     from calm_runtime.data.sets import load_dataset
-    from calm_training.engine_model import load_engine
-    from calm_training.scoring import score_multiple_choice
+    from calm_training.scoring.engine import load_engine
+    from calm_training.scoring.local import score_multiple_choice
 
     torch.set_num_threads(args.threads)
     install_named([model for model, _ in args.pair], [args.data])

@@ -30,13 +30,13 @@ from _common import command_line, git_commit, model_pair_parser
 
 from calm_runtime.cli.main import install_named
 from calm_runtime.data.models import resolve_model
-from calm_training.fit import (
+from calm_training.posthoc.fit import (
     FitConfig,
     compare_methods,
     format_selective_table,
     format_table,
 )
-from calm_training.plan import FitPlan
+from calm_training.posthoc.plan import FitPlan
 
 HERE = Path(__file__).resolve().parent
 METHODS = ("vanilla", "naive", "daca", "ts")
@@ -144,7 +144,7 @@ def main(argv=None) -> int:
         timings = {}
         from calm_runtime._paths import cache_dir
         from calm_runtime.data.sets import load_dataset
-        from calm_training.remote import remote_option_scores
+        from calm_training.scoring.served import remote_option_scores
 
         records = load_dataset(args.data)[: args.limit] if args.limit else load_dataset(
             args.data)

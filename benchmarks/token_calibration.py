@@ -6,7 +6,7 @@
 A cloze fit calibrates option probabilities with ``answer_temperature``; the token
 log-probabilities an engine serves are calibrated only by a token-level temperature
 (docs/methods.md §3, "Token level"), which ``calm fit`` fits where a signal exists. This
-benchmark runs that fit (``calm_training.token_fit.cloze_token_temperature``, the function
+benchmark runs that fit (``calm_training.posthoc.token_fit.cloze_token_temperature``, the function
 ``calm fit`` calls) for three pairs on ARC-Easy and measures token-level ECE before and after
 on the held-out test part: at every answer token of the correct answer (teacher-forced after
 ``Question: ...\\nAnswer:``), confidence = the top next-token probability, correct = that
@@ -49,10 +49,14 @@ from calm_runtime.data.models import load_model_and_tokenizer
 from calm_runtime.data.sets import load_dataset, split_records
 from calm_runtime.formats.artifact import CalibrationAdapter
 from calm_runtime.measure import metrics
-from calm_training.cache import cached_option_scores
-from calm_training.calm_data import TRAIN_SPLIT_FRACTION, TRAIN_SPLIT_SEED, UNLABELED_PART
-from calm_training.fit import DEFAULT_VARIANT
-from calm_training.token_fit import answer_positions, cloze_token_temperature, token_confidences
+from calm_training.calm.data import TRAIN_SPLIT_FRACTION, TRAIN_SPLIT_SEED, UNLABELED_PART
+from calm_training.posthoc.fit import DEFAULT_VARIANT
+from calm_training.posthoc.token_fit import (
+    answer_positions,
+    cloze_token_temperature,
+    token_confidences,
+)
+from calm_training.scoring.cache import cached_option_scores
 
 #: how the committed intervals resample (a file without this key resampled positions)
 INTERVAL_UNIT = "questions"

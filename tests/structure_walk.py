@@ -1,6 +1,6 @@
 """The walk of one value through the project's own functions, read from the source.
 
-``walk(modules, "calm_training.fit", "fit_adapter", "config")`` starts at a function and a
+``walk(modules, "calm_training.posthoc.fit", "fit_adapter", "config")`` starts at a function and a
 parameter and follows the value: into every project function a call hands it to (as an
 argument, positionally or by keyword), into the methods called on it, and on through the
 names that hold it (``x = value``; ``plan = FitPlan.resolve(config)``: an object a project class

@@ -126,7 +126,7 @@ def test_the_optional_commands_are_entry_points():
     commands = project["entry-points"]["calm.commands"]
     assert commands == {"train": "calm_training.cli:register",
                         "export": "calm_export.cli:register",
-                        "score_served": "calm_training.served_score:score_served"}
+                        "score_served": "calm_training.scoring.served_score:score_served"}
     modules = _modules()
     for target in commands.values():
         module, _, attribute = target.partition(":")
@@ -136,9 +136,9 @@ def test_the_optional_commands_are_entry_points():
 
 #: where a spec's kind (local model, engine, served model) may be told apart: the resolver,
 #: and the runtime's ``calm score`` (an engine or a URL), which cannot import training
-KIND_TESTS = {"is_engine": {"training/sources.py"},
-              "is_endpoint": {"training/sources.py", "calm_runtime/cli/main.py"},
-              "isinstance Endpoint": {"training/sources.py"}}
+KIND_TESTS = {"is_engine": {"training/scoring/sources.py"},
+              "is_endpoint": {"training/scoring/sources.py", "calm_runtime/cli/main.py"},
+              "isinstance Endpoint": {"training/scoring/sources.py"}}
 
 
 def _kind_tests(tree: ast.AST) -> set[str]:
@@ -190,10 +190,10 @@ MAX_FIT_WALK = (30, 10)  # stops, files
 def test_a_fit_resolves_its_config_once():
     from structure_walk import walk
 
-    found = walk(_modules(), "calm_training.fit", "fit_adapter", "config")
+    found = walk(_modules(), "calm_training.posthoc.fit", "fit_adapter", "config")
     stops = {f"{module}.{name}" for module, name in found.stops}
-    assert "calm_training.plan.FitPlan.resolve" in stops
-    assert "calm_training.sources.resolve_source" in stops  # through the plan, once
+    assert "calm_training.posthoc.plan.FitPlan.resolve" in stops
+    assert "calm_training.scoring.sources.resolve_source" in stops  # through the plan, once
     assert len(found.stops) <= MAX_FIT_WALK[0], found.stops
     assert len(found.files) <= MAX_FIT_WALK[1], found.files
 

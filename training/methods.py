@@ -4,14 +4,14 @@ once (docs/methods.md §3, §4).
 :data:`FIT_METHODS` maps a post-hoc method's name to a :class:`FitMethod`: what it needs
 (a reference model, labels), whether it is vector scaling, DACA-masked or has a
 token-level counterpart, where it is fitted (option scores, P(True)'s two-way logits), the
-adapter kind it writes and the function of :mod:`calm_training.daca` (or
-:mod:`calm_training.platt`) that fits it. :data:`TRAIN_METHODS` maps a training method's
+adapter kind it writes and the function of :mod:`calm_training.posthoc.daca` (or
+:mod:`calm_training.posthoc.platt`) that fits it. :data:`TRAIN_METHODS` maps a training method's
 name to a :class:`TrainMethod`: the α it learns (none: θ only), its outer step
-(:mod:`calm_training.bilevel`), its lower objective and the adapter kind;
+(:mod:`calm_training.calm.bilevel`), its lower objective and the adapter kind;
 :data:`UPPER_OBJECTIVES` the upper objectives ``f`` (``--upper``). The rest of
 calm_training asks these objects and never compares a method's name; the CLI's choices
 and the configs' validation are the names listed here. torch-free (the outer steps import
-:mod:`calm_training.bilevel` when they run).
+:mod:`calm_training.calm.bilevel` when they run).
 """
 
 from __future__ import annotations
@@ -23,9 +23,8 @@ from functools import partial
 import numpy as np
 
 from calm_runtime.errors import ConfigError
-
-from . import daca
-from .platt import fit_platt
+from calm_training.posthoc import daca
+from calm_training.posthoc.platt import fit_platt
 
 __all__ = ["ADAPTER_METHODS", "FIT_METHODS", "FitMethod", "KINDS", "LABEL_FREE", "METHODS",
            "P_TRUE_METHODS", "THETA_ONLY", "TRAIN_METHODS", "TRAIN_METHOD_NAMES", "TrainMethod",
@@ -48,7 +47,7 @@ class FitMethod:
     #: DACA's agreement mask (naive: every question, no mask)
     masked: bool = False
     #: has a token-level counterpart (a cloze fit then also fits the answer positions'
-    #: next-token temperature, calm_training.token_fit)
+    #: next-token temperature, calm_training.posthoc.token_fit)
     token_level: bool = False
     #: fits on option scores ``[N, K]``: ``(reference, scores)`` label-free, else
     #: ``(scores, labels)``; None: not an option-level method (or the unfitted baseline)
@@ -179,7 +178,7 @@ class TrainMethod:
     #: α's variables: ``("log_tau", "shift")`` over the vocabulary, ``("log_temperature",)``
     #: one learned temperature, or none (θ alone: plain fine-tuning on its own loss)
     alpha: tuple[str, ...] = ("log_tau", "shift")
-    #: the outer step of calm_training.bilevel: ``bome`` (the bilevel method),
+    #: the outer step of calm_training.calm.bilevel: ``bome`` (the bilevel method),
     #: ``regularization`` (min g + β f), ``iterate`` (alternate a θ step on g and a step
     #: on f) or ``descent`` (plain gradient steps on g)
     solver: str = "bome"
@@ -219,8 +218,8 @@ class TrainMethod:
         return self.lower_loss == "cft"
 
     def step(self, theta, alpha, lower, upper, optimizer, options, *, beta: float, reduce):
-        """One outer step (calm_training.bilevel) on ``theta`` and ``alpha``."""
-        from . import bilevel
+        """One outer step (calm_training.calm.bilevel) on ``theta`` and ``alpha``."""
+        from calm_training.calm import bilevel
 
         args = (theta, alpha, lower, upper, optimizer)
         if self.solver == "bome":
@@ -236,7 +235,7 @@ class TrainMethod:
 #: a θ step on g and a (θ, α) step on f, no coupling; iterate-alpha: alternate a θ step on g
 #: and an α step on f, no coupling; scalar: BOME with α one learned temperature; lora: plain
 #: LoRA fine-tuning (no α); cft: calibration-aware fine-tuning, the training-time baseline
-#: (no α; calm_training.cft)
+#: (no α; calm_training.calm.cft)
 _TRAIN = (
     TrainMethod("bilevel", kind="calm"),
     TrainMethod("regularization", kind="calm_regularization", solver="regularization"),

@@ -46,7 +46,7 @@ docs/results.md.
 
 
 def register_train(sub) -> None:
-    from calm_training.calm_config import (
+    from calm_training.calm.config import (
         ALPHA_LOGITS,
         ALPHA_TOKENS,
         INNER_OPTIMIZERS,
@@ -173,7 +173,7 @@ def register_train(sub) -> None:
 
 
 def _train(args) -> int:
-    from calm_training.trainer import CalmConfig, train_calm
+    from calm_training.calm.trainer import CalmConfig, train_calm
 
     names = [f for f in CalmConfig.__dataclass_fields__ if hasattr(args, f)]
     values = {f: getattr(args, f) for f in names}

@@ -373,7 +373,7 @@ def _score(args) -> int:
 def _score_served(args, records) -> tuple[dict, str]:
     """``calm score URL``: scoring a served model needs the training package's scorers; its
     ``calm.commands`` entry point ``score_served``
-    (:func:`calm_training.served_score.score_served`) does it."""
+    (:func:`calm_training.scoring.served_score.score_served`) does it."""
     score_served = None if missing("train") else entry_point(COMMANDS_GROUP, "score_served")
     if score_served is None:
         raise BackendUnavailableError(missing_extra_message("train", "scoring a served model"))

@@ -1,6 +1,6 @@
 """Scoring passes over a backend: next-token logits and cloze continuation log-probabilities.
 
-These reproduce ``calm_training.scoring`` on the engine (same prompts, same token ids,
+These reproduce ``calm_training.scoring.local`` on the engine (same prompts, same token ids,
 same positions): contexts are left-padded, each question's context runs once and its
 KV cache is repeated for every option, and the right-padded continuations run on top
 with positions that continue the context. Only the continuation tokens before the last

@@ -8,8 +8,8 @@
   reported with :func:`calm_runtime.measure.metrics.binary_report`.
 
 A served model (``calm score URL``, an OpenAI-compatible API) is scored by
-``calm_training.remote`` with the same prompts; :func:`choices_report` builds its report from
-the option probabilities, with the same keys as an engine's.
+``calm_training.scoring.served`` with the same prompts; :func:`choices_report` builds its
+report from the option probabilities, with the same keys as an engine's.
 
 Records without a label are refused (metrics need labels).
 """

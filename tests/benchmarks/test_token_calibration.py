@@ -67,7 +67,7 @@ def test_clustered_interval_is_as_wide_as_the_questions_allow(common):
 def test_temperature_interval_matches_refitting_each_resample(common):
     """The grid solve of each resample equals calm's own solver refitted on the resampled
     rows (rows repeated as often as their question was drawn)."""
-    daca = pytest.importorskip("calm_training.daca")
+    daca = pytest.importorskip("calm_training.posthoc.daca")
     rng = np.random.default_rng(1)
     rows, vocab = 90, 200
     logits = rng.normal(size=(rows, vocab)) * 3
@@ -95,7 +95,7 @@ def test_fit_rows_are_the_rows_the_token_fit_minimises(bench, tiny_llama_tied, t
 
     from calm_runtime.data.models import load_model_and_tokenizer
     from calm_runtime.data.sets import load_dataset
-    from calm_training.token_fit import token_level_fit
+    from calm_training.posthoc.token_fit import token_level_fit
 
     records = load_dataset(str(write_mc_jsonl(tmp_path / "mc.jsonl", n=12)))
     labels = np.array([r.answer for r in records])

@@ -220,7 +220,7 @@ def test_runtime_generate_equals_the_reference(case):
 
 
 def test_runtime_choose_equals_the_reference(case):
-    from calm_training.scoring import score_multiple_choice
+    from calm_training.scoring.local import score_multiple_choice
 
     lm = CalibratedLM.load(case.engine, threads=1)
     records = [MultipleChoiceRecord(question=q, choices=tuple(o)) for q, o in QUESTIONS]
@@ -304,7 +304,7 @@ def test_hf_checkpoint_reloads_with_the_calibrated_logits(case):
 def test_training_computes_the_family_logits(case):
     """calm train's answer head (decoder, head, then the family's post-head op) gives the
     model's own logits: soft cap and logit scaling included."""
-    from calm_training._calm_model import AnswerHead
+    from calm_training.calm.model import AnswerHead
 
     ids = torch.tensor([case.tokenizer(LONG_PROMPT)["input_ids"]])
     positions = torch.tensor([3, 10, ids.shape[1] - 1])

@@ -1,6 +1,6 @@
 """Multiple choice and P(True) on the engine equal training's scoring and direct computations.
 
-Training's scorers (``calm_training.scoring``) run the source model in torch with the
+Training's scorers (``calm_training.scoring.local``) run the source model in torch with the
 adapter's calibration applied to the logits; the engine has the calibration fused into its
 head. Same prompts, same token ids, same numbers (within ``ATOL``).
 """
@@ -52,7 +52,7 @@ def _softmax(z):
 
 @pytest.mark.parametrize("variant", ["sum", "mean", "char"])
 def test_cloze_equals_training_scoring(lm, runtime_reference_model, hf_tokenizer, variant):
-    from calm_training.scoring import score_multiple_choice
+    from calm_training.scoring.local import score_multiple_choice
 
     model, adapter = runtime_reference_model
     scores = score_multiple_choice(model, hf_tokenizer, _records(), mode="cloze",
@@ -89,7 +89,7 @@ def test_cloze_equals_a_direct_computation(lm, runtime_reference_model, hf_token
 
 @pytest.mark.parametrize("chat", [None, False])
 def test_letter_mode_equals_training_scoring(lm, runtime_reference_model, hf_tokenizer, chat):
-    from calm_training.scoring import score_multiple_choice
+    from calm_training.scoring.local import score_multiple_choice
 
     model, adapter = runtime_reference_model
     scores = score_multiple_choice(model, hf_tokenizer, _records(), mode="letter", chat=chat,
@@ -130,7 +130,7 @@ def test_recorded_variant_is_the_default(runtime_engine, lm):
 @pytest.mark.parametrize(("template", "chat"), [(None, None), (None, False), ("yes-no", False)])
 def test_p_true_equals_training_scoring(lm, runtime_reference_model, hf_tokenizer, chat,
                                         template):
-    from calm_training.answers import score_p_true
+    from calm_training.scoring.answers import score_p_true
 
     model, adapter = runtime_reference_model
     questions = ["What is the capital of France?", "Who wrote Hamlet?", "2 + 2 ="]

@@ -11,9 +11,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 
 from calm_runtime.formats.artifact import CalibrationAdapter  # noqa: E402
-from calm_training import calm_data  # noqa: E402
-from calm_training.alpha_gate import decide, option_share  # noqa: E402
-from calm_training.trainer import CalmConfig, train_calm  # noqa: E402
+from calm_training.calm import data as calm_data  # noqa: E402
+from calm_training.calm.alpha_gate import decide, option_share  # noqa: E402
+from calm_training.calm.trainer import CalmConfig, train_calm  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("private_calm_cache")
 

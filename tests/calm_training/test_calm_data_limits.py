@@ -8,7 +8,8 @@ import pytest
 pytest.importorskip("transformers")
 
 from calm_runtime.data.sets import MultipleChoiceRecord  # noqa: E402
-from calm_training import calm_data, scoring  # noqa: E402
+from calm_training.calm import data as calm_data  # noqa: E402
+from calm_training.scoring import local as scoring  # noqa: E402
 
 
 @pytest.mark.parametrize("entropy", ["options", "vocab"])

@@ -14,8 +14,8 @@ from conftest import tiny_lora_dir  # noqa: E402
 from calm_runtime.cli.main import main  # noqa: E402
 from calm_runtime.errors import ConfigError, DataError  # noqa: E402
 from calm_runtime.formats.artifact import CalibrationAdapter  # noqa: E402
-from calm_training import calm_data  # noqa: E402
-from calm_training.trainer import CalmConfig, train_calm  # noqa: E402
+from calm_training.calm import data as calm_data  # noqa: E402
+from calm_training.calm.trainer import CalmConfig, train_calm  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("private_calm_cache")
 
@@ -32,7 +32,7 @@ def _config(model, data, **kw):
 @pytest.fixture(scope="module")
 def calm_model(tiny_llama_tied, mc_file):
     """A CalmModel with a nonzero LoRA and random α (so every gradient path is live)."""
-    from calm_training._calm_model import CalmModel
+    from calm_training.calm.model import CalmModel
 
     torch.manual_seed(5)
     m = CalmModel(_config(tiny_llama_tied, mc_file), torch.device("cpu"))
@@ -61,8 +61,8 @@ def test_options_entropy_is_the_entropy_of_the_evaluated_distribution(calm_model
                                                                      variant):
     """f = −H(softmax(s)) with s the cloze scores of the variant, as the project's scorer
     computes them from the calibrated logits of the same model."""
-    from calm_training.fit import option_probabilities
-    from calm_training.scoring import score_multiple_choice
+    from calm_training.posthoc.fit import option_probabilities
+    from calm_training.scoring.local import score_multiple_choice
 
     m = calm_model
     records, batch = _option_batch(m, mc_file, variant)
@@ -75,7 +75,7 @@ def test_options_entropy_is_the_entropy_of_the_evaluated_distribution(calm_model
 
 
 def test_letter_options_entropy_renormalises_over_the_letters(calm_model, mc_file):
-    from calm_training.scoring import score_multiple_choice
+    from calm_training.scoring.local import score_multiple_choice
 
     m = calm_model
     records, batch = _option_batch(m, mc_file, mode="letter")
@@ -161,8 +161,8 @@ def test_init_lora_loads_the_given_weights(tiny_llama_tied, mc_file, tmp_path,
                                            tmp_path_factory):
     source = train_calm(_config(tiny_llama_tied, mc_file, method="lora", steps=2,
                                 outer_lr=1e-2), tmp_path / "lora", progress=False)
-    from calm_training._calm_model import CalmModel
-    from calm_training.trainer import _lora_folder
+    from calm_training.calm.model import CalmModel
+    from calm_training.calm.trainer import _lora_folder
 
     for given in (tmp_path / "lora", tmp_path / "lora" / "lora"):  # calm adapter or peft folder
         m = CalmModel(_config(tiny_llama_tied, mc_file), torch.device("cpu"))
@@ -217,9 +217,9 @@ def test_option_evaluator_equals_the_project_scorer(tiny_llama_tied, mc_file, tm
     LoRA-merged model with the adapter applied; θ = 0 is the base model."""
     from calm_runtime.data.models import load_model_and_tokenizer
     from calm_runtime.data.sets import load_dataset
-    from calm_training._calm_model import CalmModel
-    from calm_training.option_eval import OptionEvaluator
-    from calm_training.scoring import score_multiple_choice
+    from calm_training.calm.model import CalmModel
+    from calm_training.calm.option_eval import OptionEvaluator
+    from calm_training.scoring.local import score_multiple_choice
 
     trained = train_calm(_config(tiny_llama_tied, mc_file, steps=2, outer_lr=5e-2),
                          tmp_path / "calm", progress=False)
@@ -258,11 +258,11 @@ def test_every_new_option_is_in_train_help(capsys):
 def test_q_growth_warns_once_per_window(caplog):
     from types import SimpleNamespace
 
-    from calm_training.trainer import _Trainer
+    from calm_training.calm.trainer import _Trainer
 
     fake = SimpleNamespace(config=SimpleNamespace(q_window=3), history=[], q_warnings=0)
     qs = [0.5, 0.4, 0.3, 0.2, 0.2, 0.1, 0.3, 0.4, 0.5]  # falls, then grows
-    with caplog.at_level("WARNING", logger="calm_training.trainer"):
+    with caplog.at_level("WARNING", logger="calm_training.calm.trainer"):
         for step, q in enumerate(qs, 1):
             row = {"step": step, "q": q}
             fake.history.append(row)

@@ -54,12 +54,12 @@ def _checked(command: str, config_class) -> int:
 
 @pytest.mark.parametrize("command", ["fit", "eval"])
 def test_fit_and_eval_defaults_are_fitconfig_fields(command):
-    from calm_training.fit_config import FitConfig
+    from calm_training.posthoc.fit_config import FitConfig
 
     assert _checked(command, FitConfig) >= 14
 
 
 def test_train_defaults_are_calmconfig_fields():
-    from calm_training.trainer import CalmConfig
+    from calm_training.calm.trainer import CalmConfig
 
     assert _checked("train", CalmConfig) >= 30

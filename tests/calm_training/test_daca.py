@@ -1,4 +1,4 @@
-"""Known-answer tests for DACA and its baselines (training/daca.py, docs/methods.md §3).
+"""Known-answer tests for DACA and its baselines (training/posthoc/daca.py, docs/methods.md §3).
 
 The synthetic data have a known true temperature: PLM logits ``f`` are calibrated by
 construction (labels are drawn from ``softmax(f)``), and the PoLM's logits are ``g = k f``
@@ -16,7 +16,7 @@ import pytest
 
 from calm_runtime.calibration import apply_calibration
 from calm_runtime.errors import ConfigError, FitError
-from calm_training.daca import (
+from calm_training.posthoc.daca import (
     VectorFit,
     fit_daca_p_true,
     fit_daca_temperature,
@@ -143,7 +143,7 @@ def test_tiny_agreement_warns_and_still_fits(caplog):
     keep = np.flatnonzero(f.argmax(1) == g.argmax(1))[:10]
     disagree = np.flatnonzero(f.argmax(1) != g.argmax(1))[:500]
     rows = np.concatenate([keep, disagree])
-    with caplog.at_level(logging.WARNING, logger="calm_training.daca"):
+    with caplog.at_level(logging.WARNING, logger="calm_training.posthoc.daca"):
         fit = fit_daca_temperature(f[rows], g[rows])
     assert fit.n_used == 10 and fit.n == 510
     assert "10 of 510" in caplog.text

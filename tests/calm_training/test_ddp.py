@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 
 from calm_runtime.formats.artifact import CalibrationAdapter  # noqa: E402
-from calm_training.trainer import CalmConfig, train_calm  # noqa: E402
+from calm_training.calm.trainer import CalmConfig, train_calm  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
                                 reason="torch.distributed is not available in this build")

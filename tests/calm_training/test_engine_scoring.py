@@ -13,16 +13,16 @@ pytest.importorskip("onnxruntime")
 from calm_runtime.data.prompts import p_true_template  # noqa: E402
 from calm_runtime.data.sets import MultipleChoiceRecord, OpenQARecord, write_jsonl  # noqa: E402
 from calm_runtime.errors import ConfigError  # noqa: E402
-from calm_training.answers import generate_answers, score_p_true  # noqa: E402
-from calm_training.cache import cached_option_scores  # noqa: E402
-from calm_training.engine_model import (  # noqa: E402
+from calm_training.posthoc.fit import FitConfig, compare_methods, fit_adapter  # noqa: E402
+from calm_training.scoring.answers import generate_answers, score_p_true  # noqa: E402
+from calm_training.scoring.cache import cached_option_scores  # noqa: E402
+from calm_training.scoring.engine import (  # noqa: E402
     engine_fingerprint,
     engine_identity,
     load_engine,
 )
-from calm_training.fit import FitConfig, compare_methods, fit_adapter  # noqa: E402
-from calm_training.scoring import score_multiple_choice  # noqa: E402
-from calm_training.sources import EngineSource, LocalModel, is_engine, resolve_source  # noqa: E402
+from calm_training.scoring.local import score_multiple_choice  # noqa: E402
+from calm_training.scoring.sources import EngineSource, LocalModel, is_engine, resolve_source  # noqa: E402
 
 QUESTIONS = ["Which number is prime?", "Where do penguins live?", "What colour is the sky?",
              "Which animal barks?", "What is two plus two?", "Which planet is red?"]

@@ -19,9 +19,9 @@ from calm_runtime.errors import (  # noqa: E402
     ModelSourceError,
 )
 from calm_runtime.formats.artifact import CalibrationAdapter, ModelIdentity  # noqa: E402
-from calm_training import cache as score_cache  # noqa: E402
-from calm_training.evaluate import evaluate_adapter, write_report  # noqa: E402
-from calm_training.fit import FitConfig, compare_methods, fit_adapter, format_table  # noqa: E402
+from calm_training.posthoc.evaluate import evaluate_adapter, write_report  # noqa: E402
+from calm_training.posthoc.fit import FitConfig, compare_methods, fit_adapter, format_table  # noqa: E402
+from calm_training.scoring import cache as score_cache  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -75,7 +75,7 @@ def test_scores_are_cached(tiny_llama_tied, mc_file, monkeypatch):
 def test_a_method_that_cannot_fit_is_reported_not_fatal(tiny_llama_tied, mc_file, monkeypatch,
                                                         tmp_path):
     from calm_runtime.errors import FitError
-    from calm_training import fit as fit_module
+    from calm_training.posthoc import fit as fit_module
 
     config = _config(tiny_llama_tied, mc_file, mode="letter", chat=False)
     real_fit = fit_module._fit
@@ -239,7 +239,7 @@ def test_reports_carry_selective_metrics_and_the_per_question_arrays(tiny_llama_
     """Every figure of a report can be recomputed from it; a risk-coverage plot sits next to
     the reliability diagram."""
     from calm_runtime.measure import metrics
-    from calm_training.fit import format_selective_table
+    from calm_training.posthoc.fit import format_selective_table
 
     config = _config(tiny_llama_tied, mc_file, mode="cloze")
     report = compare_methods(config, ("vanilla", "ts"), progress=False)
@@ -287,7 +287,7 @@ def test_arguments_are_checked_before_any_scoring(tiny_llama_tied, mc_file, tmp_
                                                   monkeypatch):
     """A label-free method without --reference, an --out that exists or cannot be created:
     refused before a single question is scored."""
-    from calm_training import cache
+    from calm_training.scoring import cache
 
     def no_scoring(*_a, **_k):
         raise AssertionError("scored before the arguments were checked")

@@ -11,8 +11,8 @@ import pytest
 from calm_runtime import modes
 from calm_runtime.errors import ConfigError, DataError
 from calm_training import methods
-from calm_training.daca import TemperatureFit, VectorFit
-from calm_training.platt import PlattFit
+from calm_training.posthoc.daca import TemperatureFit, VectorFit
+from calm_training.posthoc.platt import PlattFit
 
 TRAIN_NAMES = ("bilevel", "regularization", "iterate-theta", "iterate-alpha", "scalar", "lora",
                "cft")
@@ -29,9 +29,9 @@ def _option_scores(n=200, k=4, seed=0):
 
 
 def test_the_lists_are_the_registry_and_keep_their_order():
-    from calm_training.calm_config import THETA_ONLY  # benchmarks/calm_decisive.py reads it
-    from calm_training.fit import LABEL_FREE, METHODS, option_probabilities  # noqa: F401
-    from calm_training.p_true import P_TRUE_METHODS
+    from calm_training.calm.config import THETA_ONLY  # benchmarks/calm_decisive.py reads it
+    from calm_training.posthoc.fit import LABEL_FREE, METHODS, option_probabilities  # noqa: F401
+    from calm_training.posthoc.p_true import P_TRUE_METHODS
 
     assert METHODS == ("vanilla", "naive", "daca", "daca-vector", "ts", "ts-vector")
     assert LABEL_FREE == ("naive", "daca", "daca-vector")
@@ -75,7 +75,7 @@ def test_an_option_fit_reads_only_what_its_method_declares(name):
 
 
 def test_a_labeled_method_refuses_records_without_answers():
-    from calm_training import fit as fit_module
+    from calm_training.posthoc import fit as fit_module
 
     reference, model, labels = _option_scores()
     labels[3] = -1
@@ -114,7 +114,7 @@ def test_a_p_true_fit_reads_only_what_its_method_declares(name):
 def test_the_token_level_fit_follows_the_declaration(name):
     """Without models: a method without a token-level counterpart says so, a labeled one
     needs labels, a label-free one a reference with the same tokenizer."""
-    from calm_training.token_fit import NO_SHARED_TOKENIZER, token_level_fit
+    from calm_training.posthoc.token_fit import NO_SHARED_TOKENIZER, token_level_fit
 
     method = methods.fit_method(name)
     fit, record = token_level_fit(name, model=None, tokenizer=None, records=[],
@@ -140,7 +140,7 @@ def test_compare_lists_follow_the_mode_and_the_reference():
 
 
 def test_an_unknown_fit_method_is_one_error_line(tmp_path):
-    from calm_training.fit import FitConfig, fit_adapter
+    from calm_training.posthoc.fit import FitConfig, fit_adapter
 
     for lookup in (methods.fit_method, methods.option_method, methods.p_true_method):
         with pytest.raises(ConfigError, match=r"^unknown (P\(True\) )?method 'nope'; choose "
@@ -158,14 +158,15 @@ def test_an_unknown_fit_method_is_one_error_line(tmp_path):
 
 # ---------------------------------------------------------------------------- calm train
 def _calm_config(**kw):
-    from calm_training.calm_config import CalmConfig
+    from calm_training.calm.config import CalmConfig
 
     return CalmConfig(**{"model": "m", "train": ("x:train",), "calibration": ("x:unlabeled",),
                          "steps": 10, **kw})
 
 
 def test_the_training_lists_are_the_registry():
-    from calm_training import calm_config, trainer
+    from calm_training.calm import config as calm_config
+    from calm_training.calm import trainer
 
     assert calm_config.METHODS == trainer.METHODS == methods.TRAIN_METHOD_NAMES == TRAIN_NAMES
     assert calm_config.UPPER_OBJECTIVES == ("entropy", "daca")
@@ -221,7 +222,7 @@ def test_an_unknown_training_method_is_one_error_line():
 @pytest.mark.parametrize("name", TRAIN_NAMES)
 def test_each_method_takes_its_own_outer_step(name, monkeypatch):
     pytest.importorskip("torch")
-    from calm_training import bilevel
+    from calm_training.calm import bilevel
 
     calls = []
     for step in ("bome_step", "regularization_step", "iterate_step", "descent_step"):
@@ -244,7 +245,7 @@ def test_each_method_takes_its_own_outer_step(name, monkeypatch):
 def test_the_model_carries_the_alpha_its_method_declares(name, freeze, tiny_llama_tied):
     torch = pytest.importorskip("torch")
     pytest.importorskip("peft")
-    from calm_training._calm_model import CalmModel
+    from calm_training.calm.model import CalmModel
 
     method = methods.train_method(name)
     config = _calm_config(model=str(tiny_llama_tied), method=name, freeze_alpha=freeze,

@@ -14,10 +14,10 @@ from calm_runtime.data.models import load_model_and_tokenizer  # noqa: E402
 from calm_runtime.data.prompts import p_true_template  # noqa: E402
 from calm_runtime.errors import DataError  # noqa: E402
 from calm_runtime.formats.artifact import CalibrationAdapter  # noqa: E402
-from calm_training import p_true  # noqa: E402
-from calm_training.answers import score_p_true  # noqa: E402
-from calm_training.fit import FitConfig, compare_methods, fit_adapter  # noqa: E402
-from calm_training.plan import FitPlan  # noqa: E402
+from calm_training.posthoc import p_true  # noqa: E402
+from calm_training.posthoc.fit import FitConfig, compare_methods, fit_adapter  # noqa: E402
+from calm_training.posthoc.plan import FitPlan  # noqa: E402
+from calm_training.scoring.answers import score_p_true  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -77,7 +77,7 @@ def test_platt_recovers_a_known_slope_and_bias():
     the base rate, which a temperature cannot)."""
     import numpy as np
 
-    from calm_training.p_true import fit_platt
+    from calm_training.posthoc.p_true import fit_platt
 
     rng = np.random.default_rng(0)
     d = rng.normal(0, 2, 20_000)

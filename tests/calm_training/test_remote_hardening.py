@@ -13,8 +13,8 @@ import pytest
 from conftest import JSONHandler, loopback_server
 
 from calm_runtime.errors import ConfigError
-from calm_training import endpoint as http_endpoint
-from calm_training import remote
+from calm_training.scoring import endpoint as http_endpoint
+from calm_training.scoring import served as remote
 
 SECRET = "sk-top-secret-123"
 

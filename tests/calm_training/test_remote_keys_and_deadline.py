@@ -22,9 +22,9 @@ from conftest import JSONHandler, loopback_server
 from calm_runtime.cli.main import SERVED_MAX_RETRIES, SERVED_TIMEOUT, build_parser, main
 from calm_runtime.data.sets import MultipleChoiceRecord, write_jsonl
 from calm_runtime.errors import ConfigError
-from calm_training import endpoint as http_endpoint
-from calm_training import remote
-from calm_training.endpoint import REDACTED, redact
+from calm_training.scoring import endpoint as http_endpoint
+from calm_training.scoring import served as remote
+from calm_training.scoring.endpoint import REDACTED, redact
 
 SECRET = "sk-top-secret-123"
 OTHER = "sk-someone-else-456"  # a key that is not ours, echoed as "Bearer ..."
@@ -232,8 +232,8 @@ def test_each_attempt_gets_what_is_left_of_the_deadline(monkeypatch):
 
 # ------------------------------------------------------------------ the settings
 def test_the_flags_reach_the_endpoint_and_their_defaults_are_one():
-    from calm_training.fit_config import FitConfig
-    from calm_training.plan import FitPlan
+    from calm_training.posthoc.fit_config import FitConfig
+    from calm_training.posthoc.plan import FitPlan
 
     assert (SERVED_TIMEOUT, SERVED_MAX_RETRIES) == (http_endpoint.DEFAULT_TIMEOUT,
                                                     http_endpoint.DEFAULT_MAX_RETRIES)
@@ -253,7 +253,7 @@ def test_the_flags_reach_the_endpoint_and_their_defaults_are_one():
 @pytest.mark.parametrize(("field", "value"), [("timeout", 0), ("timeout", -1.0),
                                               ("max_retries", -1)])
 def test_a_bad_setting_is_one_line(field, value):
-    from calm_training.fit_config import FitConfig
+    from calm_training.posthoc.fit_config import FitConfig
 
     with pytest.raises(ConfigError, match=field):
         FitConfig(model="http://127.0.0.1:9/v1", data="d", **{field: value})

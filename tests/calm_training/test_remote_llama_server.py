@@ -22,7 +22,7 @@ from conftest import JSONHandler, loopback_server, write_mc_jsonl
 from calm_runtime.cli.main import main
 from calm_runtime.data.sets import MultipleChoiceRecord
 from calm_runtime.formats.artifact import CalibrationAdapter
-from calm_training import remote
+from calm_training.scoring import served as remote
 
 # ------------------------------------------------------------------ recorded-shape fixtures
 TOP = {" A": -0.31, " B": -1.6, " C": -2.9}

@@ -17,8 +17,8 @@ from calm_runtime.data.prompts import (  # noqa: E402
 from calm_runtime.data.sets import MultipleChoiceRecord  # noqa: E402
 from calm_runtime.errors import ConfigError, DataError  # noqa: E402
 from calm_runtime.formats.artifact import CalibrationAdapter, ModelIdentity  # noqa: E402
-from calm_training.answers import score_p_true  # noqa: E402
-from calm_training.scoring import (  # noqa: E402
+from calm_training.scoring.answers import score_p_true  # noqa: E402
+from calm_training.scoring.local import (  # noqa: E402
     is_correct,
     normalize_answer,
     score_multiple_choice,
@@ -177,7 +177,7 @@ def test_a_record_longer_than_the_context_is_a_one_line_error_naming_it(tiny):
 
 
 def test_a_huge_record_is_refused_before_it_is_tokenised(tiny, monkeypatch):
-    from calm_training import scoring
+    from calm_training.scoring import local as scoring
 
     model, tok = tiny
     huge = MultipleChoiceRecord("water " * 200_000, ("fire", "dog"), 0)
@@ -191,7 +191,7 @@ def test_a_huge_record_is_refused_before_it_is_tokenised(tiny, monkeypatch):
 
 
 def test_batches_keep_padded_tokens_within_the_budget():
-    from calm_training.scoring import BATCH_TOKENS_PER_ROW, token_batches
+    from calm_training.scoring.local import BATCH_TOKENS_PER_ROW, token_batches
 
     lengths = [4000, 3000, 600, 500, 10, 10, 10, 10, 10, 10]
     chunks = list(token_batches(list(range(10)), 4, lengths))
@@ -208,7 +208,7 @@ def test_scores_sized_by_what_they_allocate_equal_the_batched_ones(tiny, monkeyp
     """Under a tiny budget every question's options are scored one by one in segments of
     positions (1 byte: one position at a time; 3,000: a few): the same scores, calibrated
     or not."""
-    from calm_training import scoring
+    from calm_training.scoring import local as scoring
 
     model, tok = tiny
     rng = np.random.default_rng(0)
@@ -227,7 +227,7 @@ def test_scores_sized_by_what_they_allocate_equal_the_batched_ones(tiny, monkeyp
 
 CHILD_LONG_OPTIONS = r"""
 import json, resource, sys
-from calm_training.fit import FitConfig, compare_methods
+from calm_training.posthoc.fit import FitConfig, compare_methods
 config = FitConfig(model=sys.argv[1], data=sys.argv[2], mode="cloze", bootstrap=0)
 compare_methods(config, ("vanilla", "ts"), progress=False)
 print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)

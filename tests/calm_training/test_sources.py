@@ -8,10 +8,10 @@ from conftest import JSONHandler, loopback_server
 
 from calm_runtime.data.models import model_fingerprint, model_identity
 from calm_runtime.errors import ConfigError
-from calm_training.endpoint import Endpoint
-from calm_training.fit_config import FitConfig
-from calm_training.plan import FitPlan
-from calm_training.sources import (
+from calm_training.posthoc.fit_config import FitConfig
+from calm_training.posthoc.plan import FitPlan
+from calm_training.scoring.endpoint import Endpoint
+from calm_training.scoring.sources import (
     LocalModel,
     ServedModel,
     as_source,

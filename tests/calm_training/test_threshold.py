@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from calm_runtime.errors import ArtifactError, FitError
-from calm_training.threshold import binomial_upper_bound, fit_threshold
+from calm_training.posthoc.threshold import binomial_upper_bound, fit_threshold
 
 
 def test_clopper_pearson_upper_bound_matches_the_beta_quantile():
@@ -19,7 +19,7 @@ def test_clopper_pearson_upper_bound_matches_the_beta_quantile():
 
 
 def test_threshold_is_the_lowest_grid_point_whose_bonferroni_bound_passes():
-    from calm_training.threshold import GRID
+    from calm_training.posthoc.threshold import GRID
 
     # 60 confident right answers (one wrong at the very top), a band where half are wrong,
     # then mostly wrong: one bad answer at the top must not stop the choice
@@ -65,7 +65,7 @@ def test_fit_threshold_to_engine_to_choices(tiny_llama_tied, mc_file, tmp_path):
     from calm_export.pipeline import export_engine
     from calm_runtime import CalibratedLM
     from calm_runtime.data.sets import load_dataset
-    from calm_training.fit import FitConfig, fit_adapter
+    from calm_training.posthoc.fit import FitConfig, fit_adapter
 
     config = FitConfig(model=str(tiny_llama_tied), data=str(mc_file), mode="cloze",
                        risk=0.99, risk_confidence=0.5, bootstrap=0)

@@ -11,7 +11,7 @@ import shutil
 import numpy as np
 import pytest
 
-from calm_training import daca
+from calm_training.posthoc import daca
 
 # ------------------------------------------------------------------ the solver (numpy only)
 
@@ -70,9 +70,9 @@ pytest.importorskip("transformers")
 from conftest import write_mc_jsonl  # noqa: E402
 
 from calm_runtime.formats.artifact import CalibrationAdapter  # noqa: E402
-from calm_training import cache as score_cache  # noqa: E402
-from calm_training.fit import FitConfig, fit_adapter  # noqa: E402
-from calm_training.plan import FitPlan  # noqa: E402
+from calm_training.posthoc.fit import FitConfig, fit_adapter  # noqa: E402
+from calm_training.posthoc.plan import FitPlan  # noqa: E402
+from calm_training.scoring import cache as score_cache  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -70,7 +70,7 @@ def test_the_remote_scorer_against_calm_serve_equals_the_engine(runtime_openai, 
     """calm's own client for served models, in cloze and letter mode, reads the same numbers
     the engine gives locally."""
     from calm_runtime.data.sets import MultipleChoiceRecord
-    from calm_training import remote
+    from calm_training.scoring import served as remote
 
     monkeypatch.setenv("CALM_CACHE", str(tmp_path / "cache"))
     records = [MultipleChoiceRecord(q, o, 0) for q, o in QUESTIONS]

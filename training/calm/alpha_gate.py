@@ -23,8 +23,8 @@ def measure_alpha_share(model, examples, pad_id: int, batch_size: int) -> dict:
     ``calm_data.encode_labeled_options``): with α against the same θ without it."""
     import torch
 
-    from . import calm_data
-    from ._calm_model import option_log_probs
+    from calm_training.calm import data as calm_data
+    from calm_training.calm.model import option_log_probs
 
     theta = [t.detach() for t in model.theta]
     alpha = [a.detach() for a in model.alpha]
@@ -48,7 +48,7 @@ def measure_answer_nll(model, examples, pad_id: int, batch_size: int) -> dict:
     without it."""
     import torch
 
-    from . import calm_data
+    from calm_training.calm import data as calm_data
 
     theta = [t.detach() for t in model.theta]
     alpha = [a.detach() for a in model.alpha]

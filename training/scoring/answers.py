@@ -10,9 +10,8 @@ import numpy as np
 
 from calm_runtime.data.prompts import PTrueTemplate, cloze_context
 from calm_runtime.errors import ConfigError
-
-from .engine_model import EngineModel
-from .scoring import (
+from calm_training.scoring.engine import EngineModel
+from calm_training.scoring.local import (
     batched_logits,
     context_limit,
     encode_within,

@@ -14,18 +14,17 @@ from calm_runtime.errors import ConfigError, DataError
 from calm_runtime.formats.artifact import CalibrationAdapter
 from calm_runtime.formats.fit_record import FitRecord
 from calm_runtime.measure.score import choices_report, require_labels
-
-from .cache import cached_option_scores
-from .fit import FitConfig
-from .plan import FitPlan
+from calm_training.posthoc.fit import FitConfig
+from calm_training.posthoc.plan import FitPlan
+from calm_training.scoring.cache import cached_option_scores
 
 __all__ = ["score_served"]
 
 
 def score_served(args, records) -> tuple[dict, str]:
     """``calm score URL``: the served model's option scores as ``calm eval`` gets them
-    (:func:`calm_training.cache.cached_option_scores`), the adapter's temperatures applied as
-    ``calm eval`` applies them, and the report
+    (:func:`calm_training.scoring.cache.cached_option_scores`), the adapter's temperatures
+    applied as ``calm eval`` applies them, and the report
     :func:`calm_runtime.measure.score.choices_report` makes for an engine; returns the
     report and the report file's name stem."""
     if records and not isinstance(records[0], MultipleChoiceRecord):

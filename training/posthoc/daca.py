@@ -22,8 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from calm_runtime.errors import ConfigError, FitError
-
-from ._daca_arrays import (  # noqa: F401 - the thresholds stay importable from here
+from calm_training.posthoc._daca_arrays import (  # noqa: F401 - the thresholds stay importable from here
     MIN_AGREEMENT_ITEMS,
     MIN_AGREEMENT_RATE,
     P_TRUE_EPS,
@@ -33,7 +32,7 @@ from ._daca_arrays import (  # noqa: F401 - the thresholds stay importable from 
     mean_entropy,
     p_true_logits,
 )
-from .daca_vector import (  # noqa: F401 - vector scaling stays importable from here
+from calm_training.posthoc.daca_vector import (  # noqa: F401 - vector scaling stays importable from here
     LBFGS_MAX_ITER,
     VectorFit,
     fit_daca_vector_scaling,

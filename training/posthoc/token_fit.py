@@ -28,10 +28,9 @@ import numpy as np
 from calm_runtime.data.prompts import cloze_context, cloze_continuation
 from calm_runtime.data.sets import MultipleChoiceRecord
 from calm_runtime.errors import ConfigError, FitError
-
-from . import daca
-from .methods import fit_method
-from .scoring import (
+from calm_training.methods import fit_method
+from calm_training.posthoc import daca
+from calm_training.scoring.local import (
     batched_logits,
     context_limit,
     describe,
@@ -185,7 +184,7 @@ def cloze_token_temperature(method: str, *, model, reference, records,
     the reference when it shares the model's tokenizer. Engines and served models have no
     full next-token logits to fit on here: the fit is then option-level only, with the
     reason recorded."""
-    from .sources import as_source
+    from calm_training.scoring.sources import as_source
 
     fitted = fit_method(method)
     if not fitted.token_level:

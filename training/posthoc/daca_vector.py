@@ -12,8 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from calm_runtime.errors import BackendUnavailableError, ConfigError, FitError
-
-from ._daca_arrays import (
+from calm_training.posthoc._daca_arrays import (
     MIN_AGREEMENT_ITEMS,
     MIN_AGREEMENT_RATE,
     agreement_set,
@@ -22,7 +21,7 @@ from ._daca_arrays import (
     mean_entropy,
 )
 
-logger = logging.getLogger("calm_training.daca")
+logger = logging.getLogger("calm_training.posthoc.daca")
 
 __all__ = ["VectorFit", "fit_daca_vector_scaling", "fit_vector_scaling",
            "vector_fit_to_tau_shift"]

@@ -27,7 +27,7 @@ cloze needs: cloze scoring against such an endpoint is one line saying so and na
 
 Requests run ``concurrency`` at a time, are retried with exponential backoff on 429, 5xx,
 time-outs and connection errors within one total deadline each (``--timeout``), and every
-answer (redacted of the key, see :func:`~calm_training.endpoint.redact`) is appended to a
+answer (redacted of the key, see :func:`~calm_training.scoring.endpoint.redact`) is appended to a
 cache file keyed by the endpoint, the served model and the request, so an interrupted run
 resumes where it stopped.
 Uses the standard library only (no torch, no HTTP client dependency).
@@ -57,8 +57,7 @@ from calm_runtime.data.prompts import (
 )
 from calm_runtime.data.sets import MultipleChoiceRecord
 from calm_runtime.errors import CalmError, ConfigError
-
-from .answer_logprobs import (  # noqa: F401 - re-exported: the answers this module reads
+from calm_training.scoring.answer_logprobs import (  # noqa: F401 - re-exported: the answers this module reads
     TOP_LOGPROBS,
     NoPromptLogprobs,
     TokenLogprobs,
@@ -69,7 +68,7 @@ from .answer_logprobs import (  # noqa: F401 - re-exported: the answers this mod
     first_choice,
     top_alternatives,
 )
-from .endpoint import (  # noqa: F401 - re-exported: the endpoint API lives beside its scoring
+from calm_training.scoring.endpoint import (  # noqa: F401 - re-exported: the endpoint API lives beside its scoring
     MAX_RESPONSE_BYTES,
     Endpoint,
     RemoteError,
@@ -79,7 +78,7 @@ from .endpoint import (  # noqa: F401 - re-exported: the endpoint API lives besi
     printable,
     redact_url,
 )
-from .scoring import OptionScores
+from calm_training.scoring.local import OptionScores
 
 __all__ = ["Endpoint", "NoPromptLogprobs", "RemoteError", "TOP_LOGPROBS", "TokenLogprobs",
            "completion_logprobs", "connect", "is_endpoint", "remote_answers",
@@ -307,7 +306,7 @@ def _next_token_logprobs(endpoint: Endpoint, prompts: Sequence[str],
 def remote_option_scores(endpoint: Endpoint, records: Sequence[MultipleChoiceRecord], *,
                          mode: str, progress: bool = True,
                          chat: bool = False) -> tuple[OptionScores, RemoteStats]:
-    """Option scores like :func:`calm_training.scoring.score_multiple_choice`: cloze prompts
+    """Option scores like :func:`calm_training.scoring.local.score_multiple_choice`: cloze prompts
     as text to ``/v1/completions``; letter prompts there too, or with ``chat`` as the user's
     message to ``/v1/chat/completions`` (letters without a leading space, as the local path
     reads them after a chat prompt)."""
@@ -367,7 +366,7 @@ def _completion_text(payload: dict, body: dict | None = None) -> str:
 
 def remote_answers(endpoint: Endpoint, questions: Sequence[str], *, max_new_tokens: int = 24,
                    progress: bool = True) -> list[str]:
-    """Greedy answers like :func:`~calm_training.answers.generate_answers`: the completion
+    """Greedy answers like :func:`~calm_training.scoring.answers.generate_answers`: the completion
     of ``"Question: ...\nAnswer:"`` (``max_new_tokens`` of it, no stop sequence: a stop at
     ``"\n"`` would end an answer that starts with a newline, which the local path strips),
     stripped and cut at the first newline."""
@@ -381,8 +380,9 @@ def remote_answers(endpoint: Endpoint, questions: Sequence[str], *, max_new_toke
 def remote_p_true(endpoint: Endpoint, questions: Sequence[str], answers: Sequence[str],
                   template: PTrueTemplate, *, progress: bool = True, chat: bool = False
                   ) -> tuple[np.ndarray, RemoteStats]:
-    """Two-way logits ``[N, 2]`` (true, false) like :func:`~calm_training.answers.score_p_true`
-    (with ``chat``: through ``/v1/chat/completions``, the tokens without a leading space)."""
+    """Two-way logits ``[N, 2]`` (true, false) like
+    :func:`~calm_training.scoring.answers.score_p_true` (with ``chat``: through
+    ``/v1/chat/completions``, the tokens without a leading space)."""
     stats = RemoteStats(total=len(questions))
     pair = ((template.true_token.lstrip(), template.false_token.lstrip()) if chat
             else (template.true_token, template.false_token))

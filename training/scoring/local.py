@@ -14,7 +14,7 @@ templates. Sequences are left-padded with explicit position ids and only the nee
 positions are projected through the LM head (``logits_to_keep``), so batching and padding
 do not change a score (tested against an unbatched computation).
 
-``model`` may also be an :class:`~calm_training.engine_model.EngineModel` (an exported
+``model`` may also be an :class:`~calm_training.scoring.engine.EngineModel` (an exported
 engine): the same token ids then run through ONNX Runtime with the runtime's scoring
 passes (``calm_runtime.inference.scoring_passes``), and the scores equal the torch path's
 to export parity.
@@ -43,8 +43,7 @@ from calm_runtime.data.sets import MultipleChoiceRecord
 from calm_runtime.errors import ConfigError, DataError
 from calm_runtime.inference import scoring_passes
 from calm_runtime.measure.score import is_correct, normalize_answer
-
-from .engine_model import EngineModel
+from calm_training.scoring.engine import EngineModel
 
 __all__ = [
     "CLOZE_VARIANTS",

@@ -2,7 +2,7 @@
 
 Which records train CALM
 ------------------------
-``calm eval`` and :func:`calm_training.fit.compare_methods` evaluate on the ``test`` part
+``calm eval`` and :func:`calm_training.posthoc.fit.compare_methods` evaluate on the ``test`` part
 of a named set (70%, :func:`calm_runtime.data.sets.split_records` with fraction 0.3, seed 0).
 CALM must never see those records, so its two data sets are carved out of the other 30%,
 the ``calibration`` part, which post-hoc methods (TS, DACA) fit on as well:
@@ -24,7 +24,7 @@ Each record becomes an :class:`Example`: token sequences, the positions whose ne
 distribution counts, and the target token there (``-1``: entropy only).
 
 * multiple choice, cloze mode — sequence ``"Question: ...\\nAnswer:" + " {option}"``
-  (context with special tokens, continuation without, as in :mod:`calm_training.scoring`);
+  (context with special tokens, continuation without, as in :mod:`calm_training.scoring.local`);
   training: CE on the correct option's text tokens; calibration (no labels): entropy at
   every position that predicts an option token, for every option (one sequence each), or
   with ``positions="answer"`` only where the answer starts (K times cheaper);
@@ -74,8 +74,7 @@ from calm_runtime.data.sets import (
     split_records,
 )
 from calm_runtime.errors import ConfigError, DataError
-
-from .scoring import (
+from calm_training.scoring.local import (
     CHARS_PER_TOKEN_MARGIN,
     encode_text,
     max_token_chars,

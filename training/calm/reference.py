@@ -30,8 +30,7 @@ def reference_option_probs(reference: str, records: Sequence, *, mode: str, vari
     or .gguf) on multiple-choice ``records``, scored as the trained model's options are."""
     from calm_runtime.data.models import load_model_and_tokenizer
     from calm_runtime.modes import option_probabilities
-
-    from .scoring import score_multiple_choice
+    from calm_training.scoring.local import score_multiple_choice
 
     bad = sum(1 for r in records if not isinstance(r, MultipleChoiceRecord))
     if bad:

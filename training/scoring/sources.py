@@ -19,8 +19,13 @@ from calm_runtime.data.models import DEFAULT_API_KEY_ENV
 from calm_runtime.errors import ConfigError
 from calm_runtime.formats.artifact import ModelIdentity
 from calm_runtime.formats.engine import ENGINE_MANIFEST_NAME
-
-from .endpoint import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT, Endpoint, connect, is_endpoint
+from calm_training.scoring.endpoint import (
+    DEFAULT_MAX_RETRIES,
+    DEFAULT_TIMEOUT,
+    Endpoint,
+    connect,
+    is_endpoint,
+)
 
 __all__ = ["ModelSource", "LocalModel", "EngineSource", "ServedModel", "resolve_source",
            "as_source", "is_engine"]
@@ -122,17 +127,17 @@ class EngineSource(ModelSource):
         return Path(self.spec)
 
     def identity(self) -> ModelIdentity:
-        from .engine_model import engine_identity
+        from calm_training.scoring.engine import engine_identity
 
         return engine_identity(self.spec)
 
     def fingerprint(self) -> str:
-        from .engine_model import engine_fingerprint
+        from calm_training.scoring.engine import engine_fingerprint
 
         return engine_fingerprint(self.spec)
 
     def load(self, lora_path=None):
-        from .engine_model import load_engine
+        from calm_training.scoring.engine import load_engine
 
         if lora_path is not None:
             raise ConfigError(f"{self.spec} is an engine: a LoRA is merged at export; export "
@@ -146,7 +151,7 @@ class EngineSource(ModelSource):
                               "the engine with that adapter")
 
     def require_uncalibrated(self, what: str) -> None:
-        from .engine_model import require_uncalibrated
+        from calm_training.scoring.engine import require_uncalibrated
 
         require_uncalibrated(self.spec, what)
 
@@ -176,7 +181,7 @@ class ServedModel(ModelSource):
         return ModelIdentity.served_model(self.endpoint.base_url, self.endpoint.model)
 
     def chat(self, chat: bool | None) -> bool:
-        from .remote import resolve_chat
+        from calm_training.scoring.served import resolve_chat
 
         return resolve_chat(self.endpoint, chat)
 
@@ -202,7 +207,7 @@ def resolve_source(spec: str | os.PathLike, *, model_name: str | None = None,
 
 def as_source(model) -> ModelSource:
     """``model`` as a :class:`ModelSource`: a source as it is, a connected
-    :class:`~calm_training.endpoint.Endpoint`, or a spec to resolve."""
+    :class:`~calm_training.scoring.endpoint.Endpoint`, or a spec to resolve."""
     if isinstance(model, ModelSource):
         return model
     if isinstance(model, Endpoint):

@@ -10,7 +10,7 @@ import numpy as np
 from calm_runtime.errors import ConfigError, FitError
 from calm_runtime.modes import option_probabilities
 
-logger = logging.getLogger("calm_training.daca")
+logger = logging.getLogger("calm_training.posthoc.daca")
 
 # The agreement set is "tiny" (warn, still fit) below either threshold.
 MIN_AGREEMENT_ITEMS = 20

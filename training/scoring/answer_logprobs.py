@@ -4,7 +4,7 @@
 ``top_logprobs`` as one ``{token: logprob}`` per position, ``text_offset``: OpenAI, vLLM,
 SGLang, calm serve) or as the chat shape (``content[]`` of ``{token, logprob, top_logprobs:
 [{token, logprob}]}``: llama.cpp's llama-server); chat completions always use the latter.
-Every value is checked here before the scorers in :mod:`calm_training.remote` read it.
+Every value is checked here before the scorers in :mod:`calm_training.scoring.served` read it.
 Standard library only.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .endpoint import RemoteError, printable
+from calm_training.scoring.endpoint import RemoteError, printable
 
 __all__ = ["NoPromptLogprobs", "TokenLogprobs", "chat_entries", "chat_top_alternatives",
            "checked_logprob", "completion_logprobs", "echo_fields", "echoed_continuation",

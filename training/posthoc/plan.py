@@ -1,11 +1,11 @@
 """``FitPlan``: one ``calm fit`` / ``calm eval`` run, resolved once.
 
-:meth:`FitPlan.resolve` turns a :class:`~calm_training.fit_config.FitConfig` into what the
+:meth:`FitPlan.resolve` turns a :class:`~calm_training.posthoc.fit_config.FitConfig` into what the
 run works on: its scoring :class:`~calm_runtime.modes.Mode`, the model and the reference as
-:class:`~calm_training.sources.ModelSource` objects (each resolved once; a served one
+:class:`~calm_training.scoring.sources.ModelSource` objects (each resolved once; a served one
 connects once, on first use, and every later step reuses that connection), the records, the
-calibration/test split and the prompt format. :mod:`calm_training.fit`,
-:mod:`calm_training.p_true` and :mod:`calm_training.evaluate` hand this plan, or the
+calibration/test split and the prompt format. :mod:`calm_training.posthoc.fit`,
+:mod:`calm_training.posthoc.p_true` and :mod:`calm_training.posthoc.evaluate` hand this plan, or the
 values they need from it, to their helpers, never the config.
 """
 
@@ -20,10 +20,9 @@ import numpy as np
 from calm_runtime.data.sets import MultipleChoiceRecord, OpenQARecord, load_dataset, split_indices
 from calm_runtime.errors import ConfigError, DataError
 from calm_runtime.modes import Mode
-
-from .fit_config import FitConfig
-from .fit_report import Metrics
-from .sources import ModelSource, resolve_source
+from calm_training.posthoc.fit_config import FitConfig
+from calm_training.posthoc.fit_report import Metrics
+from calm_training.scoring.sources import ModelSource, resolve_source
 
 __all__ = ["FitPlan"]
 
@@ -114,7 +113,7 @@ class FitPlan:
         """The option scores of :attr:`records` by the model (or the reference), with
         ``adapter_dir``'s calibration applied while scoring; from the score cache when
         possible."""
-        from .cache import cached_option_scores
+        from calm_training.scoring.cache import cached_option_scores
 
         source = self.model if role == "model" else self.require_reference()
         config = self.config

@@ -28,24 +28,23 @@ from calm_runtime.errors import ConfigError, DataError, FitError
 from calm_runtime.formats.artifact import CalibrationAdapter
 from calm_runtime.measure import metrics
 from calm_runtime.modes import option_probabilities
-
-from . import daca
-from .fit_config import (  # noqa: F401 - FitConfig and the names stay importable from here
+from calm_training.methods import compared_methods, fit_method, option_method
+from calm_training.posthoc import daca
+from calm_training.posthoc.fit_config import (  # noqa: F401 - FitConfig and the names stay importable from here
     ALL_MODES,
     DEFAULT_VARIANT,
     LABEL_FREE,
     METHODS,
     FitConfig,
 )
-from .fit_report import (  # noqa: F401 - the tables stay importable from here
+from calm_training.posthoc.fit_report import (  # noqa: F401 - the tables stay importable from here
     Metrics,
     add_selective,
     format_selective_table,
     format_table,
     served_floor,
 )
-from .methods import compared_methods, fit_method, option_method
-from .plan import FitPlan
+from calm_training.posthoc.plan import FitPlan
 
 __all__ = ["FitConfig", "METHODS", "LABEL_FREE", "DEFAULT_VARIANT", "compare_methods",
            "fit_adapter", "option_probabilities", "format_table", "format_selective_table"]
@@ -151,7 +150,7 @@ def compare_methods(config: FitConfig, methods: Sequence[str] = METHODS, *,
     """
     plan = FitPlan.resolve(config)
     if not plan.mode.choice:  # P(True)
-        from .p_true import compare_p_true
+        from calm_training.posthoc.p_true import compare_p_true
 
         return compare_p_true(plan, compared_methods(plan.mode, reference=True, among=methods),
                               progress=progress)
@@ -275,7 +274,7 @@ def _cloze_fits(plan: FitPlan, method: str, prep: _Prepared, base: CalibrationAd
     exists: docs/methods.md §3 "Token level"), then the option-level fit on the option
     scores of the token-calibrated model, which is what the runtime reads. Returns the
     option-level fit and the token fit's record (set on ``adapter.temperature`` in place)."""
-    from .token_fit import cloze_token_temperature
+    from calm_training.posthoc.token_fit import cloze_token_temperature
 
     cal = prep.cal
     chosen = prep.polm[cal].argmax(1)
@@ -314,7 +313,7 @@ def _fit_threshold_adapter(plan: FitPlan, out, *, overwrite: bool, progress: boo
     """``calm fit threshold``: the base adapter (``--adapter``, else the identity) with
     the abstention threshold chosen on the calibration split; the test split's coverage and
     selective risk at that threshold are reported (and recorded) beside it."""
-    from .threshold import fit_threshold
+    from calm_training.posthoc.threshold import fit_threshold
 
     config = plan.config
     if not plan.mode.choice:
@@ -361,8 +360,7 @@ def _base_adapter(plan: FitPlan):
 
 def _fit_p_true_adapter(plan: FitPlan, method: str, out, *, overwrite: bool):
     from calm_runtime.data.prompts import p_true_template
-
-    from .p_true import fit_p_true
+    from calm_training.posthoc.p_true import fit_p_true
 
     config = plan.config
     if config.adapter:
@@ -405,7 +403,7 @@ def _write_vector(adapter: CalibrationAdapter, fit, plan: FitPlan) -> None:
                           "shift is not supported; fit a scalar temperature (daca or ts)")
     from transformers import AutoTokenizer
 
-    from .scoring import single_token_id, uses_chat_template
+    from calm_training.scoring.local import single_token_id, uses_chat_template
 
     tokenizer = AutoTokenizer.from_pretrained(str(plan.model.folder()))
     chat = uses_chat_template(tokenizer, plan.config.chat)

@@ -2,7 +2,7 @@
 
 :func:`train_calm` loads the model, wraps it with a peft LoRA, and runs ``config.steps``
 outer steps of the chosen method (:data:`METHODS`) with the step functions of
-:mod:`calm_training.bilevel`, then writes a calibration adapter of kind ``calm`` (or the
+:mod:`calm_training.calm.bilevel`, then writes a calibration adapter of kind ``calm`` (or the
 ablation's kind): ``tau = exp(log_tau)``, ``shift = l``, ``temperature = 1``, the peft LoRA
 folder, provenance and the training curve.
 
@@ -41,9 +41,8 @@ from calm_runtime import modes
 from calm_runtime.data.sets import MultipleChoiceRecord
 from calm_runtime.errors import ConfigError, FitError
 from calm_runtime.formats.artifact import CalibrationAdapter
-
-from . import calm_data
-from .calm_config import (  # noqa: F401 - re-exported: the trainer's public names
+from calm_training.calm import data as calm_data
+from calm_training.calm.config import (  # noqa: F401 - re-exported: the trainer's public names
     ALPHA_TOKENS,
     DEFAULT_LR,
     METHODS,
@@ -52,7 +51,7 @@ from .calm_config import (  # noqa: F401 - re-exported: the trainer's public nam
     UPPER_PARAMS,
     CalmConfig,
 )
-from .methods import upper_objective
+from calm_training.methods import upper_objective
 
 __all__ = ["METHODS", "OPTIMIZERS", "PHI_MODES", "UPPER_PARAMS", "ALPHA_TOKENS", "CalmConfig",
            "TrainResult", "train_calm", "latest_checkpoint"]
@@ -78,7 +77,7 @@ class TrainResult:
 # ---------------------------------------------------------------------------- training
 def latest_checkpoint(folder: str | os.PathLike):
     """The newest checkpoint folder in ``folder`` (``<out>.checkpoints``), or None."""
-    from ._checkpoint import latest_checkpoint as latest
+    from calm_training.calm.checkpoint import latest_checkpoint as latest
 
     return latest(folder)
 
@@ -95,7 +94,7 @@ def train_calm(config: CalmConfig, out: str | os.PathLike | None, *, resume: boo
         raise ConfigError(f"{out} already exists; choose another --out or pass --overwrite")
     if checkpoint_dir is None and out is not None:
         checkpoint_dir = Path(out).with_name(Path(out).name + ".checkpoints")
-    from ._calm_model import Ranks, pick_device
+    from calm_training.calm.model import Ranks, pick_device
 
     device = pick_device(config)
     dist = Ranks(device.type)
@@ -110,9 +109,9 @@ class _Trainer:
     def __init__(self, config: CalmConfig, device, dist, checkpoint_dir) -> None:
         import torch
 
-        from ._calm_model import CalmModel
-        from .bilevel import BomeOptions
-        from .scoring import padding_id, uses_chat_template
+        from calm_training.calm.bilevel import BomeOptions
+        from calm_training.calm.model import CalmModel
+        from calm_training.scoring.local import padding_id, uses_chat_template
 
         per_step = dist.world * config.grad_accumulation
         for name, size in (("batch_size", config.batch_size),
@@ -160,7 +159,7 @@ class _Trainer:
             cal, **encode, positions=config.calibration_positions, entropy=config.entropy,
             variant=config.cloze_variant)
         if self.upper.needs_reference:
-            from .calm_reference import reference_option_probs, with_reference
+            from calm_training.calm.reference import reference_option_probs, with_reference
 
             probs = reference_option_probs(config.reference, cal, mode=config.mode,
                                            variant=config.cloze_variant, chat=config.chat,
@@ -216,8 +215,8 @@ class _Trainer:
         """Confidence-bin accuracies and sizes of the training split at the starting θ."""
         import torch
 
-        from ._calm_model import option_log_probs
-        from .cft import estimate_bins
+        from calm_training.calm.cft import estimate_bins
+        from calm_training.calm.model import option_log_probs
 
         # the micro-batch size of training: what fits in memory there fits here
         m = self.model
@@ -239,7 +238,7 @@ class _Trainer:
     def one_step(self) -> dict:
         import torch
 
-        from .bilevel import descent_step
+        from calm_training.calm.bilevel import descent_step
 
         cfg, m = self.config, self.model
         m.cft_parts = {"ce": 0.0, "l_cal": 0.0}
@@ -343,7 +342,7 @@ class _Trainer:
     def _alpha_gate(self) -> dict | None:
         """Measure α's own effect on the hold-out and reset α to the identity unless it
         lowers the held-out NLL (alpha_gate.decide); None for methods without α."""
-        from .alpha_gate import decide, measure_alpha_share, measure_answer_nll
+        from calm_training.calm.alpha_gate import decide, measure_alpha_share, measure_answer_nll
 
         if not self.model.alpha:
             return None
@@ -428,14 +427,14 @@ class _Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def _save_checkpoint(self) -> None:
-        from ._checkpoint import save_checkpoint
+        from calm_training.calm.checkpoint import save_checkpoint
 
         if self.dist.rank == 0 and self.checkpoint_dir is not None:
             save_checkpoint(self, self.checkpoint_dir / f"step-{self.step:06d}")
         self.dist.barrier()
 
     def _load_latest(self) -> None:
-        from ._checkpoint import latest_checkpoint, load_checkpoint
+        from calm_training.calm.checkpoint import latest_checkpoint, load_checkpoint
 
         folder = latest_checkpoint(self.checkpoint_dir) if self.checkpoint_dir else None
         if folder is None:

@@ -20,9 +20,8 @@ from calm_runtime._fs import sha256_bytes, sha256_file
 from calm_runtime._paths import cache_dir
 from calm_runtime.data.sets import MultipleChoiceRecord, dataset_hash
 from calm_runtime.formats.artifact import MANIFEST_NAME, CalibrationAdapter
-
-from .scoring import OptionScores, score_multiple_choice
-from .sources import ModelSource, as_source
+from calm_training.scoring.local import OptionScores, score_multiple_choice
+from calm_training.scoring.sources import ModelSource, as_source
 
 __all__ = ["SCORER_VERSION", "cached_option_scores", "adapter_fingerprint"]
 
@@ -52,8 +51,8 @@ def cached_option_scores(model: ModelSource | str, records: Sequence[MultipleCho
                          max_length: int | None = None) -> OptionScores:
     """Option scores of ``records`` by ``model`` (+ adapter), from the cache when possible.
 
-    ``model`` is a :class:`~calm_training.sources.ModelSource`, or a spec or connected
-    endpoint that :func:`~calm_training.sources.as_source` resolves.
+    ``model`` is a :class:`~calm_training.scoring.sources.ModelSource`, or a spec or connected
+    endpoint that :func:`~calm_training.scoring.sources.as_source` resolves.
 
     ``loaded`` may pass an already loaded ``(model, tokenizer)`` for the same spec and
     adapter, to avoid reloading when several data sets are scored in one run.
@@ -63,7 +62,7 @@ def cached_option_scores(model: ModelSource | str, records: Sequence[MultipleCho
     source = as_source(model)
     source.check_adapter(adapter_dir)
     if source.served:  # a served model: its own per-request cache
-        from .remote import remote_option_scores
+        from calm_training.scoring.served import remote_option_scores
 
         use_chat = modes.mode(mode).chat_prompts and source.chat(chat)
         if use_chat:

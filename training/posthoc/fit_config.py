@@ -2,7 +2,7 @@
 (``METHODS``, every post-hoc method, and ``LABEL_FREE``, those that need a reference model;
 :mod:`calm_training.methods` decides each).
 
-Nothing here scores a model; :mod:`calm_training.fit` runs the fits.
+Nothing here scores a model; :mod:`calm_training.posthoc.fit` runs the fits.
 """
 
 from __future__ import annotations
@@ -14,10 +14,9 @@ from calm_runtime import modes
 from calm_runtime.data.models import DEFAULT_API_KEY_ENV
 from calm_runtime.data.prompts import DEFAULT_CLOZE_VARIANT, DEFAULT_P_TRUE_TEMPLATE
 from calm_runtime.errors import ConfigError
-
-from .endpoint import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT
-from .methods import LABEL_FREE, METHODS
-from .scoring import CLOZE_VARIANTS
+from calm_training.methods import LABEL_FREE, METHODS
+from calm_training.scoring.endpoint import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT
+from calm_training.scoring.local import CLOZE_VARIANTS
 
 __all__ = ["ALL_MODES", "DEFAULT_VARIANT", "FitConfig", "LABEL_FREE", "METHODS"]
 
@@ -61,7 +60,7 @@ class FitConfig:
         max_retries: attempts after the first on 429, 5xx, time-outs and connection errors,
             within ``timeout`` (``--max-retries``).
         risk, risk_confidence: ``calm fit threshold``: the selective risk to stay at or
-            below, and the probability with which (see :mod:`calm_training.threshold`).
+            below, and the probability with which (see :mod:`calm_training.posthoc.threshold`).
     """
 
     model: str

@@ -10,9 +10,8 @@ from dataclasses import dataclass
 
 from calm_runtime.data.prompts import CHOICE_MODES, CLOZE_VARIANTS, DEFAULT_CLOZE_VARIANT
 from calm_runtime.errors import ConfigError
-
-from . import calm_data
-from .methods import (  # noqa: F401 - the names stay importable from here
+from calm_training.calm import data as calm_data
+from calm_training.methods import (  # noqa: F401 - the names stay importable from here
     KINDS,
     THETA_ONLY,
     TRAIN_METHODS,
@@ -21,7 +20,7 @@ from .methods import (  # noqa: F401 - the names stay importable from here
     TrainMethod,
     train_method,
 )
-from .methods import TRAIN_METHOD_NAMES as METHODS
+from calm_training.methods import TRAIN_METHOD_NAMES as METHODS
 
 __all__ = ["METHODS", "THETA_ONLY", "OPTIMIZERS", "INNER_OPTIMIZERS", "PHI_MODES",
            "UPPER_PARAMS", "ALPHA_TOKENS", "ALPHA_LOGITS", "UPPER_OBJECTIVES", "DEFAULT_LR",
@@ -31,14 +30,14 @@ __all__ = ["METHODS", "THETA_ONLY", "OPTIMIZERS", "INNER_OPTIMIZERS", "PHI_MODES
 # KINDS (their adapter kinds) and UPPER_OBJECTIVES: calm_training.methods decides each
 
 OPTIMIZERS = ("adam", "sgd")
-#: the inner solver of BOME's θ~ (calm_training.bilevel.INNER_OPTIMIZERS, torch-free here)
+#: the inner solver of BOME's θ~ (calm_training.calm.bilevel.INNER_OPTIMIZERS, torch-free here)
 INNER_OPTIMIZERS = ("sgd", "adam")
 #: inner step sizes when none is given: Adam's steps are about the rate per coordinate
 DEFAULT_INNER_LR = {"sgd": 0.01, "adam": 1e-3}
 #: what τ divides: the raw logits, or the logits centred on their vocabulary mean
 #: (docs/methods.md §1; the adapter records it)
 ALPHA_LOGITS = ("raw", "centered")
-PHI_MODES = ("grad", "value")  # the same as calm_training.bilevel.PHI_MODES (torch-free here)
+PHI_MODES = ("grad", "value")  # the same as calm_training.calm.bilevel.PHI_MODES (torch-free here)
 UPPER_PARAMS = ("all", "alpha")
 ALPHA_TOKENS = ("all", "options")
 #: (LoRA, α) outer learning rates when none is given: plain SGD needs steps about a hundred
@@ -59,7 +58,7 @@ class CalmConfig:
 
     Attributes:
         model: the model to fine-tune (packaged name, folder or .gguf; ``resolve_model``).
-        train: labeled training data specs (``NAME:train``, see :mod:`calm_training.calm_data`).
+        train: labeled training data specs (``NAME:train``, see :mod:`calm_training.calm.data`).
         calibration: unlabeled calibration data specs (``NAME:unlabeled``).
         method: one of :data:`METHODS`.
         mode: ``cloze`` (CE on the correct option's text) or ``letter`` (CE on its letter)
@@ -109,7 +108,7 @@ class CalmConfig:
             α's own effect before the adapter is written (the trained θ with α against
             without); an α that does not lower the held-out NLL is not written (the adapter
             carries the identity and says why). 0: no hold-out, α written as trained.
-        cft_weight: ``cft`` only: ``w`` in ``(1 − w)·CE + w·c·L_cal`` (calm_training.cft).
+        cft_weight: ``cft`` only: ``w`` in ``(1 − w)·CE + w·c·L_cal`` (calm_training.calm.cft).
         cft_scale: ``cft`` only: ``c``, the scale of the calibration term.
         cft_bins: ``cft`` only: equal-width confidence bins of ``L_cal``.
         freeze_alpha: keep α at the identity (no α variables at all): the method's exact

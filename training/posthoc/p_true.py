@@ -23,14 +23,13 @@ from calm_runtime.data.prompts import p_true_template
 from calm_runtime.data.sets import dataset_hash
 from calm_runtime.errors import ConfigError, FitError
 from calm_runtime.measure import metrics
-
-from .answers import generate_answers, score_p_true
-from .fit_report import add_selective, served_floor
-from .methods import P_TRUE_METHODS, p_true_method
-from .plan import FitPlan
-from .platt import PlattFit, fit_platt  # noqa: F401 - Platt scaling stays importable from here
-from .remote import remote_answers, remote_p_true
-from .scoring import is_correct
+from calm_training.methods import P_TRUE_METHODS, p_true_method
+from calm_training.posthoc.fit_report import add_selective, served_floor
+from calm_training.posthoc.plan import FitPlan
+from calm_training.posthoc.platt import PlattFit, fit_platt  # noqa: F401 - Platt scaling stays importable from here
+from calm_training.scoring.answers import generate_answers, score_p_true
+from calm_training.scoring.local import is_correct
+from calm_training.scoring.served import remote_answers, remote_p_true
 
 __all__ = ["P_TRUE_METHODS", "PlattFit", "compare_p_true", "fit_p_true", "fit_platt",
            "open_qa_judgements"]

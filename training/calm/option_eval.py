@@ -4,9 +4,9 @@ Evaluating CALM means scoring the same questions with the LoRA and α of several
 and without α, and the base model with an arm's α. The decoder's hidden states do not
 depend on α, so :class:`OptionEvaluator` runs the decoder once per LoRA (:meth:`hidden`)
 and then, for any ``(tau, shift)``, only the LM head, the calibration formula and the
-option scores (:meth:`scores`) — the same code path (:func:`~calm_training._calm_model.
+option scores (:meth:`scores`) — the same code path (:func:`~calm_training.calm.model.
 option_scores`) the options entropy of training uses, and equal to
-:func:`calm_training.scoring.score_multiple_choice` with the adapter applied (tested).
+:func:`calm_training.scoring.local.score_multiple_choice` with the adapter applied (tested).
 
 Cloze mode scores every option's text after ``"Question: ...\\nAnswer:"`` with the chosen
 variant; letter mode reads the option letters at the answer position. The evaluator also
@@ -24,8 +24,7 @@ import numpy as np
 from calm_runtime.data.prompts import DEFAULT_CLOZE_VARIANT
 from calm_runtime.data.sets import MultipleChoiceRecord
 from calm_runtime.errors import DataError
-
-from . import calm_data
+from calm_training.calm import data as calm_data
 
 __all__ = ["HiddenSet", "OptionEvaluator"]
 
@@ -55,7 +54,7 @@ def _shares_context(example) -> bool:
 
 
 class OptionEvaluator:
-    """Scores questions with a :class:`~calm_training._calm_model.CalmModel` (base + LoRA).
+    """Scores questions with a :class:`~calm_training.calm.model.CalmModel` (base + LoRA).
 
     Set θ with ``model.load_lora(folder)`` or :meth:`reset_lora` (the base model), then call
     :meth:`hidden`; :meth:`scores` applies any ``(tau, shift)`` to those hidden states.
@@ -67,7 +66,7 @@ class OptionEvaluator:
         self.encoder = calm_data._Encoder(model.tokenizer, mode=mode, chat=chat,
                                           max_length=max_length, entropy="options",
                                           variant=variant)
-        from .scoring import padding_id
+        from calm_training.scoring.local import padding_id
 
         self.pad = padding_id(model.tokenizer)
 
@@ -84,7 +83,7 @@ class OptionEvaluator:
         """Hidden states at every scoring position of ``records`` under the current θ.
 
         Cloze mode runs each question's context once and its options on top of the shared
-        KV cache, as :func:`calm_training.scoring.score_multiple_choice` does.
+        KV cache, as :func:`calm_training.scoring.local.score_multiple_choice` does.
         """
         from tqdm.auto import tqdm
 
@@ -103,7 +102,7 @@ class OptionEvaluator:
     def _hidden_batch(self, chunk, batch):
         import torch
 
-        from .scoring import cache_kwarg, left_pad
+        from calm_training.scoring.local import cache_kwarg, left_pad
 
         answer_rows, offset = [], 0
         for e in chunk:
@@ -157,8 +156,7 @@ class OptionEvaluator:
         import torch
 
         from calm_runtime.calibration import apply_calibration
-
-        from ._calm_model import option_scores
+        from calm_training.calm.model import option_scores
 
         tau_t = None if tau is None else torch.as_tensor(np.asarray(tau, np.float32))
         shift_t = None if shift is None else torch.as_tensor(np.asarray(shift, np.float32))
