@@ -256,3 +256,13 @@ def test_the_model_carries_the_alpha_its_method_declares(name, freeze, tiny_llam
     vocab = model.identity.vocab_size
     assert [a.numel() for a in model.alpha] == [1 if len(expected) == 1 else vocab] * len(
         expected)
+
+
+def test_freezing_the_scalar_temperature_is_refused():
+    """scalar's α is one temperature: --freeze-alpha would have left it training (the
+    flag dropped only per-vocabulary α), so the combination is a one-line error."""
+    from calm_runtime.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="would still train its one temperature"):
+        _calm_config(method="scalar", freeze_alpha=True)
+    assert _calm_config(method="bilevel", freeze_alpha=True).freeze_alpha

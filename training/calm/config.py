@@ -194,6 +194,10 @@ class CalmConfig:
             problems.append(f"method {self.method!r} is not one of {', '.join(METHODS)}")
         if self.mode not in CHOICE_MODES:
             problems.append(f"mode {self.mode!r} is not cloze or letter")
+        if self.freeze_alpha and method is not None and len(method.alpha) == 1:
+            problems.append(f"freeze_alpha with method {self.method!r} would still train its "
+                            "one temperature; use method 'lora' for θ alone, or drop "
+                            "freeze_alpha")
         if self.optimizer not in OPTIMIZERS:
             problems.append(f"optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
         if self.calibration_positions not in calm_data.CALIBRATION_POSITIONS:

@@ -100,10 +100,9 @@ class CalmModel:
         self.center = getattr(config, "alpha_logits", "raw") == "centered"
         # α's variables as the method declares them (calm_training.methods.TrainMethod):
         # none, one learned temperature, or (log_tau, shift) over the vocabulary;
-        # --freeze-alpha drops the per-vocabulary ones (scalar's temperature stays, as it
-        # always has)
+        # --freeze-alpha drops them (CalmConfig refuses it for scalar's one temperature)
         names = train_method(config.method).alpha
-        if getattr(config, "freeze_alpha", False) and len(names) > 1:
+        if getattr(config, "freeze_alpha", False):
             names = ()
         self.alpha_names = list(names)
         size = 1 if len(names) == 1 else vocab
