@@ -14,9 +14,9 @@ from calm_runtime.data.models import load_model_and_tokenizer  # noqa: E402
 from calm_runtime.data.prompts import p_true_template  # noqa: E402
 from calm_runtime.errors import DataError  # noqa: E402
 from calm_runtime.formats.artifact import CalibrationAdapter  # noqa: E402
-from calm_training.posthoc import p_true  # noqa: E402
 from calm_training.posthoc.fit import FitConfig, compare_methods, fit_adapter  # noqa: E402
 from calm_training.posthoc.plan import FitPlan  # noqa: E402
+from calm_training.scoring import judgements  # noqa: E402
 from calm_training.scoring.answers import score_p_true  # noqa: E402
 
 
@@ -38,7 +38,7 @@ def test_p_true_comparison_and_adapter(tiny_llama_tied, tiny_llama_untied, qa_fi
                                        monkeypatch):
     config = FitConfig(model=str(tiny_llama_tied), reference=str(tiny_llama_untied),
                        data=str(qa_file), mode="p_true", bootstrap=0, chat=False)
-    judged = p_true.open_qa_judgements(FitPlan.resolve(config), progress=False)
+    judged = FitPlan.resolve(config).judgements(progress=False)
     assert len(judged["answers"]) == 24 and judged["polm"].shape == (24, 2)
     model, tokenizer, _ = load_model_and_tokenizer(str(tiny_llama_tied))
     direct = score_p_true(model, tokenizer, ["what is item 3?"], [judged["answers"][3]],
@@ -58,10 +58,9 @@ def test_p_true_comparison_and_adapter(tiny_llama_tied, tiny_llama_untied, qa_fi
     def boom(*_a, **_k):
         raise AssertionError("answers and judgements must come from the cache")
 
-    monkeypatch.setattr(p_true, "generate_answers", boom)
-    monkeypatch.setattr(p_true, "score_p_true", boom)
-    assert p_true.open_qa_judgements(FitPlan.resolve(config),
-                                     progress=False)["answers"] == judged["answers"]
+    monkeypatch.setattr(judgements, "generate_answers", boom)
+    monkeypatch.setattr(judgements, "score_p_true", boom)
+    assert FitPlan.resolve(config).judgements(progress=False)["answers"] == judged["answers"]
 
 
 def test_p_true_mode_needs_open_qa_data(tiny_llama_tied, tmp_path):

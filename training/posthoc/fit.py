@@ -221,7 +221,7 @@ def fit_adapter(config: FitConfig, method: str, out: str | Path, *, overwrite: b
     prep = _prepare(plan, need_reference=fitted.needs_reference, progress=progress)
     fit = _fit(method, prep)
     _check_finite_temperature(fit)
-    base, identity = _base_adapter(plan)
+    base, identity = plan.base
     adapter = dataclasses.replace(base, kind=_kind(base, fitted.kind), created_at=None)
     vanilla = prep.polm
     token_record = None
@@ -320,7 +320,7 @@ def _fit_threshold_adapter(plan: FitPlan, out, *, overwrite: bool, progress: boo
         raise ConfigError("calm fit threshold works on multiple-choice answers; use cloze or "
                           "letter mode")
     prep = _prepare(plan, need_reference=False, progress=progress)
-    base, identity = _base_adapter(plan)
+    base, identity = plan.base
     scores = prep.polm
     if identity.served is not None and plan.mode.token_level:  # no engine to fuse T into
         scores = scores / base.temperature
@@ -348,16 +348,6 @@ def _fit_threshold_adapter(plan: FitPlan, out, *, overwrite: bool, progress: boo
     return adapter, {"fit": fit.to_dict(), "test_split": test}
 
 
-def _base_adapter(plan: FitPlan):
-    adapter_dir = plan.config.adapter
-    plan.model.check_adapter(adapter_dir)
-    identity = plan.model.identity()
-    base = (CalibrationAdapter.from_pretrained(adapter_dir) if adapter_dir
-            else CalibrationAdapter.identity(identity))
-    base.base_model.check_compatible(identity)
-    return base, identity
-
-
 def _fit_p_true_adapter(plan: FitPlan, method: str, out, *, overwrite: bool):
     from calm_runtime.data.prompts import p_true_template
     from calm_training.posthoc.p_true import fit_p_true
@@ -369,7 +359,7 @@ def _fit_p_true_adapter(plan: FitPlan, method: str, out, *, overwrite: bool):
     fitted = fit_method(method)
     fit, n_cal, data_hash = fit_p_true(plan, method)
     _check_finite_temperature(fit)
-    base, identity = _base_adapter(plan)
+    base, identity = plan.base
     adapter = dataclasses.replace(base, kind=_kind(base, fitted.kind) + "_p_true",
                                   created_at=None)
     adapter.temperature = base.temperature * fit.temperature

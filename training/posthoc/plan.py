@@ -1,12 +1,13 @@
 """``FitPlan``: one ``calm fit`` / ``calm eval`` run, resolved once.
 
-:meth:`FitPlan.resolve` turns a :class:`~calm_training.posthoc.fit_config.FitConfig` into what the
-run works on: its scoring :class:`~calm_runtime.modes.Mode`, the model and the reference as
-:class:`~calm_training.scoring.sources.ModelSource` objects (each resolved once; a served one
-connects once, on first use, and every later step reuses that connection), the records, the
-calibration/test split and the prompt format. :mod:`calm_training.posthoc.fit`,
-:mod:`calm_training.posthoc.p_true` and :mod:`calm_training.posthoc.evaluate` hand this plan, or the
-values they need from it, to their helpers, never the config.
+:meth:`FitPlan.resolve` turns a :class:`~calm_training.posthoc.fit_config.FitConfig` into
+what the run works on: its scoring :class:`~calm_runtime.modes.Mode`, the model and the
+reference as :class:`~calm_training.scoring.sources.ModelSource` objects (each resolved
+once; a served one connects once, on first use, and every later step reuses that
+connection), the records, the calibration/test split, the prompt format and the adapter a
+fit goes on top of. :mod:`calm_training.posthoc.fit`, :mod:`calm_training.posthoc.p_true`
+and :mod:`calm_training.posthoc.evaluate` hand this plan, or the values they need from it,
+to their helpers, never the config.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import numpy as np
 
 from calm_runtime.data.sets import MultipleChoiceRecord, OpenQARecord, load_dataset, split_indices
 from calm_runtime.errors import ConfigError, DataError
+from calm_runtime.formats.artifact import CalibrationAdapter, ModelIdentity
 from calm_runtime.modes import Mode
 from calm_training.posthoc.fit_config import FitConfig
 from calm_training.posthoc.fit_report import Metrics
@@ -77,6 +79,18 @@ class FitPlan:
             return "plain"
         return "chat" if self.model.chat(self.config.chat) else "plain"
 
+    @cached_property
+    def base(self) -> tuple[CalibrationAdapter, ModelIdentity]:
+        """``(adapter, identity)``: the adapter the fit goes on top of (``--adapter``, checked
+        against the model; else the identity adapter) and the model's identity, read once."""
+        adapter_dir = self.config.adapter
+        self.model.check_adapter(adapter_dir)
+        identity = self.model.identity()
+        adapter = (CalibrationAdapter.from_pretrained(adapter_dir) if adapter_dir
+                   else CalibrationAdapter.identity(identity))
+        adapter.base_model.check_compatible(identity)
+        return adapter, identity
+
     # ------------------------------------------------------------------------ data
     @cached_property
     def records(self) -> list:
@@ -121,6 +135,18 @@ class FitPlan:
                                     adapter_dir=adapter_dir, chat=config.chat,
                                     batch_size=config.batch_size, progress=progress,
                                     max_length=config.max_length)
+
+    def judgements(self, *, progress: bool = True) -> dict:
+        """P(True) mode: the model's answers to :attr:`records`, their correctness, and each
+        model's two-way P(True) logits
+        (:func:`~calm_training.scoring.judgements.open_qa_judgements`; cached on disk)."""
+        from calm_training.scoring.judgements import open_qa_judgements
+
+        config = self.config
+        return open_qa_judgements(self.records, self.model, self.reference,
+                                  template=config.p_true_template, chat=config.chat,
+                                  batch_size=config.batch_size, max_length=config.max_length,
+                                  progress=progress)
 
     def variant(self, role: str = "model") -> str:
         """The score variant read for ``role``: the reference's own cloze variant when one
