@@ -79,7 +79,7 @@ def build_graph(job: GraphJob, *, validate: Callable[[], Any],
     builder was not used is recorded in ``facts["graph"]["builder_not_used"]`` under
     ``--graph auto``."""
     config = job.config
-    not_used = None if config.graph in ("builder", "auto") else f"--graph {config.graph}"
+    not_used = None  # why the first candidate (the builder, under auto) was passed over
     candidates = CANDIDATES[config.graph]
     for strategy in candidates:
         last = strategy is candidates[-1]
@@ -93,8 +93,8 @@ def build_graph(job: GraphJob, *, validate: Callable[[], Any],
         if not strategy.fallible:
             if not_used is not None and config.graph == "auto":
                 logger.info("graph: calm's own (%s)", not_used)
-            built = BuiltGraph(facts={}, fused_torch=check_torch(job.model))
-            built.facts = strategy.build(job)
+            fused_torch = check_torch(job.model)
+            built = BuiltGraph(facts=strategy.build(job), fused_torch=fused_torch)
             break
         try:
             facts = strategy.build(job)
@@ -111,8 +111,6 @@ def build_graph(job: GraphJob, *, validate: Callable[[], Any],
                 if stale.is_file():
                     stale.unlink()
             on_stage("export")
-    else:  # pragma: no cover - the standard graph builds every engine calm exports
-        raise ConfigError(f"no graph of {CANDIDATES[config.graph]} can build this engine")
     if not_used is not None and config.graph == "auto":
         built.facts["graph"]["builder_not_used"] = not_used
     return built

@@ -265,7 +265,8 @@ def _provenance(plan: FitPlan, identity, fitted, *, data_hash: str, n_calibratio
     return {"model": identity.to_dict(),
             "reference": plan.reference.identity().to_dict() if fitted.needs_reference else None,
             "data": plan.config.data, "data_hash": data_hash,
-            "split": {**plan.split_record, "n": n_calibration}}
+            "split": {"part": "calibration", "fraction": plan.config.calibration_fraction,
+                      "seed": plan.config.seed, "n": n_calibration}}
 
 
 def _cloze_fits(plan: FitPlan, method: str, prep: _Prepared, base: CalibrationAdapter,

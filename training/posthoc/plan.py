@@ -115,12 +115,6 @@ class FitPlan:
         return split_indices(len(self.records), self.config.calibration_fraction,
                              self.config.seed)
 
-    @property
-    def split_record(self) -> dict:
-        """The calibration split as an adapter's provenance records it."""
-        return {"part": "calibration", "fraction": self.config.calibration_fraction,
-                "seed": self.config.seed, "n": int(self.split[0].size)}
-
     # ------------------------------------------------------------------------ scores
     def option_scores(self, role: str = "model", *, adapter_dir: str | os.PathLike | None = None,
                       progress: bool = True):
