@@ -65,8 +65,8 @@ from calm_runtime.formats.artifact import CalibrationAdapter
 from calm_runtime.measure import metrics
 from calm_training.calm import data as calm_data
 from calm_training.calm.trainer import CalmConfig, train_calm
+from calm_training.fit import option_probabilities
 from calm_training.posthoc import daca
-from calm_training.posthoc.fit import option_probabilities
 
 HERE = Path(__file__).resolve().parent
 SETS = ("arc-easy", "sciq", "arc-challenge", "mmlu")

@@ -50,8 +50,8 @@ from calm_runtime.errors import ConfigError, FitError
 from calm_runtime.formats.artifact import CalibrationAdapter
 from calm_runtime.measure import metrics
 from calm_training.calm.data import TRAIN_PART, TRAIN_SPLIT_FRACTION, TRAIN_SPLIT_SEED
+from calm_training.fit import DEFAULT_VARIANT, apply_fit, option_probabilities
 from calm_training.posthoc import daca
-from calm_training.posthoc.fit import DEFAULT_VARIANT, apply_fit, option_probabilities
 from calm_training.scoring.cache import cached_option_scores
 
 HERE = Path(__file__).resolve().parent

@@ -27,14 +27,14 @@ from pathlib import Path
 from _common import command_line, git_commit
 
 from calm_runtime.cli.main import install_named
-from calm_training.posthoc.evaluate import write_report
-from calm_training.posthoc.fit import (
+from calm_training.fit import (
     FitConfig,
     compare_methods,
     format_selective_table,
     format_table,
 )
-from calm_training.posthoc.p_true import P_TRUE_METHODS
+from calm_training.methods import P_TRUE_METHODS
+from calm_training.posthoc.evaluate import write_report
 
 HERE = Path(__file__).resolve().parent
 TEMPLATES = ("kadavath", "yes-no")

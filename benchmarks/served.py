@@ -30,7 +30,7 @@ from _common import command_line, git_commit, model_pair_parser
 
 from calm_runtime.cli.main import install_named
 from calm_runtime.data.models import resolve_model
-from calm_training.posthoc.fit import (
+from calm_training.fit import (
     FitConfig,
     compare_methods,
     format_selective_table,

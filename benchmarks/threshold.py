@@ -29,7 +29,7 @@ from _common import command_line, git_commit, model_pair_parser
 from calm_runtime.cli.main import install_named
 from calm_runtime.data.models import resolve_model
 from calm_runtime.errors import FitError
-from calm_training.posthoc.fit import FitConfig, fit_adapter
+from calm_training.fit import FitConfig, fit_adapter
 
 HERE = Path(__file__).resolve().parent
 logger = logging.getLogger("threshold")

@@ -50,7 +50,8 @@ from calm_runtime.data.sets import load_dataset, split_records
 from calm_runtime.formats.artifact import CalibrationAdapter
 from calm_runtime.measure import metrics
 from calm_training.calm.data import TRAIN_SPLIT_FRACTION, TRAIN_SPLIT_SEED, UNLABELED_PART
-from calm_training.posthoc.fit import DEFAULT_VARIANT
+from calm_training.fit import DEFAULT_VARIANT
+from calm_training.methods import fit_method
 from calm_training.posthoc.token_fit import (
     answer_positions,
     cloze_token_temperature,
@@ -118,7 +119,7 @@ def run_arm(name, model, adapter_dir, reference, method, fit_part, test_part, bo
         theirs = cached_option_scores(reference, fit_records, mode="cloze")
         agree = theirs.scores(DEFAULT_VARIANT).argmax(1) == chosen
     fit, record = cloze_token_temperature(
-        method, model=model, reference=reference, records=fit_records, chosen=chosen,
+        fit_method(method), model=model, reference=reference, records=fit_records, chosen=chosen,
         agree=agree, labels=mine.labels, base_adapter=base, progress=True)
     row = {"pair": name, "model": model, "adapter": adapter_dir, "reference": reference,
            "method": method, "fit_data": fit_part, "test_data": test_part,

@@ -1,6 +1,6 @@
 """The walk of one value through the project's own functions, read from the source.
 
-``walk(modules, "calm_training.posthoc.fit", "fit_adapter", "config")`` starts at a function and a
+``walk(modules, "calm_training.fit", "fit_adapter", "config")`` starts at a function and a
 parameter and follows the value: into every project function a call hands it to (as an
 argument, positionally or by keyword), into the methods called on it, and on through the
 names that hold it (``x = value``; ``plan = FitPlan.resolve(config)``: an object a project class
@@ -9,8 +9,12 @@ from it does not). Each function reached is a stop
 (once); the walk's files are the files of its stops, in visiting order, and a return is a
 step back to a file the walk had already left. Calls are resolved through each module's
 imports and its own top-level names; a method call on a carried value is resolved by the
-class names of the module the value's constructor came from, which is what the tests need
-here, not a type checker.
+class names of the module the value's constructor came from. A method called on an object
+whose class is known without running anything (``self``, or a name bound to what a project
+function annotated ``-> SomeClass`` returns, e.g. a method looked up in a registry) is
+followed into that class and into every project subclass that overrides it: a dispatch
+is walked through all its implementations, not lost. This is what the tests need here, not
+a type checker.
 """
 
 from __future__ import annotations
@@ -112,6 +116,7 @@ def walk(modules: dict[str, Path], module: str, function: str, parameter: str) -
         result.stops.append(key)
         module = get(mod_name)
         carried = dict(names)
+        typed = _typed_names(module, qualname, node, lookup, get)
         for stmt in ast.walk(node):
             if isinstance(stmt, ast.Assign | ast.AnnAssign):
                 value = stmt.value
@@ -133,25 +138,70 @@ def walk(modules: dict[str, Path], module: str, function: str, parameter: str) -
                        and a.value.id in carried for _, a in args)
             if not handed and not on_carried and not read:
                 continue
-            found = callee(module, call, carried)
-            if found is None:
-                continue
-            target_mod, target_name, target_node = found
-            params = [a.arg for a in target_node.args.args + target_node.args.kwonlyargs]
-            offset = 1 if params[:1] in (["self"], ["cls"]) else 0
-            inner = {}
-            for slot, name in handed:
-                param = (params[slot + offset] if isinstance(slot, int)
-                         and slot + offset < len(params) else slot)
-                if isinstance(param, str):
-                    inner[param] = carried[name]
-            if on_carried and offset:
-                inner[params[0]] = carried[call.func.value.id]
-            visit(target_mod, target_name, target_node, inner)
+            func = call.func
+            if (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)
+                    and func.value.id in typed and func.value.id not in carried):
+                found = _implementations(typed[func.value.id], func.attr, modules, get)
+            else:
+                found = [f for f in [callee(module, call, carried)] if f is not None]
+            for target_mod, target_name, target_node in found:
+                params = [a.arg for a in target_node.args.args + target_node.args.kwonlyargs]
+                offset = 1 if params[:1] in (["self"], ["cls"]) else 0
+                inner = {}
+                for slot, name in handed:
+                    param = (params[slot + offset] if isinstance(slot, int)
+                             and slot + offset < len(params) else slot)
+                    if isinstance(param, str):
+                        inner[param] = carried[name]
+                if on_carried and offset:
+                    inner[params[0]] = carried[call.func.value.id]
+                visit(target_mod, target_name, target_node, inner)
 
     mod = get(module)
     visit(module, function, mod.functions[function], {parameter: None})
     return result
+
+
+def _typed_names(module: _Module, qualname: str, node: ast.FunctionDef, lookup, get) -> dict:
+    """The names of ``node`` whose class is known: ``self`` in a method, and each name bound to
+    the call of a project function annotated to return a project class."""
+    typed = {}
+    owner = qualname.split(".")[0]
+    if "." in qualname and owner in module.classes:
+        typed["self"] = (module.name, owner, module.classes[owner])
+    for stmt in ast.walk(node):
+        if not (isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Call)
+                and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
+                and isinstance(stmt.value.func, ast.Name)):
+            continue
+        found = lookup(module, stmt.value.func.id)
+        if found is not None and isinstance(found[2].returns, ast.Name):
+            cls = _class_of(get(found[0]), found[2].returns.id, get)
+            if cls is not None:
+                typed[stmt.targets[0].id] = cls
+    return typed
+
+
+def _implementations(cls, attr: str, modules: dict[str, Path], get) -> list:
+    """``attr`` of the class ``cls`` (``(module, class, methods)``) and of every project class
+    that derives from it (directly or not) and overrides it."""
+    found, family = [], {cls[1]}
+    if attr in cls[2]:
+        found.append((cls[0], f"{cls[1]}.{attr}", cls[2][attr]))
+    grew = True
+    while grew:
+        grew = False
+        for name in modules:
+            module = get(name)
+            for node in module.tree.body:
+                if (isinstance(node, ast.ClassDef) and node.name not in family
+                        and any(isinstance(b, ast.Name) and b.id in family for b in node.bases)):
+                    family.add(node.name)
+                    grew = True
+                    if attr in module.classes[node.name]:
+                        found.append((name, f"{node.name}.{attr}",
+                                      module.classes[node.name][attr]))
+    return found
 
 
 def _class_of(module: _Module, name: str, get):

@@ -106,7 +106,7 @@ def test_formats_lists_every_fit_setting():
     """docs/formats.md's ``method.settings`` row names every field of ``FitConfig`` (what
     ``calm fit`` writes there)."""
     dataclasses = pytest.importorskip("dataclasses")
-    fit = pytest.importorskip("calm_training.posthoc.fit")
+    fit = pytest.importorskip("calm_training.fit")
     row = next(line for line in (ROOT / "docs" / "formats.md").read_text().splitlines()
                if line.startswith("| `method.settings` | all the fit settings"))
     listed = set(re.findall(r"`(\w+)`", row.split("|")[2]))

@@ -41,7 +41,7 @@ def test_cloze_scoring_on_the_real_model_beats_chance(installed):
     from calm_runtime.data.models import load_model_and_tokenizer
     from calm_runtime.data.sets import load_dataset
     from calm_runtime.measure import metrics
-    from calm_training.posthoc.fit import option_probabilities
+    from calm_training.fit import option_probabilities
     from calm_training.scoring.local import score_multiple_choice
 
     records = [r for r in load_dataset("arc-easy")[:40] if len(r.choices) == 4]

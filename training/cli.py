@@ -38,8 +38,8 @@ EVAL_EPILOG = """examples:
 
 
 def register(sub) -> None:
+    from calm_training.fit import DEFAULT_VARIANT
     from calm_training.methods import ADAPTER_METHODS
-    from calm_training.posthoc.fit import DEFAULT_VARIANT
 
     fit = sub.add_parser("fit", help="fit a post-hoc calibration adapter", epilog=FIT_EPILOG,
                          formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -142,7 +142,7 @@ def _add_common(p, default_variant: str | None) -> None:
 
 
 def _config(args):
-    from calm_training.posthoc.fit import FitConfig
+    from calm_training.fit import FitConfig
 
     return FitConfig(model=args.model, reference=args.reference, data=args.data,
                      mode=args.mode, variant=args.variant or _FIT["variant"],
@@ -157,8 +157,8 @@ def _config(args):
 
 
 def _fit(args) -> int:
+    from calm_training.fit import fit_adapter
     from calm_training.methods import fit_method
-    from calm_training.posthoc.fit import fit_adapter
 
     config = dataclasses.replace(_config(args), risk=args.risk,
                                  risk_confidence=args.risk_confidence)
@@ -218,9 +218,9 @@ def _fit_line(fit: dict) -> str:
 
 def _eval(args) -> int:
     from calm_runtime.errors import ConfigError
+    from calm_training.fit import compare_methods, format_selective_table, format_table
     from calm_training.methods import compared_methods
     from calm_training.posthoc.evaluate import evaluate_adapter, write_report
-    from calm_training.posthoc.fit import compare_methods, format_selective_table, format_table
 
     config = _config(args)
     if args.eval_adapter and args.variant is None:  # the one the adapter records
@@ -251,14 +251,14 @@ def _quickstart(args) -> int:
     from calm_runtime._extras import install_hint, missing
     from calm_runtime.data.models import install_model
     from calm_runtime.data.sets import install_dataset
-    from calm_training.posthoc.evaluate import write_report
-    from calm_training.posthoc.fit import (
+    from calm_training.fit import (
         DEFAULT_VARIANT,
         FitConfig,
         compare_methods,
         fit_adapter,
         format_table,
     )
+    from calm_training.posthoc.evaluate import write_report
 
     needed = ("plot",) if args.no_engine else ("export", "plot")
     absent = [extra for extra in needed if missing(extra)]

@@ -1,7 +1,7 @@
 """``ServeConfig``: every setting of ``calm serve`` in one checked, JSON-ready record.
 
 It lives outside ``calm_runtime.server`` so that the command line reads its defaults without
-the serve extra (FastAPI); ``calm_runtime.server.config`` re-exports it.
+the serve extra (FastAPI); the server imports it from here.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ except ImportError as err:  # one clear line instead of a missing-module error d
 
     raise BackendUnavailableError(missing_extra_message("serve", "calm_runtime.server")) from err
 
+from calm_runtime.cli.serve_config import ServeConfig
 from calm_runtime.server.app import create_app
-from calm_runtime.server.config import ServeConfig
 
 __all__ = ["create_app", "ServeConfig"]

@@ -42,10 +42,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from calm_runtime._version import __version__
+from calm_runtime.cli.serve_config import ServeConfig
 from calm_runtime.errors import CalmError, ConfigError
 from calm_runtime.inference.lm import CalibratedLM
 from calm_runtime.server.batcher import Job
-from calm_runtime.server.config import ServeConfig
 from calm_runtime.server.guard import Guard
 from calm_runtime.server.intake import Intake
 from calm_runtime.server.metrics import CONTENT_TYPE_LATEST

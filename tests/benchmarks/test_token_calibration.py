@@ -95,6 +95,7 @@ def test_fit_rows_are_the_rows_the_token_fit_minimises(bench, tiny_llama_tied, t
 
     from calm_runtime.data.models import load_model_and_tokenizer
     from calm_runtime.data.sets import load_dataset
+    from calm_training.methods import fit_method
     from calm_training.posthoc.token_fit import token_level_fit
 
     records = load_dataset(str(write_mc_jsonl(tmp_path / "mc.jsonl", n=12)))
@@ -104,8 +105,8 @@ def test_fit_rows_are_the_rows_the_token_fit_minimises(bench, tiny_llama_tied, t
     lm, tokenizer, _ = load_model_and_tokenizer(tiny_llama_tied, lora_path=tiny_lora_tied)
     ref, ref_tokenizer, _ = load_model_and_tokenizer(tiny_llama_tied)
     for method in ("daca", "ts"):
-        fit, record = token_level_fit(method, model=lm, tokenizer=tokenizer, records=records,
-                                      chosen=chosen, reference=ref,
+        fit, record = token_level_fit(fit_method(method), model=lm, tokenizer=tokenizer,
+                                      records=records, chosen=chosen, reference=ref,
                                       reference_tokenizer=ref_tokenizer, same_tokenizer=True,
                                       labels=labels, agree=agree)
         logits, scores, owner = bench._fit_rows(method, lm, tokenizer, str(tiny_llama_tied),

@@ -61,7 +61,7 @@ def test_options_entropy_is_the_entropy_of_the_evaluated_distribution(calm_model
                                                                      variant):
     """f = −H(softmax(s)) with s the cloze scores of the variant, as the project's scorer
     computes them from the calibrated logits of the same model."""
-    from calm_training.posthoc.fit import option_probabilities
+    from calm_training.fit import option_probabilities
     from calm_training.scoring.local import score_multiple_choice
 
     m = calm_model

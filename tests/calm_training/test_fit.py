@@ -19,8 +19,8 @@ from calm_runtime.errors import (  # noqa: E402
     ModelSourceError,
 )
 from calm_runtime.formats.artifact import CalibrationAdapter, ModelIdentity  # noqa: E402
+from calm_training.fit import FitConfig, compare_methods, fit_adapter, format_table  # noqa: E402
 from calm_training.posthoc.evaluate import evaluate_adapter, write_report  # noqa: E402
-from calm_training.posthoc.fit import FitConfig, compare_methods, fit_adapter, format_table  # noqa: E402
 from calm_training.scoring import cache as score_cache  # noqa: E402
 
 
@@ -75,17 +75,14 @@ def test_scores_are_cached(tiny_llama_tied, mc_file, monkeypatch):
 def test_a_method_that_cannot_fit_is_reported_not_fatal(tiny_llama_tied, mc_file, monkeypatch,
                                                         tmp_path):
     from calm_runtime.errors import FitError
-    from calm_training.posthoc import fit as fit_module
+    from calm_training.methods.fit_method import VectorMethod
 
     config = _config(tiny_llama_tied, mc_file, mode="letter", chat=False)
-    real_fit = fit_module._fit
 
-    def no_agreement(method, prep):
-        if method == "ts-vector":
-            raise FitError("the PLM and PoLM agree on none of the 12 items")
-        return real_fit(method, prep)
+    def no_agreement(method, prep):  # the vector fits (ts-vector here) find no signal
+        raise FitError("the PLM and PoLM agree on none of the 12 items")
 
-    monkeypatch.setattr(fit_module, "_fit", no_agreement)
+    monkeypatch.setattr(VectorMethod, "fit_prepared", no_agreement)
     report = compare_methods(config, ("vanilla", "ts-vector", "ts"), progress=False)
     assert report["methods"]["ts-vector"] == {
         "error": "the PLM and PoLM agree on none of the 12 items"}
@@ -239,7 +236,7 @@ def test_reports_carry_selective_metrics_and_the_per_question_arrays(tiny_llama_
     """Every figure of a report can be recomputed from it; a risk-coverage plot sits next to
     the reliability diagram."""
     from calm_runtime.measure import metrics
-    from calm_training.posthoc.fit import format_selective_table
+    from calm_training.fit import format_selective_table
 
     config = _config(tiny_llama_tied, mc_file, mode="cloze")
     report = compare_methods(config, ("vanilla", "ts"), progress=False)

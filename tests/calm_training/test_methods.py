@@ -30,8 +30,8 @@ def _option_scores(n=200, k=4, seed=0):
 
 def test_the_lists_are_the_registry_and_keep_their_order():
     from calm_training.calm.config import THETA_ONLY  # benchmarks/calm_decisive.py reads it
-    from calm_training.posthoc.fit import LABEL_FREE, METHODS, option_probabilities  # noqa: F401
-    from calm_training.posthoc.p_true import P_TRUE_METHODS
+    from calm_training.fit import LABEL_FREE, METHODS, option_probabilities  # noqa: F401
+    from calm_training.methods import P_TRUE_METHODS
 
     assert METHODS == ("vanilla", "naive", "daca", "daca-vector", "ts", "ts-vector")
     assert LABEL_FREE == ("naive", "daca", "daca-vector")
@@ -75,19 +75,19 @@ def test_an_option_fit_reads_only_what_its_method_declares(name):
 
 
 def test_a_labeled_method_refuses_records_without_answers():
-    from calm_training.posthoc import fit as fit_module
+    from calm_training.posthoc.option_fit import Prepared
 
     reference, model, labels = _option_scores()
     labels[3] = -1
     for name in methods.METHODS:
         method = methods.option_method(name)
-        prep = fit_module._Prepared(records=[], cal=np.arange(len(model)), test=np.arange(0),
-                                    k=4, polm=model, plm=reference, labels=labels)
+        prep = Prepared(records=[], cal=np.arange(len(model)), test=np.arange(0), k=4,
+                        polm=model, plm=reference, labels=labels)
         if method.needs_labels:
             with pytest.raises(DataError, match="have no answer"):
-                fit_module._fit(name, prep)
+                method.fit_prepared(prep)
         else:
-            fit_module._fit(name, prep)
+            method.fit_prepared(prep)
 
 
 @pytest.mark.parametrize("name", methods.P_TRUE_METHODS)
@@ -117,7 +117,7 @@ def test_the_token_level_fit_follows_the_declaration(name):
     from calm_training.posthoc.token_fit import NO_SHARED_TOKENIZER, token_level_fit
 
     method = methods.fit_method(name)
-    fit, record = token_level_fit(name, model=None, tokenizer=None, records=[],
+    fit, record = token_level_fit(method, model=None, tokenizer=None, records=[],
                                   chosen=np.zeros(0), labels=None)
     assert fit is None and not record["fitted"]
     if not method.token_level:
@@ -140,7 +140,7 @@ def test_compare_lists_follow_the_mode_and_the_reference():
 
 
 def test_an_unknown_fit_method_is_one_error_line(tmp_path):
-    from calm_training.posthoc.fit import FitConfig, fit_adapter
+    from calm_training.fit import FitConfig, fit_adapter
 
     for lookup in (methods.fit_method, methods.option_method, methods.p_true_method):
         with pytest.raises(ConfigError, match=r"^unknown (P\(True\) )?method 'nope'; choose "

@@ -227,7 +227,7 @@ def test_scores_sized_by_what_they_allocate_equal_the_batched_ones(tiny, monkeyp
 
 CHILD_LONG_OPTIONS = r"""
 import json, resource, sys
-from calm_training.posthoc.fit import FitConfig, compare_methods
+from calm_training.fit import FitConfig, compare_methods
 config = FitConfig(model=sys.argv[1], data=sys.argv[2], mode="cloze", bootstrap=0)
 compare_methods(config, ("vanilla", "ts"), progress=False)
 print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)

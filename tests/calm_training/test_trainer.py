@@ -170,7 +170,7 @@ def test_cli_trains_plain_lora(tiny_llama_tied, mc_file, tmp_path, capsys):
 
 def test_calm_adapter_composes_with_a_post_hoc_fit(trained, tiny_llama_tied, tiny_llama_untied,
                                                   mc_file, tmp_path):
-    from calm_training.posthoc.fit import FitConfig, fit_adapter
+    from calm_training.fit import FitConfig, fit_adapter
 
     config = FitConfig(model=str(tiny_llama_tied), reference=str(tiny_llama_untied),
                        data=str(mc_file), adapter=str(trained.out), bootstrap=0)

@@ -2,7 +2,7 @@
 
 Which records train CALM
 ------------------------
-``calm eval`` and :func:`calm_training.posthoc.fit.compare_methods` evaluate on the ``test`` part
+``calm eval`` and :func:`calm_training.fit.compare_methods` evaluate on the ``test`` part
 of a named set (70%, :func:`calm_runtime.data.sets.split_records` with fraction 0.3, seed 0).
 CALM must never see those records, so its two data sets are carved out of the other 30%,
 the ``calibration`` part, which post-hoc methods (TS, DACA) fit on as well:

@@ -15,7 +15,8 @@ from calm_runtime.errors import ConfigError
 from calm_runtime.formats.artifact import CalibrationAdapter
 from calm_runtime.measure.plot import write_reliability_diagram, write_risk_coverage
 from calm_runtime.modes import option_probabilities
-from calm_training.posthoc.fit import FitConfig, metric_row, require_labels
+from calm_training.posthoc.fit_config import FitConfig
+from calm_training.posthoc.option_fit import metric_row, require_labels
 from calm_training.posthoc.plan import FitPlan
 from calm_training.scoring.local import OptionScores
 

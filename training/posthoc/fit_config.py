@@ -1,8 +1,7 @@
-"""``FitConfig``: what ``calm fit`` / ``calm eval`` fit and evaluate, and the method names
-(``METHODS``, every post-hoc method, and ``LABEL_FREE``, those that need a reference model;
-:mod:`calm_training.methods` decides each).
+"""``FitConfig``: what ``calm fit`` / ``calm eval`` fit and evaluate (the methods are
+:mod:`calm_training.methods`'s).
 
-Nothing here scores a model; :mod:`calm_training.posthoc.fit` runs the fits.
+Nothing here scores a model; :mod:`calm_training.fit` runs the fits.
 """
 
 from __future__ import annotations
@@ -14,11 +13,10 @@ from calm_runtime import modes
 from calm_runtime.data.models import DEFAULT_API_KEY_ENV
 from calm_runtime.data.prompts import DEFAULT_CLOZE_VARIANT, DEFAULT_P_TRUE_TEMPLATE
 from calm_runtime.errors import ConfigError
-from calm_training.methods import LABEL_FREE, METHODS
 from calm_training.scoring.endpoint import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT
 from calm_training.scoring.local import CLOZE_VARIANTS
 
-__all__ = ["ALL_MODES", "DEFAULT_VARIANT", "FitConfig", "LABEL_FREE", "METHODS"]
+__all__ = ["ALL_MODES", "DEFAULT_VARIANT", "FitConfig"]
 
 DEFAULT_VARIANT = DEFAULT_CLOZE_VARIANT  # one default for fitting, training and the runtime
 ALL_MODES = modes.MODE_NAMES

@@ -18,12 +18,11 @@ import numpy as np
 from calm_runtime.data.sets import dataset_hash
 from calm_runtime.errors import ConfigError, FitError
 from calm_runtime.measure import metrics
-from calm_training.methods import P_TRUE_METHODS, p_true_method
 from calm_training.posthoc.fit_report import add_selective, served_floor
 from calm_training.posthoc.plan import FitPlan
 from calm_training.posthoc.platt import PlattFit, fit_platt  # noqa: F401 - Platt scaling stays importable from here
 
-__all__ = ["P_TRUE_METHODS", "PlattFit", "compare_p_true", "fit_p_true", "fit_platt"]
+__all__ = ["PlattFit", "compare_p_true", "fit_on_judgements", "fit_platt"]
 
 logger = logging.getLogger(__name__)
 
@@ -33,17 +32,20 @@ def _p(two_way: np.ndarray, temperature: float = 1.0) -> np.ndarray:
     return 1.0 / (1.0 + np.exp(np.clip(z[:, 1] - z[:, 0], -700, 700)))
 
 
-def _fit(method: str, judged: dict, cal: np.ndarray):
-    fitted = p_true_method(method)
-    if fitted.needs_reference and "plm" not in judged:
+def fit_on_judgements(method, judged: dict, cal: np.ndarray):
+    """``method`` (a :class:`~calm_training.methods.fit_method.FitMethod`) fitted on the
+    calibration rows ``cal`` of P(True) ``judged`` (:meth:`FitPlan.judgements
+    <calm_training.posthoc.plan.FitPlan.judgements>`)."""
+    if method.needs_reference and "plm" not in judged:
         raise ConfigError("label-free P(True) calibration needs --reference")
-    return fitted.fit_p_true(judged["polm"][cal],
-                             reference=judged["plm"][cal] if fitted.needs_reference else None,
+    return method.fit_p_true(judged["polm"][cal],
+                             reference=judged["plm"][cal] if method.needs_reference else None,
                              correct=judged["correct"][cal], p_true=_p)
 
 
-def compare_p_true(plan: FitPlan, methods=P_TRUE_METHODS, *, progress: bool = True) -> dict:
-    """Fit P(True) calibrations on the calibration split; binary metrics on the test split.
+def compare_p_true(plan: FitPlan, methods, *, progress: bool = True) -> dict:
+    """Fit the P(True) calibrations ``methods`` (:class:`~calm_training.methods.fit_method.
+    FitMethod` objects) on the calibration split; binary metrics on the test split.
 
     The label of an item is whether the PoLM's answer is correct; the confidence is
     P(True) (docs/methods.md §5).
@@ -55,10 +57,10 @@ def compare_p_true(plan: FitPlan, methods=P_TRUE_METHODS, *, progress: bool = Tr
     rows, panels = {}, {}
     for method in methods:
         try:
-            fit = _fit(method, judged, cal)
+            fit = fit_on_judgements(method, judged, cal)
         except FitError as exc:  # e.g. no wrong answer to fit against: a result, not a crash
-            logger.warning("%s: %s", method, exc)
-            rows[method] = {"error": str(exc)}
+            logger.warning("%s: %s", method.name, exc)
+            rows[method.name] = {"error": str(exc)}
             continue
         p = (fit.apply(judged["polm"][test]) if isinstance(fit, PlattFit)
              else _p(judged["polm"][test], 1.0 if fit is None else fit.temperature))
@@ -66,7 +68,7 @@ def compare_p_true(plan: FitPlan, methods=P_TRUE_METHODS, *, progress: bool = Tr
         row = metrics.binary_report(p, y, settings.n_bins)
         add_selective(row, p, y, settings)
         row["fit"] = None if fit is None else fit.to_dict()
-        rows[method], panels[method] = row, (p, y)
+        rows[method.name], panels[method.name] = row, (p, y)
     report = {"config": plan.config.to_dict(), "data_hash": dataset_hash(judged["records"]),
               "n_records": n, "n_calibration": int(cal.size), "n_test": int(test.size),
               "answer_accuracy": float(judged["correct"].mean()), "methods": rows,
@@ -81,13 +83,3 @@ def compare_p_true(plan: FitPlan, methods=P_TRUE_METHODS, *, progress: bool = Tr
         report["agreement_rate"] = float(((_p(judged["plm"][cal]) > 0.5)
                                           == (_p(judged["polm"][cal]) > 0.5)).mean())
     return report
-
-
-def fit_p_true(plan: FitPlan, method: str):
-    """Fit ``method`` on the calibration split; returns ``(fit, n_calibration, data_hash)``."""
-    judged = plan.judgements()
-    cal, _ = plan.split
-    fitted = p_true_method(method)
-    if not fitted.writes_adapter:  # the baseline, or compared only (Platt)
-        raise ConfigError(f"{fitted.refusal}; choose daca, naive or ts")
-    return _fit(method, judged, cal), int(cal.size), dataset_hash(judged["records"])

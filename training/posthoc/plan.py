@@ -5,7 +5,7 @@ what the run works on: its scoring :class:`~calm_runtime.modes.Mode`, the model 
 reference as :class:`~calm_training.scoring.sources.ModelSource` objects (each resolved
 once; a served one connects once, on first use, and every later step reuses that
 connection), the records, the calibration/test split, the prompt format and the adapter a
-fit goes on top of. :mod:`calm_training.posthoc.fit`, :mod:`calm_training.posthoc.p_true`
+fit goes on top of. :mod:`calm_training.fit`, :mod:`calm_training.posthoc.p_true`
 and :mod:`calm_training.posthoc.evaluate` hand this plan, or the values they need from it,
 to their helpers, never the config.
 """
@@ -18,6 +18,7 @@ from functools import cached_property
 
 import numpy as np
 
+from calm_runtime.data.prompts import PTrueTemplate, p_true_template
 from calm_runtime.data.sets import MultipleChoiceRecord, OpenQARecord, load_dataset, split_indices
 from calm_runtime.errors import ConfigError, DataError
 from calm_runtime.formats.artifact import CalibrationAdapter, ModelIdentity
@@ -80,6 +81,12 @@ class FitPlan:
         return "chat" if self.model.chat(self.config.chat) else "plain"
 
     @cached_property
+    def p_true_template(self) -> PTrueTemplate:
+        """P(True) mode: the template the models judge answers with (``--p-true-template``),
+        read once; what a P(True) adapter records."""
+        return p_true_template(self.config.p_true_template)
+
+    @cached_property
     def base(self) -> tuple[CalibrationAdapter, ModelIdentity]:
         """``(adapter, identity)``: the adapter the fit goes on top of (``--adapter``, checked
         against the model; else the identity adapter) and the model's identity, read once."""
@@ -138,7 +145,7 @@ class FitPlan:
 
         config = self.config
         return open_qa_judgements(self.records, self.model, self.reference,
-                                  template=config.p_true_template, chat=config.chat,
+                                  template=self.p_true_template, chat=config.chat,
                                   batch_size=config.batch_size, max_length=config.max_length,
                                   progress=progress)
 

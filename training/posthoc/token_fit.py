@@ -28,7 +28,6 @@ import numpy as np
 from calm_runtime.data.prompts import cloze_context, cloze_continuation
 from calm_runtime.data.sets import MultipleChoiceRecord
 from calm_runtime.errors import ConfigError, FitError
-from calm_training.methods import fit_method
 from calm_training.posthoc import daca
 from calm_training.scoring.local import (
     batched_logits,
@@ -125,22 +124,22 @@ def token_confidences(logits: np.ndarray, targets: np.ndarray, temperature: floa
     return conf, correct, nll
 
 
-def token_level_fit(method: str, *, model, tokenizer, records, chosen: np.ndarray,
+def token_level_fit(method, *, model, tokenizer, records, chosen: np.ndarray,
                     reference=None, reference_tokenizer=None, same_tokenizer: bool = False,
                     labels: np.ndarray | None = None, calibration=None, batch_size: int = 8,
                     max_length: int | None = None, progress: bool = False,
                     agree: np.ndarray | None = None):
-    """Fit the token-level temperature of ``method`` on ``records`` (the calibration split).
+    """Fit the token-level temperature of ``method`` (a
+    :class:`~calm_training.methods.fit_method.FitMethod`) on ``records`` (the calibration split).
 
     ``model``/``reference`` are loaded torch models; ``chosen`` the model's option choice per
     record, ``agree`` whether the reference chose the same one (label-free methods),
     ``labels`` the correct options (``ts``). Returns ``(fit or None, record)``: the record
     says what was fitted on which signal, or why nothing was (the vector fits have no
     token-level counterpart)."""
-    fitted = fit_method(method)
-    if not fitted.token_level:
-        return None, {"fitted": False, "reason": f"{method} has no token-level counterpart"}
-    if fitted.needs_labels:
+    if not method.token_level:
+        return None, {"fitted": False, "reason": f"{method.name} has no token-level counterpart"}
+    if method.needs_labels:
         if labels is None or (labels < 0).any():
             return None, {"fitted": False, "reason": "labels missing on the calibration split"}
         pos = answer_positions(model, tokenizer, records, labels, calibration=calibration,
@@ -151,7 +150,7 @@ def token_level_fit(method: str, *, model, tokenizer, records, chosen: np.ndarra
                      **fit.to_dict()}
     if reference is None or not same_tokenizer:
         return None, {"fitted": False, "reason": NO_SHARED_TOKENIZER}
-    keep = np.flatnonzero(agree) if fitted.masked else np.arange(len(records))
+    keep = np.flatnonzero(agree) if method.masked else np.arange(len(records))
     if keep.size == 0:
         return None, {"fitted": False, "reason": "no calibration question where both models "
                                                  "choose the same option"}
@@ -167,7 +166,7 @@ def token_level_fit(method: str, *, model, tokenizer, records, chosen: np.ndarra
     width = min(mine.logits.shape[1], theirs.logits.shape[1])
     try:  # naive: every position, no agreement mask (the baseline's failure mode)
         fit = daca.fit_token_daca_temperature(mine.logits[:, :width], theirs.logits[:, :width],
-                                              n_questions=len(records), mask=fitted.masked)
+                                              n_questions=len(records), mask=method.masked)
     except FitError as exc:  # no agreeing position: a result (option-level only), not a crash
         return None, {"fitted": False, "reason": str(exc)}
     return fit, {"fitted": True,
@@ -175,7 +174,7 @@ def token_level_fit(method: str, *, model, tokenizer, records, chosen: np.ndarra
                  "positions": int(len(mine.targets)), "questions": int(keep.size), **fit.to_dict()}
 
 
-def cloze_token_temperature(method: str, *, model, reference, records,
+def cloze_token_temperature(method, *, model, reference, records,
                             chosen: np.ndarray, agree: np.ndarray | None,
                             labels: np.ndarray | None, base_adapter=None, batch_size: int = 8,
                             max_length: int | None = None, progress: bool = False):
@@ -186,11 +185,10 @@ def cloze_token_temperature(method: str, *, model, reference, records,
     reason recorded."""
     from calm_training.scoring.sources import as_source
 
-    fitted = fit_method(method)
-    if not fitted.token_level:
-        return None, {"fitted": False, "reason": f"{method} has no token-level counterpart"}
+    if not method.token_level:
+        return None, {"fitted": False, "reason": f"{method.name} has no token-level counterpart"}
     sources = {"model": as_source(model)}
-    if fitted.needs_reference and reference is not None:
+    if method.needs_reference and reference is not None:
         sources["reference"] = as_source(reference)
     for role, source in sources.items():
         if not source.full_logits:
@@ -199,7 +197,7 @@ def cloze_token_temperature(method: str, *, model, reference, records,
                                     "reads full next-token distributions from a transformers "
                                     "model (option-level only)"}
     same = False
-    if fitted.needs_reference:
+    if method.needs_reference:
         if reference is None:
             return None, {"fitted": False, "reason": "no reference model"}
         mine = sources["model"].identity().tokenizer_sha256
@@ -212,10 +210,10 @@ def cloze_token_temperature(method: str, *, model, reference, records,
     calibration = (base_adapter if base_adapter is not None
                    and base_adapter.has_token_calibration() else None)
     ref = ref_tokenizer = None
-    if fitted.needs_reference:
+    if method.needs_reference:
         ref, ref_tokenizer, _ = sources["reference"].load()
     logger.info("fitting the token-level %s temperature on the answer positions of %d "
-                "calibration questions", method, len(records))
+                "calibration questions", method.name, len(records))
     return token_level_fit(method, model=lm, tokenizer=tokenizer, records=records,
                            chosen=chosen, reference=ref, reference_tokenizer=ref_tokenizer,
                            same_tokenizer=same, labels=labels, calibration=calibration,

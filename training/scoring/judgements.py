@@ -49,11 +49,12 @@ def _load_or(path: Path, compute):
     return value
 
 
-def open_qa_judgements(records, model, reference=None, *, template: str, chat: bool | None,
+def open_qa_judgements(records, model, reference=None, *, template, chat: bool | None,
                        batch_size: int = 8, max_length: int | None = None,
                        progress: bool = True) -> dict:
     """The model's greedy answers to open-QA ``records``, their correctness, and each
-    model's two-way P(True) logits under the named ``template`` (``model`` and
+    model's two-way P(True) logits under ``template`` (a name or a
+    :class:`~calm_runtime.data.prompts.PTrueTemplate`; ``model`` and
     ``reference``: :class:`~calm_training.scoring.sources.ModelSource` objects; cached on
     disk by the models', the data's and the template's hashes)."""
     template = p_true_template(template)

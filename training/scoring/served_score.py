@@ -14,7 +14,7 @@ from calm_runtime.errors import ConfigError, DataError
 from calm_runtime.formats.artifact import CalibrationAdapter
 from calm_runtime.formats.fit_record import FitRecord
 from calm_runtime.measure.score import choices_report, require_labels
-from calm_training.posthoc.fit import FitConfig
+from calm_training.posthoc.fit_config import FitConfig
 from calm_training.posthoc.plan import FitPlan
 from calm_training.scoring.cache import cached_option_scores
 

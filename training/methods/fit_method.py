@@ -1,0 +1,302 @@
+"""A post-hoc method of ``calm fit`` / ``calm eval --compare`` (docs/methods.md §3): what it
+needs, what it fits on and what it writes.
+
+A :class:`FitMethod` declares what it needs (a reference model, labels), whether it has a
+token-level counterpart and where it is fitted (option scores, P(True)'s two-way logits);
+:meth:`FitMethod.fit` fits it over a :class:`~calm_training.posthoc.plan.FitPlan` and
+:meth:`FitMethod.write` puts the result on an adapter. What a fit writes depends on the
+scoring mode (:class:`calm_runtime.modes.Mode`), never on a method's name:
+
+* cloze: the option-level temperature becomes ``answer_temperature`` (it acts on summed
+  option scores, so it cannot be fused into the LM head), after a token-level temperature
+  where the answer positions carry a signal;
+* letter: the temperature is token-level (fusable); :class:`VectorMethod` writes vector
+  scaling onto the option tokens' entries of ``tau``/``shift`` (exact, docs/methods.md §1);
+* P(True): the temperature of the two-way ``[true, false]`` logits, with the template.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from calm_runtime.data.prompts import letter_tokens
+from calm_runtime.data.sets import dataset_hash
+from calm_runtime.errors import ConfigError
+from calm_runtime.formats.artifact import CalibrationAdapter
+from calm_runtime.measure import metrics
+from calm_training.posthoc import daca
+from calm_training.posthoc.fit_report import served_floor
+from calm_training.posthoc.option_fit import (
+    Prepared,
+    apply_fit,
+    check_finite_temperature,
+    cloze_token_fit,
+    prepare,
+    rescored,
+)
+from calm_training.posthoc.plan import FitPlan
+
+__all__ = ["FitMethod", "Fitted", "VectorMethod"]
+
+
+@dataclass
+class Fitted:
+    """One fit over a plan: the fit and what the adapter records of it."""
+
+    fit: object
+    n_calibration: int
+    data_hash: str
+    n_records: int = 0
+    #: calibration-split metrics before/after (labeled data only)
+    calibration_split: dict = field(default_factory=dict)
+    #: cloze: the token-level temperature fitted (None: none) and its record
+    token_temperature: float | None = None
+    token_record: dict | None = None
+    #: {"model"/"reference": floored count} of served scoring (see served_floor)
+    floored: dict = field(default_factory=dict)
+    #: an abstention threshold's coverage and risk on the test split
+    test_split: dict | None = None
+
+    @property
+    def report(self) -> dict:
+        """What ``calm fit`` prints: the fit, and the calibration or test split's figures."""
+        if self.test_split is not None:
+            return {"fit": self.fit.to_dict(), "test_split": self.test_split}
+        return {"fit": self.fit.to_dict(), "calibration_split": self.calibration_split,
+                "token_fit": self.token_record}
+
+
+@dataclass(frozen=True)
+class FitMethod:
+    """One post-hoc method of ``calm fit`` / ``calm eval --compare``."""
+
+    name: str
+    #: label-free: fitted against a pre-trained reference model's scores (``--reference``)
+    needs_reference: bool = False
+    #: fitted against the calibration split's answers
+    needs_labels: bool = False
+    #: DACA's agreement mask (naive: every question, no mask)
+    masked: bool = False
+    #: has a token-level counterpart (a cloze fit then also fits the answer positions'
+    #: next-token temperature, calm_training.posthoc.token_fit)
+    token_level: bool = False
+    #: fits on option scores ``[N, K]``: ``(reference, scores)`` label-free, else
+    #: ``(scores, labels)``; None: not an option-level method (or the unfitted baseline)
+    option_fit: Callable | None = None
+    #: fits on P(True)'s ``[true, false]`` logits: ``(reference P(True), P(True))``
+    #: label-free, else ``(two-way logits, correctness)``; None: none
+    p_true_fit: Callable | None = None
+    #: compared in the multiple-choice modes (cloze, letter) / in P(True) mode
+    choice: bool = True
+    p_true: bool = False
+    #: ``calm fit`` writes it as an adapter
+    writes_adapter: bool = True
+    #: why ``calm fit`` writes no adapter for it (the start of the error line)
+    refusal: str | None = None
+
+    #: vector scaling (a weight and a bias per option), else one temperature
+    vector = False
+    #: picks an abstention threshold on a base adapter rather than fitting a calibration
+    abstention = False
+
+    @property
+    def label_free(self) -> bool:
+        return self.needs_reference
+
+    @property
+    def baseline(self) -> bool:
+        """The uncalibrated baseline: nothing to fit."""
+        return self.option_fit is None and self.p_true_fit is None and not self.abstention
+
+    @property
+    def kind(self) -> str:
+        """The adapter kind it writes (after the base adapter's: ``calm+daca``)."""
+        return self.name.replace("-", "_")
+
+    def fits_in(self, scoring) -> bool:
+        """Whether it is compared in the scoring mode ``scoring`` (a
+        :class:`calm_runtime.modes.Mode`)."""
+        return self.choice if scoring.choice else self.p_true
+
+    def not_fitted_because(self, plan: FitPlan) -> str | None:
+        """Why ``calm eval --compare`` does not fit it on ``plan``, else ``None``."""
+        return None
+
+    # ------------------------------------------------------------------ fitting arrays
+    def fit_options(self, scores, *, reference=None, labels=None):
+        """The fit on option scores ``scores`` ``[N, K]`` (None for the baseline)."""
+        if self.option_fit is None:
+            return None
+        if self.needs_reference:
+            return self.option_fit(reference, scores)
+        return self.option_fit(scores, labels)
+
+    def fit_p_true(self, two_way, *, reference=None, correct=None, p_true=None):
+        """The fit on two-way logits ``two_way`` ``[N, 2]`` (None for the baseline):
+        label-free methods fit ``p_true(two_way)`` to ``p_true(reference)``."""
+        if self.p_true_fit is None:
+            return None
+        if self.needs_reference:
+            return self.p_true_fit(p_true(reference), p_true(two_way))
+        return self.p_true_fit(two_way, correct)
+
+    def fit_prepared(self, prep: Prepared):
+        """The fit on the calibration split of ``prep``'s option scores, reading the
+        reference's scores or the answers as the method needs."""
+        labels = prep.labeled(prep.cal, "calibration") if self.needs_labels else None
+        reference = prep.plm[prep.cal] if self.needs_reference else None
+        return self.fit_options(prep.polm[prep.cal], reference=reference, labels=labels)
+
+    # ------------------------------------------------------------------ calm fit
+    def check_writable(self, plan: FitPlan) -> None:
+        """A one-line :class:`ConfigError`, before any scoring, when ``calm fit`` cannot
+        write this method's adapter for ``plan``."""
+        if not self.writes_adapter:
+            raise ConfigError(f"{self.refusal}; choose daca, naive or ts")
+        if not plan.mode.choice and plan.config.adapter:
+            raise ConfigError("P(True) fits on top of another adapter are not supported yet; "
+                              "fit without --adapter")
+
+    def fit(self, plan: FitPlan, *, progress: bool = True) -> Fitted:
+        """Fit on the plan's calibration split: the option scores (cloze and letter) or
+        P(True)'s two-way logits."""
+        if not plan.mode.choice:  # P(True): the answers' judgements, computed once
+            from calm_training.posthoc.p_true import fit_on_judgements
+
+            judged = plan.judgements(progress=progress)
+            cal, _ = plan.split
+            fit = fit_on_judgements(self, judged, cal)
+            check_finite_temperature(fit)
+            return Fitted(fit=fit, n_calibration=int(cal.size),
+                          data_hash=dataset_hash(judged["records"]))
+        prep = prepare(plan, need_reference=self.needs_reference, progress=progress)
+        before = prep.polm
+        fit = self.fit_prepared(prep)
+        check_finite_temperature(fit)
+        token_temperature = record = None
+        if not plan.mode.token_level:  # cloze: the token level first, then the options
+            token_temperature, record = cloze_token_fit(self, plan, prep, progress=progress)
+            if token_temperature is not None:
+                base, _ = plan.base
+                prep = rescored(plan, prep, base.temperature * token_temperature,
+                                progress=progress)
+                fit = self.fit_prepared(prep)
+                check_finite_temperature(fit)
+        cal_metrics = {}
+        labels = prep.calibration_labels()
+        if labels is not None:
+            n_bins = plan.config.n_bins
+            cal_metrics = {
+                "before": metrics.calibration_report(apply_fit(None, before[prep.cal]),
+                                                     labels, n_bins),
+                "after": metrics.calibration_report(apply_fit(fit, prep.polm[prep.cal]),
+                                                    labels, n_bins)}
+        return Fitted(fit=fit, n_calibration=int(prep.cal.size),
+                      data_hash=dataset_hash(prep.records), n_records=len(prep.records),
+                      calibration_split=cal_metrics, token_temperature=token_temperature,
+                      token_record=record, floored=prep.floored)
+
+    def write(self, plan: FitPlan, fitted: Fitted) -> CalibrationAdapter:
+        """The adapter ``fitted`` makes: the base adapter with the fit on it and the record
+        of where it came from."""
+        base, identity = plan.base
+        config = plan.config
+        if not plan.mode.choice:
+            adapter = dataclasses.replace(base, kind=_kind(base, self.kind) + "_p_true",
+                                          created_at=None)
+            adapter.temperature = base.temperature * fitted.fit.temperature
+            adapter.p_true_template = plan.p_true_template.to_dict()
+            adapter.method = {"name": self.name, "mode": "p_true", "fit": fitted.fit.to_dict(),
+                              "settings": config.to_dict()}
+            adapter.provenance = self.provenance(plan, identity, fitted)
+            return adapter
+        adapter = dataclasses.replace(base, kind=_kind(base, self.kind), created_at=None)
+        self.write_fit(adapter, fitted, plan)
+        adapter.method = {"name": self.name, "mode": config.mode,
+                          "variant": plan.recorded_variant, "fit": fitted.fit.to_dict(),
+                          "settings": config.to_dict()}
+        if fitted.token_record is not None:
+            adapter.method["token_fit"] = fitted.token_record
+        adapter.metrics = {"calibration_split": fitted.calibration_split}
+        adapter.provenance = self.provenance(plan, identity, fitted)
+        adapter.provenance["base_adapter"] = base.kind if config.adapter else None
+        # how the prompts reached the model (chat template or text): the format the
+        # calibration holds for
+        adapter.provenance["prompt_format"] = plan.prompt_format
+        floor = served_floor(fitted.floored, fitted.n_records)
+        if floor:
+            adapter.provenance["served_floor"] = floor
+        adapter.validate()
+        return adapter
+
+    def write_fit(self, adapter: CalibrationAdapter, fitted: Fitted, plan: FitPlan) -> None:
+        """Put the fitted temperature where the mode reads it (see the module's docstring)."""
+        base, _ = plan.base
+        if plan.mode.token_level:
+            adapter.temperature = base.temperature * fitted.fit.temperature
+            return
+        if fitted.token_temperature is not None:
+            adapter.temperature = base.temperature * fitted.token_temperature
+        adapter.answer_temperature = fitted.fit.temperature
+
+    def provenance(self, plan: FitPlan, identity, fitted: Fitted) -> dict:
+        """What an adapter records of where it came from: the model, the reference
+        (label-free methods), the data and the calibration split."""
+        config = plan.config
+        return {"model": identity.to_dict(),
+                "reference": (plan.reference.identity().to_dict() if self.needs_reference
+                              else None),
+                "data": config.data, "data_hash": fitted.data_hash,
+                "split": {"part": "calibration", "fraction": config.calibration_fraction,
+                          "seed": config.seed, "n": fitted.n_calibration}}
+
+
+@dataclass(frozen=True)
+class VectorMethod(FitMethod):
+    """Vector scaling: a weight and a bias per option, written onto the option letters'
+    entries of ``tau``/``shift`` (letter mode only; docs/methods.md §1)."""
+
+    vector = True
+
+    def not_fitted_because(self, plan: FitPlan) -> str | None:
+        """Letter-mode vector scaling is not invariant to a shift of a question's scores,
+        and an endpoint returns log-probabilities (logits minus a per-question constant)
+        where the local path reads logits: the fit would depend on which one it saw (and a
+        served model's adapter holds temperatures only)."""
+        if plan.mode.token_level and plan.served:
+            return ("not fitted for a served model: vector scaling is not shift-invariant and "
+                    "an endpoint returns log-probabilities, not logits; use daca, naive or ts")
+        return None
+
+    def check_writable(self, plan: FitPlan) -> None:
+        super().check_writable(plan)
+        if plan.served:
+            raise ConfigError(f"{self.name} writes per-token weights, which need the model's "
+                              "token ids; a served model takes daca, naive or ts")
+        if not plan.mode.token_level:
+            raise ConfigError("vector scaling of cloze scores acts on summed log-probabilities "
+                              "and cannot be stored as token calibration; use daca or ts in "
+                              "cloze mode, or letter mode for vector scaling")
+        base, _ = plan.base
+        if (base.tau != 1).any() or (base.shift != 0).any():
+            raise ConfigError("vector scaling on top of an adapter that already has per-token "
+                              "tau/shift is not supported; fit a scalar temperature (daca or ts)")
+
+    def write_fit(self, adapter: CalibrationAdapter, fitted: Fitted, plan: FitPlan) -> None:
+        from transformers import AutoTokenizer
+
+        from calm_training.scoring.local import single_token_id, uses_chat_template
+
+        fit = fitted.fit
+        tokenizer = AutoTokenizer.from_pretrained(str(plan.model.folder()))
+        chat = uses_chat_template(tokenizer, plan.config.chat)
+        ids = [single_token_id(tokenizer, t) for t in letter_tokens(len(fit.weights), chat=chat)]
+        adapter.tau, adapter.shift = daca.vector_fit_to_tau_shift(
+            fit, ids, adapter.base_model.vocab_size, temperature=adapter.temperature)
+
+
+def _kind(base: CalibrationAdapter, name: str) -> str:
+    return name if base.kind == "identity" else f"{base.kind}+{name}"
+

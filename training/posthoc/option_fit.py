@@ -1,0 +1,159 @@
+"""Option-level fitting over a :class:`~calm_training.posthoc.plan.FitPlan`: the scores a
+fit reads (:func:`prepare`: the calibration and test splits of the records with the fit's
+option count, the model's and the reference's option scores), what a fit does to option
+scores (:func:`apply_fit`), one metrics row (:func:`metric_row`) and the cloze token fit
+(:func:`cloze_token_fit`). The methods of :mod:`calm_training.methods` fit on these; nothing
+here looks a method up by its name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from calm_runtime.errors import DataError, FitError
+from calm_runtime.measure import metrics
+from calm_runtime.modes import option_probabilities
+from calm_training.posthoc import daca
+from calm_training.posthoc.fit_report import Metrics, add_selective
+from calm_training.posthoc.plan import FitPlan
+
+__all__ = ["Prepared", "apply_fit", "check_finite_temperature", "cloze_token_fit",
+           "metric_row", "prepare", "require_labels", "rescored"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Prepared:
+    """The option scores a fit reads and the split it reads them on."""
+
+    records: list
+    cal: np.ndarray  # indices into records (rows with the fit's option count)
+    test: np.ndarray
+    k: int
+    polm: np.ndarray  # [N, K] option scores of the chosen variant
+    plm: np.ndarray | None
+    labels: np.ndarray
+    #: {"model"/"reference": floored count} of served letter scoring (see served_floor)
+    floored: dict = dataclasses.field(default_factory=dict)
+
+    def labeled(self, idx: np.ndarray, what: str) -> np.ndarray:
+        """The answers of rows ``idx`` (the ``what`` split), or a :class:`DataError` when one
+        is missing."""
+        return require_labels(self.labels[idx], what)
+
+    def calibration_labels(self) -> np.ndarray | None:
+        """The calibration split's answers, or ``None`` when some record has none."""
+        labels = self.labels[self.cal]
+        return labels if (labels >= 0).all() else None
+
+
+def prepare(plan: FitPlan, *, need_reference: bool, progress: bool) -> Prepared:
+    """The model's (and, when ``need_reference``, the reference's) option scores of the
+    plan's records, with the ``--adapter``'s calibration applied while scoring; the records
+    whose option count is not the most common one are left out."""
+    if need_reference:  # before any scoring
+        plan.require_reference()
+    records = plan.records
+    polm_scores = plan.option_scores(adapter_dir=plan.config.adapter, progress=progress)
+    plm_scores = plan.option_scores("reference", progress=progress) if need_reference else None
+    n_options = polm_scores.n_options
+    k = int(np.bincount(n_options).argmax())
+    cal, test = plan.split
+    keep = n_options == k
+    dropped = int((~keep).sum())
+    if dropped:
+        logger.info("%d of %d records have a number of options other than %d; they are left "
+                    "out of fitting and evaluation", dropped, len(records), k)
+    return Prepared(records=records, cal=cal[keep[cal]], test=test[keep[test]], k=k,
+                    polm=polm_scores.scores(plan.variant())[:, :k],
+                    plm=None if plm_scores is None else
+                    plm_scores.scores(plan.variant("reference"))[:, :k],
+                    labels=polm_scores.labels,
+                    floored={role: scores.floored for role, scores in
+                             (("model", polm_scores), ("reference", plm_scores))
+                             if scores is not None and scores.floored is not None})
+
+
+def require_labels(labels: np.ndarray, what: str) -> np.ndarray:
+    """``labels`` unchanged, or a :class:`DataError` when some record has no answer."""
+    if (labels < 0).any():
+        raise DataError(f"{int((labels < 0).sum())} records of the {what} split have no answer; "
+                        "labeled methods and metrics need an answer index on every record")
+    return labels
+
+
+def apply_fit(fit, scores: np.ndarray) -> np.ndarray:
+    """Option probabilities of ``scores`` [N, K] under a fitted temperature or vector
+    scaling (``None``: plain softmax)."""
+    if fit is None:
+        return option_probabilities(scores)
+    if isinstance(fit, daca.VectorFit):
+        return option_probabilities(scores * np.asarray(fit.weights) + np.asarray(fit.bias))
+    return option_probabilities(scores, fit.temperature)
+
+
+def metric_row(probs: np.ndarray, labels: np.ndarray, settings: Metrics):
+    """One table row (metrics + ECE bootstrap interval) and its reliability-diagram panel."""
+    row = metrics.calibration_report(probs, labels, settings.n_bins)
+    conf, correct = probs.max(axis=1), (probs.argmax(axis=1) == labels).astype(float)
+    add_selective(row, conf, correct, settings)
+    return row, (conf, correct)
+
+
+def check_finite_temperature(fit) -> None:
+    """A :class:`FitError` when a temperature fit ran off to infinity (no signal)."""
+    if isinstance(fit, daca.TemperatureFit) and not np.isfinite(fit.temperature):
+        raise FitError(f"the {fit.method} fit put the optimum at an infinite temperature on "
+                       f"{fit.n_used} items (uniform probabilities fit best: the scores carry no "
+                       "signal there); use more or other data; nothing was written")
+
+
+def cloze_token_fit(method, plan: FitPlan, prep: Prepared, *, progress: bool):
+    """Cloze mode's token-level temperature for ``method`` (a
+    :class:`~calm_training.methods.fit_method.FitMethod`): what the engine's head carries,
+    when a signal exists (docs/methods.md §3 "Token level"). Returns ``(temperature or None,
+    record)``: the fitted temperature (to multiply into the base adapter's) and what was
+    fitted on which signal, or why nothing was."""
+    from calm_training.posthoc.token_fit import cloze_token_temperature
+
+    base, _ = plan.base
+    cal = prep.cal
+    chosen = prep.polm[cal].argmax(1)
+    agree = None if prep.plm is None else prep.plm[cal].argmax(1) == chosen
+    token_fit, record = cloze_token_temperature(
+        method, model=plan.model, reference=plan.reference,
+        records=[prep.records[i] for i in cal], chosen=chosen, agree=agree,
+        labels=prep.calibration_labels(), base_adapter=base if plan.config.adapter else None,
+        batch_size=plan.config.batch_size, max_length=plan.config.max_length,
+        progress=progress)
+    if token_fit is not None and token_fit.at_bound is not None:
+        record = {**record, "fitted": False,
+                  "reason": f"the token-level optimum is at a bound ({token_fit.at_bound}): "
+                            "the answer positions carry no usable signal"}
+        token_fit = None
+    if token_fit is None:
+        logger.info("token log-probabilities stay uncalibrated: %s", record["reason"])
+        return None, record
+    logger.info("token-level %s temperature %.4g on %d answer positions; refitting the "
+                "option-level temperature on the token-calibrated scores", token_fit.method,
+                token_fit.temperature, record["positions"])
+    return token_fit.temperature, record
+
+
+def rescored(plan: FitPlan, prep: Prepared, temperature: float, *, progress: bool) -> Prepared:
+    """``prep`` with the model's option scores read again with the token ``temperature``
+    (the base adapter's times the token fit's) applied while scoring: what the runtime
+    reads once the engine's head carries it."""
+    base, _ = plan.base
+    with tempfile.TemporaryDirectory(prefix="calm-token-") as tmp:
+        staged = dataclasses.replace(base, temperature=temperature, created_at=None)
+        staged.save_pretrained(Path(tmp) / "adapter")
+        scores = plan.option_scores(adapter_dir=Path(tmp) / "adapter", progress=progress)
+    return dataclasses.replace(prep, polm=scores.scores(plan.variant())[:, :prep.k])
