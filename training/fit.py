@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from calm_runtime._fs import check_creatable
-from calm_runtime.data.sets import dataset_hash
 from calm_runtime.errors import ConfigError, FitError
 from calm_runtime.formats.artifact import CalibrationAdapter
 from calm_runtime.measure import metrics
@@ -92,7 +91,7 @@ def compare_methods(config: FitConfig, methods: Sequence[str] = METHODS, *,
         rows[name] = row
     report = {
         "config": config.to_dict(),
-        "data_hash": dataset_hash(prep.records),
+        "data_hash": plan.data_hash,
         "n_records": len(prep.records), "n_options": prep.k,
         "n_calibration": int(prep.cal.size), "n_test": int(prep.test.size),
         "methods": rows,

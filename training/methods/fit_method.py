@@ -22,7 +22,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from calm_runtime.data.prompts import letter_tokens
-from calm_runtime.data.sets import dataset_hash
 from calm_runtime.errors import ConfigError
 from calm_runtime.formats.artifact import CalibrationAdapter
 from calm_runtime.measure import metrics
@@ -169,8 +168,7 @@ class FitMethod:
             cal, _ = plan.split
             fit = fit_on_judgements(self, judged, cal)
             check_finite_temperature(fit)
-            return Fitted(fit=fit, n_calibration=int(cal.size),
-                          data_hash=dataset_hash(judged["records"]))
+            return Fitted(fit=fit, n_calibration=int(cal.size), data_hash=plan.data_hash)
         prep = prepare(plan, need_reference=self.needs_reference, progress=progress)
         before = prep.polm
         fit = self.fit_prepared(prep)
@@ -194,7 +192,7 @@ class FitMethod:
                 "after": metrics.calibration_report(apply_fit(fit, prep.polm[prep.cal]),
                                                     labels, n_bins)}
         return Fitted(fit=fit, n_calibration=int(prep.cal.size),
-                      data_hash=dataset_hash(prep.records), n_records=len(prep.records),
+                      data_hash=plan.data_hash, n_records=len(prep.records),
                       calibration_split=cal_metrics, token_temperature=token_temperature,
                       token_record=record, floored=prep.floored)
 
@@ -287,12 +285,12 @@ class VectorMethod(FitMethod):
     def write_fit(self, adapter: CalibrationAdapter, fitted: Fitted, plan: FitPlan) -> None:
         from transformers import AutoTokenizer
 
-        from calm_training.scoring.local import single_token_id, uses_chat_template
+        from calm_training.scoring.local import single_token_id
 
         fit = fitted.fit
         tokenizer = AutoTokenizer.from_pretrained(str(plan.model.folder()))
-        chat = uses_chat_template(tokenizer, plan.config.chat)
-        ids = [single_token_id(tokenizer, t) for t in letter_tokens(len(fit.weights), chat=chat)]
+        ids = [single_token_id(tokenizer, t)
+               for t in letter_tokens(len(fit.weights), chat=plan.chat)]
         adapter.tau, adapter.shift = daca.vector_fit_to_tau_shift(
             fit, ids, adapter.base_model.vocab_size, temperature=adapter.temperature)
 

@@ -15,7 +15,6 @@ import logging
 
 import numpy as np
 
-from calm_runtime.data.sets import dataset_hash
 from calm_runtime.errors import ConfigError, FitError
 from calm_runtime.measure import metrics
 from calm_training.posthoc.fit_report import add_selective, served_floor
@@ -69,7 +68,7 @@ def compare_p_true(plan: FitPlan, methods, *, progress: bool = True) -> dict:
         add_selective(row, p, y, settings)
         row["fit"] = None if fit is None else fit.to_dict()
         rows[method.name], panels[method.name] = row, (p, y)
-    report = {"config": plan.config.to_dict(), "data_hash": dataset_hash(judged["records"]),
+    report = {"config": plan.config.to_dict(), "data_hash": plan.data_hash,
               "n_records": n, "n_calibration": int(cal.size), "n_test": int(test.size),
               "answer_accuracy": float(judged["correct"].mean()), "methods": rows,
               "_panels": panels}

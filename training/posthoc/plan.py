@@ -19,7 +19,13 @@ from functools import cached_property
 import numpy as np
 
 from calm_runtime.data.prompts import PTrueTemplate, p_true_template
-from calm_runtime.data.sets import MultipleChoiceRecord, OpenQARecord, load_dataset, split_indices
+from calm_runtime.data.sets import (
+    MultipleChoiceRecord,
+    OpenQARecord,
+    dataset_hash,
+    load_dataset,
+    split_indices,
+)
 from calm_runtime.errors import ConfigError, DataError
 from calm_runtime.formats.artifact import CalibrationAdapter, ModelIdentity
 from calm_runtime.modes import Mode
@@ -71,14 +77,18 @@ class FitPlan:
         return self.reference
 
     @cached_property
-    def prompt_format(self) -> str:
-        """``"chat"`` or ``"plain"``: how the run's prompts reach the model. Cloze prompts
+    def chat(self) -> bool:
+        """Whether the run's prompts go through the model's chat template. Cloze prompts
         are always text; letter and P(True) prompts follow ``--chat`` (unset: the chat
         template when the model has one; a served model has one when it answers chat
         completions), the same rule for a local, exported or served model."""
-        if not self.mode.chat_prompts:
-            return "plain"
-        return "chat" if self.model.chat(self.config.chat) else "plain"
+        return self.mode.chat_prompts and self.model.chat(self.config.chat)
+
+    @property
+    def prompt_format(self) -> str:
+        """``"chat"`` or ``"plain"``: how the run's prompts reach the model (:attr:`chat`),
+        as an adapter records it."""
+        return "chat" if self.chat else "plain"
 
     @cached_property
     def p_true_template(self) -> PTrueTemplate:
@@ -114,6 +124,11 @@ class FitPlan:
             raise DataError(f"{data} holds {other} records; {need}")
         limit = self.config.limit
         return records[:limit] if limit else records
+
+    @cached_property
+    def data_hash(self) -> str:
+        """The hash of :attr:`records` (what an adapter and a report record of the data)."""
+        return dataset_hash(self.records)
 
     @cached_property
     def split(self) -> tuple[np.ndarray, np.ndarray]:
