@@ -3,9 +3,8 @@
 ``FitConfig`` names the models, data, mode and scoring variant; :func:`compare_methods`
 fits every post-hoc method on the calibration split and evaluates all of them on the
 held-out split (the table `calm eval` and the README's main job print);
-:func:`fit_adapter` writes one method's calibration adapter (docs/methods.md §1–§3):
-
-the plan is resolved once (:class:`~calm_training.posthoc.plan.FitPlan`), the method
+:func:`fit_adapter` writes one method's calibration adapter (docs/methods.md §1–§3): the
+run is resolved once (:class:`~calm_training.posthoc.plan.FitPlan`), and the method
 (:mod:`calm_training.methods`) fits over it and writes what the scoring mode reads.
 """
 
@@ -41,7 +40,7 @@ from calm_training.posthoc.fit_report import (  # noqa: F401 - the tables stay i
     format_table,
     served_floor,
 )
-from calm_training.posthoc.option_fit import apply_fit, metric_row, prepare  # noqa: F401 - importable from here
+from calm_training.posthoc.option_fit import apply_fit, metric_row, prepare
 from calm_training.posthoc.plan import FitPlan
 
 __all__ = ["FitConfig", "METHODS", "LABEL_FREE", "DEFAULT_VARIANT", "compare_methods",

@@ -83,3 +83,37 @@ def test_the_prompt_format_follows_the_chat_template(tiny_llama_tied, tmp_path):
     assert FitPlan.resolve(forced).prompt_format == "plain"
     cloze = FitConfig(model=str(tiny_llama_tied), data="arc-easy", mode="cloze", chat=True)
     assert FitPlan.resolve(cloze).prompt_format == "plain"
+
+
+@pytest.mark.parametrize("where", ["chat_template.jinja", "chat_template.json",
+                                   "tokenizer_config.json", None])
+def test_a_folder_has_a_chat_template_where_transformers_reads_one(tmp_path, where):
+    """The one rule (the plan's prompt format, the letter scorer's prompts and the option
+    tokens a vector fit writes on) finds a template where the tokenizer does, and only there
+    (a processor's chat_template.json is not the tokenizer's)."""
+    import json
+
+    from tokenizers import Tokenizer, models
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    vocab = {"<unk>": 0, "A": 1, "B": 2}
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, "<unk>")),
+                            unk_token="<unk>").save_pretrained(folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    config.pop("chat_template", None)
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    if where == "tokenizer_config.json":
+        config["chat_template"] = template
+    elif where == "chat_template.json":
+        (folder / where).write_text(json.dumps({"chat_template": template}), encoding="utf-8")
+    elif where is not None:
+        (folder / where).write_text(template, encoding="utf-8")
+    (folder / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama"}), encoding="utf-8")
+    source = LocalModel(str(folder))
+    loaded = bool(AutoTokenizer.from_pretrained(str(folder)).chat_template)
+    assert source.chat(None) == loaded == (where in ("chat_template.jinja",
+                                                     "tokenizer_config.json"))
+    assert source.chat(False) is False and source.chat(True) is True

@@ -42,11 +42,14 @@ __all__ = ["FitMethod", "Fitted", "VectorMethod"]
 
 @dataclass
 class Fitted:
-    """One fit over a plan: the fit and what the adapter records of it."""
+    """One fit over a plan: the fit, what the adapter records of it and the report
+    ``calm fit`` prints."""
 
     fit: object
-    n_calibration: int
-    data_hash: str
+    #: what ``fit_adapter`` returns: the fit, and the calibration split's metrics (or, for
+    #: an abstention threshold, the test split's coverage and risk)
+    report: dict
+    n_calibration: int = 0
     n_records: int = 0
     #: calibration-split metrics before/after (labeled data only)
     calibration_split: dict = field(default_factory=dict)
@@ -57,14 +60,6 @@ class Fitted:
     floored: dict = field(default_factory=dict)
     #: an abstention threshold's coverage and risk on the test split
     test_split: dict | None = None
-
-    @property
-    def report(self) -> dict:
-        """What ``calm fit`` prints: the fit, and the calibration or test split's figures."""
-        if self.test_split is not None:
-            return {"fit": self.fit.to_dict(), "test_split": self.test_split}
-        return {"fit": self.fit.to_dict(), "calibration_split": self.calibration_split,
-                "token_fit": self.token_record}
 
 
 @dataclass(frozen=True)
@@ -99,10 +94,6 @@ class FitMethod:
     vector = False
     #: picks an abstention threshold on a base adapter rather than fitting a calibration
     abstention = False
-
-    @property
-    def label_free(self) -> bool:
-        return self.needs_reference
 
     @property
     def baseline(self) -> bool:
@@ -168,7 +159,8 @@ class FitMethod:
             cal, _ = plan.split
             fit = fit_on_judgements(self, judged, cal)
             check_finite_temperature(fit)
-            return Fitted(fit=fit, n_calibration=int(cal.size), data_hash=plan.data_hash)
+            return Fitted(fit=fit, report={"fit": fit.to_dict(), "calibration_split": {}},
+                          n_calibration=int(cal.size), n_records=len(plan.records))
         prep = prepare(plan, need_reference=self.needs_reference, progress=progress)
         before = prep.polm
         fit = self.fit_prepared(prep)
@@ -191,10 +183,11 @@ class FitMethod:
                                                      labels, n_bins),
                 "after": metrics.calibration_report(apply_fit(fit, prep.polm[prep.cal]),
                                                     labels, n_bins)}
-        return Fitted(fit=fit, n_calibration=int(prep.cal.size),
-                      data_hash=plan.data_hash, n_records=len(prep.records),
-                      calibration_split=cal_metrics, token_temperature=token_temperature,
-                      token_record=record, floored=prep.floored)
+        report = {"fit": fit.to_dict(), "calibration_split": cal_metrics, "token_fit": record}
+        return Fitted(fit=fit, report=report, n_calibration=int(prep.cal.size),
+                      n_records=len(prep.records), calibration_split=cal_metrics,
+                      token_temperature=token_temperature, token_record=record,
+                      floored=prep.floored)
 
     def write(self, plan: FitPlan, fitted: Fitted) -> CalibrationAdapter:
         """The adapter ``fitted`` makes: the base adapter with the fit on it and the record
@@ -246,7 +239,7 @@ class FitMethod:
         return {"model": identity.to_dict(),
                 "reference": (plan.reference.identity().to_dict() if self.needs_reference
                               else None),
-                "data": config.data, "data_hash": fitted.data_hash,
+                "data": config.data, "data_hash": plan.data_hash,
                 "split": {"part": "calibration", "fraction": config.calibration_fraction,
                           "seed": config.seed, "n": fitted.n_calibration}}
 

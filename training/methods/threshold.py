@@ -29,6 +29,7 @@ class ThresholdMethod(FitMethod):
         if not plan.mode.choice:
             raise ConfigError("calm fit threshold works on multiple-choice answers; use cloze "
                               "or letter mode")
+        super().check_writable(plan)
 
     def fit(self, plan: FitPlan, *, progress: bool = True) -> Fitted:
         from calm_training.posthoc.threshold import fit_threshold
@@ -51,7 +52,7 @@ class ThresholdMethod(FitMethod):
             test = {"n": int(prep.test.size), "coverage": float(kept.mean()),
                     "selective_risk": (float(1 - right[kept].mean()) if kept.any() else None),
                     "risk_without_abstention": float(1 - right.mean())}
-        return Fitted(fit=fit, n_calibration=int(prep.cal.size), data_hash="",
+        return Fitted(fit=fit, report={"fit": fit.to_dict(), "test_split": test},
                       test_split=test)
 
     def write(self, plan: FitPlan, fitted: Fitted) -> CalibrationAdapter:

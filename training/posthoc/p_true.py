@@ -25,6 +25,7 @@ __all__ = ["PlattFit", "compare_p_true", "fit_on_judgements", "fit_platt"]
 
 logger = logging.getLogger(__name__)
 
+
 def _p(two_way: np.ndarray, temperature: float = 1.0) -> np.ndarray:
     """P(True) from ``[true, false]`` logits at temperature ``T``."""
     z = two_way / temperature

@@ -61,10 +61,12 @@ def cached_option_scores(model: ModelSource | str, records: Sequence[MultipleCho
 
     source = as_source(model)
     source.check_adapter(adapter_dir)
+    # letter prompts through the chat template or not: the source's one rule, which the
+    # plan records as the prompt format and a vector fit reads its option tokens by
+    use_chat = modes.mode(mode).chat_prompts and source.chat(chat)
     if source.served:  # a served model: its own per-request cache
         from calm_training.scoring.served import remote_option_scores
 
-        use_chat = modes.mode(mode).chat_prompts and source.chat(chat)
         if use_chat:
             logger.info("letter prompts go to %s as chat messages (/v1/chat/completions, the "
                         "served chat template); --no-chat sends them as text",
@@ -95,7 +97,7 @@ def cached_option_scores(model: ModelSource | str, records: Sequence[MultipleCho
         lm, tokenizer = loaded
     calibration = adapter if adapter is not None and adapter.has_token_calibration() else None
     scores = score_multiple_choice(lm, tokenizer, records, mode=mode, batch_size=batch_size,
-                                   chat=chat, calibration=calibration, progress=progress,
+                                   chat=use_chat, calibration=calibration, progress=progress,
                                    max_length=max_length)
     handle, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
     os.close(handle)

@@ -81,8 +81,9 @@ def open_qa_judgements(records, model, reference=None, *, template, chat: bool |
         material = {**base, "judge": source.fingerprint(),
                     "template": template.to_dict(), "chat": chat}
         logits = _load_or(_cache_path("ptrue", material), lambda source=source: score_p_true(
-            *loaded_model(source), [r.question for r in records], answers, template, chat=chat,
-            batch_size=batch_size, progress=progress, max_length=max_length).tolist())
+            *loaded_model(source), [r.question for r in records], answers, template,
+            chat=source.chat(chat), batch_size=batch_size, progress=progress,
+            max_length=max_length).tolist())
         out[role] = np.asarray(logits, dtype=float)
     return out
 

@@ -74,7 +74,9 @@ class ModelSource:
 
     def chat(self, chat: bool | None) -> bool:
         """Whether letter and P(True) prompts go through the chat template: ``chat`` as
-        given, or (``None``) whether the model has one; the same rule for every source."""
+        given, or (``None``) whether the model has one (a ``chat_template.jinja`` file or a
+        ``chat_template`` in ``tokenizer_config.json``: where a transformers tokenizer reads
+        it from); the same rule for every source."""
         folder = self.folder()
         has = (folder / "chat_template.jinja").is_file() or bool(
             _json_field(folder / "tokenizer_config.json", "chat_template"))
