@@ -24,7 +24,8 @@ import numpy as np
 from calm_runtime.calibration import apply_calibration
 from calm_runtime.errors import ConfigError
 
-__all__ = ["Mode", "MODES", "MODE_NAMES", "CHOICE_MODES", "mode", "option_probabilities"]
+__all__ = ["Mode", "MODES", "MODE_NAMES", "CHOICE_MODES", "mode", "option_probabilities",
+           "p_true_probability"]
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,13 @@ def mode(name: str, *, choice: bool = False) -> Mode:
     if not isinstance(name, str) or name not in allowed:
         raise ConfigError(f"unknown mode {name!r}; choose one of {', '.join(allowed)}")
     return MODES[name]
+
+
+def p_true_probability(two_way, temperature: float = 1.0) -> np.ndarray:
+    """P(True) from ``[N, 2]`` ``[true, false]`` logits at temperature ``T``: the two-way
+    softmax's first entry, ``sigmoid((z_true - z_false) / T)`` (docs/methods.md §2)."""
+    z = np.asarray(two_way, dtype=np.float64) / temperature
+    return 1.0 / (1.0 + np.exp(np.clip(z[:, 1] - z[:, 0], -700, 700)))
 
 
 def option_probabilities(scores, temperature: float = 1.0) -> np.ndarray:

@@ -213,8 +213,7 @@ class Judging:
         logits = scoring_passes.next_token_logits(self.backend, prompts,
                                                   self.tokenizer.pad_token_id,
                                                   positive_int(batch_size, "batch_size"))
-        two = logits[:, pair].astype(np.float64)
-        return 1.0 / (1.0 + np.exp(two[:, 1] - two[:, 0]))
+        return modes.p_true_probability(logits[:, pair])
 
 
 def _choice(scores: np.ndarray, mode: str, variant: str | None, temperature: float,

@@ -11,8 +11,8 @@ import pytest
 from calm_runtime import modes
 from calm_runtime.errors import ConfigError, DataError
 from calm_training import methods
+from calm_training.methods.platt import PlattFit
 from calm_training.posthoc.daca import TemperatureFit, VectorFit
-from calm_training.posthoc.platt import PlattFit
 
 TRAIN_NAMES = ("bilevel", "regularization", "iterate-theta", "iterate-alpha", "scalar", "lora",
                "cft")
@@ -101,7 +101,7 @@ def test_a_p_true_fit_reads_only_what_its_method_declares(name):
     correct = (rng.random(200) < _p(reference)).astype(float)
     method = methods.p_true_method(name)
     fit = method.fit_p_true(model, reference=reference if method.needs_reference else None,
-                            correct=correct if method.needs_labels else None, p_true=_p)
+                            correct=correct if method.needs_labels else None)
     if method.baseline:
         assert fit is None
     else:

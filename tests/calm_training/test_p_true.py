@@ -76,7 +76,7 @@ def test_platt_recovers_a_known_slope_and_bias():
     the base rate, which a temperature cannot)."""
     import numpy as np
 
-    from calm_training.posthoc.p_true import fit_platt
+    from calm_training.methods.platt import fit_platt
 
     rng = np.random.default_rng(0)
     d = rng.normal(0, 2, 20_000)

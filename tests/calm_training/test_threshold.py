@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from calm_runtime.errors import ArtifactError, FitError
-from calm_training.posthoc.threshold import binomial_upper_bound, fit_threshold
+from calm_training.methods.threshold import binomial_upper_bound, fit_threshold
 
 
 def test_clopper_pearson_upper_bound_matches_the_beta_quantile():
@@ -19,7 +19,7 @@ def test_clopper_pearson_upper_bound_matches_the_beta_quantile():
 
 
 def test_threshold_is_the_lowest_grid_point_whose_bonferroni_bound_passes():
-    from calm_training.posthoc.threshold import GRID
+    from calm_training.methods.threshold import GRID
 
     # 60 confident right answers (one wrong at the very top), a band where half are wrong,
     # then mostly wrong: one bad answer at the top must not stop the choice

@@ -25,6 +25,7 @@ from calm_runtime.data.prompts import letter_tokens
 from calm_runtime.errors import ConfigError
 from calm_runtime.formats.artifact import CalibrationAdapter
 from calm_runtime.measure import metrics
+from calm_runtime.modes import p_true_probability
 from calm_training.posthoc import daca
 from calm_training.posthoc.fit_report import served_floor
 from calm_training.posthoc.option_fit import (
@@ -123,14 +124,18 @@ class FitMethod:
             return self.option_fit(reference, scores)
         return self.option_fit(scores, labels)
 
-    def fit_p_true(self, two_way, *, reference=None, correct=None, p_true=None):
+    def fit_p_true(self, two_way, *, reference=None, correct=None):
         """The fit on two-way logits ``two_way`` ``[N, 2]`` (None for the baseline):
-        label-free methods fit ``p_true(two_way)`` to ``p_true(reference)``."""
+        label-free methods fit the model's P(True) to the reference's."""
         if self.p_true_fit is None:
             return None
         if self.needs_reference:
-            return self.p_true_fit(p_true(reference), p_true(two_way))
+            return self.p_true_fit(p_true_probability(reference), p_true_probability(two_way))
         return self.p_true_fit(two_way, correct)
+
+    def p_true_probabilities(self, fit, two_way):
+        """P(True) of two-way logits ``two_way`` under ``fit`` (None: uncalibrated)."""
+        return p_true_probability(two_way, 1.0 if fit is None else fit.temperature)
 
     def fit_prepared(self, prep: Prepared):
         """The fit on the calibration split of ``prep``'s option scores, reading the

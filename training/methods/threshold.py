@@ -1,21 +1,129 @@
-"""``threshold``: an abstention threshold with a stated risk guarantee, chosen on the
-calibration split on top of a base adapter (``--adapter``, else the identity); the test
-split's coverage and selective risk at that threshold are reported and recorded beside it
-(the choice itself: :mod:`calm_training.posthoc.threshold`)."""
+"""``threshold``: a confidence threshold for abstention with a stated risk guarantee, chosen on
+the calibration split on top of a base adapter (``--adapter``, else the identity); the test
+split's coverage and selective risk at that threshold are reported and recorded beside it.
+
+Below the threshold the runtime still returns the probabilities but marks the answer
+``abstained``. The threshold is the lowest one (the most answers kept) whose selective risk
+— the share of wrong answers among those kept — is at most ``risk`` with probability
+``confidence``, judged on the labeled calibration split:
+
+* For a candidate threshold ``t`` keeping ``n`` answers with ``e`` errors, the risk's upper
+  bound is the one-sided Clopper–Pearson bound: the ``p`` with ``P(Binomial(n, p) <= e) =
+  delta``.
+* The candidates are a grid fixed in advance, :data:`GRID` (0.05, 0.10, ..., 0.95), and each
+  is tested at ``delta = (1 - confidence) / len(GRID)`` (Bonferroni), so the chance that any
+  accepted candidate's true risk exceeds ``risk`` is at most ``1 - confidence``: the
+  guarantee holds for the threshold chosen (the lowest accepted), on new questions drawn like
+  the calibration split. (Scanning down from the most confident answers and stopping at the
+  first failure needs no correction, but one badly ranked answer at the top stops it; the
+  fixed grid does not depend on how the top few are ranked.)
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import math
+from dataclasses import asdict, dataclass
 
-from calm_runtime.errors import ConfigError
+import numpy as np
+
+from calm_runtime.errors import ConfigError, FitError
 from calm_runtime.formats.artifact import CalibrationAdapter
 from calm_runtime.modes import option_probabilities
 from calm_training.methods.fit_method import FitMethod, Fitted
 from calm_training.posthoc.option_fit import prepare
 from calm_training.posthoc.plan import FitPlan
 
-__all__ = ["THRESHOLD", "ThresholdMethod"]
+__all__ = ["GRID", "THRESHOLD", "ThresholdFit", "ThresholdMethod", "binomial_upper_bound",
+           "fit_threshold"]
+
+#: The candidate thresholds, fixed before the data is seen.
+GRID = tuple(round(0.05 * i, 2) for i in range(1, 20))
+
+
+@dataclass(frozen=True)
+class ThresholdFit:
+    threshold: float
+    risk: float
+    confidence: float
+    coverage: float
+    selective_risk: float
+    risk_upper_bound: float
+    n: int
+    n_kept: int
+    method: str = "threshold"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _log_binom_cdf(errors: int, n: int, p: float) -> float:
+    """``log P(Binomial(n, p) <= errors)``, summed in log space (exact for any ``n``)."""
+    if p <= 0.0:
+        return 0.0
+    if p >= 1.0:
+        return 0.0 if errors >= n else -math.inf
+    terms = [math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
+             + k * math.log(p) + (n - k) * math.log1p(-p) for k in range(errors + 1)]
+    top = max(terms)
+    return top + math.log(sum(math.exp(t - top) for t in terms))
+
+
+def binomial_upper_bound(errors: int, n: int, confidence: float) -> float:
+    """One-sided Clopper–Pearson upper bound on a rate from ``errors`` of ``n``."""
+    if n <= 0:
+        return 1.0
+    if errors >= n:
+        return 1.0
+    target = math.log(1.0 - confidence)
+    low, high = errors / n, 1.0
+    for _ in range(100):  # P(X <= e) falls as p rises: bisect for P = 1 - confidence
+        mid = (low + high) / 2
+        if _log_binom_cdf(errors, n, mid) > target:
+            low = mid
+        else:
+            high = mid
+    return high
+
+
+def fit_threshold(confidences, correct, *, risk: float, confidence: float = 0.95
+                  ) -> ThresholdFit:
+    """The lowest threshold whose selective risk is at most ``risk`` with probability
+    ``confidence`` (see the module docstring); a :class:`FitError` when none is."""
+    if not 0.0 < risk < 1.0:
+        raise ConfigError(f"risk must lie strictly between 0 and 1, got {risk!r}; e.g. 0.1")
+    if not 0.5 <= confidence < 1.0:
+        raise ConfigError(f"confidence must lie in [0.5, 1), got {confidence!r}; e.g. 0.95")
+    conf = np.asarray(confidences, dtype=np.float64)
+    ok = np.asarray(correct, dtype=np.float64)
+    if conf.ndim != 1 or conf.shape != ok.shape or conf.size == 0:
+        raise ConfigError("confidences and correct must be equal-length non-empty vectors")
+    best = None
+    delta = (1.0 - confidence) / len(GRID)
+    for t in GRID[::-1]:  # every candidate is tested; the lowest accepted one is kept
+        kept = conf >= t
+        n_kept = int(kept.sum())
+        if not n_kept:
+            continue
+        errors = int(n_kept - ok[kept].sum())
+        bound = binomial_upper_bound(errors, n_kept, 1.0 - delta)
+        if bound <= risk:
+            best = ThresholdFit(threshold=float(t), risk=risk, confidence=confidence,
+                                coverage=n_kept / conf.size, selective_risk=errors / n_kept,
+                                risk_upper_bound=bound, n=int(conf.size), n_kept=n_kept)
+    if best is None:
+        bounds = []
+        for t in GRID:
+            kept = conf >= t
+            if kept.any():
+                n_kept = int(kept.sum())
+                bounds.append(binomial_upper_bound(int(n_kept - ok[kept].sum()), n_kept,
+                                                   1.0 - delta))
+        raise FitError(f"no threshold of the grid keeps the selective risk at or below "
+                       f"{risk:g} with probability {confidence:g} on these {conf.size} answers "
+                       f"(the lowest bound is {min(bounds, default=1.0):.3f}); allow a higher "
+                       "--risk or use more calibration data")
+    return best
 
 
 @dataclass(frozen=True)
@@ -32,8 +140,6 @@ class ThresholdMethod(FitMethod):
         super().check_writable(plan)
 
     def fit(self, plan: FitPlan, *, progress: bool = True) -> Fitted:
-        from calm_training.posthoc.threshold import fit_threshold
-
         config = plan.config
         prep = prepare(plan, need_reference=False, progress=progress)
         base, identity = plan.base

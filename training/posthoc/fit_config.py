@@ -58,7 +58,7 @@ class FitConfig:
         max_retries: attempts after the first on 429, 5xx, time-outs and connection errors,
             within ``timeout`` (``--max-retries``).
         risk, risk_confidence: ``calm fit threshold``: the selective risk to stay at or
-            below, and the probability with which (see :mod:`calm_training.posthoc.threshold`).
+            below, and the probability with which (see :mod:`calm_training.methods.threshold`).
     """
 
     model: str

@@ -17,19 +17,13 @@ import numpy as np
 
 from calm_runtime.errors import ConfigError, FitError
 from calm_runtime.measure import metrics
+from calm_runtime.modes import p_true_probability
 from calm_training.posthoc.fit_report import add_selective, served_floor
 from calm_training.posthoc.plan import FitPlan
-from calm_training.posthoc.platt import PlattFit, fit_platt  # noqa: F401 - Platt scaling stays importable from here
 
-__all__ = ["PlattFit", "compare_p_true", "fit_on_judgements", "fit_platt"]
+__all__ = ["compare_p_true", "fit_on_judgements"]
 
 logger = logging.getLogger(__name__)
-
-
-def _p(two_way: np.ndarray, temperature: float = 1.0) -> np.ndarray:
-    """P(True) from ``[true, false]`` logits at temperature ``T``."""
-    z = two_way / temperature
-    return 1.0 / (1.0 + np.exp(np.clip(z[:, 1] - z[:, 0], -700, 700)))
 
 
 def fit_on_judgements(method, judged: dict, cal: np.ndarray):
@@ -40,7 +34,7 @@ def fit_on_judgements(method, judged: dict, cal: np.ndarray):
         raise ConfigError("label-free P(True) calibration needs --reference")
     return method.fit_p_true(judged["polm"][cal],
                              reference=judged["plm"][cal] if method.needs_reference else None,
-                             correct=judged["correct"][cal], p_true=_p)
+                             correct=judged["correct"][cal])
 
 
 def compare_p_true(plan: FitPlan, methods, *, progress: bool = True) -> dict:
@@ -62,8 +56,7 @@ def compare_p_true(plan: FitPlan, methods, *, progress: bool = True) -> dict:
             logger.warning("%s: %s", method.name, exc)
             rows[method.name] = {"error": str(exc)}
             continue
-        p = (fit.apply(judged["polm"][test]) if isinstance(fit, PlattFit)
-             else _p(judged["polm"][test], 1.0 if fit is None else fit.temperature))
+        p = method.p_true_probabilities(fit, judged["polm"][test])
         y = judged["correct"][test]
         row = metrics.binary_report(p, y, settings.n_bins)
         add_selective(row, p, y, settings)
@@ -77,9 +70,10 @@ def compare_p_true(plan: FitPlan, methods, *, progress: bool = True) -> dict:
     if floor:
         report["served_floor"] = floor
     if "plm" in judged:
-        p_plm = _p(judged["plm"][test])
+        p_plm = p_true_probability(judged["plm"][test])
         report["reference_on_test"] = metrics.binary_report(p_plm, judged["correct"][test],
                                                             settings.n_bins)
-        report["agreement_rate"] = float(((_p(judged["plm"][cal]) > 0.5)
-                                          == (_p(judged["polm"][cal]) > 0.5)).mean())
+        agree = ((p_true_probability(judged["plm"][cal]) > 0.5)
+                 == (p_true_probability(judged["polm"][cal]) > 0.5))
+        report["agreement_rate"] = float(agree.mean())
     return report
