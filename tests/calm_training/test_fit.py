@@ -117,6 +117,13 @@ def test_letter_vector_scaling_is_exact_in_the_artifact(tiny_llama_tied, mc_file
     fit_adapter(config, "ts-vector", tmp_path / "vs", progress=False)
     adapter = CalibrationAdapter.from_pretrained(tmp_path / "vs")
     assert (adapter.tau != 1).sum() == 4 and (adapter.shift != 0).sum() >= 3
+    # the weights sit at the token ids the letters were scored at, which the scores carry
+    # (these come back from the score cache the fit filled)
+    from calm_runtime.data.sets import load_dataset
+
+    scores = score_cache.cached_option_scores(config.model, load_dataset(config.data),
+                                              mode="letter", chat=False, progress=False)
+    assert set(np.flatnonzero(adapter.tau != 1)) == set(scores.option_ids.tolist())
     report = evaluate_adapter(config, tmp_path / "vs", progress=False)
     comparison = compare_methods(config, ("ts-vector",), progress=False)
     assert report["methods"]["ts_vector"]["nll"] == pytest.approx(

@@ -21,7 +21,8 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from calm_runtime.data.prompts import letter_tokens
+import numpy as np
+
 from calm_runtime.errors import ConfigError
 from calm_runtime.formats.artifact import CalibrationAdapter
 from calm_runtime.measure import metrics
@@ -61,6 +62,8 @@ class Fitted:
     floored: dict = field(default_factory=dict)
     #: an abstention threshold's coverage and risk on the test split
     test_split: dict | None = None
+    #: letter mode: the token id each option letter was scored at (OptionScores.option_ids)
+    option_ids: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -192,7 +195,7 @@ class FitMethod:
         return Fitted(fit=fit, report=report, n_calibration=int(prep.cal.size),
                       n_records=len(prep.records), calibration_split=cal_metrics,
                       token_temperature=token_temperature, token_record=record,
-                      floored=prep.floored)
+                      floored=prep.floored, option_ids=prep.option_ids)
 
     def write(self, plan: FitPlan, fitted: Fitted) -> CalibrationAdapter:
         """The adapter ``fitted`` makes: the base adapter with the fit on it and the record
@@ -281,16 +284,15 @@ class VectorMethod(FitMethod):
                               "tau/shift is not supported; fit a scalar temperature (daca or ts)")
 
     def write_fit(self, adapter: CalibrationAdapter, fitted: Fitted, plan: FitPlan) -> None:
-        from transformers import AutoTokenizer
-
-        from calm_training.scoring.local import single_token_id
-
+        """The weights and biases onto ``tau``/``shift`` at the token ids the option letters
+        were scored at (the scores carry them), so they land where the fit read."""
         fit = fitted.fit
-        tokenizer = AutoTokenizer.from_pretrained(str(plan.model.folder()))
-        ids = [single_token_id(tokenizer, t)
-               for t in letter_tokens(len(fit.weights), chat=plan.chat)]
+        if fitted.option_ids is None or len(fitted.option_ids) != len(fit.weights):
+            raise ConfigError("vector scaling needs letter scores that name their option "
+                              "tokens (a local model or an engine); use daca, naive or ts")
         adapter.tau, adapter.shift = daca.vector_fit_to_tau_shift(
-            fit, ids, adapter.base_model.vocab_size, temperature=adapter.temperature)
+            fit, [int(i) for i in fitted.option_ids], adapter.base_model.vocab_size,
+            temperature=adapter.temperature)
 
 
 def _kind(base: CalibrationAdapter, name: str) -> str:

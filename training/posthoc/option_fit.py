@@ -42,6 +42,8 @@ class Prepared:
     labels: np.ndarray
     #: {"model"/"reference": floored count} of served letter scoring (see served_floor)
     floored: dict = dataclasses.field(default_factory=dict)
+    #: letter mode, local or engine scores: the model's token id of each option letter
+    option_ids: np.ndarray | None = None
 
     def labeled(self, idx: np.ndarray, what: str) -> np.ndarray:
         """The answers of rows ``idx`` (the ``what`` split), or a :class:`DataError` when one
@@ -78,7 +80,9 @@ def prepare(plan: FitPlan, *, need_reference: bool, progress: bool) -> Prepared:
                     labels=polm_scores.labels,
                     floored={role: scores.floored for role, scores in
                              (("model", polm_scores), ("reference", plm_scores))
-                             if scores is not None and scores.floored is not None})
+                             if scores is not None and scores.floored is not None},
+                    option_ids=(None if polm_scores.option_ids is None
+                                else polm_scores.option_ids[:k]))
 
 
 def require_labels(labels: np.ndarray, what: str) -> np.ndarray:

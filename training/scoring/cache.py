@@ -28,7 +28,7 @@ __all__ = ["SCORER_VERSION", "cached_option_scores", "adapter_fingerprint"]
 logger = logging.getLogger(__name__)
 
 #: bump when the scoring code changes what it computes (invalidates cached scores)
-SCORER_VERSION = 1
+SCORER_VERSION = 2  # 2: letter scores carry their option token ids
 
 
 def adapter_fingerprint(adapter_dir: str | os.PathLike | None) -> str | None:

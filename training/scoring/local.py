@@ -75,6 +75,10 @@ class OptionScores:
     #: served models, letter mode: questions where an option token was neither among the
     #: returned alternatives nor scorable by echo (it got the floor); None when local
     floored: int | None = None
+    #: letter mode, a local model or an engine: the token id each option letter was read at
+    #: (``[K_max]``; option ``i`` of every question is letter ``i``), where a vector fit
+    #: writes its weights; None for cloze and served scores
+    option_ids: np.ndarray | None = None
 
     @classmethod
     def empty(cls, records: Sequence[MultipleChoiceRecord], mode: str) -> OptionScores:
@@ -104,13 +108,17 @@ class OptionScores:
         return out
 
     def to_arrays(self) -> dict[str, np.ndarray]:
-        return {"values": self.values, "n_tokens": self.n_tokens, "n_chars": self.n_chars,
-                "labels": self.labels}
+        arrays = {"values": self.values, "n_tokens": self.n_tokens, "n_chars": self.n_chars,
+                  "labels": self.labels}
+        if self.option_ids is not None:
+            arrays["option_ids"] = self.option_ids
+        return arrays
 
     @classmethod
     def from_arrays(cls, mode: str, arrays: dict[str, np.ndarray]) -> OptionScores:
         return cls(mode=mode, values=arrays["values"], n_tokens=arrays["n_tokens"],
-                   n_chars=arrays["n_chars"], labels=arrays["labels"])
+                   n_chars=arrays["n_chars"], labels=arrays["labels"],
+                   option_ids=arrays.get("option_ids"))
 
 
 def uses_chat_template(tokenizer, chat: bool | None) -> bool:
@@ -347,9 +355,9 @@ def score_multiple_choice(model, tokenizer, records: Sequence[MultipleChoiceReco
             _score_cloze(model, tokenizer, records, values, n_tokens, n_chars, batch_size, pad,
                          calibration, tqdm, progress, limit)
         else:
-            _score_letters(model, tokenizer, records, values, batch_size, pad,
-                           uses_chat_template(tokenizer, chat), calibration, tqdm, progress,
-                           limit)
+            out.option_ids = _score_letters(model, tokenizer, records, values, batch_size, pad,
+                                            uses_chat_template(tokenizer, chat), calibration,
+                                            tqdm, progress, limit)
     finally:
         model.train(was_training)
     return out
@@ -460,11 +468,8 @@ def _score_letters(model, tokenizer, records, values, batch_size, pad, chat, cal
     prompts = [encode_within(tokenizer, letter_prompt(record.question, record.choices), limit,
                              describe(record, row), special=True, chat=chat)
                for row, record in enumerate(records)]
-    token_ids = {}
-    for record in records:
-        k = len(record.choices)
-        if k not in token_ids:
-            token_ids[k] = [single_token_id(tokenizer, t) for t in letter_tokens(k, chat=chat)]
+    # option i of every question is letter i: the first k of the K_max letters' ids
+    option_ids = [single_token_id(tokenizer, t) for t in letter_tokens(values.shape[1], chat=chat)]
     order = sorted(range(len(records)), key=lambda i: -len(prompts[i]))
     bar = tqdm(total=len(records), desc="letter scoring", unit="question",
                disable=not progress)
@@ -473,12 +478,13 @@ def _score_letters(model, tokenizer, records, values, batch_size, pad, chat, cal
         if calibration is not None:
             logits = calibration.calibrate(logits)
         for b, row in enumerate(chunk):
-            ids = token_ids[len(records[row].choices)]
+            ids = option_ids[:len(records[row].choices)]
             # raw logits (not log-softmax): vector scaling acts on logits, and only then
             # maps exactly onto tau/shift of the option tokens (docs/methods.md §1)
             values[row, :len(ids)] = logits[b, 0, ids].double().numpy()
         bar.update(len(chunk))
     bar.close()
+    return np.asarray(option_ids, dtype=np.int64)
 
 
 def _long(ids):
