@@ -69,7 +69,13 @@ class _Module:
                         self.imported[alias.asname or alias.name] = (f"{base}.{alias.name}", "")
 
 
-def walk(modules: dict[str, Path], module: str, function: str, parameter: str) -> Walk:
+def walk(modules: dict[str, Path], module: str, function: str, parameter: str, *,
+         values: bool = False) -> Walk:
+    """The walk of ``parameter`` from ``module.function`` (see the module's docstring).
+
+    ``values``: follow every value computed from it too (``x = f(config.a) + 1`` carries,
+    and a call is followed when any name in an argument carries), not only the value itself,
+    the objects built from it and its fields: every function a run's settings reach."""
     loaded: dict[str, _Module] = {}
 
     def get(name: str) -> _Module:
@@ -121,7 +127,7 @@ def walk(modules: dict[str, Path], module: str, function: str, parameter: str) -
             if isinstance(stmt, ast.Assign | ast.AnnAssign):
                 value = stmt.value
                 targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
-                kind = _carries(value, carried, module, get, parameter)
+                kind = _carries(value, carried, module, get, parameter, values)
                 if kind is not False:
                     for target in targets:
                         if isinstance(target, ast.Name):
@@ -131,6 +137,9 @@ def walk(modules: dict[str, Path], module: str, function: str, parameter: str) -
                 (k.arg, k.value) for k in call.keywords]
             handed = [(slot, a.id) for slot, a in args
                       if isinstance(a, ast.Name) and a.id in carried]
+            if values:  # an argument computed from a carried value hands it on
+                handed = [(slot, name) for slot, a in args
+                          for name in [_carried_name(a, carried)] if name is not None]
             on_carried = (isinstance(call.func, ast.Attribute)
                           and isinstance(call.func.value, ast.Name)
                           and call.func.value.id in carried)
@@ -140,7 +149,7 @@ def walk(modules: dict[str, Path], module: str, function: str, parameter: str) -
                 continue
             func = call.func
             if (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)
-                    and func.value.id in typed and func.value.id not in carried):
+                    and func.value.id in typed and not carried.get(func.value.id)):
                 found = _implementations(typed[func.value.id], func.attr, modules, get)
             else:
                 found = [f for f in [callee(module, call, carried)] if f is not None]
@@ -215,9 +224,16 @@ def _class_of(module: _Module, name: str, get):
     return None
 
 
-def _carries(value, carried: dict, module: _Module, get, parameter: str):
+def _carried_name(node, carried: dict) -> str | None:
+    """The first carried name in the expression ``node``, or None."""
+    return next((n.id for n in ast.walk(node) if isinstance(n, ast.Name) and n.id in carried),
+                None)
+
+
+def _carries(value, carried: dict, module: _Module, get, parameter: str, values: bool = False):
     """``False`` when ``value`` does not carry a carried value; else its class (``"module:
-    Class"``) when it is built by a project class's constructor or class method, or None."""
+    Class"``) when it is built by a project class's constructor or class method, or None
+    (``values``: anything computed from a carried value carries)."""
     names = {n.id for n in ast.walk(value) if isinstance(n, ast.Name)}
     if not names & set(carried):
         return False
@@ -231,8 +247,40 @@ def _carries(value, carried: dict, module: _Module, get, parameter: str):
             cls = _class_of(module, owner, get)
             if cls is not None:
                 return f"{cls[0]}:{cls[1]}"
-        return False
+        return None if values else False
     if isinstance(value, ast.Attribute) and isinstance(value.value, ast.Name) \
             and value.value.id in carried and value.attr == parameter:
         return None  # plan.config: the value read back
-    return False
+    return None if values else False
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python tests/structure_walk.py [--values] [--stops] [--root DIR] [--start M:F:P]``:
+    the walk of ``calm_training.fit:fit_adapter:config`` (or ``--start``) in this checkout
+    (or ``--root``): its stops, files and returns."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[1])
+    parser.add_argument("--start", default="calm_training.fit:fit_adapter:config")
+    parser.add_argument("--values", action="store_true",
+                        help="follow every value computed from it too")
+    parser.add_argument("--stops", action="store_true", help="list the stops")
+    args = parser.parse_args(argv)
+    folders = {"calm_runtime": "calm_runtime", "calm_export": "export",
+               "calm_training": "training"}
+    modules = {}
+    for package, folder in folders.items():
+        for path in sorted((args.root / folder).rglob("*.py")):
+            parts = [package, *path.relative_to(args.root / folder).with_suffix("").parts]
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    module, function, parameter = args.start.split(":")
+    found = walk(modules, module, function, parameter, values=args.values)
+    print(f"{len(found.stops)} stops in {len(found.files)} files, {found.returns} returns")
+    for stop in found.stops if args.stops else ():
+        print("  " + ".".join(stop))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -302,3 +302,26 @@ def test_modes_are_never_compared_by_name():
     assert not where, where
     assert _compared_strings(ast.parse('if m in ("cloze", "x") or k == "letter": pass')) == {
         "cloze", "x", "letter"}
+
+
+def test_the_values_walk_follows_what_is_computed_from_the_value(tmp_path):
+    from structure_walk import main, walk
+
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "a.py").write_text(
+        "from .b import shout, count\n"
+        "def start(config):\n"
+        "    name = config.name.upper()\n"
+        "    shout(name + '!')\n"
+        "    count(3)\n")
+    (package / "b.py").write_text(
+        "def shout(text):\n"
+        "    return text\n"
+        "def count(n):\n"
+        "    return n\n")
+    modules = {"pkg.a": package / "a.py", "pkg.b": package / "b.py"}
+    assert [name for _, name in walk(modules, "pkg.a", "start", "config").stops] == ["start"]
+    assert [name for _, name in walk(modules, "pkg.a", "start", "config",
+                                     values=True).stops] == ["start", "shout"]
+    assert main(["--stops"]) == 0  # this checkout's fit walk, as the command prints it
