@@ -70,12 +70,15 @@ class _Module:
 
 
 def walk(modules: dict[str, Path], module: str, function: str, parameter: str, *,
-         values: bool = False) -> Walk:
+         values: bool = False, objects: bool = True, typed: bool = True) -> Walk:
     """The walk of ``parameter`` from ``module.function`` (see the module's docstring).
 
     ``values``: follow every value computed from it too (``x = f(config.a) + 1`` carries,
     and a call is followed when any name in an argument carries), not only the value itself,
-    the objects built from it and its fields: every function a run's settings reach."""
+    the objects built from it and its fields: every function a run's settings reach.
+    ``objects=False``: do not follow a method called on a carried object (a drawing that
+    does not track which class a value has); ``typed=False``: do not follow a dispatch
+    (``self`` calls, names bound to what an annotated function returns) either."""
     loaded: dict[str, _Module] = {}
 
     def get(name: str) -> _Module:
@@ -99,7 +102,7 @@ def walk(modules: dict[str, Path], module: str, function: str, parameter: str, *
             return lookup(module, func.id)
         if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
             owner = func.value.id
-            if owner in carried and carried[owner]:  # a method on a carried object
+            if objects and owner in carried and carried[owner]:  # a method on a carried object
                 mod, cls = carried[owner].split(":")
                 methods = get(mod).classes.get(cls, {})
                 if func.attr in methods:
@@ -122,7 +125,7 @@ def walk(modules: dict[str, Path], module: str, function: str, parameter: str, *
         result.stops.append(key)
         module = get(mod_name)
         carried = dict(names)
-        typed = _typed_names(module, qualname, node, lookup, get)
+        typed_names = _typed_names(module, qualname, node, lookup, get) if typed else {}
         for stmt in ast.walk(node):
             if isinstance(stmt, ast.Assign | ast.AnnAssign):
                 value = stmt.value
@@ -149,8 +152,8 @@ def walk(modules: dict[str, Path], module: str, function: str, parameter: str, *
                 continue
             func = call.func
             if (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)
-                    and func.value.id in typed and not carried.get(func.value.id)):
-                found = _implementations(typed[func.value.id], func.attr, modules, get)
+                    and func.value.id in typed_names and not carried.get(func.value.id)):
+                found = _implementations(typed_names[func.value.id], func.attr, modules, get)
             else:
                 found = [f for f in [callee(module, call, carried)] if f is not None]
             for target_mod, target_name, target_node in found:
@@ -255,7 +258,8 @@ def _carries(value, carried: dict, module: _Module, get, parameter: str, values:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python tests/structure_walk.py [--values] [--stops] [--root DIR] [--start M:F:P]``:
+    """``python tests/structure_walk.py [--values] [--no-objects] [--untyped] [--stops]
+    [--root DIR] [--start M:F:P]``:
     the walk of ``calm_training.fit:fit_adapter:config`` (or ``--start``) in this checkout
     (or ``--root``): its stops, files and returns."""
     import argparse
@@ -265,6 +269,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--start", default="calm_training.fit:fit_adapter:config")
     parser.add_argument("--values", action="store_true",
                         help="follow every value computed from it too")
+    parser.add_argument("--no-objects", dest="objects", action="store_false",
+                        help="do not follow methods called on carried objects")
+    parser.add_argument("--untyped", dest="typed", action="store_false",
+                        help="do not follow a dispatch (self, registry lookups) either")
     parser.add_argument("--stops", action="store_true", help="list the stops")
     args = parser.parse_args(argv)
     folders = {"calm_runtime": "calm_runtime", "calm_export": "export",
@@ -275,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
             parts = [package, *path.relative_to(args.root / folder).with_suffix("").parts]
             modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     module, function, parameter = args.start.split(":")
-    found = walk(modules, module, function, parameter, values=args.values)
+    found = walk(modules, module, function, parameter, values=args.values,
+                 objects=args.objects, typed=args.typed)
     print(f"{len(found.stops)} stops in {len(found.files)} files, {found.returns} returns")
     for stop in found.stops if args.stops else ():
         print("  " + ".".join(stop))
