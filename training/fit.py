@@ -95,9 +95,8 @@ def compare_methods(config: FitConfig, methods: Sequence[str] = METHODS, *,
         "n_calibration": int(prep.cal.size), "n_test": int(prep.test.size),
         "methods": rows,
     }
-    floor = served_floor(prep.floored, len(prep.records))
-    if floor:
-        report["served_floor"] = floor
+    if prep.served_floor:
+        report["served_floor"] = prep.served_floor
     if prep.plm is not None:
         plm_probs = option_probabilities(prep.plm[prep.test])
         report["reference_on_test"] = metrics.calibration_report(plm_probs, labels, config.n_bins)

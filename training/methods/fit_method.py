@@ -28,7 +28,6 @@ from calm_runtime.formats.artifact import CalibrationAdapter
 from calm_runtime.measure import metrics
 from calm_runtime.modes import p_true_probability
 from calm_training.posthoc import daca
-from calm_training.posthoc.fit_report import served_floor
 from calm_training.posthoc.option_fit import (
     Prepared,
     apply_fit,
@@ -52,14 +51,13 @@ class Fitted:
     #: an abstention threshold, the test split's coverage and risk)
     report: dict
     n_calibration: int = 0
-    n_records: int = 0
     #: calibration-split metrics before/after (labeled data only)
     calibration_split: dict = field(default_factory=dict)
     #: cloze: the token-level temperature fitted (None: none) and its record
     token_temperature: float | None = None
     token_record: dict | None = None
-    #: {"model"/"reference": floored count} of served scoring (see served_floor)
-    floored: dict = field(default_factory=dict)
+    #: served letter scoring: how many questions got the floor (Prepared.served_floor)
+    served_floor: dict | None = None
     #: an abstention threshold's coverage and risk on the test split
     test_split: dict | None = None
     #: letter mode: the token id each option letter was scored at (OptionScores.option_ids)
@@ -136,6 +134,15 @@ class FitMethod:
             return self.p_true_fit(p_true_probability(reference), p_true_probability(two_way))
         return self.p_true_fit(two_way, correct)
 
+    def fit_judgements(self, judged: dict, cal):
+        """The fit on the calibration rows ``cal`` of P(True) judgements ``judged``
+        (:meth:`FitPlan.judgements <calm_training.posthoc.plan.FitPlan.judgements>`)."""
+        if self.needs_reference and "plm" not in judged:
+            raise ConfigError("label-free P(True) calibration needs --reference")
+        return self.fit_p_true(judged["polm"][cal],
+                               reference=judged["plm"][cal] if self.needs_reference else None,
+                               correct=judged["correct"][cal])
+
     def p_true_probabilities(self, fit, two_way):
         """P(True) of two-way logits ``two_way`` under ``fit`` (None: uncalibrated)."""
         return p_true_probability(two_way, 1.0 if fit is None else fit.temperature)
@@ -161,14 +168,12 @@ class FitMethod:
         """Fit on the plan's calibration split: the option scores (cloze and letter) or
         P(True)'s two-way logits."""
         if not plan.mode.choice:  # P(True): the answers' judgements, computed once
-            from calm_training.posthoc.p_true import fit_on_judgements
-
             judged = plan.judgements(progress=progress)
             cal, _ = plan.split
-            fit = fit_on_judgements(self, judged, cal)
+            fit = self.fit_judgements(judged, cal)
             check_finite_temperature(fit)
             return Fitted(fit=fit, report={"fit": fit.to_dict(), "calibration_split": {}},
-                          n_calibration=int(cal.size), n_records=len(plan.records))
+                          n_calibration=int(cal.size))
         prep = prepare(plan, need_reference=self.needs_reference, progress=progress)
         before = prep.polm
         fit = self.fit_prepared(prep)
@@ -193,9 +198,9 @@ class FitMethod:
                                                     labels, n_bins)}
         report = {"fit": fit.to_dict(), "calibration_split": cal_metrics, "token_fit": record}
         return Fitted(fit=fit, report=report, n_calibration=int(prep.cal.size),
-                      n_records=len(prep.records), calibration_split=cal_metrics,
+                      calibration_split=cal_metrics,
                       token_temperature=token_temperature, token_record=record,
-                      floored=prep.floored, option_ids=prep.option_ids)
+                      served_floor=prep.served_floor, option_ids=prep.option_ids)
 
     def write(self, plan: FitPlan, fitted: Fitted) -> CalibrationAdapter:
         """The adapter ``fitted`` makes: the base adapter with the fit on it and the record
@@ -224,9 +229,8 @@ class FitMethod:
         # how the prompts reached the model (chat template or text): the format the
         # calibration holds for
         adapter.provenance["prompt_format"] = plan.prompt_format
-        floor = served_floor(fitted.floored, fitted.n_records)
-        if floor:
-            adapter.provenance["served_floor"] = floor
+        if fitted.served_floor:
+            adapter.provenance["served_floor"] = fitted.served_floor
         adapter.validate()
         return adapter
 

@@ -20,7 +20,7 @@ from calm_runtime.errors import DataError, FitError
 from calm_runtime.measure import metrics
 from calm_runtime.modes import option_probabilities
 from calm_training.posthoc import daca
-from calm_training.posthoc.fit_report import Metrics, add_selective
+from calm_training.posthoc.fit_report import Metrics, add_selective, served_floor
 from calm_training.posthoc.plan import FitPlan
 
 __all__ = ["Prepared", "apply_fit", "check_finite_temperature", "cloze_token_fit",
@@ -44,6 +44,12 @@ class Prepared:
     floored: dict = dataclasses.field(default_factory=dict)
     #: letter mode, local or engine scores: the model's token id of each option letter
     option_ids: np.ndarray | None = None
+
+    @property
+    def served_floor(self) -> dict | None:
+        """How many of the records a served model's letter scores floored, per role
+        (:func:`~calm_training.posthoc.fit_report.served_floor`); None when none was."""
+        return served_floor(self.floored, len(self.records))
 
     def labeled(self, idx: np.ndarray, what: str) -> np.ndarray:
         """The answers of rows ``idx`` (the ``what`` split), or a :class:`DataError` when one

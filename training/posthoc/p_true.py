@@ -13,28 +13,15 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
-
-from calm_runtime.errors import ConfigError, FitError
+from calm_runtime.errors import FitError
 from calm_runtime.measure import metrics
 from calm_runtime.modes import p_true_probability
 from calm_training.posthoc.fit_report import add_selective, served_floor
 from calm_training.posthoc.plan import FitPlan
 
-__all__ = ["compare_p_true", "fit_on_judgements"]
+__all__ = ["compare_p_true"]
 
 logger = logging.getLogger(__name__)
-
-
-def fit_on_judgements(method, judged: dict, cal: np.ndarray):
-    """``method`` (a :class:`~calm_training.methods.fit_method.FitMethod`) fitted on the
-    calibration rows ``cal`` of P(True) ``judged`` (:meth:`FitPlan.judgements
-    <calm_training.posthoc.plan.FitPlan.judgements>`)."""
-    if method.needs_reference and "plm" not in judged:
-        raise ConfigError("label-free P(True) calibration needs --reference")
-    return method.fit_p_true(judged["polm"][cal],
-                             reference=judged["plm"][cal] if method.needs_reference else None,
-                             correct=judged["correct"][cal])
 
 
 def compare_p_true(plan: FitPlan, methods, *, progress: bool = True) -> dict:
@@ -51,7 +38,7 @@ def compare_p_true(plan: FitPlan, methods, *, progress: bool = True) -> dict:
     rows, panels = {}, {}
     for method in methods:
         try:
-            fit = fit_on_judgements(method, judged, cal)
+            fit = method.fit_judgements(judged, cal)
         except FitError as exc:  # e.g. no wrong answer to fit against: a result, not a crash
             logger.warning("%s: %s", method.name, exc)
             rows[method.name] = {"error": str(exc)}
