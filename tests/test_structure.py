@@ -199,32 +199,41 @@ def test_a_fit_resolves_its_config_once():
     assert len(found.files) <= MAX_FIT_WALK[1], found.files
 
 
+def _package(tmp_path, files: dict[str, str]) -> dict[str, Path]:
+    """A package ``pkg`` of the modules ``files`` (name -> source) under ``tmp_path``, as the
+    walk takes it (module name -> path)."""
+    package = tmp_path / "pkg"
+    package.mkdir()
+    for name, text in files.items():
+        (package / f"{name}.py").write_text(text)
+    return {f"pkg.{name}": package / f"{name}.py" for name in files}
+
+
 def test_the_walk_follows_a_value_through_calls_and_plans(tmp_path):
     from structure_walk import walk
 
-    package = tmp_path / "pkg"
-    package.mkdir()
-    (package / "a.py").write_text(
-        "from .b import Plan, use\n"
-        "def start(config):\n"
-        "    plan = Plan.resolve(config)\n"
-        "    size = len(config.name)\n"
-        "    use(plan, size)\n"
-        "    plan.run()\n")
-    (package / "b.py").write_text(
-        "class Plan:\n"
-        "    @classmethod\n"
-        "    def resolve(cls, config):\n"
-        "        return cls()\n"
-        "    def run(self):\n"
-        "        helper(self.config)\n"
-        "def use(plan, size):\n"
-        "    return plan\n"
-        "def helper(config):\n"
-        "    return unrelated(1)\n"
-        "def unrelated(x):\n"
-        "    return x\n")
-    modules = {"pkg.a": package / "a.py", "pkg.b": package / "b.py"}
+    modules = _package(tmp_path, {
+        "a": (
+            "from .b import Plan, use\n"
+            "def start(config):\n"
+            "    plan = Plan.resolve(config)\n"
+            "    size = len(config.name)\n"
+            "    use(plan, size)\n"
+            "    plan.run()\n"),
+        "b": (
+            "class Plan:\n"
+            "    @classmethod\n"
+            "    def resolve(cls, config):\n"
+            "        return cls()\n"
+            "    def run(self):\n"
+            "        helper(self.config)\n"
+            "def use(plan, size):\n"
+            "    return plan\n"
+            "def helper(config):\n"
+            "    return unrelated(1)\n"
+            "def unrelated(x):\n"
+            "    return x\n"),
+    })
     found = walk(modules, "pkg.a", "start", "config")
     assert [name for _, name in found.stops] == [
         "start", "Plan.resolve", "use", "Plan.run", "helper"]
@@ -236,28 +245,27 @@ def test_the_walk_follows_a_dispatch_into_every_implementation(tmp_path):
     the class and each subclass that overrides the method called; ``self`` calls too."""
     from structure_walk import walk
 
-    package = tmp_path / "pkg"
-    package.mkdir()
-    (package / "a.py").write_text(
-        "from .m import lookup\n"
-        "def start(config, name):\n"
-        "    method = lookup(name)\n"
-        "    method.fit(config)\n")
-    (package / "m.py").write_text(
-        "class Method:\n"
-        "    def fit(self, config):\n"
-        "        self.write(config)\n"
-        "    def write(self, config):\n"
-        "        return None\n"
-        "class Vector(Method):\n"
-        "    def write(self, config):\n"
-        "        return None\n"
-        "class Other(Vector):\n"
-        "    def fit(self, config):\n"
-        "        return None\n"
-        "def lookup(name) -> Method:\n"
-        "    return Method()\n")
-    modules = {"pkg.a": package / "a.py", "pkg.m": package / "m.py"}
+    modules = _package(tmp_path, {
+        "a": (
+            "from .m import lookup\n"
+            "def start(config, name):\n"
+            "    method = lookup(name)\n"
+            "    method.fit(config)\n"),
+        "m": (
+            "class Method:\n"
+            "    def fit(self, config):\n"
+            "        self.write(config)\n"
+            "    def write(self, config):\n"
+            "        return None\n"
+            "class Vector(Method):\n"
+            "    def write(self, config):\n"
+            "        return None\n"
+            "class Other(Vector):\n"
+            "    def fit(self, config):\n"
+            "        return None\n"
+            "def lookup(name) -> Method:\n"
+            "    return Method()\n"),
+    })
     found = walk(modules, "pkg.a", "start", "config")
     assert [name for _, name in found.stops] == [
         "start", "Method.fit", "Method.write", "Vector.write", "Other.fit"]
@@ -307,20 +315,19 @@ def test_modes_are_never_compared_by_name():
 def test_the_values_walk_follows_what_is_computed_from_the_value(tmp_path):
     from structure_walk import main, walk
 
-    package = tmp_path / "pkg"
-    package.mkdir()
-    (package / "a.py").write_text(
-        "from .b import shout, count\n"
-        "def start(config):\n"
-        "    name = config.name.upper()\n"
-        "    shout(name + '!')\n"
-        "    count(3)\n")
-    (package / "b.py").write_text(
-        "def shout(text):\n"
-        "    return text\n"
-        "def count(n):\n"
-        "    return n\n")
-    modules = {"pkg.a": package / "a.py", "pkg.b": package / "b.py"}
+    modules = _package(tmp_path, {
+        "a": (
+            "from .b import shout, count\n"
+            "def start(config):\n"
+            "    name = config.name.upper()\n"
+            "    shout(name + '!')\n"
+            "    count(3)\n"),
+        "b": (
+            "def shout(text):\n"
+            "    return text\n"
+            "def count(n):\n"
+            "    return n\n"),
+    })
     assert [name for _, name in walk(modules, "pkg.a", "start", "config").stops] == ["start"]
     assert [name for _, name in walk(modules, "pkg.a", "start", "config",
                                      values=True).stops] == ["start", "shout"]
