@@ -130,7 +130,7 @@ COMMON = {"steps": 40, "warm_start_steps": 20, "warm_start_lr": 1e-3, "batch_siz
           "cft_scale": 1e-3, "cft_bins": 10,
           # settings added after the first runs, at the behaviour those runs had
           "inner_optimizer": "sgd", "alpha_logits": "raw", "upper": "entropy",
-          "reference": None, "alpha_holdout": 0.0}
+          "reference": None, "alpha_holdout": 0.0, "daca": False}
 #: calibration-aware fine-tuning (the paper's training-time baseline; docs/methods.md): the
 #: plain fine-tuning recipe of this project (Adam at the warm start's rate, every step, no α)
 #: on its loss (1 − w)·CE + w·c·L_cal with the published trainer's c and bins
@@ -156,9 +156,25 @@ ARMS = {
     "calm-centred": dict(ROUND2),
     "calm-centred-daca": {**ROUND2, "upper": "daca", "reference": "gemma-3-270m"},
 }
-#: the configuration `calm train` ships (its defaults; tests/benchmarks/test_calm_decisive.py)
-SHIPPED = "calm-centred"
+#: the third round: what `calm train` hands users, run as they run it — every CalmConfig
+#: default, pinned here (tests/benchmarks/test_arms_pinned.py fails when a default moves away
+#: from it): 200 steps, α on the whole vocabulary at the SGD default α rate, the entropy
+#: upper objective, the gate, and the DACA temperature against the model before the LoRA
+CALM_TRAIN = {"method": "bilevel", "mode": "cloze", "steps": 200, "batch_size": 8,
+              "calibration_batch_size": None, "inner_steps": 3, "inner_lr": None,
+              "inner_optimizer": "adam", "outer_lr": None, "alpha_lr": None, "optimizer": None,
+              "momentum": 0.0, "phi": "grad", "eta": 0.5, "warm_start_steps": None,
+              "warm_start_lr": 1e-3, "entropy": "options", "cloze_variant": "mean",
+              "upper_params": "alpha", "alpha_tokens": "all", "alpha_l2": 0.0,
+              "alpha_logits": "centered", "upper": "entropy", "reference": None, "daca": True,
+              "alpha_holdout": 0.2, "freeze_alpha": False, "cft_weight": 0.5,
+              "cft_scale": 1e-3, "cft_bins": 10, "q_window": 10, "beta": 1.0, "lora_rank": 8,
+              "lora_alpha": 16.0, "max_length": 256, "calibration_positions": "options"}
+ARMS["calm-train"] = CALM_TRAIN
+#: the configuration `calm train` ships: its defaults, run as users run them
+SHIPPED = "calm-train"
 ROUND2_ARMS = ("calm-centred", "calm-centred-daca")
+ROUND3_ARMS = ("calm-train",)
 #: arms whose settings start from the default arm's (the rest start from COMMON)
 DERIVED = ("lora-matched", "ablation-iterate", "ablation-regularization", "ablation-scalar")
 CANDIDATES = ("calm-bome-all", "calm-bome-alpha")
@@ -175,6 +191,8 @@ def arm_settings(arm: str, gate: dict, default: str | None) -> dict:
     """The full, pinned settings of ``arm`` (every key of :data:`COMMON` and more)."""
     base = {**COMMON, "mode": gate["mode"], "alpha_tokens": gate["alpha_tokens"],
             "alpha_lr": gate["alpha_lr"], "upper_params": "all", "method": "bilevel"}
+    if arm in ROUND3_ARMS:  # every setting pinned by the arm itself (CALM_TRAIN)
+        return dict(ARMS[arm])
     if arm in DERIVED:
         if default is None:
             raise SystemExit(f"{arm} derives from the default arm, which is chosen after "
@@ -436,6 +454,7 @@ def run_one(args, arm: str, seed: int, gate: dict, default: str | None) -> dict:
     base_entropy = _entropy(option_probabilities(evaluator.scores(base_val)[0]))
     run: dict = {"arm": arm, "seed": seed}
     alphas = {"alpha": (None, None)}
+    answer_t: dict = {}  # a reading's answer temperature (cloze: DACA's, on option scores)
     if arm != "vanilla":
         settings = arm_settings(arm, gate, default)
         cft_lr = read_part(args, "gate-cft-lr")
@@ -477,11 +496,20 @@ def run_one(args, arm: str, seed: int, gate: dict, default: str | None) -> dict:
             alphas["no-alpha"] = (None, None)
             if settings.get("alpha_holdout"):  # what α did before the gate decided
                 alphas["trained-alpha"] = trained
+        daca_fit = adapter.method.get("daca") or {}
+        if daca_fit.get("fitted"):  # the adapter as written: α and DACA's T (head, answers)
+            head_t = float(adapter.temperature)
+            alphas["alpha+daca"] = (np.asarray(tau) * head_t, np.asarray(shift) / head_t)
+            answer_t["alpha+daca"] = float(adapter.answer_temperature or 1.0)
+        if "daca" in adapter.method:
+            run["daca"] = {k: v for k, v in daca_fit.items() if k != "reference_identity"}
+        if "holdout_parts" in adapter.metrics:
+            run["holdout_parts"] = adapter.metrics["holdout_parts"]
     hidden_val = evaluator.hidden(validation)
     temperatures, validation_nll = {}, {}
     center = run.get("centered", False)
     for variant, (tau, shift) in alphas.items():
-        s = evaluator.scores(hidden_val, tau, shift, center=center)[0]
+        s = evaluator.scores(hidden_val, tau, shift, center=center)[0] / answer_t.get(variant, 1.0)
         temperatures[variant] = daca.fit_temperature_scaling(s, hidden_val.labels).temperature
         validation_nll[variant] = metrics.nll(option_probabilities(s), hidden_val.labels)
     run |= {"temperature": temperatures, "validation_nll": validation_nll, "sets": {}}
@@ -490,7 +518,8 @@ def run_one(args, arm: str, seed: int, gate: dict, default: str | None) -> dict:
         k = max(len(r.choices) for r in records)
         out_set = {"in_domain": set_name == DOMAIN, "k": k, "variants": {}}
         for variant, (tau, shift) in alphas.items():
-            scores = evaluator.scores(hidden, tau, shift, center=center)[0]
+            scores = (evaluator.scores(hidden, tau, shift, center=center)[0]
+                      / answer_t.get(variant, 1.0))
             for suffix, t in (("", 1.0), ("+ts", temperatures[variant])):
                 q = per_question(option_probabilities(scores, t), hidden.labels)
                 out_set["variants"][variant + suffix] = {
@@ -531,6 +560,8 @@ def plan(default: str | None) -> list[tuple[str, int]]:
     # the second round: both new arms and the scalar ablation at three seeds each
     for seed in SEEDS:
         runs += [(arm, seed) for arm in ROUND2_ARMS] + [("ablation-scalar", seed)]
+    # the third round: `calm train` as users run it, three seeds
+    runs += [(arm, seed) for seed in SEEDS for arm in ROUND3_ARMS]
     return list(dict.fromkeys(runs))
 
 
@@ -682,6 +713,7 @@ def claims(parts: dict, default: str | None, n_boot: int, bins: int) -> list[dic
         ("in domain: CFT (calibration loss alone) accuracy kept vs vanilla", "kept",
          "accuracy", ("cft", "alpha"), ("vanilla", "alpha"), [DOMAIN]),
         *round_two(ood),
+        *round_three(ood),
     ]
     out = []
     for text, kind, metric, (arm_a, var_a), (arm_b, var_b), sets in specs:
@@ -714,6 +746,83 @@ def round_two(ood: list[str]) -> list[tuple]:
             (f"{arm}: in domain, α's own share (as trained), NLL below the same θ without α",
              "nll", "nll", (arm, "trained-alpha"), (arm, "no-alpha"), [DOMAIN])]
     return specs
+
+
+#: the third round's readings of a `calm train` run, in the order its parts are added
+ROUND3_READINGS = (("vanilla", "alpha", "vanilla (the model as given)"),
+                   (SHIPPED, "no-alpha", "LoRA alone"),
+                   (SHIPPED, "alpha", "LoRA + gated α"),
+                   (SHIPPED, "alpha+daca", "LoRA + gated α + DACA T (what `calm train` writes)"),
+                   (SHIPPED, "no-alpha+ts", "LoRA + labeled TS (in-domain labels)"))
+
+
+def round_three(ood: list[str]) -> list[tuple]:
+    """The third round's claims: what `calm train`'s output (LoRA, gated α, DACA T against
+    the model before the LoRA) does out of domain against the model it was given and against
+    each of its parts."""
+    arm, written = SHIPPED, (SHIPPED, "alpha+daca")
+    return [
+        (f"{arm}: the written adapter's OOD ECE below vanilla", "ece", "ece", written,
+         ("vanilla", "alpha"), ood),
+        (f"{arm}: the written adapter's OOD ECE below LoRA alone", "ece", "ece", written,
+         (arm, "no-alpha"), ood),
+        (f"{arm}: the written adapter's OOD ECE below LoRA + labeled TS", "ece", "ece", written,
+         (arm, "no-alpha+ts"), ood),
+        (f"{arm}: LoRA alone, OOD ECE below vanilla", "ece", "ece", (arm, "no-alpha"),
+         ("vanilla", "alpha"), ood),
+        (f"{arm}: gated α's own share, OOD ECE below LoRA alone", "ece", "ece", (arm, "alpha"),
+         (arm, "no-alpha"), ood),
+        (f"{arm}: the written adapter keeps OOD accuracy (vs vanilla)", "kept", "accuracy",
+         written, ("vanilla", "alpha"), ood),
+        (f"{arm}: in domain, the written adapter's ECE below vanilla", "ece", "ece", written,
+         ("vanilla", "alpha"), [DOMAIN])]
+
+
+def _round_three_lines(payload: dict) -> list[str]:
+    """Each reading of the `calm train` runs out of domain (mean over seeds), and the DACA
+    temperature and hold-out readings each run wrote."""
+    runs = {n: r for n, r in payload["runs"].items() if r.get("arm") == SHIPPED}
+    if not runs:
+        return []
+    vanilla = payload["runs"].get("vanilla")
+    lines = ["", f"## `calm train` as users run it ({SHIPPED}: every default)", "",
+             "Out of domain, per set: mean over the seeds of each reading (ECE, 10 equal-width "
+             "bins; accuracy; NLL). The claims above give the paired intervals.", "",
+             "| reading | seeds | " + " | ".join(f"{s} acc / ECE / NLL" for s in OOD) + " |",
+             "|---|---|" + "---|" * len(OOD)]
+    for arm, variant, label in ROUND3_READINGS:
+        found = [vanilla] if arm == "vanilla" and vanilla else \
+            [r for r in runs.values() if variant in next(iter(r["sets"].values()))]
+        if not found:
+            continue
+        cells = []
+        for set_name in OOD:
+            rows = [r["sets"][set_name][variant] for r in found]
+            cells.append(" / ".join(format(float(np.mean([x[k] for x in rows])), ".3f")
+                                    for k in ("accuracy", "ece", "nll")))
+        lines.append(f"| {label} | {len(found)} | " + " | ".join(cells) + " |")
+    lines += ["", "What each run wrote (the DACA temperature against the model before the LoRA, "
+              "fitted on the 150 unlabeled calibration questions; the α gate; the parts on the "
+              "held-out training questions, accuracy / ECE / NLL):", "",
+              "| run | α written | answer T | head T | agreement | base | LoRA | LoRA + α | "
+              "LoRA + α + T |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, run in sorted(runs.items()):
+        daca_fit = run.get("daca") or {}
+        parts = (run.get("holdout_parts") or {}).get("parts", {})
+
+        def part(key, parts=parts):
+            p = parts.get(key)
+            return "-" if not p else f"{p['accuracy']:.3f} / {p['ece']:.3f} / {p['nll']:.3f}"
+        fit = daca_fit.get("fit") or {}
+        answer_t, head_t = daca_fit.get("answer_temperature"), daca_fit.get("temperature")
+        lines.append(
+            f"| {name} | {'yes' if (run.get('alpha_gate') or {}).get('kept') else 'no'} | "
+            f"{'-' if answer_t is None else format(answer_t, '.3f')} | "
+            f"{'-' if head_t is None else format(head_t, '.3f')} | "
+            f"{'-' if fit.get('agreement_rate') is None else format(fit['agreement_rate'], '.3f')}"
+            f" | {part('base')} | {part('lora')} | {part('lora+alpha')} | "
+            f"{part('lora+alpha+T')} |")
+    return lines
 
 
 # ---------------------------------------------------------------------------- report
@@ -927,6 +1036,7 @@ def render(payload: dict) -> str:
                     f"{num(last.get('cos_f_q'))} |")
     lines += _cft_lines(payload["runs"])
     lines += _round_two_lines(payload["runs"])
+    lines += _round_three_lines(payload)
     lines += ["", "`*`: accuracy within 5 points of chance (1/K); left out of the decisions.",
               "", "## Decision rule (fixed before the runs)", "", payload["decision_rule"]]
     return "\n".join(lines)
@@ -983,6 +1093,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.parts = str(Path(args.out) / "calm_decisive.parts")
     if args.smoke:
         COMMON.update(steps=3, warm_start_steps=1)
+        CALM_TRAIN.update(steps=3, warm_start_steps=1)
         args.probe_steps, args.eval_limit, args.bootstrap = 1, 12, 50
         args.decision_bootstrap = 50
         args.adapters = args.adapters.replace("calm-decisive", "calm-decisive-smoke")

@@ -311,17 +311,19 @@ def synthetic_engine_manifest(root, *, adapter: dict | None = None, adapter_kind
 MC_WORDS = "red blue green cat dog sun moon water fire earth stone tree river cloud".split()
 
 
-def write_mc_jsonl(path, n: int = 40, *, seed: int = 0):
-    """Write ``n`` random 4-option multiple-choice records (calm's JSONL format) to ``path``."""
+def write_mc_jsonl(path, n: int = 40, *, seed: int = 0, options=(4,)):
+    """Write ``n`` random multiple-choice records (calm's JSONL format) to ``path``, record
+    ``i`` with ``options[i % len(options)]`` options (4 each by default)."""
     import json
 
     rng = np.random.default_rng(seed)
     lines = []
     for i in range(n):
-        words = rng.choice(MC_WORDS, size=4, replace=False)
+        k = options[i % len(options)]
+        words = rng.choice(MC_WORDS, size=k, replace=False)
         lines.append(json.dumps({"question": f"which is {words[0]} number {i}?",
                                  "choices": [str(w) for w in words],
-                                 "answer": int(rng.integers(0, 4))}))
+                                 "answer": int(rng.integers(0, k))}))
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -338,6 +340,14 @@ def private_calm_cache(tmp_path_factory):
 def mc_file(tmp_path_factory):
     """A 40-record multiple-choice JSONL file (:func:`write_mc_jsonl`)."""
     return write_mc_jsonl(tmp_path_factory.mktemp("data") / "mc.jsonl")
+
+
+@pytest.fixture(scope="module")
+def mixed_mc_file(tmp_path_factory):
+    """A 100-record multiple-choice JSONL file with 2 to 6 options per question, as ARC-Easy
+    (3–5) and hand-made sets have."""
+    return write_mc_jsonl(tmp_path_factory.mktemp("data") / "mixed.jsonl", n=100,
+                          options=(2, 3, 5, 6, 4))
 
 
 @pytest.fixture(scope="module")

@@ -131,8 +131,13 @@ def register_train(sub) -> None:
                    help="upper objective: entropy (the paper's) or daca (KL to --reference "
                         "where the two models agree; calm's extension) "
                         f"(default {d['upper'].default})")
-    t.add_argument("--reference", help="pre-trained reference model of --upper daca "
-                                       "(packaged name, folder or .gguf)")
+    t.add_argument("--reference",
+                   help="reference model (packaged name, folder or .gguf) of --upper daca and "
+                        "of the DACA temperature fitted after training (default: the model "
+                        "itself, before the LoRA)")
+    t.add_argument("--no-daca", dest="daca", action="store_false",
+                   help="write the adapter without the DACA temperature that is otherwise "
+                        "fitted after training against --reference on the calibration set")
     t.add_argument("--init-lora", metavar="DIR",
                    help="start the LoRA from this peft folder or calm adapter (same rank and "
                         "targets)")
@@ -195,4 +200,9 @@ def _train(args) -> int:
               f"shift [{summary['shift_min']:.4g}, {summary['shift_max']:.4g}]")
         if result.alpha_gate is not None:
             print(f"  {result.alpha_gate['reason']}")
+        if result.daca is not None:
+            from calm_training.calm.finish import part_lines
+
+            for line in part_lines(result.daca, result.adapter.metrics.get("holdout_parts")):
+                print(line)
     return 0

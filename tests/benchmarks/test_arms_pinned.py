@@ -72,3 +72,13 @@ def test_decisive_arms_pin_every_setting(scripts):
     assert bench.arm_settings("calm-bome-alpha", gate, None)["upper_params"] == "alpha"
     with pytest.raises(SystemExit, match="chosen after"):
         bench.arm_settings("lora-matched", gate, None)
+
+
+def test_the_shipped_arm_is_calm_train_as_users_run_it(scripts):
+    """The third round's arm is every CalmConfig default: a default that moves makes this
+    fail, and the arm (and its runs) must follow it."""
+    bench = scripts["calm_decisive"]
+    defaults = {f.name: f.default for f in dataclasses.fields(CalmConfig)
+                if f.name not in PER_RUN}
+    assert bench.arm_settings(bench.SHIPPED, {"mode": "letter", "alpha_tokens": "options",
+                                              "alpha_lr": 2.0}, None) == defaults

@@ -117,6 +117,19 @@ def test_report_gives_every_claim_a_verdict_or_not_run(bench, tmp_path):
             probe = {"arm": arm, "outer_lr": lr, "commit": "abc1234", "command": "python x"}
             probe |= {"validation_nll": nll} if nll is not None else {"diverged": "nan"}
             (parts / f"gate-cft-lr-{arm}-{lr:g}.json").write_text(json.dumps(probe))
+    # the third round: `calm train` as users run it; its written adapter (0.6 confidence at
+    # 0.6 accuracy) against the over-confident vanilla (0.9)
+    for seed in bench.SEEDS:
+        run = _part(bench, bench.SHIPPED, seed, 0.6,
+                    variants=("alpha", "alpha+ts", "no-alpha", "no-alpha+ts", "alpha+daca",
+                              "alpha+daca+ts"))
+        run |= {"daca": {"fitted": True, "answer_temperature": 1.7, "temperature": 1.1,
+                         "fit": {"agreement_rate": 0.71}},
+                "alpha_gate": {"kept": False},
+                "holdout_parts": {"n": 30, "parts": {
+                    k: {"accuracy": 0.5, "ece": 0.1, "nll": 1.0} for k in
+                    ("base", "lora", "lora+alpha", "lora+alpha+T")}}}
+        runs[f"{bench.SHIPPED}-s{seed}"] = run
     for name, part in runs.items():
         (parts / f"{name}.json").write_text(json.dumps(part))
     readme = tmp_path / "README.md"
@@ -143,7 +156,13 @@ def test_report_gives_every_claim_a_verdict_or_not_run(bench, tmp_path):
                if c["claim"] == "OOD conf-ECE below CFT (calibration loss alone)")
     assert cft["seeds"] == [3, 1] and cft["delta"] < 0  # 0.6 vs 0.7 confidence at 0.6 acc
     assert set(verdicts.values()) <= {"holds", "refuted", "inconclusive", "not run"}
+    shipped = next(c for c in payload["claims"]
+                   if c["claim"] == f"{bench.SHIPPED}: the written adapter's OOD ECE below vanilla")
+    assert shipped["arm"] == f"{bench.SHIPPED}/alpha+daca" and shipped["seeds"] == [3, 1]
+    assert shipped["verdict"] == "holds" and shipped["delta"] < 0
     md = (tmp_path / "calm_decisive.md").read_text()
+    assert "LoRA + gated α + DACA T (what `calm train` writes) | 3 |" in md
+    assert f"| {bench.SHIPPED}-s0 | no | 1.700 | 1.100 | 0.710 |" in md
     assert "ablation-iterate:0" in md and "Decision rule" in md
     assert "ablation-regularization:0" not in md.split("Runs not yet made")[1].split("\n")[0]
     assert "Diverged (no results" in md

@@ -70,7 +70,8 @@ def test_a_real_train_records_the_share_and_writes_identity_when_it_does_not_hel
         assert key in share
     trained_tau, _ = result.trained_alpha
     assert not np.allclose(trained_tau, 1.0)  # α did move in training
-    if share["nll_change"] >= 0:
+    half = share["nll_change_half_width"]
+    if half is None or share["nll_change"] + half >= 0:
         assert not gate["kept"] and "not written" in gate["reason"]
         assert np.all(adapter.tau == 1.0) and np.all(adapter.shift == 0.0)
     else:
@@ -86,8 +87,14 @@ def test_cli_last_line_says_what_the_gate_decided(tiny_llama_tied, mc_file, tmp_
                  "--steps", "2", "--warm-start-steps", "1", "--batch-size", "2",
                  "--lora-rank", "4", "--max-length", "64", "--quiet"])
     assert code == 0
-    last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert "held-out NLL" in last and ("kept" in last or "not written" in last)
+    lines = capsys.readouterr().out.strip().splitlines()
+    gate = next(line for line in lines if "held-out NLL" in line)
+    assert "kept" in gate or "not written" in gate
+    # then T, and what each part did on the hold-out
+    assert any(line.strip().startswith(("DACA against the model before the LoRA",
+                                        "no DACA temperature")) for line in lines)
+    assert [line.split()[0] for line in lines[-4:]] == ["base", "lora", "lora+alpha",
+                                                       "lora+alpha+T"]
 
 
 def test_open_qa_training_data_is_gated_on_the_answers_token_nll(tiny_llama_tied, tmp_path):
@@ -108,3 +115,43 @@ def test_open_qa_training_data_is_gated_on_the_answers_token_nll(tiny_llama_tied
     assert share["n"] == result.alpha_gate["holdout"]["n"] >= 1
     assert result.alpha_gate["kept"] == (share["nll_change"] < 0)
     assert "answer tokens" in result.alpha_gate["reason"]
+
+
+def test_a_hold_out_with_varying_option_counts_is_measured_and_written(
+        tiny_llama_tied, mixed_mc_file, tmp_path):
+    """Regression: questions with 2 to 6 options in one hold-out (batches pad to their own
+    option count) were stacked as one array and the finished training was lost."""
+    config = CalmConfig(model=str(tiny_llama_tied), train=(f"{mixed_mc_file}:train",),
+                        calibration=(f"{mixed_mc_file}:unlabeled",), steps=2,
+                        warm_start_steps=1, batch_size=2, lora_rank=4, max_length=64,
+                        alpha_holdout=0.4)
+    train_calm(config, tmp_path / "a", progress=False)
+    adapter = CalibrationAdapter.from_pretrained(tmp_path / "a")
+    share = adapter.method["alpha_gate"]["share"]
+    assert share["n"] >= 5 and np.isfinite(share["nll_alpha"])
+    assert len(share["questions"]["nll_alpha"]) == share["n"]
+    parts = adapter.metrics["holdout_parts"]
+    assert parts["n"] == share["n"] and {"base", "lora", "lora+alpha"} <= set(parts["parts"])
+
+
+def test_cft_reads_every_option_count(tiny_llama_tied, mixed_mc_file, tmp_path):
+    config = CalmConfig(model=str(tiny_llama_tied), train=(f"{mixed_mc_file}:train",),
+                        calibration=(f"{mixed_mc_file}:unlabeled",), steps=1, method="cft",
+                        batch_size=2, lora_rank=4, max_length=64, daca=False)
+    train_calm(config, tmp_path / "c", progress=False)
+    assert CalibrationAdapter.from_pretrained(tmp_path / "c").method["daca"]["fitted"] is False
+
+
+def test_the_gate_needs_a_gain_beyond_its_interval_and_the_accuracy_kept():
+    base = _logp([[0.5, 0.5]] * 4)
+    noisy = _logp([[0.9, 0.1], [0.45, 0.55], [0.9, 0.1], [0.45, 0.55]])  # a gain, widely spread
+    share = option_share(noisy, base, np.array([0, 0, 0, 0]))
+    assert share["nll_change"] < 0 < share["nll_change_half_width"] + share["nll_change"]
+    keep, why = decide(share)
+    assert not keep and "within the paired 95% interval" in why
+    sharper_but_wrong = _logp([[0.9, 0.1], [0.9, 0.1], [0.9, 0.1], [0.45, 0.55]])
+    share = option_share(sharper_but_wrong, base, np.array([0, 0, 0, 1]))
+    share["accuracy_without"] = 1.0  # as if α had turned right answers wrong
+    share["accuracy_alpha"] = 0.75
+    keep, why = decide(share)
+    assert not keep and "accuracy" in why

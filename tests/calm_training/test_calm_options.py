@@ -228,8 +228,11 @@ def test_option_evaluator_equals_the_project_scorer(tiny_llama_tied, mc_file, tm
     m = CalmModel(_config(tiny_llama_tied, mc_file), torch.device("cpu"))
     evaluator = OptionEvaluator(m, variant="mean", batch_size=3)
     m.load_lora(adapter.lora_path)
-    scores, entropy = evaluator.scores(evaluator.hidden(records), adapter.tau, adapter.shift,
-                                       center=adapter.centered)
+    # the head temperature (calm train's DACA T) folds into tau and shift:
+    # (z/τ + l)/T = z/(τT) + l/T
+    t = adapter.temperature
+    scores, entropy = evaluator.scores(evaluator.hidden(records), adapter.tau * t,
+                                       adapter.shift / t, center=adapter.centered)
     merged, tok, _ = load_model_and_tokenizer(tiny_llama_tied, lora_path=adapter.lora_path)
     expected = score_multiple_choice(merged, tok, records, calibration=adapter,
                                      progress=False).scores("mean")

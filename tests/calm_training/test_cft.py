@@ -175,7 +175,8 @@ def test_cft_trains_a_lora_toward_the_bin_accuracies(tiny_llama_tied, mc_file, t
     assert config.optimizer == "adam" and config.warm_steps == 0
     result = train_calm(config, tmp_path / "cft", progress=False)
     loaded = CalibrationAdapter.from_pretrained(tmp_path / "cft")
-    assert loaded.kind == "cft" and loaded.lora_path is not None
+    fitted = loaded.method["daca"]["fitted"]  # calm train's temperature, when one fits
+    assert loaded.kind == ("cft+daca" if fitted else "cft") and loaded.lora_path is not None
     assert (loaded.tau == 1).all() and (loaded.shift == 0).all() and result.model.alpha == []
     assert sum(loaded.method["cft_bins"]["count"]) == 6  # the whole training split
     calibration = [row["cft_l_cal"] for row in result.history]

@@ -24,8 +24,9 @@ def _config(model, data, **kw):
     base = {"model": str(model), "train": (f"{data}:train",),
             "calibration": (f"{data}:unlabeled",), "batch_size": 2, "inner_steps": 2,
             "lora_rank": 4, "max_length": 64, "optimizer": "adam", "warm_start_steps": 0,
-            # the BOME paper's inner solver, α written as trained (the gate: test_alpha_gate)
-            "inner_optimizer": "sgd", "alpha_holdout": 0.0}
+            # the BOME paper's inner solver, α written as trained (the gate: test_alpha_gate),
+            # no temperature after training (test_train_finish)
+            "inner_optimizer": "sgd", "alpha_holdout": 0.0, "daca": False}
     return CalmConfig(**{**base, **kw})
 
 
@@ -160,7 +161,10 @@ def test_cli_trains_plain_lora(tiny_llama_tied, mc_file, tmp_path, capsys):
                "--lora-targets", "q_proj,v_proj"])
     assert rc == 0, capsys.readouterr().err
     loaded = CalibrationAdapter.from_pretrained(out)
-    assert loaded.kind == "lora" and (loaded.tau == 1).all() and (loaded.shift == 0).all()
+    # a DACA temperature against the model before the LoRA, when one can be fitted
+    fitted = loaded.method["daca"]["fitted"]
+    assert loaded.kind == ("lora+daca" if fitted else "lora")
+    assert (loaded.tau == 1).all() and (loaded.shift == 0).all()
     assert json.loads((loaded.lora_path / "adapter_config.json").read_text())["r"] == 2
     assert "wrote" in capsys.readouterr().out
     assert main(["train", "--model", str(tiny_llama_tied), "--train", f"{mc_file}:train",

@@ -6,7 +6,10 @@ does there is measured with measures that see a reordering as well as a softenin
 option NLL and accuracy (the questions have labels), answers whose prediction changes
 (``flips``) and whose correctness changes, total variation and KL between the two option
 distributions, and the change of mean option entropy. :func:`decide` keeps α only when it
-lowers the held-out NLL; otherwise the adapter carries the identity and says why.
+lowers the held-out NLL by more than the half-width of the paired 95% interval of that
+change (:data:`NLL_Z`) and the held-out accuracy does not fall by more than
+:data:`ACCURACY_MARGIN`; otherwise the adapter carries the identity and says why. The
+per-question arrays the decision read are kept with it (``share["questions"]``).
 """
 
 from __future__ import annotations
@@ -15,7 +18,16 @@ import math
 
 import numpy as np
 
-__all__ = ["measure_alpha_share", "measure_answer_nll", "option_share", "decide"]
+__all__ = ["ACCURACY_MARGIN", "NLL_Z", "measure_alpha_share", "measure_answer_nll",
+           "option_share", "decide"]
+
+#: the held-out accuracy α may cost and still be written (3 points: the margin the
+#: benchmarks' "accuracy kept" verdicts use)
+ACCURACY_MARGIN = 0.03
+#: the normal quantile of the paired interval of α's held-out NLL change (95%, two-sided):
+#: an improvement smaller than the interval's half-width is within the noise of the
+#: hold-out and is not written
+NLL_Z = 1.96
 
 
 def measure_alpha_share(model, examples, pad_id: int, batch_size: int) -> dict:
@@ -24,7 +36,7 @@ def measure_alpha_share(model, examples, pad_id: int, batch_size: int) -> dict:
     import torch
 
     from calm_training.calm import data as calm_data
-    from calm_training.calm.model import option_log_probs
+    from calm_training.calm.model import option_log_probs, stack_option_rows
 
     theta = [t.detach() for t in model.theta]
     alpha = [a.detach() for a in model.alpha]
@@ -39,7 +51,8 @@ def measure_alpha_share(model, examples, pad_id: int, batch_size: int) -> dict:
                 logp = model.calibrate(z, a).log_softmax(-1)
                 out += list(option_log_probs(logp, batch).double().cpu().numpy())
             labels += batch.labels.tolist()
-    return option_share(np.stack(with_alpha), np.stack(without), np.asarray(labels))
+    return option_share(stack_option_rows(with_alpha, -np.inf),
+                        stack_option_rows(without, -np.inf), np.asarray(labels))
 
 
 def measure_answer_nll(model, examples, pad_id: int, batch_size: int) -> dict:
@@ -79,9 +92,18 @@ def option_share(logp_alpha: np.ndarray, logp_base: np.ndarray, labels: np.ndarr
     def entropy(p, logp):
         return float(-np.where(finite, p * np.where(finite, logp, 0), 0.0).sum(1).mean())
 
-    nll_a = float(-logp_alpha[rows, labels].mean())
-    nll_b = float(-logp_base[rows, labels].mean())
+    per_a, per_b = -logp_alpha[rows, labels], -logp_base[rows, labels]
+    nll_a, nll_b = float(per_a.mean()), float(per_b.mean())
+    diff = per_a - per_b
+    # None: no interval (one question, or an infinite NLL)
+    half = (float(NLL_Z * diff.std(ddof=1) / math.sqrt(n)) if n > 1 and np.isfinite(diff).all()
+            else None)
     return {"n": int(n), "nll_alpha": nll_a, "nll_without": nll_b, "nll_change": nll_a - nll_b,
+            "nll_change_half_width": half,
+            "questions": {"nll_alpha": np.round(per_a, 6).tolist(),
+                          "nll_without": np.round(per_b, 6).tolist(),
+                          "correct_alpha": right_a.astype(int).tolist(),
+                          "correct_without": right_b.astype(int).tolist()},
             "accuracy_alpha": float(right_a.mean()), "accuracy_without": float(right_b.mean()),
             "flips": int((pred_a != pred_b).sum()),
             "correctness_flips": int((right_a != right_b).sum()),
@@ -91,18 +113,36 @@ def option_share(logp_alpha: np.ndarray, logp_base: np.ndarray, labels: np.ndarr
 
 
 def decide(share: dict | None) -> tuple[bool, str]:
-    """``(keep α, why)``: α is kept only when it lowers the held-out option NLL."""
+    """``(keep α, why)``: α is kept only when it lowers the held-out option NLL by more than
+    its paired interval's half-width and costs at most :data:`ACCURACY_MARGIN` of held-out
+    accuracy (an open-QA hold-out, which has no per-question options: when it lowers the
+    answers' NLL)."""
     if share is None:
         return True, "no hold-out (alpha_holdout 0): α written as trained, unmeasured"
     change = share["nll_change"]
+    paired = "nll_change_half_width" in share  # option hold-outs; open QA has no pairs
+    half = share.get("nll_change_half_width")
+    interval = "" if half is None else f" ± {half:.4f}"
     facts = (f"held-out NLL {share['nll_without']:.4f} -> {share['nll_alpha']:.4f} "
-             f"({change:+.4f}) on {share['n']} questions")
+             f"({change:+.4f}{interval}) on {share['n']} questions")
     if "flips" in share:
         facts += (f", {share['flips']} answers changed, accuracy "
                   f"{share['accuracy_without']:.3f} -> {share['accuracy_alpha']:.3f}, "
                   f"TV {share['total_variation']:.4f}")
     else:
         facts += f" ({share.get('measured_on', 'answer tokens')})"
-    if math.isfinite(change) and change < 0:
+    lowers = math.isfinite(change) and change < 0
+    clears = lowers and (not paired or (half is not None and -change > half))
+    accuracy_drop = (share["accuracy_without"] - share["accuracy_alpha"]
+                     if "accuracy_alpha" in share else 0.0)
+    if clears and accuracy_drop <= ACCURACY_MARGIN:
         return True, f"alpha kept: it lowers the {facts}"
-    return False, (f"alpha not written (identity instead): it does not lower the {facts}")
+    if clears:
+        why = f"it costs more than {ACCURACY_MARGIN:.2f} of held-out accuracy"
+    elif lowers and half is None:
+        why = "its held-out NLL gain has no interval (fewer than 2 questions or an infinite NLL)"
+    elif lowers:
+        why = "its held-out NLL gain is within the paired 95% interval"
+    else:
+        why = "it does not lower the held-out NLL"
+    return False, f"alpha not written (identity instead): {why}: {facts}"

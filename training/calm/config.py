@@ -49,7 +49,7 @@ DEFAULT_LR = {"sgd": (0.1, 0.02), "adam": (1e-3, 5e-3)}
 #: settings added after runs were recorded, with the behaviour those runs had before the
 #: setting existed (a recorded run without the key ran with this value, not the default)
 LEGACY_SETTINGS = {"inner_optimizer": "sgd", "alpha_logits": "raw", "upper": "entropy",
-                   "reference": None, "alpha_holdout": 0.0}
+                   "reference": None, "alpha_holdout": 0.0, "daca": False}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,7 +103,12 @@ class CalmConfig:
         upper: ``entropy`` (the paper's f, the negative entropy on the calibration set) or
             ``daca`` (calm's extension: DACA's KL to ``reference`` on the questions where
             the two models agree; label-free, with the reference's confidence as target).
-        reference: the pre-trained reference model of ``upper="daca"``.
+        reference: the reference model of ``upper="daca"`` and of the DACA temperature
+            fitted after training (``daca``); None: the model itself before the LoRA (the
+            temperature's reference; ``upper="daca"`` needs one named).
+        daca: after training, fit a DACA temperature of the trained model against
+            ``reference`` on the calibration set, in ``mode``, and write it into the same
+            adapter (calm_training.calm.finish); False: the adapter has no temperature.
         alpha_holdout: share of the training questions held out of training to measure
             α's own effect before the adapter is written (the trained θ with α against
             without); an α that does not lower the held-out NLL is not written (the adapter
@@ -158,6 +163,7 @@ class CalmConfig:
     alpha_logits: str = "centered"
     upper: str = "entropy"
     reference: str | None = None
+    daca: bool = True
     alpha_holdout: float = 0.2
     freeze_alpha: bool = False
     cft_weight: float = 0.5

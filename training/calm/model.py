@@ -16,6 +16,7 @@ from calm_runtime.inference.post_head import post_head
 from calm_training.methods import train_method
 
 __all__ = ["ATTENTION_PROJECTIONS", "AnswerHead", "CalmModel", "Ranks", "default_lora_targets",
+           "stack_option_rows",
            "pick_device"]
 
 
@@ -309,6 +310,19 @@ def masked_reference_kl(option_logp, reference, option_mask):
 def option_log_probs(logp, batch):
     """``log softmax`` over each example's option scores, ``[E, k_max]``."""
     return option_scores(logp, batch).log_softmax(-1)
+
+
+def stack_option_rows(rows, fill: float):
+    """Per-question option rows of any lengths (each batch pads to its own ``k_max``) as
+    one ``[N, K_max]`` array, ``fill`` where a question has fewer options: ``-inf`` for
+    log-probabilities, ``0`` for probabilities."""
+    import numpy as np
+
+    rows = [np.asarray(r, dtype=np.float64) for r in rows]
+    out = np.full((len(rows), max((r.size for r in rows), default=0)), fill)
+    for i, row in enumerate(rows):
+        out[i, :row.size] = row
+    return out
 
 
 def _peft_key(name: str) -> str:

@@ -72,6 +72,8 @@ class TrainResult:
     trained_alpha: tuple | None = field(default=None, repr=False)
     #: the α gate's measures and decision (``method["alpha_gate"]`` of the adapter)
     alpha_gate: dict | None = None
+    #: the DACA temperature against the base (``method["daca"]``; calm_training.calm.finish)
+    daca: dict | None = None
 
 
 # ---------------------------------------------------------------------------- training
@@ -140,8 +142,11 @@ class _Trainer:
         self.holdout_examples = None
         self.holdout_kind = None
         self.holdout_info = None
+        self.holdout_records = None
+        self.cal_records = cal
         if not self.method.theta_only and config.alpha_holdout > 0:
             held, train = calm_data.holdout_split(train, config.alpha_holdout)
+            self.holdout_records = held
             if self.model.alpha and all(isinstance(r, MultipleChoiceRecord) for r in held):
                 self.holdout_examples = calm_data.encode_labeled_options(
                     held, **encode, variant=config.cloze_variant)
@@ -216,7 +221,7 @@ class _Trainer:
         import torch
 
         from calm_training.calm.cft import estimate_bins
-        from calm_training.calm.model import option_log_probs
+        from calm_training.calm.model import option_log_probs, stack_option_rows
 
         # the micro-batch size of training: what fits in memory there fits here
         m = self.model
@@ -230,7 +235,8 @@ class _Trainer:
                                    m.alpha).log_softmax(-1)
                 probs += list(option_log_probs(logp, batch).exp().double().cpu().numpy())
                 labels += batch.labels.tolist()
-        bins = estimate_bins(np.stack(probs), np.asarray(labels), self.config.cft_bins)
+        bins = estimate_bins(stack_option_rows(probs, 0.0), np.asarray(labels),
+                             self.config.cft_bins)
         logger.info("cft: training-split bin accuracies %s (sizes %s)",
                     [round(a, 3) for a in bins.accuracy], list(bins.count))
         return bins
@@ -324,8 +330,19 @@ class _Trainer:
         bar.close()
         seconds = time.perf_counter() - started
         trained_alpha = self.model.tau_shift() if self.model.alpha else None
-        self.alpha_gate = self._alpha_gate()
-        adapter = self._adapter(seconds)
+        # the finished training is checkpointed before anything measures it, so that a
+        # measurement that fails loses nothing: `--resume` writes the adapter from there
+        final = self._final_checkpoint() if out is not None else None
+        try:
+            self.alpha_gate = self._alpha_gate()
+            adapter = self._adapter(seconds)
+        except Exception as exc:
+            logger.debug("measuring the finished training failed", exc_info=True)
+            where = (f"the trained state is kept in {final}; fix the cause and rerun the same "
+                     "command with --resume" if final is not None else "nothing was written")
+            raise FitError(f"training finished but measuring it failed "
+                           f"({type(exc).__name__}: {exc}); {where}") from exc
+        daca = None
         if out is not None and self.dist.rank == 0:
             with tempfile.TemporaryDirectory(prefix="calm-lora-") as tmp:
                 self.model.peft.save_pretrained(tmp)
@@ -333,11 +350,17 @@ class _Trainer:
                 adapter.save_pretrained(out, overwrite=overwrite)
             logger.info("wrote %s (kind %s) after %d steps in %.0f s", out, adapter.kind,
                         self.step, seconds)
+            # the training is on disk now; what follows only adds to it
+            from calm_training.calm.finish import finish
+
+            adapter, daca = finish(cfg, Path(out), self.cal_records, self.holdout_records,
+                                   progress=progress)
+            self._drop_final_checkpoint(final)
         self.dist.barrier()
         return TrainResult(adapter=adapter, history=self.history,
                            out=Path(out) if out is not None else None, seconds=seconds,
                            model=self.model, trained_alpha=trained_alpha,
-                           alpha_gate=self.alpha_gate)
+                           alpha_gate=self.alpha_gate, daca=daca)
 
     def _alpha_gate(self) -> dict | None:
         """Measure α's own effect on the hold-out and reset α to the identity unless it
@@ -432,6 +455,30 @@ class _Trainer:
         if self.dist.rank == 0 and self.checkpoint_dir is not None:
             save_checkpoint(self, self.checkpoint_dir / f"step-{self.step:06d}")
         self.dist.barrier()
+
+    def _final_checkpoint(self) -> Path | None:
+        """The checkpoint of the last step (written unless ``checkpoint_every`` already
+        wrote it); None without a checkpoint directory."""
+        if self.checkpoint_dir is None:
+            return None
+        folder = self.checkpoint_dir / f"step-{self.step:06d}"
+        if not (folder / "state.json").is_file():
+            self._save_checkpoint()
+            self._made_final = folder
+        return folder
+
+    def _drop_final_checkpoint(self, folder: Path | None) -> None:
+        """Remove the checkpoint :meth:`_final_checkpoint` wrote once the adapter is written
+        (checkpoints the run asked for stay), and the checkpoint folder if it is empty."""
+        if folder is None or getattr(self, "_made_final", None) != folder:
+            return
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
+        try:
+            self.checkpoint_dir.rmdir()
+        except OSError:
+            pass  # other checkpoints are there
 
     def _load_latest(self) -> None:
         from calm_training.calm.checkpoint import latest_checkpoint, load_checkpoint

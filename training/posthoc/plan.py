@@ -44,9 +44,12 @@ class FitPlan:
     mode: Mode
     model: ModelSource
     reference: ModelSource | None
+    #: records handed over by the caller (``calm train``'s own calibration set), all of them
+    #: the calibration split; None: ``config.data``'s, split by ``calibration_fraction``
+    given: list | None = None
 
     @classmethod
-    def resolve(cls, config: FitConfig) -> FitPlan:
+    def resolve(cls, config: FitConfig, *, records: list | None = None) -> FitPlan:
         def source(role: str) -> ModelSource | None:
             spec = getattr(config, role)
             if spec is None:
@@ -57,7 +60,7 @@ class FitPlan:
                                   max_retries=config.max_retries)
 
         return cls(config=config, mode=config.scoring_mode, model=source("model"),
-                   reference=source("reference"))
+                   reference=source("reference"), given=records)
 
     # ------------------------------------------------------------------------ settings
     @property
@@ -114,7 +117,7 @@ class FitPlan:
         """The data's records (the first ``--limit``), of the kind the mode scores:
         multiple-choice records in cloze and letter mode, open-QA records in P(True) mode."""
         data = self.config.data
-        records = load_dataset(data)
+        records = load_dataset(data) if self.given is None else list(self.given)
         want, other = ((MultipleChoiceRecord, "open-QA") if self.mode.choice
                        else (OpenQARecord, "multiple-choice"))
         if records and not isinstance(records[0], want):
@@ -133,7 +136,9 @@ class FitPlan:
     @cached_property
     def split(self) -> tuple[np.ndarray, np.ndarray]:
         """``(calibration, test)`` indices into :attr:`records` (``calm_runtime.data.sets``'s
-        seeded split)."""
+        seeded split; every given record is a calibration record)."""
+        if self.given is not None:
+            return np.arange(len(self.records)), np.arange(0)
         return split_indices(len(self.records), self.config.calibration_fraction,
                              self.config.seed)
 
