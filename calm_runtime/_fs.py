@@ -23,7 +23,8 @@ from calm_runtime.errors import ArtifactError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["atomic_directory", "install_lock", "resolve_inside", "sha256_file", "sha256_bytes",
+__all__ = ["atomic_directory", "share_like_umask", "install_lock", "resolve_inside",
+           "sha256_file", "sha256_bytes",
            "show",
            "show_name",
            "is_dir", "is_file", "read_regular_file", "check_tree", "inside_copier",
@@ -275,6 +276,35 @@ def inside_copier(folder: str | os.PathLike, *, what: str) -> Callable[[str, str
     return copy
 
 
+def _umask() -> int:
+    """The process's umask, read without changing it where the system says it (Linux);
+    elsewhere set and restored at once."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def share_like_umask(root: Path) -> None:
+    """Give every folder and file under ``root`` the permissions the umask gives a new one
+    (0755 / 0644 under the usual 022): writers that make private temporary files (safetensors'
+    0600 files, folders copied from ``mkdtemp``'s 0700) would otherwise leave an artifact that
+    a server running as another user cannot read. Links are left alone."""
+    mask = _umask()
+    for folder, _dirs, files in os.walk(root):
+        os.chmod(folder, 0o777 & ~mask)
+        for name in files:
+            path = os.path.join(folder, name)
+            if not os.path.islink(path):
+                os.chmod(path, 0o666 & ~mask)
+
+
 @contextlib.contextmanager
 def atomic_directory(target: str | os.PathLike, *, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary sibling directory; on success rename it to ``target``.
@@ -302,6 +332,7 @@ def atomic_directory(target: str | os.PathLike, *, overwrite: bool = False) -> I
             raise ArtifactError(f"a staging folder next to {target} has this run's random "
                                 "name; run again") from None
         yield staging
+        share_like_umask(staging)
     except BaseException:
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)

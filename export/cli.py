@@ -124,8 +124,10 @@ def add_arguments(parser: argparse.ArgumentParser, *, quiet: bool = True) -> Non
                         help=f"ONNX opset (default {_DEFAULTS['opset']})")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an existing engine once the new one has passed validation")
-    if quiet:
-        parser.add_argument("--quiet", action="store_true", help="no progress bar or stage log")
+    if quiet:  # the same -q/-v as `calm` (whose own parser holds them for `calm export`)
+        parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+        parser.add_argument("-q", "--quiet", action="store_true",
+                            help="warnings only, no progress bar or stage log")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -134,7 +136,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return 1
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
     if not args.quiet:  # stage log for calm only; the exporters' own INFO chatter stays off
         for name in ("calm_export", "calm_runtime"):
             logging.getLogger(name).setLevel(logging.INFO)

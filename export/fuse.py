@@ -198,6 +198,18 @@ def fuse_into_lm_head(model, adapter: CalibrationAdapter, *, layout: str = "unti
     raw_weight = head.weight.detach()
     weight = raw_weight if multiplier == 1.0 else raw_weight * multiplier
     bias = None if head.bias is None else head.bias.detach() * multiplier
+    embedding = model.get_input_embeddings()
+    width = None if embedding is None else getattr(embedding, "weight", None)
+    if weight.ndim != 2 or 0 in weight.shape or (
+            width is not None and width.ndim == 2 and weight.shape[1] != width.shape[1]):
+        raise ArtifactError(
+            f"the model's LM head has shape {tuple(weight.shape)}, which does not match its "
+            f"embeddings{'' if width is None else f' ({tuple(width.shape)})'}: a head needs "
+            "the embeddings' width and one row per token; the model files are damaged")
+    if not bool(torch.isfinite(weight).all()) or (bias is not None
+                                                  and not bool(torch.isfinite(bias).all())):
+        raise ArtifactError("the model's LM head holds non-finite values (NaN or inf); the "
+                            "model files are damaged: use the original weights")
     if weight.shape[0] != adapter.base_model.vocab_size:
         from calm_runtime.errors import IncompatibleModelError
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -178,6 +179,10 @@ def _check_out(out: Path, overwrite: bool) -> Path:
     if out.is_dir():
         raise ArtifactError(f"{out} is a folder; --format gguf writes a file: choose another "
                             "--out")
+    if out.exists() and not stat.S_ISREG(out.stat().st_mode):
+        # a FIFO or a device: opening it to read its magic would block (or never end)
+        raise ArtifactError(f"{show_name(str(out))} is not a regular file (a FIFO or a "
+                            "device); refusing to write there: choose another --out")
     if out.exists() or out.is_symlink():
         if not overwrite:
             raise ArtifactError(f"{out} already exists; choose another --out or pass "
@@ -241,6 +246,16 @@ def _plan(source: GGUFSource, adapter: CalibrationAdapter, *, drop_shift: bool) 
         raise ArtifactError(f"{head_name} has {len(head.shape)} dimensions, not 2; cannot "
                             "fold into it")
     cols, rows = (int(n) for n in head.shape)
+    embedding = tensors.get(EMBEDDING)
+    if cols == 0 or rows == 0:
+        raise ArtifactError(f"{head_name} of {source.path.name} has shape {rows} x {cols}: "
+                            "an empty head; the file is damaged: use the original GGUF")
+    if embedding is not None and not tied and len(embedding.shape) == 2 and \
+            (int(embedding.shape[0]), int(embedding.shape[1])) != (cols, rows):
+        raise ArtifactError(
+            f"{HEAD} of {source.path.name} is {rows} x {cols} but {EMBEDDING} is "
+            f"{int(embedding.shape[1])} x {int(embedding.shape[0])}: the head must have the "
+            "embeddings' width and vocabulary; the file is damaged: use the original GGUF")
     if adapter.base_model.vocab_size != rows:
         raise IncompatibleModelError(
             f"the adapter is for a vocabulary of {adapter.base_model.vocab_size} tokens "
@@ -318,6 +333,11 @@ def _calibrated_head(source: GGUFSource, adapter: CalibrationAdapter, plan: dict
     """``(W', b' or None, facts)``: the folded head (and bias) as written (:func:`_head_type`)."""
     head = plan["head"]
     weight = _dequantize(head)
+    if not np.isfinite(weight).all():
+        bad = int((~np.isfinite(weight)).any(axis=1).sum())
+        raise ArtifactError(f"{head.name} of {source.path.name} holds non-finite values in "
+                            f"{bad} of {weight.shape[0]} rows; the file is damaged: use the "
+                            "original GGUF")
     tau = np.asarray(adapter.tau, dtype=np.float32)
     temperature = float(adapter.temperature)
     bias = None if plan["source_bias"] is None else _dequantize_vector(plan["source_bias"])

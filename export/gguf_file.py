@@ -32,6 +32,7 @@ import numpy as np
 from calm_runtime._fs import show_name
 from calm_runtime.data.models import PACKAGED_MODELS
 from calm_runtime.errors import ArtifactError, BackendUnavailableError, ModelSourceError
+from calm_runtime.formats.gguf_layout import check_gguf_layout, require_regular_file
 
 __all__ = ["BLOCK_SCALES", "GGUFSource", "TensorOut", "encode_kv", "gguf_origin", "open_source",
            "require_gguf",
@@ -163,6 +164,7 @@ def open_source(path: Path) -> GGUFSource:
     """Read a GGUF file's header, keys and tensor infos (the data stays memory-mapped);
     anything the reader cannot take is one :class:`ArtifactError` line."""
     gguf = require_gguf()
+    require_regular_file(path)  # a FIFO or a device would block the read below
     try:
         with open(path, "rb") as handle:
             magic = handle.read(4)
@@ -172,6 +174,8 @@ def open_source(path: Path) -> GGUFSource:
     if magic != _MAGIC:
         raise ArtifactError(f"{show_name(str(path))} is not a GGUF file (it starts with "
                             f"{magic!r}, not b'GGUF'); pass a .gguf model")
+    # gguf's reader believes the counts a file declares: check them against its size first
+    check_gguf_layout(path)
     try:
         reader = gguf.GGUFReader(str(path), "r")
     except (ValueError, KeyError, IndexError, OSError, struct.error) as exc:

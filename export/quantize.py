@@ -154,12 +154,15 @@ def quantize_int4(source: Path, target: Path, config, *, external: bool,
         return quantize_int8(source, target, config, external=external, bits=4)
     import onnx
 
+    from calm_runtime.formats.gguf_layout import check_gguf_layout
+
     from .gguf_blocks import carry_gguf_blocks
     from .gguf_file import require_gguf, source_gguf
 
     gguf = require_gguf()
     model = onnx.load(str(source), load_external_data=True)
     with source_gguf(gguf_spec, source.parent) as path:
+        check_gguf_layout(path)  # before gguf's reader believes its counts
         report = carry_gguf_blocks(model, gguf.GGUFReader(path))
         gguf_name = path.name
     carried = [r for r in report if r.reason is None]

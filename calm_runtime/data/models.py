@@ -22,13 +22,14 @@ import json
 import logging
 import os
 import re
+import struct
 import subprocess
 import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from calm_runtime._fs import atomic_directory, install_lock, sha256_file
+from calm_runtime._fs import atomic_directory, install_lock, sha256_file, show_name
 from calm_runtime._paths import cache_dir
 from calm_runtime.errors import (
     ArtifactError,
@@ -286,15 +287,22 @@ def _assemble(entry: PackagedModel) -> Path:
 def _convert_gguf(folder: Path, filename: str, out: Path, *, overwrite: bool = False,
                   name: str | None = None) -> None:
     """Dequantise a GGUF file to a float32 safetensors folder (atomically)."""
+    from calm_runtime.formats.gguf_layout import check_gguf_layout
+
     torch, transformers = _import_torch_transformers()
+    # the readers below believe the counts a file declares: check them against its size
+    check_gguf_layout(folder / filename)
     logger.info("converting %s to float32 safetensors in %s", filename, out)
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder), gguf_file=filename)
         model = transformers.AutoModelForCausalLM.from_pretrained(
             str(folder), gguf_file=filename, dtype=torch.float32)
-    except (OSError, ValueError, KeyError, RuntimeError) as exc:
-        raise ModelSourceError(f"could not read {folder / filename} as GGUF ({exc}); check the "
-                               "file or the transformers/gguf versions") from None
+    except (OSError, ValueError, KeyError, IndexError, RuntimeError, TypeError, AttributeError,
+            struct.error, UnicodeDecodeError, OverflowError, MemoryError) as exc:
+        reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        raise ModelSourceError(f"could not read {show_name(str(folder / filename))} as GGUF "
+                               f"({type(exc).__name__}: {reason}); check the file or the "
+                               "transformers/gguf versions") from None
     # save_pretrained refuses a GGUF-loaded model until its quantizer is detached
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):

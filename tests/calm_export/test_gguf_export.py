@@ -28,8 +28,10 @@ def _cache(tmp_path, monkeypatch):
     monkeypatch.setenv("CALM_CACHE", str(tmp_path / "cache"))
 
 
-def tiny_gguf(path, *, arch="llama", tied=True, head_q8=False, bias=False, softcap=None):
-    """A tiny GGUF of ``arch`` (one block, F32 tensors; the head Q8_0 with ``head_q8``)."""
+def tiny_gguf(path, *, arch="llama", tied=True, head_q8=False, bias=False, softcap=None,
+              head_cols=None, head_nan=False):
+    """A tiny GGUF of ``arch`` (one block, F32 tensors; the head Q8_0 with ``head_q8``; a
+    damaged untied head ``head_cols`` wide, or all NaN, when asked)."""
     rng = np.random.default_rng(0)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(1)
@@ -47,8 +49,10 @@ def tiny_gguf(path, *, arch="llama", tied=True, head_q8=False, bias=False, softc
     if softcap is not None:
         writer.add_float32(f"{arch}.final_logit_softcapping", softcap)
 
-    def add(name, shape, q8=False):
+    def add(name, shape, q8=False, nan=False):
         values = rng.standard_normal(shape).astype(np.float32)
+        if nan:
+            values[:] = np.nan
         if q8:
             writer.add_tensor(name, gguf.quants.quantize(values, Q8_0), raw_dtype=Q8_0)
         else:
@@ -60,7 +64,7 @@ def tiny_gguf(path, *, arch="llama", tied=True, head_q8=False, bias=False, softc
                         ("ffn_gate", (64, DIM)), ("ffn_up", (64, DIM)), ("ffn_down", (DIM, 64))):
         add(f"blk.0.{name}.weight", shape)
     if not tied:
-        add("output.weight", (VOCAB, DIM), q8=head_q8)
+        add("output.weight", (VOCAB, head_cols or DIM), q8=head_q8, nan=head_nan)
     if bias:
         add("output.bias", (VOCAB,))
     add("output_norm.weight", (DIM,))
@@ -316,6 +320,27 @@ def test_unusable_inputs_are_one_line(tmp_path, case):
         export(tmp_path, source, good, out=out)
     assert "\n" not in str(caught.value)
     assert not (tmp_path / out).exists()
+
+
+@pytest.mark.parametrize("damage, match", [
+    ({"head_cols": DIM // 2}, "the embeddings' width"),
+    ({"head_nan": True}, "non-finite values"),
+])
+def test_a_damaged_head_is_refused_before_anything_is_written(tmp_path, damage, match):
+    source = tiny_gguf(tmp_path / "damaged.gguf", tied=False, **damage)
+    with pytest.raises(ArtifactError, match=match) as caught:
+        export(tmp_path, source, adapter(tmp_path))
+    assert "\n" not in str(caught.value)
+    assert not (tmp_path / "calibrated.gguf").exists()
+
+
+def test_a_fifo_as_out_is_refused_without_opening_it(tmp_path):
+    import os
+
+    source = tiny_gguf(tmp_path / "tiny.gguf")
+    os.mkfifo(tmp_path / "pipe.gguf")
+    with pytest.raises(ArtifactError, match="not a regular file"):
+        export(tmp_path, source, adapter(tmp_path), out="pipe.gguf", overwrite=True)
 
 
 def test_nothing_is_left_when_the_write_fails_and_the_old_file_stays(tmp_path, monkeypatch):

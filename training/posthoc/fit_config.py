@@ -13,7 +13,11 @@ from calm_runtime import modes
 from calm_runtime.data.models import DEFAULT_API_KEY_ENV
 from calm_runtime.data.prompts import DEFAULT_CLOZE_VARIANT, DEFAULT_P_TRUE_TEMPLATE
 from calm_runtime.errors import ConfigError
-from calm_training.scoring.endpoint import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT
+from calm_training.scoring.endpoint import (
+    DEFAULT_MAX_RETRIES,
+    DEFAULT_TIMEOUT,
+    check_deadline,
+)
 from calm_training.scoring.local import CLOZE_VARIANTS
 
 __all__ = ["ALL_MODES", "DEFAULT_VARIANT", "FitConfig"]
@@ -94,10 +98,10 @@ class FitConfig:
             problems.append(f"risk_confidence {self.risk_confidence!r} must lie in [0.5, 1)")
         if not isinstance(self.concurrency, int) or self.concurrency < 1:
             problems.append(f"concurrency {self.concurrency!r} must be an integer >= 1")
-        if not isinstance(self.timeout, int | float) or not 0 < self.timeout < float("inf"):
-            problems.append(f"timeout {self.timeout!r} must be a number of seconds > 0")
-        if not isinstance(self.max_retries, int) or self.max_retries < 0:
-            problems.append(f"max_retries {self.max_retries!r} must be an integer >= 0")
+        try:
+            check_deadline(self.timeout, self.max_retries)
+        except ConfigError as exc:
+            problems.append(str(exc).split("; fix")[0])
         if self.max_length is not None and (not isinstance(self.max_length, int)
                                             or self.max_length < 2):
             problems.append(f"max_length {self.max_length!r} must be an integer >= 2")

@@ -16,7 +16,6 @@ import http.client
 import json
 import os
 import random
-import re
 import socket
 import threading
 import time
@@ -26,8 +25,10 @@ from dataclasses import dataclass, field
 
 from calm_runtime.data.models import DEFAULT_API_KEY_ENV, is_endpoint  # noqa: F401 - re-exported
 from calm_runtime.errors import CalmError, ConfigError
+from calm_training.scoring.redaction import REDACTED, redact  # noqa: F401 - re-exported
 
-__all__ = ["DEFAULT_MAX_RETRIES", "DEFAULT_TIMEOUT", "Endpoint", "RemoteError",
+__all__ = ["DEFAULT_MAX_RETRIES", "DEFAULT_TIMEOUT", "Endpoint", "MAX_RETRIES", "MAX_TIMEOUT",
+           "RemoteError",
            "MAX_RESPONSE_BYTES", "abort_requests", "connect", "is_endpoint", "printable",
            "redact", "redact_url"]
 
@@ -37,6 +38,11 @@ DEFAULT_TIMEOUT = 120.0
 #: ``--max-retries``: attempts after the first one on 429, 5xx, time-outs and connection
 #: errors, within the same total deadline
 DEFAULT_MAX_RETRIES = 4
+#: the longest ``--timeout`` taken (a day: a deadline beyond it is a typo, and the socket
+#: layer cannot represent one near 1e12 s)
+MAX_TIMEOUT = 86400.0
+#: the most ``--max-retries`` taken
+MAX_RETRIES = 100
 
 
 class RemoteError(CalmError):
@@ -294,32 +300,6 @@ def _error_message(raw: bytes, said: Callable[[str], str]) -> str | None:
     return said(str(message)) if message else None
 
 
-#: the text that replaces a credential
-REDACTED = "[redacted]"
-#: ``Bearer <token>`` (RFC 6750's b64token, one that looks like a credential: a digit or one
-#: of ``_~+/-`` in it, or 16 characters long, so that "the bearer of" stays prose) and an
-#: ``Authorization`` header's value, as a server may echo them: a header line, JSON, or a
-#: Python dict's repr
-_CREDENTIALS = re.compile(
-    r"""(?i)\b(bearer)\s+(?=[\w.~+/-]*[\d_~+/-]|[\w.~+/-]{16})[\w.~+/-]+=*"""
-    r"""|\b(authorization)(["']?\s*[:=]\s*["']?)[^\r\n"',;}]*""", re.ASCII)
-
-
-def _mask(match: re.Match) -> str:
-    if match.group(1):
-        return f"{match.group(1)} {REDACTED}"
-    return f"{match.group(2)}{match.group(3)}{REDACTED}"
-
-
-def redact(text: str, key: str | None = None) -> str:
-    """``text`` without the API key ``key`` (its exact value, anywhere) and without any
-    ``Bearer <token>`` or ``Authorization: ...`` value: the one filter every text from an
-    endpoint passes before calm logs, prints, raises or writes it."""
-    if key:
-        text = text.replace(key, REDACTED)
-    return _CREDENTIALS.sub(_mask, text)
-
-
 def _redacted(payload, key: str | None):
     """``payload`` with :func:`redact` applied to each of its strings (keys included; the
     value of an ``authorization`` key whole); unchanged, and not walked, when its JSON text
@@ -339,6 +319,18 @@ def _redacted(payload, key: str | None):
         return value
 
     return walk(payload)
+
+
+def check_deadline(timeout, retries) -> None:
+    """A one-line :class:`ConfigError` unless ``0 < timeout <= MAX_TIMEOUT`` seconds and
+    ``0 <= retries <= MAX_RETRIES``."""
+    if (isinstance(timeout, bool) or not isinstance(timeout, int | float)
+            or not 0 < timeout <= MAX_TIMEOUT):
+        raise ConfigError(f"timeout must be > 0 and at most {MAX_TIMEOUT:g} seconds, got "
+                          f"{timeout!r}; fix --timeout")
+    if isinstance(retries, bool) or not isinstance(retries, int) or not 0 <= retries <= MAX_RETRIES:
+        raise ConfigError(f"max_retries must be an integer from 0 to {MAX_RETRIES}, got "
+                          f"{retries!r}; fix --max-retries")
 
 
 def connect(url: str, *, model_name: str | None = None, api_key_env: str = DEFAULT_API_KEY_ENV,
@@ -362,10 +354,7 @@ def connect(url: str, *, model_name: str | None = None, api_key_env: str = DEFAU
                           "--api-key-env VAR")
     if concurrency < 1:
         raise ConfigError(f"concurrency must be >= 1, got {concurrency}")
-    if not timeout > 0:
-        raise ConfigError(f"timeout must be > 0 seconds, got {timeout}; fix --timeout")
-    if retries < 0:
-        raise ConfigError(f"max_retries must be >= 0, got {retries}; fix --max-retries")
+    check_deadline(timeout, retries)
     endpoint = Endpoint(url.rstrip("/"), model_name or "", api_key_env=api_key_env,
                         concurrency=concurrency, timeout=timeout, retries=retries)
     listing = endpoint.request("GET", "/models")
@@ -376,6 +365,10 @@ def connect(url: str, *, model_name: str | None = None, api_key_env: str = DEFAU
             raise ConfigError(f"{url} serves {len(served)} models ({', '.join(served[:5])}); "
                               "name one with --model-name / --reference-name")
         model_name = served[0]
+    if REDACTED in model_name:  # the listing passed redact(): the id held the key
+        raise ConfigError(f"{redact_url(url)}: the served model's id holds the API key (in "
+                          "some encoding); calm records model ids in adapters and caches: "
+                          "serve the model under a name without the key")
     elif served and model_name not in served:
         raise ConfigError(f"{url} does not serve {model_name!r} (it serves "
                           f"{', '.join(served[:5])}); fix --model-name / --reference-name")
