@@ -307,12 +307,15 @@ def per_question(probs: np.ndarray, labels: np.ndarray) -> dict:
 
 
 def summary(q: dict, k: int, bins: int, n_boot: int) -> dict:
+    """One reading's metrics; ECE's 95% interval is the bias-corrected bootstrap (binned ECE
+    is biased upward on resamples; metrics.bootstrap_interval)."""
     conf, correct = np.asarray(q["conf"]), np.asarray(q["correct"], float)
     lo, hi = metrics.bootstrap_interval(lambda c, y: metrics.ece(c, y, bins), conf, correct,
-                                        n_resamples=n_boot)
+                                        n_resamples=n_boot, bias_corrected=True)
     acc = float(correct.mean())
     return {"n": int(conf.size), "accuracy": acc, "ece": float(metrics.ece(conf, correct, bins)),
-            "ece_ci": [lo, hi], "nll": float(np.mean(q["nll"])),
+            "ece_ci": [lo, hi], "ece_ci_kind": "bias-corrected percentile",
+            "nll": float(np.mean(q["nll"])),
             "brier": float(np.mean(q["brier"])), "mean_confidence": float(conf.mean()),
             "near_chance": acc < 1.0 / k + CHANCE_MARGIN, "k": k}
 
@@ -697,14 +700,24 @@ def claims(parts: dict, default: str | None, n_boot: int, bins: int) -> list[dic
          ("ablation-iterate", "alpha"), (default, "alpha"), [DOMAIN]),
         ("regularization ablation collapses in accuracy (vs default arm)", "collapses",
          "accuracy", ("ablation-regularization", "alpha"), (default, "alpha"), [DOMAIN]),
-        ("per-vocabulary α beats one learned temperature: OOD ECE below the scalar ablation",
+        # the scalar ablation's one temperature collapsed high (τ ≈ 6.5, which TS undoes):
+        # without TS this compares against a collapsed scalar, with TS on both it compares
+        # what per-vocabulary α adds beyond one temperature
+        ("OOD ECE below the scalar ablation (no TS; its one learned τ collapsed high)",
          "ece", "ece", (default, "alpha"), ("ablation-scalar", "alpha"), ood),
+        ("per-vocabulary α beats one learned temperature, TS on both: OOD ECE below the "
+         "scalar ablation", "ece", "ece", (default, "alpha+ts"), ("ablation-scalar",
+                                                                   "alpha+ts"), ood),
         ("OOD conf-ECE below CFT (calibration loss alone)", "ece", "ece", (default, "alpha"),
          ("cft", "alpha"), ood),
         ("OOD conf-ECE below CFT (calibration loss alone), TS on both", "ece", "ece",
          (default, "alpha+ts"), ("cft", "alpha+ts"), ood),
+        # CFT's primary comparator: cross-entropy plus the calibration term (the published
+        # form), with and without TS
         ("OOD conf-ECE below CFT (CE + calibration term)", "ece", "ece", (default, "alpha"),
          ("cft-ce", "alpha"), ood),
+        ("OOD conf-ECE below CFT (CE + calibration term), TS on both", "ece", "ece",
+         (default, "alpha+ts"), ("cft-ce", "alpha+ts"), ood),
         ("accuracy kept out of domain (vs CFT, calibration loss alone)", "kept", "accuracy",
          (default, "alpha"), ("cft", "alpha"), ood),
         # "CALM is the only training-time method that improves both in domain": CFT's rows
@@ -724,9 +737,20 @@ def claims(parts: dict, default: str | None, n_boot: int, bins: int) -> list[dic
         if not a or not b:
             out.append({**row, "verdict": "not run"})
             continue
+        if _identical(a, b):  # e.g. the gate wrote the identity: nothing to compare
+            out.append({**row, "verdict": "n/a (identical readings)", "seeds": [len(a), len(b)],
+                        "n": int(sum(a[0][s]["conf"].size for s in sets))})
+            continue
         d = paired_delta(a, b, sets, metric, n_boot, bins)
         out.append({**row, **d, "verdict": verdict(kind, *d["ci"])})
     return out
+
+
+def _identical(a: list[dict], b: list[dict]) -> bool:
+    """Whether two sides hold the same per-question arrays, seed by seed."""
+    return len(a) == len(b) and all(
+        np.array_equal(x[s][k], y[s][k]) for x, y in zip(a, b, strict=True) for s in x
+        for k in ("conf", "correct", "nll"))
 
 
 def round_two(ood: list[str]) -> list[tuple]:
@@ -846,6 +870,10 @@ def report(args) -> int:
     runs = {}
     for name, part in parts.items():
         runs[name] = {k: v for k, v in part.items() if k not in ("sets", "curve")}
+        eta = (part.get("settings") or {}).get("eta")
+        lams = [r["lam"] for r in part.get("curve") or [] if r.get("lam") is not None]
+        if eta is not None and lams:  # how far λ moved from η (the recorded curve's steps)
+            runs[name]["lambda_minus_eta"] = float(np.median(np.abs(np.asarray(lams) - eta)))
         runs[name]["sets"] = {s: {v: d["summary"] for v, d in info["variants"].items()}
                               for s, info in part["sets"].items()}
     commits = ",".join(dict.fromkeys(p["commit"] for p in [gate, *parts.values()]))
@@ -882,6 +910,9 @@ def _claim_line(c: dict) -> str:
     if c["verdict"] == "not run":
         why = c.get("why") or "a run it needs is not in the results yet"
         return f"| {c['claim']} | **not run** | - | {why} |"
+    if c["verdict"].startswith("n/a"):
+        return (f"| {c['claim']} | **{c['verdict']}** | - | {c['arm']} and {c['comparator']} "
+                f"are the same readings (seeds {c['seeds'][0]} vs {c['seeds'][1]}, n={c['n']}) |")
     return (f"| {c['claim']} | **{c['verdict']}** | {c['delta']:+.3f} "
             f"[{c['ci'][0]:+.3f}, {c['ci'][1]:+.3f}] | {c['arm']} − {c['comparator']}, "
             f"{c['metric']}, {'+'.join(c['sets'])}, seeds {c['seeds'][0]} vs {c['seeds'][1]}, "
@@ -971,11 +1002,15 @@ def _round_two_lines(runs: dict) -> list[str]:
         return []
     lines = ["", "## The α gate and the coupling", "",
              "The gate: the trained θ on held-out training questions with α as trained against "
-             "without α (α kept only if the NLL drops). The coupling: share of BOME steps "
-             "with λ > η, median ‖∇_α q‖/‖∇_α f‖ and median ‖θ~ − θ‖/‖θ‖.", "",
+             "without α (second-round runs: α kept if the NLL drops; `calm-train` runs: only "
+             "if it drops by more than its paired 95% interval's half-width and accuracy falls "
+             "by at most 0.03). The coupling: share of BOME steps with λ > η (λ > η exactly "
+             "when cos(∇f, ∇q) < 0, λ < η when it is > 0: at cos ≈ 0 this share is a coin "
+             "flip), median |λ − η| over the recorded curve, median ‖∇_α q‖/‖∇_α f‖ and "
+             "median ‖θ~ − θ‖/‖θ‖.", "",
              "| run | α written | held-out n | NLL without → with α | answers changed | TV | "
-             "KL | ΔH | λ > η | ‖∇_α q‖/‖∇_α f‖ | inner move |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "KL | ΔH | λ > η | median abs(λ − η) | ‖∇_α q‖/‖∇_α f‖ | inner move |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, run in rows:
         gate, c = run["alpha_gate"], run.get("coupling") or {}
         share = gate.get("share") or {}
@@ -989,8 +1024,18 @@ def _round_two_lines(runs: dict) -> list[str]:
             f"{num(share.get('kl_without_to_alpha'), '.4f')} | "
             f"{num(share.get('entropy_change'), '+.4f')} | "
             f"{num(c.get('share_lambda_above_eta'), '.2f')} | "
+            f"{num(run.get('lambda_minus_eta'), '.2g')} | "
             f"{num(c.get('median_alpha_q_to_f'))} | {num(c.get('median_inner_move'))} |")
     return lines
+
+
+#: what the claims' intervals are and are not (printed above the claims)
+MULTIPLICITY = ("Each verdict rests on its own 95% interval; the claims are not corrected for "
+                "multiplicity (with this many, a few verdicts at the edge of their margin may "
+                "be chance): read them as exploratory, the `calm-train` rows as the measurement "
+                "of what `calm train` ships. An ECE claim 'holds' only when its interval lies "
+                "below 0 and outside ±0.01; 'n/a' marks two identical readings (nothing to "
+                "compare).")
 
 
 def render(payload: dict) -> str:
@@ -1008,7 +1053,8 @@ def render(payload: dict) -> str:
              (f"**{default['arm']}** ({default['rule']}; NLL "
               + ", ".join(f"{a} {v:.4f}" for a, v in default["validation_nll"].items()) + ")"
               if default else "not chosen yet (its seed-0 candidates are missing)"), "",
-             "## Claims", "", "| claim | verdict | Δ [95% CI] | what |", "|---|---|---|---|",
+             "## Claims", "", MULTIPLICITY, "",
+             "| claim | verdict | Δ [95% CI] | what |", "|---|---|---|---|",
              *[_claim_line(c) for c in payload["claims"]], "",
              f"Runs not yet made: {', '.join(missing) if missing else 'none'}.", "",
              *[f"Diverged (no results; its verdicts are not run): {name}: {why}" for name, why
@@ -1042,15 +1088,25 @@ def render(payload: dict) -> str:
     return "\n".join(lines)
 
 
+def _seeds_per_arm(runs: dict) -> str:
+    counts: dict[str, int] = {}
+    for run in runs.values():
+        if run.get("arm") and run["arm"] != "vanilla":
+            counts[run["arm"]] = counts.get(run["arm"], 0) + 1
+    return ", ".join(f"{arm} {n}" for arm, n in sorted(counts.items()))
+
+
 def readme_block(payload: dict) -> str:
     gate, default = payload["gate"], payload["default"]
     lines = [f"Generated by `python benchmarks/calm_decisive.py --report` from "
              f"`benchmarks/results/calm_decisive.json` (commit {payload['commit']}): "
              f"SmolLM2-135M-Instruct trained on SciQ, out of domain ARC-Easy and PIQA, "
-             f"{gate['mode']} mode. Default arm: "
+             f"{gate['mode']} mode. Default arm (the first round's BOME arm chosen on the "
+             f"validation split; not `calm train`'s defaults, which are the `{SHIPPED}` arm): "
              f"**{default['arm'] if default else 'not chosen yet'}**. "
              f"{ENTROPY_GATE_WORDS[bool(gate['alpha_moves'])]} in the gate (α learning rate "
-             f"{gate['alpha_lr']:g}).", "",
+             f"{gate['alpha_lr']:g}). Seeds per arm: {_seeds_per_arm(payload['runs'])}.", "",
+             MULTIPLICITY, "",
              "| claim | verdict | Δ [95% CI] | what |", "|---|---|---|---|",
              *[_claim_line(c) for c in payload["claims"]]]
     return "\n".join(lines)

@@ -9,7 +9,13 @@ import sys
 from collections.abc import Sequence
 
 from calm_runtime._extras import missing
-from calm_runtime.cli.common import install_named, missing_extra_message, run_command
+from calm_runtime.cli.common import (
+    HelpFormatter,
+    install_named,
+    missing_extra_message,
+    run_command,
+)
+from calm_runtime.data.models import MODEL_FORMS
 from calm_runtime.data.prompts import CHOICE_MODES, CLOZE_VARIANTS, DEFAULT_CLOZE_VARIANT
 from calm_runtime.errors import ConfigError
 
@@ -38,9 +44,11 @@ EPILOG = """examples:
   calm-export --model smollm2-135m-instruct --adapter runs/daca-adapter --format gguf \\
       --out smol-calibrated.gguf            # the GGUF with a calibrated head, for llama.cpp
 
-The engine is validated before it is written (logits and greedy KV-cache tokens against
-the unfused model with the calibration applied in torch); a failed validation writes
-nothing and leaves an existing engine in place."""
+An ONNX or TensorRT engine is validated before it is written (logits and greedy KV-cache
+tokens against the unfused model with the calibration applied in torch); a failed
+validation writes nothing and leaves an existing engine in place. --format gguf runs no
+model: it copies the source's tensors byte for byte, folds the calibration into the head,
+and reads the written file back to check both before it replaces anything."""
 
 
 DESCRIPTION = ("Fuse a calibration adapter into a model and export a validated inference "
@@ -49,8 +57,7 @@ DESCRIPTION = ("Fuse a calibration adapter into a model and export a validated i
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="calm-export", description=DESCRIPTION, epilog=EPILOG,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     allow_abbrev=False)
+                                     formatter_class=HelpFormatter, allow_abbrev=False)
     add_arguments(parser)
     return parser
 
@@ -66,8 +73,7 @@ def register(sub) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser, *, quiet: bool = True) -> None:
     """The export options; ``quiet=False`` where the parent parser already has ``--quiet``."""
-    parser.add_argument("--model", required=True,
-                        help="model folder, .gguf file or packaged model name")
+    parser.add_argument("--model", required=True, help=f"the model to export: {MODEL_FORMS}")
     parser.add_argument("--adapter", default=None,
                         help="calibration adapter directory (default: identity calibration)")
     parser.add_argument("--out", required=True,

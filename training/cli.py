@@ -12,6 +12,7 @@ from pathlib import Path
 
 from calm_runtime import modes
 from calm_runtime.cli.common import add_endpoint_limits, deprecated_alias, show_progress
+from calm_runtime.data.models import MODEL_FORMS
 from calm_runtime.data.prompts import CLOZE_VARIANTS
 from calm_runtime.errors import BackendUnavailableError
 from calm_training.posthoc.fit_config import ALL_MODES, FitConfig
@@ -42,6 +43,10 @@ def register(sub) -> None:
     from calm_training.methods import ADAPTER_METHODS
 
     fit = sub.add_parser("fit", help="fit a post-hoc calibration adapter", epilog=FIT_EPILOG,
+                         description="Score the model (and, for the label-free methods, a "
+                         "reference) on a calibration split of --data, fit METHOD there and "
+                         "write a calibration adapter that calm-export fuses into an engine "
+                         "(docs/methods.md sections 1-3).",
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     fit.add_argument("method", choices=list(ADAPTER_METHODS),
                      help="daca/naive/daca-vector are label-free (need --reference); "
@@ -61,6 +66,11 @@ def register(sub) -> None:
     fit.set_defaults(handler=_fit)
 
     ev = sub.add_parser("eval", help="vanilla vs calibrated metrics on the test split",
+                        description="Metrics (accuracy, ECE with its interval, MCE, AECE, "
+                        "Brier, NLL) of the model on the test split of --data: uncalibrated, "
+                        "with --adapter, or every post-hoc method fitted on the calibration "
+                        "split side by side (--compare); writes a JSON report and a "
+                        "reliability diagram.",
                         epilog=EVAL_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_common(ev, None)
     ev.add_argument("--adapter", dest="eval_adapter", help="adapter directory to evaluate")
@@ -84,7 +94,8 @@ def register(sub) -> None:
     quick.add_argument("--out-dir", default="calm-out", help="adapters and reports go here")
     quick.add_argument("--limit", type=int, default=None,
                        help="use only the first N questions (quicker, noisier)")
-    quick.add_argument("--data", default="arc-easy")
+    quick.add_argument("--data", default="arc-easy",
+                       help="the data set to calibrate on (a named set or a .jsonl file)")
     quick.add_argument("--no-engine", action="store_true",
                        help="stop after fitting and comparing (skip export and runtime)")
     quick.add_argument("--threads", type=int, default=None,
@@ -94,9 +105,9 @@ def register(sub) -> None:
 
 
 def _add_common(p, default_variant: str | None) -> None:
-    p.add_argument("--model", required=True, help="model to calibrate: packaged name, folder, "
-                   ".gguf file, engine folder (calm-export; scored with ONNX Runtime) or the "
-                   "http(s) base URL of an OpenAI-compatible API (.../v1)")
+    p.add_argument("--model", required=True, help=f"model to calibrate: {MODEL_FORMS}; also "
+                   "an engine folder (calm-export; scored with ONNX Runtime) or the http(s) base "
+                   "URL of an OpenAI-compatible API (.../v1)")
     p.add_argument("--reference", help="pre-trained reference model (label-free methods); "
                    "the same kinds of spec")
     p.add_argument("--data", required=True, help="data set name or .jsonl file")

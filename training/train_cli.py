@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 
 from calm_runtime.cli.common import show_progress
+from calm_runtime.data.models import MODEL_FORMS
 from calm_runtime.data.prompts import CHOICE_MODES, CLOZE_VARIANTS
 
 __all__ = ["register_train"]
@@ -20,28 +21,35 @@ TRAIN_EPILOG = """data parts (disjoint from the test part that `calm eval` score
 examples:
   calm train --model smollm2-135m-instruct --train arc-easy:train \\
       --calibration sciq:unlabeled --out adapters/calm-smollm2
-  calm train ... --method lora --out adapters/lora-smollm2     # the plain LoRA reference
-  calm train ... --method cft --out adapters/cft-smollm2       # the training-time baseline
-  torchrun --nproc_per_node 2 -m calm_runtime.cli.main train ...      # data parallel
+  calm train --model smollm2-135m-instruct --train arc-easy:train \
+      --calibration sciq:unlabeled --method lora --out adapters/lora-smollm2  # plain LoRA
+  calm train --model smollm2-135m-instruct --train arc-easy:train \
+      --calibration sciq:unlabeled --method cft --out adapters/cft-smollm2  # the baseline
+  torchrun --nproc_per_node 2 -m calm_runtime.cli.main train --model smollm2-135m-instruct \
+      --train arc-easy:train --calibration sciq:unlabeled --out adapters/calm-ddp
   calm fit daca --model smollm2-135m-instruct --reference gemma-3-270m --data arc-easy \\
       --adapter adapters/calm-smollm2 --out adapters/calm-daca   # compose with DACA
 """
 
 
 TRAIN_DESCRIPTION = """\
-Fine-tune a LoRA adapter with cross-entropy while per-vocabulary temperatures and shifts
-(tau, shift) follow an upper objective on an unlabeled set (BOME, docs/methods.md section 4):
-the option entropy (the paper's) or, with --upper daca, the agreement-masked KL to a
-pre-trained reference (calm's extension). Defaults: a plain-LoRA warm start of half the
-steps, then BOME's step (plain SGD) with f's gradient on tau/shift only, Adam inner steps
-(so that the coupling engages), tau acting on centred logits.
+Fine-tune a LoRA adapter on labeled questions, learn per-token temperatures and shifts
+(tau, shift) for the model's output on unlabeled questions, and end with a label-free
+temperature, so that the adapter it writes is calibrated (docs/methods.md section 4).
 
-Do no harm: a share of the training questions (--alpha-holdout) is held out, and before
-the adapter is written the learned tau/shift are measured there against the same LoRA
-without them (NLL, answers changed, total variation, KL). tau/shift that do not lower the
-held-out NLL are not written: the adapter carries the identity and says why (its manifest,
-method.alpha_gate, and this command's last line). What the defaults do on real data:
-docs/results.md.
+What it writes, in one adapter that calm-export fuses in one step:
+  LoRA       the fine-tune (cross-entropy on --train)
+  tau/shift  learned on --calibration so that the model's answers are less over-confident
+             (the option entropy, or with --upper daca a pre-trained reference's
+             confidence); kept only if they lower the NLL of held-out training questions
+             (--alpha-holdout) by more than that measurement's noise and cost at most 3
+             points of their accuracy, else the identity, and the adapter says why
+  T          a DACA temperature of the trained model against the model before the LoRA
+             (or --reference), fitted on --calibration without labels; --no-daca skips it
+
+The last lines say what each part did on the held-out training questions (accuracy, ECE,
+NLL of the model alone, with the LoRA, with tau/shift, with T). What the defaults do on
+real data, in and out of domain: docs/results.md.
 """
 
 
@@ -61,7 +69,7 @@ def register_train(sub) -> None:
     t = sub.add_parser("train", help="CALM: train LoRA + per-token calibration (bilevel)",
                        description=TRAIN_DESCRIPTION,
                        epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    t.add_argument("--model", required=True, help="packaged name, folder or .gguf file")
+    t.add_argument("--model", required=True, help=f"the model to fine-tune: {MODEL_FORMS}")
     t.add_argument("--train", action="append", required=True, metavar="SPEC",
                    help="labeled training data (repeatable), e.g. arc-easy:train")
     t.add_argument("--calibration", action="append", required=True, metavar="SPEC",
@@ -82,38 +90,41 @@ def register_train(sub) -> None:
                       help="letter mode: apply the chat template")
     chat.add_argument("--no-chat", dest="chat", action="store_false")
     for flag, kind, text in (
-            ("steps", int, "outer steps"), ("batch-size", int, "global training batch"),
-            ("calibration-batch-size", int, "global calibration batch (default: batch size)"),
+            ("steps", int, "training steps"),
+            ("batch-size", int, "training questions per step (over all processes)"),
+            ("calibration-batch-size", int, "questions per step from --calibration "
+             "(default: --batch-size)"),
             ("grad-accumulation", int, "micro-batches per rank and step"),
-            ("inner-steps", int, "T_inner: gradient steps on the LoRA copy"),
-            ("inner-lr", float, "step size of the inner steps (None: 0.001 with adam, 0.01 "
+            ("inner-steps", int, "gradient steps on a copy of the LoRA per step (how far the "
+             "training objective can still fall: what keeps tau/shift from hurting it)"),
+            ("inner-lr", float, "step size of those steps (default: 0.001 with adam, 0.01 "
              "with sgd)"),
             ("alpha-holdout", float, "share of the training questions held out to measure "
              "tau/shift's own effect before writing (0: none, written as trained)"),
-            ("outer-lr", float, "outer learning rate of the LoRA (None: 0.1 with sgd, 0.001 "
+            ("outer-lr", float, "learning rate of the LoRA (default: 0.1 with sgd, 0.001 "
              "with adam)"),
-            ("alpha-lr", float, "outer learning rate of tau/shift (None: 0.02 with sgd, 0.005 "
+            ("alpha-lr", float, "learning rate of tau/shift (default: 0.02 with sgd, 0.005 "
              "with adam)"),
             ("momentum", float, "SGD momentum (0 is BOME's step; momentum voids its "
              "guarantee)"),
-            ("eta", float, "eta of phi: larger keeps the LoRA closer to the lower-level "
-             "optimum"),
+            ("eta", float, "how strongly each step keeps the LoRA at its best training "
+             "loss while tau/shift move (larger: closer)"),
             ("warm-start-steps", int, "the first N of --steps are plain LoRA steps (Adam, "
-             "tau/shift fixed at identity) before the bilevel phase (None: half of --steps)"),
+             "tau/shift fixed at identity) (default: half of --steps)"),
             ("warm-start-lr", float, "Adam learning rate of the warm start"),
-            ("alpha-l2", float, "weight of the penalty sum((log tau)^2 + shift^2) added to "
-             "the upper objective"),
-            ("q-window", int, "warn when q's mean over the last N steps exceeds the N before"),
-            ("beta", float, "weight of f in the regularization ablation"),
+            ("alpha-l2", float, "weight of a penalty that keeps tau near 1 and shift near 0"),
+            ("q-window", int, "warn when the training loss's distance from its best grew "
+             "over the last N steps"),
+            ("beta", float, "regularization ablation: weight of the calibration objective"),
             ("cft-weight", float, "cft: w of (1-w)*CE + w*scale*L_cal"),
             ("cft-scale", float, "cft: scale of L_cal"), ("cft-bins", int, "cft: L_cal's bins"),
             ("lora-rank", int, "LoRA rank"), ("lora-alpha", float, "LoRA alpha"),
             ("max-length", int, "longest sequence in tokens"), ("seed", int, "seed"),
-            ("limit", int, "use only the first N records of each data spec"),
+            ("limit", int, "use only the first N records of each data spec (default: all)"),
             ("checkpoint-every", int, "checkpoint every N steps (0: never)")):
         name = flag.replace("-", "_")
-        t.add_argument(f"--{flag}", type=kind, default=d[name].default,
-                       help=f"{text} (default {d[name].default})")
+        shown = "" if "(default" in text else f" (default {d[name].default})"
+        t.add_argument(f"--{flag}", type=kind, default=d[name].default, help=text + shown)
     t.add_argument("--outer-optimizer", "--optimizer", dest="optimizer",
                    default=d["optimizer"].default, choices=OPTIMIZERS,
                    help="outer update: sgd (plain SGD; with --momentum 0, the step whose "
@@ -132,7 +143,7 @@ def register_train(sub) -> None:
                         "where the two models agree; calm's extension) "
                         f"(default {d['upper'].default})")
     t.add_argument("--reference",
-                   help="reference model (packaged name, folder or .gguf) of --upper daca and "
+                   help="reference model (the same forms as --model) of --upper daca and "
                         "of the DACA temperature fitted after training (default: the model "
                         "itself, before the LoRA)")
     t.add_argument("--no-daca", dest="daca", action="store_false",

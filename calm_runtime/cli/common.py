@@ -79,12 +79,36 @@ def flags_anywhere(parser: argparse.ArgumentParser) -> None:
 
 def no_abbreviations(parser: argparse.ArgumentParser) -> None:
     """Only whole option names, in ``parser`` and every subcommand's parser: argparse would
-    otherwise take ``--api-key sk-...`` for ``--api-key-env`` and record the key itself."""
+    otherwise take ``--api-key sk-...`` for ``--api-key-env`` and record the key itself.
+    Every parser also gets :class:`HelpFormatter` (defaults shown, examples kept as
+    written)."""
     parser.allow_abbrev = False
+    parser.formatter_class = HelpFormatter
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for child in action.choices.values():
                 no_abbreviations(child)
+        elif not action.help and HelpFormatter.shows_default(action):
+            action.help = "default: %(default)s"  # argparse prints nothing for no help
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions and epilogs as written (their examples copy as one command), and every
+    option's default at the end of its help unless the help already names it; flags
+    (``store_true``/``store_false``) and options without a default show none."""
+
+    @staticmethod
+    def shows_default(action: argparse.Action) -> bool:
+        default = action.default
+        return bool(action.option_strings) and not (
+            default is None or default is argparse.SUPPRESS or isinstance(default, bool)
+            or default == [])
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or not self.shows_default(action):
+            return text
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
 
 
 def register_missing(sub, extra: str, names: Sequence[str]) -> None:

@@ -42,7 +42,7 @@ from calm_runtime.cli.common import (  # noqa: F401 - re-exported: calm's comman
     signals_as_exceptions,
 )
 from calm_runtime.cli.serve import add_serve
-from calm_runtime.data.models import DEFAULT_API_KEY_ENV
+from calm_runtime.data.models import DEFAULT_API_KEY_ENV, MODEL_FORMS
 from calm_runtime.data.prompts import CHOICE_MODES, CLOZE_VARIANTS, DEFAULT_CLOZE_VARIANT
 from calm_runtime.data.sets import DATA_PARTS
 from calm_runtime.errors import BackendUnavailableError, ConfigError
@@ -53,11 +53,11 @@ __all__ = ["main", "build_parser"]
 #: DEFAULT_TIMEOUT and DEFAULT_MAX_RETRIES (this package cannot import it; a test ties them)
 SERVED_TIMEOUT, SERVED_MAX_RETRIES = 120.0, 4
 
-EPILOG = """examples:
+EPILOG = r"""examples:
   calm models install smollm2-135m-instruct
   calm data install arc-easy
   calm quickstart
-  calm fit daca --model smollm2-135m-instruct --reference gemma-3-270m --data arc-easy \\
+  calm fit daca --model smollm2-135m-instruct --reference gemma-3-270m --data arc-easy \
       --mode cloze --out adapters/daca-smollm2
   calm eval --model smollm2-135m-instruct --adapter adapters/daca-smollm2 --data arc-easy
   calm generate engine/ "Question: What is the capital of France?\nAnswer:"
@@ -175,7 +175,7 @@ def _add_engine_options(p, engine_help: str = "engine directory written by calm-
     p.add_argument("--providers", help="ONNX Runtime execution providers, comma-separated "
                    "(e.g. cuda,cpu); default cpu")
     p.add_argument("--threads", type=int, help="intra-op threads (default: all cores)")
-    p.add_argument("--model", help="torch backend: the source model (folder or packaged name)")
+    p.add_argument("--model", help=f"torch backend: the source model, {MODEL_FORMS}")
     p.add_argument("--adapter", help=adapter_help)
 
 
@@ -211,11 +211,13 @@ def _add_generate(sub) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_engine_options(p)
     p.add_argument("prompt", help="the prompt text (a literal \\n is read as a newline)")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate at most")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int)
+    p.add_argument("--top-k", type=int, default=0,
+                   help="sample from the K most probable tokens only (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="sample from the smallest set of tokens holding this probability")
+    p.add_argument("--seed", type=int, help="seed of the sampling (temperature > 0)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--top", type=int, default=0, metavar="K",
                    help="show the K most probable tokens of each step")
@@ -304,7 +306,8 @@ def _add_score(sub) -> None:
                         "calm fit/eval use, or all (default test; NAME:PART in --data wins)")
     p.add_argument("--split", dest="part", choices=DATA_PARTS, help=argparse.SUPPRESS,
                    action=deprecated_alias("--part"))
-    p.add_argument("--mode", default="cloze", choices=list(CHOICE_MODES))
+    p.add_argument("--mode", default="cloze", choices=list(CHOICE_MODES),
+                   help="multiple choice: score option texts (cloze) or option letters")
     p.add_argument("--variant", choices=CLOZE_VARIANTS,
                    help="cloze option score (default: the engine's or adapter's recorded one, "
                         f"else {DEFAULT_CLOZE_VARIANT}; another one than it records is refused)")
@@ -313,7 +316,7 @@ def _add_score(sub) -> None:
     p.add_argument("--limit", type=int,
                    help="use only the first N records of the whole set, then take --part "
                         "(as calm fit/eval do, so the parts of a limited set stay disjoint)")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=8, help="questions per forward pass")
     p.add_argument("--max-new-tokens", type=int, default=24, help="open QA answer length")
     p.add_argument("--model-name", help="served model name when ENGINE is an http(s) "
                    "endpoint (default: the one model it lists)")

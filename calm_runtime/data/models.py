@@ -56,6 +56,11 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+#: what a ``--model`` (and ``--reference``) argument may name, the words every command's
+#: help uses (a served model's URL and an engine folder are added where a command takes them)
+MODEL_FORMS = ("a packaged name (calm models list), a Hugging Face folder or hub id "
+               "(e.g. Qwen/Qwen2.5-0.5B-Instruct), or a .gguf file")
+
 #: the environment variable an OpenAI-compatible endpoint's API key is read from by default
 DEFAULT_API_KEY_ENV = "OPENAI_API_KEY"
 

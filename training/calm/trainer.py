@@ -395,6 +395,9 @@ class _Trainer:
         moves = [r["inner_move"] for r in rows if r.get("inner_move") is not None]
         return {"steps": len(rows),
                 "share_lambda_above_eta": sum(r["lam"] > eta for r in rows) / len(rows),
+                # λ − η = −⟨∇f, ∇q⟩/‖∇q‖² (clipped at λ = 0): how far the coupling moved λ
+                "median_abs_lambda_minus_eta": float(np.median([abs(r["lam"] - eta)
+                                                                for r in rows])),
                 "median_alpha_q_to_f": float(np.median(ratios)) if ratios else None,
                 "median_inner_move": float(np.median(moves)) if moves else None,
                 "mean_lambda": float(np.mean([r["lam"] for r in rows])),
