@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 from pathlib import Path
 
@@ -35,13 +36,31 @@ def git_commit() -> str:
         return "unknown"
 
 
+#: an absolute path of the machine that ran a benchmark (its home, temporary and work
+#: folders): what a result file must not name
+MACHINE_PATH = re.compile(r"(?<![\w.~-])/(?:tmp|var/tmp|root|work|opt|mnt|srv|"
+                          r"home/[^/\s'\"`]+|Users/[^/\s'\"`]+)(?:/[^\s'\"`,;|)]*)?")
+
+
+def portable(text: str) -> str:
+    """``text`` with every machine path named by its last part (``/work/adapters/lora-60``
+    -> ``lora-60``; a folder the reader has of their own), so that a command a result file
+    quotes names no folder of the machine that ran it."""
+    def last(match: re.Match) -> str:
+        parts = [p for p in match.group(0).split("/") if p]
+        return parts[-1] if parts else "DIR"
+    return MACHINE_PATH.sub(last, text)
+
+
 def command_line(script: str, argv) -> str:
-    """The command a result file names: ``python benchmarks/SCRIPT ARGS``."""
+    """The command a result file names: ``python benchmarks/SCRIPT ARGS``, its machine paths
+    named by their last part (:func:`portable`)."""
     import shlex
     import sys
 
     args = argv if argv is not None else sys.argv[1:]
-    return f"python benchmarks/{script} {shlex.join(args)}".strip()  # quoted: runnable as is
+    # quoted: runnable as is, with the reader's own folders of those names
+    return portable(f"python benchmarks/{script} {shlex.join(args)}".strip())
 
 
 def model_pair_parser(doc: str | None) -> argparse.ArgumentParser:

@@ -18,6 +18,8 @@ import math
 import sys
 from pathlib import Path
 
+from _common import portable
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "results"
@@ -556,7 +558,9 @@ def current_calm_block() -> str:
 
 def rendered() -> dict[Path, str]:
     """What docs/results.md and README.md should hold."""
-    out = {DOC: render_doc(current_calm_block())}
+    # the result files keep what their runs recorded; what the docs quote of them names no
+    # folder of the machine that made them
+    out = {DOC: portable(render_doc(current_calm_block()))}
     readme = README.read_text()
     for start, end, block in ((README_START, README_END, readme_block),
                               (QUICKSTART_START, QUICKSTART_END, quickstart_block)):
@@ -564,7 +568,7 @@ def rendered() -> dict[Path, str]:
             head, rest = readme.split(start, 1)
             _, tail = rest.split(end, 1)
             readme = head + start + "\n" + block() + "\n" + end + tail
-    out[README] = readme
+    out[README] = portable(readme)
     return out
 
 

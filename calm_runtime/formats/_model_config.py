@@ -17,6 +17,7 @@ import os
 import re
 from pathlib import Path
 
+from calm_runtime._extras import install_hint
 from calm_runtime._fs import read_regular_file, show
 from calm_runtime.errors import ArtifactError, ModelSourceError
 
@@ -139,7 +140,7 @@ def _transformers_config(folder, path: Path, data: dict):
         from transformers import AutoConfig
     except ImportError:
         raise ModelSourceError("transformers is not installed; reading a model's config needs "
-                               "the export extra: pip install 'calm-llm[export]'") from None
+                               f"the export extra: {install_hint('export')}") from None
 
     rope_log = logging.getLogger("transformers.modeling_rope_utils")
     warnings_seen: list[str] = []

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 
+from calm_runtime._extras import install_hint
 from calm_runtime.cli.serve_config import ServeConfig
 from calm_runtime.errors import BackendUnavailableError
 
@@ -29,8 +30,8 @@ def calm_deployment(config: ServeConfig, *, replicas: int = 1, replica_cpus: flo
     try:
         from ray import serve
     except ImportError:
-        raise BackendUnavailableError("Ray Serve is not installed; pip install 'calm-llm[ray]' "
-                                      "(or 'ray[serve]')") from None
+        raise BackendUnavailableError(f"Ray Serve is not installed; {install_hint('ray')}, "
+                                      "or pip install 'ray[serve]'") from None
     def build_app():  # a plain function: Ray calls it on each replica to build the app
         from calm_runtime.server.app import create_app
 
@@ -54,8 +55,8 @@ def run_ray(config: ServeConfig, *, host: str, port: int, replicas: int,
         import ray
         from ray import serve
     except ImportError:
-        raise BackendUnavailableError("Ray Serve is not installed; pip install 'calm-llm[ray]' "
-                                      "(or 'ray[serve]')") from None
+        raise BackendUnavailableError(f"Ray Serve is not installed; {install_hint('ray')}, "
+                                      "or pip install 'ray[serve]'") from None
     import time
 
     ray.init(include_dashboard=False)

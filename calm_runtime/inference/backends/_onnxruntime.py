@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from calm_runtime._extras import install_hint
 from calm_runtime.errors import ArtifactError, BackendUnavailableError, ConfigError
 from calm_runtime.formats.engine import engine_io_names
 from calm_runtime.inference.backends._base import Backend, BackendMemoryError, is_allocation_failure
@@ -63,8 +64,8 @@ def _import_onnxruntime():
         import onnxruntime
     except ImportError:
         raise BackendUnavailableError("onnxruntime is not installed; install calm with the cpu "
-                                      "extra (pip install 'calm-llm[cpu]') or the gpu extra "
-                                      "(pip install 'calm-llm[gpu]')") from None
+                                      f"extra ({install_hint('cpu')}) or the gpu extra "
+                                      f"({install_hint('gpu')})") from None
     return onnxruntime
 
 
@@ -127,7 +128,7 @@ class OnnxRuntimeBackend(Backend):
         if missing:
             raise BackendUnavailableError(
                 f"execution provider(s) {missing} are not in this onnxruntime build (available: "
-                f"{available}); install onnxruntime-gpu (pip install 'calm-llm[gpu]') for CUDA or "
+                f"{available}); install onnxruntime-gpu ({install_hint('gpu')}) for CUDA or "
                 "pass providers=['CPUExecutionProvider']")
         so = ort.SessionOptions()
         so.log_severity_level = 3
