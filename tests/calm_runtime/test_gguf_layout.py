@@ -132,8 +132,9 @@ def test_special_files_are_refused_without_opening_them(tmp_path):
 ])
 def test_both_export_routes_give_one_line(tmp_path, capsys, argv, tiny_llama_tied):
     pytest.importorskip("torch")
-    from calm_export.cli import main
     from conftest import random_calibration_adapter
+
+    from calm_export.cli import main
 
     random_calibration_adapter(tiny_llama_tied).save_pretrained(tmp_path / "adapter")
     path = huge_array_file(tmp_path / "huge.gguf")
