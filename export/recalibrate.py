@@ -6,7 +6,7 @@ tokens), once on the validated fp32 graph and once on the final variant (int8 or
 and :func:`calm_runtime.measure.metrics.calibration_report` gives ECE, accuracy, NLL, ... of both.
 
 ``--recalibrate`` then refits the temperature on the final graph's own scores with
-labeled temperature scaling (:func:`calm_training.posthoc.daca.fit_temperature_scaling`, NLL):
+labeled temperature scaling (:func:`calm_runtime.temperature.fit_temperature_scaling`, NLL):
 
 * cloze mode: the fit is the new ``answer_temperature`` (it acts on option scores, so
   it lives in the manifest, as in ``calm fit``);
@@ -199,7 +199,7 @@ def check_calibration(manifest, config, run: CalibrationRun, *, fp32_root: Path 
     """
     import onnx
 
-    from calm_training.posthoc.daca import fit_temperature_scaling
+    from calm_runtime.temperature import fit_temperature_scaling
 
     data, mode, variant = run.data, run.mode, run.variant
     fused = modes.mode(mode).token_level  # letter: the refitted temperature goes into the head

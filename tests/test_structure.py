@@ -114,6 +114,18 @@ def test_the_runtime_imports_neither_training_nor_export():
     assert upward == set()
 
 
+def test_no_two_packages_import_each_other():
+    """Data flows one way: training may call export (the quickstart exports what it fits),
+    export never imports training (the temperature fit a recalibration needs lives in
+    ``calm_runtime.temperature``)."""
+    graph = _graph()
+    pairs = {(name.split(".")[0], target.split(".")[0]) for name, targets in graph.items()
+             for target in targets if target.split(".")[0] in PACKAGES}
+    pairs = {(a, b) for a, b in pairs if a != b}
+    assert not {(a, b) for a, b in pairs if (b, a) in pairs}, sorted(pairs)
+    assert ("calm_export", "calm_training") not in pairs
+
+
 def test_the_optional_commands_are_entry_points():
     tomllib = pytest.importorskip("tomllib")
 

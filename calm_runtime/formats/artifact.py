@@ -15,8 +15,6 @@ unless the whole artifact is valid.
 from __future__ import annotations
 
 import datetime as _dt
-import functools
-import json
 import math
 import os
 import shutil
@@ -34,7 +32,6 @@ from calm_runtime._fs import (
     is_dir,
     is_file,
     resolve_inside,
-    sha256_file,
     show,
     show_name,
 )
@@ -67,6 +64,10 @@ from calm_runtime.formats._manifest import (
     write_json,
 )
 from calm_runtime.formats.fit_record import FitRecord
+from calm_runtime.formats.tokenizer_file import (  # noqa: F401 - part of the artifact's API
+    MAX_TOKENIZER_BYTES,
+    tokenizer_sha256,
+)
 from calm_runtime.modes import MODES
 
 __all__ = [
@@ -93,43 +94,6 @@ _TOP_KEYS = {"schema_version", "kind", "created_by", "created_at", "base_model",
 _REQUIRED_TOP = {"schema_version", "kind", "created_by", "base_model", "method", "tensors"}
 _MODEL_KEYS = {"name", "vocab_size", "tokenizer_sha256", "served"}
 _SERVED_KEYS = {"endpoint", "served_model"}
-
-
-#: the largest ``tokenizer.json`` read (the largest real ones, 256k-token vocabularies,
-#: are ~35 MB)
-MAX_TOKENIZER_BYTES = 128 * 2 ** 20
-
-
-@functools.lru_cache(maxsize=32)
-def _checked_tokenizer(path: str, size: int, mtime_ns: int) -> str:
-    """The sha256 of the ``tokenizer.json`` at ``path`` once it is known to be a JSON object
-    (cached by size and modification time)."""
-    where = show_name(path)
-    try:
-        data = json.loads(Path(path).read_bytes())
-    except (OSError, ValueError, RecursionError) as exc:
-        reason = (str(exc).splitlines() or [type(exc).__name__])[0][:120]
-        raise ArtifactError(f"{where} is not a readable tokenizer ({reason}); re-save the "
-                            "tokenizer with save_pretrained or re-export the engine") from None
-    if not isinstance(data, dict) or "model" not in data:
-        raise ArtifactError(f"{where} is JSON but not a tokenizer (no 'model' section); re-save "
-                            "the tokenizer with save_pretrained or re-export the engine")
-    return sha256_file(Path(path))
-
-
-def tokenizer_sha256(model_dir: str | os.PathLike) -> str:
-    """The tokenizer's identity: sha256 of ``tokenizer.json`` in a model or engine folder,
-    which must be a tokenizer (JSON, at most :data:`MAX_TOKENIZER_BYTES`)."""
-    path = Path(model_dir) / "tokenizer.json"
-    if not path.is_file():
-        raise IncompatibleModelError(f"{model_dir} has no tokenizer.json; use a model folder "
-                                     "saved with its tokenizer (save_pretrained)")
-    info = path.stat()
-    if info.st_size > MAX_TOKENIZER_BYTES:
-        raise ArtifactError(f"{show_name(str(path))} has {info.st_size / 2 ** 20:.0f} MB, more "
-                            f"than a tokenizer's {MAX_TOKENIZER_BYTES // 2 ** 20} MB bound; "
-                            "use the model's own tokenizer.json")
-    return _checked_tokenizer(str(path), info.st_size, info.st_mtime_ns)
 
 
 @dataclass(frozen=True)

@@ -91,7 +91,8 @@ def test_each_part_is_read_on_the_hold_out(trained):
 
 def test_export_fuses_lora_alpha_and_t_in_one_step(trained, tiny_llama_tied, tmp_path):
     pytest.importorskip("onnxruntime")
-    from calm_export import ExportConfig, export_engine
+    from calm_export.config import ExportConfig
+    from calm_export.pipeline import export_engine
     from calm_runtime.formats.engine import EngineManifest
 
     _, result = trained

@@ -52,6 +52,7 @@ import torch
 from calm_runtime.errors import ConfigError
 
 __all__ = [
+    "coupling_summary",
     "PHI_MODES",
     "INNER_OPTIMIZERS",
     "Objective",
@@ -345,3 +346,26 @@ def descent_step(theta: Sequence[torch.Tensor], alpha: Sequence[torch.Tensor], l
         f, _, _ = _evaluate(upper, [t.detach() for t in theta], alpha_now, False, False, reduce)
     _apply(list(theta), g_theta, optimizer)
     return StepStats(f=f, g=g)
+
+
+def coupling_summary(history: list[dict], eta: float) -> dict:
+    """Whether BOME's coupling engaged over a run's method steps (``history``, the trainer's
+    rows): the share of steps with λ > η, the median |λ − η|, the median
+    ‖∇_α q‖ / ‖∇_α f‖ and the median inner move ‖θ~ − θ‖ / ‖θ‖ ({} without such steps)."""
+    import numpy as np
+
+    rows = [r for r in history if r.get("lam") is not None]
+    if not rows:
+        return {}
+    ratios = [r["grad_alpha_q_norm"] / r["grad_alpha_f_norm"] for r in rows
+              if r.get("grad_alpha_f_norm")]
+    moves = [r["inner_move"] for r in rows if r.get("inner_move") is not None]
+    return {"steps": len(rows),
+            "share_lambda_above_eta": sum(r["lam"] > eta for r in rows) / len(rows),
+            # λ − η = −⟨∇f, ∇q⟩/‖∇q‖² (clipped at λ = 0): how far the coupling moved λ
+            "median_abs_lambda_minus_eta": float(np.median([abs(r["lam"] - eta)
+                                                            for r in rows])),
+            "median_alpha_q_to_f": float(np.median(ratios)) if ratios else None,
+            "median_inner_move": float(np.median(moves)) if moves else None,
+            "mean_lambda": float(np.mean([r["lam"] for r in rows])),
+            "mean_cos_f_q": float(np.mean([r["cos_f_q"] or 0.0 for r in rows]))}

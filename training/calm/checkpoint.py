@@ -18,8 +18,8 @@ import torch
 from calm_runtime._fs import atomic_directory
 from calm_runtime.errors import ArtifactError, ConfigError
 
-__all__ = ["CHECKPOINT_FORMAT", "RESUMABLE_CHANGES", "latest_checkpoint", "save_checkpoint",
-           "load_checkpoint"]
+__all__ = ["CHECKPOINT_FORMAT", "RESUMABLE_CHANGES", "drop_final_checkpoint",
+           "final_checkpoint", "latest_checkpoint", "save_checkpoint", "load_checkpoint"]
 
 CHECKPOINT_FORMAT = 1
 #: settings that may change between a checkpoint and its resumption
@@ -105,3 +105,30 @@ def load_checkpoint(trainer, folder: Path) -> None:
     torch.set_rng_state(tensors["rng/torch"])
     trainer.step = int(payload["step"])
     trainer.history = list(payload["history"])
+
+
+def final_checkpoint(trainer) -> Path | None:
+    """The checkpoint of ``trainer``'s last step, written before the finished training is
+    measured (unless ``checkpoint_every`` already wrote it; then it is not the trainer's to
+    remove); None without a checkpoint directory."""
+    if trainer.checkpoint_dir is None:
+        return None
+    folder = trainer.checkpoint_dir / f"step-{trainer.step:06d}"
+    if not (folder / "state.json").is_file():
+        if trainer.dist.rank == 0:
+            save_checkpoint(trainer, folder)
+        trainer.dist.barrier()
+        trainer.made_final_checkpoint = folder
+    return folder
+
+
+def drop_final_checkpoint(trainer, folder: Path | None) -> None:
+    """Remove the checkpoint :func:`final_checkpoint` wrote once the adapter is written
+    (checkpoints the run asked for stay), and the checkpoint folder if it is then empty."""
+    if folder is None or getattr(trainer, "made_final_checkpoint", None) != folder:
+        return
+    shutil.rmtree(folder, ignore_errors=True)
+    try:
+        trainer.checkpoint_dir.rmdir()
+    except OSError:
+        pass  # other checkpoints are there

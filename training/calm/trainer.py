@@ -332,7 +332,9 @@ class _Trainer:
         trained_alpha = self.model.tau_shift() if self.model.alpha else None
         # the finished training is checkpointed before anything measures it, so that a
         # measurement that fails loses nothing: `--resume` writes the adapter from there
-        final = self._final_checkpoint() if out is not None else None
+        from calm_training.calm.checkpoint import drop_final_checkpoint, final_checkpoint
+
+        final = final_checkpoint(self) if out is not None else None
         try:
             self.alpha_gate = self._alpha_gate()
             adapter = self._adapter(seconds)
@@ -355,7 +357,7 @@ class _Trainer:
 
             adapter, daca = finish(cfg, Path(out), self.cal_records, self.holdout_records,
                                    progress=progress)
-            self._drop_final_checkpoint(final)
+            drop_final_checkpoint(self, final)
         self.dist.barrier()
         return TrainResult(adapter=adapter, history=self.history,
                            out=Path(out) if out is not None else None, seconds=seconds,
@@ -384,24 +386,10 @@ class _Trainer:
         return {"kept": keep, "reason": why, "holdout": self.holdout_info, "share": share}
 
     def coupling(self) -> dict:
-        """Whether BOME's coupling engaged over the method's steps: the share of steps with
-        λ > η, the median ‖∇_α q‖ / ‖∇_α f‖ and the median inner move ‖θ~ − θ‖ / ‖θ‖."""
-        rows = [r for r in self.history if r.get("lam") is not None]
-        if not rows:
-            return {}
-        eta = self.config.eta
-        ratios = [r["grad_alpha_q_norm"] / r["grad_alpha_f_norm"] for r in rows
-                  if r.get("grad_alpha_f_norm")]
-        moves = [r["inner_move"] for r in rows if r.get("inner_move") is not None]
-        return {"steps": len(rows),
-                "share_lambda_above_eta": sum(r["lam"] > eta for r in rows) / len(rows),
-                # λ − η = −⟨∇f, ∇q⟩/‖∇q‖² (clipped at λ = 0): how far the coupling moved λ
-                "median_abs_lambda_minus_eta": float(np.median([abs(r["lam"] - eta)
-                                                                for r in rows])),
-                "median_alpha_q_to_f": float(np.median(ratios)) if ratios else None,
-                "median_inner_move": float(np.median(moves)) if moves else None,
-                "mean_lambda": float(np.mean([r["lam"] for r in rows])),
-                "mean_cos_f_q": float(np.mean([r["cos_f_q"] or 0.0 for r in rows]))}
+        """Whether BOME's coupling engaged (calm_training.calm.bilevel.coupling_summary)."""
+        from calm_training.calm.bilevel import coupling_summary
+
+        return coupling_summary(self.history, self.config.eta)
 
     # ------------------------------------------------------------------ artifact
     def _adapter(self, seconds: float) -> CalibrationAdapter:
@@ -458,30 +446,6 @@ class _Trainer:
         if self.dist.rank == 0 and self.checkpoint_dir is not None:
             save_checkpoint(self, self.checkpoint_dir / f"step-{self.step:06d}")
         self.dist.barrier()
-
-    def _final_checkpoint(self) -> Path | None:
-        """The checkpoint of the last step (written unless ``checkpoint_every`` already
-        wrote it); None without a checkpoint directory."""
-        if self.checkpoint_dir is None:
-            return None
-        folder = self.checkpoint_dir / f"step-{self.step:06d}"
-        if not (folder / "state.json").is_file():
-            self._save_checkpoint()
-            self._made_final = folder
-        return folder
-
-    def _drop_final_checkpoint(self, folder: Path | None) -> None:
-        """Remove the checkpoint :meth:`_final_checkpoint` wrote once the adapter is written
-        (checkpoints the run asked for stay), and the checkpoint folder if it is empty."""
-        if folder is None or getattr(self, "_made_final", None) != folder:
-            return
-        import shutil
-
-        shutil.rmtree(folder, ignore_errors=True)
-        try:
-            self.checkpoint_dir.rmdir()
-        except OSError:
-            pass  # other checkpoints are there
 
     def _load_latest(self) -> None:
         from calm_training.calm.checkpoint import latest_checkpoint, load_checkpoint

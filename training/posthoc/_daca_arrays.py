@@ -9,6 +9,11 @@ import numpy as np
 
 from calm_runtime.errors import ConfigError, FitError
 from calm_runtime.modes import option_probabilities
+from calm_runtime.temperature import (  # noqa: F401 - the array checks stay importable from here
+    as_labels,
+    as_matrix,
+    mean_entropy,
+)
 
 logger = logging.getLogger("calm_training.posthoc.daca")
 
@@ -41,28 +46,6 @@ def agreement_set(plm_logits, polm_logits, mask, min_agreement, min_agreement_ra
     return p[agree], g[agree], n, rate
 
 
-def as_matrix(x, name: str) -> np.ndarray:
-    a = np.asarray(x, dtype=np.float64)
-    if a.ndim != 2 or a.shape[1] < 2:
-        raise ConfigError(f"{name} must be an [N, K] array with K >= 2 options, got shape "
-                          f"{a.shape}.")
-    if not np.isfinite(a).all():
-        raise ConfigError(f"{name} has {int((~np.isfinite(a)).sum())} non-finite entries; "
-                          "drop or fix those items before fitting.")
-    return a
-
-
-def as_labels(labels, shape) -> np.ndarray:
-    y = np.asarray(labels)
-    if y.shape != (shape[0],) or not np.issubdtype(y.dtype, np.integer):
-        raise ConfigError(f"labels must be {shape[0]} integer option indices, got shape "
-                          f"{y.shape} and dtype {y.dtype}.")
-    if y.size and (y.min() < 0 or y.max() >= shape[1]):
-        raise ConfigError(f"labels must lie in [0, {shape[1]}), got range "
-                          f"[{int(y.min())}, {int(y.max())}].")
-    return y
-
-
 def p_true_logits(x, name: str) -> np.ndarray:
     p = np.asarray(x, dtype=np.float64)
     if p.ndim != 1 or not np.isfinite(p).all() or (p < 0).any() or (p > 1).any():
@@ -70,10 +53,3 @@ def p_true_logits(x, name: str) -> np.ndarray:
                           f"{p.shape}.")
     p = np.clip(p, P_TRUE_EPS, 1.0 - P_TRUE_EPS)
     return np.stack([np.log(p), np.log1p(-p)], axis=1)
-
-
-def mean_entropy(p: np.ndarray) -> float:
-    if p.shape[0] == 0:
-        return 0.0
-    logp = np.log(np.where(p > 0, p, 1.0))
-    return float(-np.mean(np.sum(p * logp, axis=1)))

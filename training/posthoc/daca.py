@@ -14,22 +14,29 @@ L-BFGS in torch (imported lazily). Fits return frozen dataclasses; applying them
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import math
-from dataclasses import dataclass
 
 import numpy as np
 
 from calm_runtime.errors import ConfigError, FitError
+from calm_runtime.temperature import (  # noqa: F401 - the solver's names stay importable from here
+    BETA_CAP,
+    TOKEN_CHUNK_ROWS,
+    TemperatureFit,
+    as_labels,
+    as_matrix,
+    fit_temperature_scaling,
+    mean_entropy,
+    scalar_fit,
+    solve_inverse_temperature,
+    solve_inverse_temperature_scores,
+    temperature_fit,
+)
 from calm_training.posthoc._daca_arrays import (  # noqa: F401 - the thresholds stay importable from here
     MIN_AGREEMENT_ITEMS,
     MIN_AGREEMENT_RATE,
     P_TRUE_EPS,
     agreement_set,
-    as_labels,
-    as_matrix,
-    mean_entropy,
     p_true_logits,
 )
 from calm_training.posthoc.daca_vector import (  # noqa: F401 - vector scaling stays importable from here
@@ -57,147 +64,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# Root search, in units where the PoLM logits' mean per-row range is 1 (scale-free).
-DERIVATIVE_TOL = 1e-10  # |dL/dbeta| below this is a root (float64 rounding is ~1e-16).
-BRACKET_RTOL = 1e-12  # or the bracket [lo, hi] is narrower than this relative to hi.
-BETA_CAP = 1e6  # beta * range above this: T is a millionth of the logit range, i.e. T -> 0.
-MAX_EVALUATIONS = 200  # bisection alone reaches BRACKET_RTOL in ~40 halvings after ~20 doublings.
-
-
-@dataclass(frozen=True)
-class TemperatureFit:
-    """A fitted scalar temperature (apply as ``apply_calibration(z, temperature=T)``).
-
-    ``method`` is "daca", "naive" (no agreement mask), "ts" (labeled), "daca_p_true" or
-    "naive_p_true". ``n`` items were given, ``n_used`` entered the objective;
-    ``agreement_rate`` is the fraction where the two models' argmax agree (``None`` for
-    labeled fits). ``objective`` is the mean KL(p || calibrated) for DACA, the mean NLL for
-    labeled fits, at the optimum. ``at_bound`` is ``None`` for an interior optimum,
-    "infinite_temperature" (``beta = 0``, ``temperature = inf``: uniform is best) or
-    "zero_temperature" (``beta`` hit the cap; ``temperature`` is the tiny capped value).
-    ``iterations`` counts objective-derivative evaluations of the root search.
-    """
-
-    method: str
-    temperature: float
-    beta: float
-    n: int
-    n_used: int
-    agreement_rate: float | None
-    objective: float
-    at_bound: str | None
-    iterations: int
-
-    def to_dict(self) -> dict:
-        """A JSON-safe dict; an infinite temperature is written as ``None`` (see ``at_bound``)."""
-        out = dataclasses.asdict(self)
-        if not math.isfinite(self.temperature):
-            out["temperature"] = None
-        return out
-
-
-# ---------------------------------------------------------------------------- the 1-D solve
-
-
-def solve_inverse_temperature(logits, targets) -> tuple[float, dict]:
-    """Minimise ``mean_i[-beta p_i.g_i + logsumexp(beta g_i)]`` over ``beta >= 0``.
-
-    ``logits`` is ``[N, K]``, ``targets`` ``[N, K]`` probability rows. Returns ``(beta, info)``
-    with ``info`` = ``iterations``, ``derivative`` (at ``beta``), ``cross_entropy`` (the
-    minimum), ``at_bound`` (``None``, "infinite_temperature" or "zero_temperature") and
-    ``converged``. Safeguarded Newton on the monotone derivative inside a bracket, with
-    bisection whenever a Newton step would leave it. The search runs on ``g / s`` (``s`` the
-    mean per-row logit range), so tolerances and the cap do not depend on the logits' scale.
-    """
-    g = as_matrix(logits, "logits")
-    p = as_matrix(targets, "targets")
-    if p.shape != g.shape:
-        raise ConfigError(f"targets have shape {p.shape} but logits {g.shape}; pass one "
-                          "probability row per logit row.")
-    if g.shape[0] == 0:
-        raise FitError("no rows to fit a temperature on; pass at least one item.")
-    if (p < 0).any() or np.abs(p.sum(axis=1) - 1.0).max() > 1e-6:
-        raise ConfigError("targets must be probability rows (non-negative, summing to 1); "
-                          f"worst row sum is off by {np.abs(p.sum(axis=1) - 1.0).max():.3g}.")
-    return solve_inverse_temperature_scores(g, np.einsum("nk,nk->n", p, g))
-
-
-#: Rows per chunk when the objective is evaluated over a wide vocabulary (bounds the float64
-#: temporaries to ``TOKEN_CHUNK_ROWS x V`` whatever the number of rows).
-TOKEN_CHUNK_ROWS = 64
-
-
-def solve_inverse_temperature_scores(logits, target_scores) -> tuple[float, dict]:
-    """:func:`solve_inverse_temperature` given ``target_scores[i] = p_i . g_i`` instead of the
-    target rows: the objective needs the targets only through that dot product, so a
-    token-level fit over a whole vocabulary keeps one float32 logit row per position and one
-    number. ``logits`` ``[N, V]`` (any float dtype; evaluated in float64 row chunks)."""
-    g = np.asarray(logits)
-    if g.ndim != 2 or g.shape[1] < 2:
-        raise ConfigError(f"logits must be an [N, K] array with K >= 2, got shape {g.shape}.")
-    if g.shape[0] == 0:
-        raise FitError("no rows to fit a temperature on; pass at least one item.")
-    if not np.isfinite(g).all():
-        raise ConfigError(f"logits have {int((~np.isfinite(g)).sum())} non-finite entries; "
-                          "drop or fix those items before fitting.")
-    t = np.asarray(target_scores, dtype=np.float64).reshape(-1)
-    if t.shape[0] != g.shape[0] or not np.isfinite(t).all():
-        raise ConfigError(f"target_scores must be {g.shape[0]} finite numbers (one per row).")
-    scale = float(np.mean(g.max(axis=1).astype(np.float64) - g.min(axis=1)))
-    if scale == 0.0:
-        raise FitError("the logits are constant on every row, so no temperature is "
-                       "identifiable; check the option-logit extraction.")
-    ph = t / scale
-    evaluations = 0
-
-    def evaluate(b: float) -> tuple[float, float, float]:
-        nonlocal evaluations
-        evaluations += 1
-        mean_h = np.empty(g.shape[0])
-        var_h = np.empty(g.shape[0])
-        lse = np.empty(g.shape[0])
-        for start in range(0, g.shape[0], TOKEN_CHUNK_ROWS):
-            h = np.asarray(g[start:start + TOKEN_CHUNK_ROWS], dtype=np.float64) / scale
-            z = b * h
-            m = z.max(axis=1, keepdims=True)
-            e = np.exp(z - m)
-            s = e.sum(axis=1, keepdims=True)
-            q = e / s
-            rows = slice(start, start + h.shape[0])
-            mean_h[rows] = np.einsum("nk,nk->n", q, h)
-            var_h[rows] = np.einsum("nk,nk->n", q, (h - mean_h[rows, None]) ** 2)
-            lse[rows] = m[:, 0] + np.log(s[:, 0])
-        ce = float(np.mean(-b * ph + lse))
-        return float(np.mean(mean_h - ph)), float(np.mean(var_h)), ce
-
-    def result(b: float, d: float, ce: float, at_bound: str | None, converged: bool):
-        return b / scale, {"iterations": evaluations, "derivative": d * scale,
-                           "cross_entropy": ce, "at_bound": at_bound, "converged": converged}
-
-    d, curv, ce = evaluate(0.0)
-    if d >= 0.0:  # the convex objective increases from beta = 0: uniform is optimal
-        return result(0.0, d, ce, "infinite_temperature", True)
-    lo, hi = 0.0, 1.0
-    d, curv, ce = evaluate(hi)
-    while d < 0.0:  # expand the upper end of the bracket
-        if hi >= BETA_CAP:
-            return result(hi, d, ce, "zero_temperature", True)
-        lo, hi = hi, min(4.0 * hi, BETA_CAP)
-        d, curv, ce = evaluate(hi)
-    b = hi
-    while evaluations < MAX_EVALUATIONS:
-        if abs(d) < DERIVATIVE_TOL or hi - lo <= BRACKET_RTOL * hi:
-            return result(b, d, ce, None, True)
-        step = b - d / curv if curv > 0.0 else math.nan
-        b_new = step if lo < step < hi else 0.5 * (lo + hi)
-        if abs(b_new - b) <= BRACKET_RTOL * b:  # Newton has stalled at the root
-            return result(b, d, ce, None, True)
-        b = b_new
-        d, curv, ce = evaluate(b)
-        lo, hi = (b, hi) if d < 0.0 else (lo, b)
-    logger.warning("temperature search stopped after %d evaluations with derivative %.3g",
-                   evaluations, d)
-    return result(b, d, ce, None, False)
 
 
 # ------------------------------------------------------------------------- scalar fits
@@ -216,16 +82,7 @@ def fit_daca_temperature(plm_logits, polm_logits, *, mask: bool = True,
     """
     p, g, n, rate = agreement_set(plm_logits, polm_logits, mask, min_agreement,
                                   min_agreement_rate)
-    return _scalar_fit("daca" if mask else "naive", g, p, n=n, agreement_rate=rate)
-
-
-def fit_temperature_scaling(logits, labels) -> TemperatureFit:
-    """Temperature scaling with labels: ``T`` minimising the NLL of ``softmax(g / T)``."""
-    g = as_matrix(logits, "logits")
-    y = as_labels(labels, g.shape)
-    onehot = np.zeros_like(g)
-    onehot[np.arange(g.shape[0]), y] = 1.0
-    return _scalar_fit("ts", g, onehot, n=g.shape[0], agreement_rate=None)
+    return scalar_fit("daca" if mask else "naive", g, p, n=n, agreement_rate=rate)
 
 
 def fit_daca_p_true(plm_p_true, polm_p_true, *, mask: bool = True,
@@ -240,27 +97,7 @@ def fit_daca_p_true(plm_p_true, polm_p_true, *, mask: bool = True,
                                   p_true_logits(polm_p_true, "polm_p_true"), mask,
                                   min_agreement, min_agreement_rate)
     method = "daca_p_true" if mask else "naive_p_true"
-    return _scalar_fit(method, g, p, n=n, agreement_rate=rate)
-
-
-def _scalar_fit(method, g, p, *, n, agreement_rate) -> TemperatureFit:
-    beta, info = solve_inverse_temperature(g, p)
-    return _temperature_fit(method, beta, info, n=n, n_used=g.shape[0],
-                            agreement_rate=agreement_rate, target_entropy=mean_entropy(p))
-
-
-def _temperature_fit(method, beta, info, *, n, n_used, agreement_rate,
-                     target_entropy) -> TemperatureFit:
-    objective = info["cross_entropy"] - target_entropy  # KL; the NLL when p is one-hot
-    at_bound = info["at_bound"]
-    if at_bound is not None:
-        logger.warning("%s temperature is at the boundary (%s, beta=%.3g): the objective "
-                       "has no interior optimum on these %d items.", method, at_bound, beta,
-                       n_used)
-    return TemperatureFit(method=method, temperature=math.inf if beta == 0.0 else 1.0 / beta,
-                          beta=beta, n=int(n), n_used=int(n_used),
-                          agreement_rate=agreement_rate, objective=float(objective),
-                          at_bound=at_bound, iterations=int(info["iterations"]))
+    return scalar_fit(method, g, p, n=n, agreement_rate=rate)
 
 
 def fit_token_temperature_scaling(logits, target_ids) -> TemperatureFit:
@@ -275,7 +112,7 @@ def fit_token_temperature_scaling(logits, target_ids) -> TemperatureFit:
                           f"inside the vocabulary of the logits {z.shape}.")
     targets = z[np.arange(z.shape[0]), y].astype(np.float64)
     beta, info = solve_inverse_temperature_scores(z, targets)
-    return _temperature_fit("ts_token", beta, info, n=z.shape[0], n_used=z.shape[0],
+    return temperature_fit("ts_token", beta, info, n=z.shape[0], n_used=z.shape[0],
                             agreement_rate=None, target_entropy=0.0)
 
 
@@ -319,7 +156,7 @@ def fit_token_daca_temperature(model_logits, reference_logits, *, n_questions: i
                        "temperature is fitted on few items", used, z.shape[0], 100 * rate)
     keep = np.flatnonzero(agree) if mask else np.arange(z.shape[0])
     beta, info = solve_inverse_temperature_scores(z[keep], dots[keep])
-    return _temperature_fit("daca_token" if mask else "naive_token", beta, info,
+    return temperature_fit("daca_token" if mask else "naive_token", beta, info,
                             n=z.shape[0] if n_questions is None else n_questions,
                             n_used=keep.size, agreement_rate=rate,
                             target_entropy=float(entropy[keep].mean()))
