@@ -111,7 +111,15 @@ def _add_common(p, default_variant: str | None) -> None:
                    "URL of an OpenAI-compatible API (.../v1)")
     p.add_argument("--reference", help="pre-trained reference model (label-free methods); "
                    "the same kinds of spec")
-    p.add_argument("--data", required=True, help="data set name or .jsonl file")
+    p.add_argument("--data", help="data set name or .jsonl file (not with --model-scores: "
+                   "the log holds the questions)")
+    p.add_argument("--model-scores", metavar="lm-eval:PATH",
+                   help="read the model's option scores from the samples_*.jsonl that "
+                        "lm_eval --log_samples wrote for a multiple_choice task instead of "
+                        "running the model (--model then only names it: its identity, and its "
+                        "tokenizer for --variant mean)")
+    p.add_argument("--reference-scores", metavar="lm-eval:PATH",
+                   help="the same for --reference (label-free methods with --model-scores)")
     p.add_argument("--mode", default=_FIT["mode"], choices=list(ALL_MODES),
                    help="cloze/letter: multiple choice; p_true: open QA judged by P(True)")
     p.add_argument("--template", default=_FIT["p_true_template"], dest="p_true_template",
@@ -156,7 +164,14 @@ def _add_common(p, default_variant: str | None) -> None:
 def _config(args):
     from calm_training.fit import FitConfig
 
-    return FitConfig(model=args.model, reference=args.reference, data=args.data,
+    if args.data is None and args.model_scores is None:
+        from calm_runtime.errors import ConfigError
+
+        raise ConfigError("--data is required (a named set or a .jsonl file), unless "
+                          "--model-scores lm-eval:PATH gives the questions and their scores")
+    return FitConfig(model=args.model, reference=args.reference,
+                     data=args.data or args.model_scores,
+                     model_scores=args.model_scores, reference_scores=args.reference_scores,
                      mode=args.mode, variant=args.variant or _FIT["variant"],
                      reference_variant=args.reference_variant, seed=args.seed, n_bins=args.bins,
                      calibration_fraction=args.calibration_fraction, chat=args.chat,
@@ -243,10 +258,11 @@ def _eval(args) -> int:
     if args.compare:
         methods = compared_methods(modes.mode(args.mode), reference=bool(args.reference))
         report = compare_methods(config, methods, progress=show_progress(args))
-        stem = f"compare-{Path(args.data).stem}-{args.mode}"
+        stem = f"compare-{Path(config.data.removeprefix('lm-eval:')).stem}-{args.mode}"
     elif args.eval_adapter:
         report = evaluate_adapter(config, args.eval_adapter, progress=show_progress(args))
-        stem = f"eval-{Path(args.eval_adapter).name}-{Path(args.data).stem}-{args.mode}"
+        stem = (f"eval-{Path(args.eval_adapter).name}-"
+                f"{Path(config.data.removeprefix('lm-eval:')).stem}-{args.mode}")
     else:
         raise ConfigError("nothing to evaluate; pass --adapter DIR or --compare")
     print(format_table(report))

@@ -179,7 +179,11 @@ class FitMethod:
         fit = self.fit_prepared(prep)
         check_finite_temperature(fit)
         token_temperature = record = None
-        if not plan.mode.token_level:  # cloze: the token level first, then the options
+        if not plan.mode.token_level and plan.score_logs:  # no token distributions there
+            record = {"fitted": False, "reason": "the scores come from lm-eval logs, which "
+                      "hold each option's log-likelihood, not the next-token distributions "
+                      "a token-level fit needs; only the answer temperature is fitted"}
+        elif not plan.mode.token_level:  # cloze: the token level first, then the options
             token_temperature, record = cloze_token_fit(self, plan, prep, progress=progress)
             if token_temperature is not None:
                 base, _ = plan.base
@@ -248,12 +252,15 @@ class FitMethod:
         """What an adapter records of where it came from: the model, the reference
         (label-free methods), the data and the calibration split."""
         config = plan.config
-        return {"model": identity.to_dict(),
-                "reference": (plan.reference.identity().to_dict() if self.needs_reference
-                              else None),
-                "data": config.data, "data_hash": plan.data_hash,
-                "split": {"part": "calibration", "fraction": config.calibration_fraction,
-                          "seed": config.seed, "n": fitted.n_calibration}}
+        out = {"model": identity.to_dict(),
+               "reference": (plan.reference.identity().to_dict() if self.needs_reference
+                             else None),
+               "data": config.data, "data_hash": plan.data_hash,
+               "split": {"part": "calibration", "fraction": config.calibration_fraction,
+                         "seed": config.seed, "n": fitted.n_calibration}}
+        if plan.score_logs:  # the scores' own files, by hash
+            out["score_logs"] = {role: log.record() for role, log in plan.score_logs.items()}
+        return out
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,10 @@ class FitConfig:
             within ``timeout`` (``--max-retries``).
         risk, risk_confidence: ``calm fit threshold``: the selective risk to stay at or
             below, and the probability with which (see :mod:`calm_training.methods.threshold`).
+        model_scores, reference_scores: ``lm-eval:PATH``: the model's (the reference's)
+            option scores read from an lm-evaluation-harness sample log instead of running it
+            (:mod:`calm_training.scoring.lm_eval_logs`); the model's log also gives the
+            records, and ``model`` / ``reference`` then only name the models.
     """
 
     model: str
@@ -89,6 +93,8 @@ class FitConfig:
     max_retries: int = DEFAULT_MAX_RETRIES
     risk: float = 0.1
     risk_confidence: float = 0.95
+    model_scores: str | None = None
+    reference_scores: str | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -119,6 +125,19 @@ class FitConfig:
             problems.append(f"batch_size {self.batch_size} must be >= 1")
         if self.limit is not None and self.limit < 2:
             problems.append(f"limit {self.limit} must be >= 2")
+        from calm_training.scoring.lm_eval_logs import is_log_spec
+
+        for name in ("model_scores", "reference_scores"):
+            value = getattr(self, name)
+            if value is not None and not is_log_spec(value):
+                problems.append(f"{name} {value!r} must be lm-eval:PATH (a samples_*.jsonl "
+                                "of lm_eval --log_samples)")
+        if self.reference_scores is not None and self.model_scores is None:
+            problems.append("reference_scores need model_scores too (both models' scores "
+                            "come from logs of the same documents)")
+        if self.model_scores is not None and self.mode == "p_true":
+            problems.append("scores from lm-eval logs are multiple-choice scores; use --mode "
+                            "cloze or letter")
         if problems:
             raise ConfigError("; ".join(problems) + "; fix the arguments")
 

@@ -117,7 +117,12 @@ class FitPlan:
         """The data's records (the first ``--limit``), of the kind the mode scores:
         multiple-choice records in cloze and letter mode, open-QA records in P(True) mode."""
         data = self.config.data
-        records = load_dataset(data) if self.given is None else list(self.given)
+        if self.given is not None:
+            records = list(self.given)
+        elif self.score_logs:  # the model's log holds the questions it scored
+            records = list(self.score_logs["model"].records)
+        else:
+            records = load_dataset(data)
         want, other = ((MultipleChoiceRecord, "open-QA") if self.mode.choice
                        else (OpenQARecord, "multiple-choice"))
         if records and not isinstance(records[0], want):
@@ -143,13 +148,54 @@ class FitPlan:
                              self.config.seed)
 
     # ------------------------------------------------------------------------ scores
+    @cached_property
+    def score_logs(self) -> dict:
+        """``{"model": log, "reference": log}`` read from ``--model-scores`` /
+        ``--reference-scores`` (lm-eval sample logs, checked to score the same documents);
+        empty when the models are run."""
+        from calm_training.scoring.lm_eval_logs import log_path, paired, read_samples
+
+        config = self.config
+        if config.model_scores is None:
+            return {}
+        logs = {"model": read_samples(log_path(config.model_scores))}
+        if config.reference_scores is not None:
+            logs["reference"] = read_samples(log_path(config.reference_scores))
+            paired(logs["model"], logs["reference"])
+        return logs
+
+    def log_option_scores(self, role: str):
+        """The option scores of ``role`` from its lm-eval log (cut to ``--limit``), with the
+        model's own tokenizer counting the continuations' tokens for the ``mean`` variant
+        (nothing is run); a :class:`ConfigError` when the role has no log."""
+        if role not in self.score_logs:
+            raise ConfigError(f"--model-scores gives the model's scores from a log, so the "
+                              f"{role}'s must come from one too: pass --{role}-scores "
+                              "lm-eval:PATH (a log of the same task)")
+        log = self.score_logs[role]
+        tokenizer = None
+        if self.variant(role) == "mean" and not self.mode.token_level:
+            source = self.model if role == "model" else self.require_reference()
+            tokenizer = source.tokenizer()
+        scores = log.option_scores(self.config.mode, tokenizer)
+        n = len(self.records)
+        for name in ("values", "n_tokens", "n_chars", "labels"):
+            setattr(scores, name, getattr(scores, name)[:n])
+        return scores
+
     def option_scores(self, role: str = "model", *, adapter_dir: str | os.PathLike | None = None,
                       progress: bool = True):
         """The option scores of :attr:`records` by the model (or the reference), with
         ``adapter_dir``'s calibration applied while scoring; from the score cache when
-        possible."""
+        possible (from its lm-eval log with ``--model-scores``)."""
         from calm_training.scoring.cache import cached_option_scores
 
+        if self.score_logs:
+            if adapter_dir is not None:
+                raise ConfigError("scores read from an lm-eval log cannot be re-scored with "
+                                  "an adapter; fit without --adapter, or score the model "
+                                  "itself")
+            return self.log_option_scores(role)
         source = self.model if role == "model" else self.require_reference()
         config = self.config
         return cached_option_scores(source, self.records, mode=config.mode,

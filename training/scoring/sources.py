@@ -63,6 +63,13 @@ class ModelSource:
         """The score-cache key of what scores (local sources)."""
         raise NotImplementedError
 
+    def tokenizer(self):
+        """The model's tokenizer alone (nothing else is loaded): a local model's or an
+        engine's folder holds it."""
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(self.folder()))
+
     def folder(self) -> Path:
         """The folder holding the tokenizer files (local sources)."""
         raise ConfigError(f"{self.spec} is served: its files are not on this machine; pass "
