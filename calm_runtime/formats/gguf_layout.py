@@ -81,6 +81,24 @@ class _Walk:
         except UnicodeDecodeError:
             self.fail(f"{what} is not UTF-8")
 
+    def _strings(self, count: int, what: str) -> None:
+        length = struct.Struct(self.order + "Q").unpack_from
+        data, size, at = self.data, self.size, self.at
+        for i in range(count):
+            if at + 8 > size:
+                self.at = at
+                self.need(8, f"the length of item {i} of {what}")
+            n = length(data, at)[0]
+            at += 8
+            if n > MAX_STRING_BYTES or at + n > size:
+                self.at = at
+                if n > MAX_STRING_BYTES:
+                    self.fail(f"item {i} of {what} declares {n:,} bytes (more than "
+                              f"{MAX_STRING_BYTES:,})")
+                self.need(n, f"item {i} of {what}")
+            at += n
+        self.at = at
+
     def value(self, kind: int, what: str, depth: int = 0):
         """Skip (or, for scalars, read) one value of type ``kind``."""
         if kind in _SCALARS:
@@ -102,6 +120,9 @@ class _Walk:
         # strings and arrays take at least 8 bytes each: a count the rest of the file
         # cannot hold is refused before walking any item
         self.need(count * 8, f"{what} ({count:,} items)")
+        if item == _STRING:  # a vocabulary: hundreds of thousands, walked in one tight loop
+            self._strings(count, what)
+            return None
         for i in range(count):
             self.value(item, f"item {i} of {what}", depth + 1)
         return None
