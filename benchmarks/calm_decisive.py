@@ -869,6 +869,10 @@ def report(args) -> int:
     results = claims(parts, default, args.decision_bootstrap, args.bins)
     runs = {}
     for name, part in parts.items():
+        for info in part["sets"].values():  # the summaries with today's interval (summary())
+            for reading in info["variants"].values():
+                reading["summary"] = summary(reading["questions"], info["k"], args.bins,
+                                             args.bootstrap)
         runs[name] = {k: v for k, v in part.items() if k not in ("sets", "curve")}
         eta = (part.get("settings") or {}).get("eta")
         lams = [r["lam"] for r in part.get("curve") or [] if r.get("lam") is not None]
@@ -1108,7 +1112,7 @@ def readme_block(payload: dict) -> str:
              f"{gate['alpha_lr']:g}). Seeds per arm: {_seeds_per_arm(payload['runs'])}.", "",
              MULTIPLICITY, "",
              "| claim | verdict | Δ [95% CI] | what |", "|---|---|---|---|",
-             *[_claim_line(c) for c in payload["claims"]]]
+             *[_claim_line(c) for c in payload["claims"]], *_round_three_lines(payload)]
     return "\n".join(lines)
 
 

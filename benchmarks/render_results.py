@@ -364,7 +364,10 @@ def gate_reading(payload: dict) -> list[str]:
                  "did move (its τ range and the with/without-α rows are in the result file), "
                  "and what it did there is read by the claims on α's own share, in NLL as well "
                  "as ECE. The second round measures answer flips, total variation and "
-                 "held-out NLL as well, and writes α only where it lowers the held-out NLL.")
+                 "held-out NLL as well, and writes α only where it lowers the held-out NLL; "
+                 "the third round, `calm train` as users run it, only where it lowers it by "
+                 "more than its paired interval, and ends with a DACA temperature against the "
+                 "model before the LoRA.")
     return [text, ""]
 
 

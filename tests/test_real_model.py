@@ -61,7 +61,9 @@ def test_cloze_scoring_on_the_real_model_beats_chance(installed):
 
 def test_two_step_calm_train_records_alpha_and_ships_it_only_if_it_helps(installed, tmp_path):
     """A real `calm train` (2 steps): the adapter records α's own share on held-out training
-    questions and carries the identity α whenever that share does not lower their NLL."""
+    questions, carries the identity α whenever that share does not lower their NLL by more
+    than its paired interval, and ends with a DACA temperature against the model before the
+    LoRA, with each part read on the hold-out."""
     from calm_runtime.cli.main import main
     from calm_runtime.formats.artifact import CalibrationAdapter
 
@@ -75,5 +77,14 @@ def test_two_step_calm_train_records_alpha_and_ships_it_only_if_it_helps(install
     assert gate["holdout"]["n"] == gate["share"]["n"] == 5  # round(0.2 * 24)
     assert adapter.centered and "held-out NLL" in gate["reason"]
     identity = bool(np.all(adapter.tau == 1.0) and np.all(adapter.shift == 0.0))
-    assert gate["kept"] == (gate["share"]["nll_change"] < 0)
+    share = gate["share"]
+    clears = (share["nll_change_half_width"] is not None
+              and -share["nll_change"] > share["nll_change_half_width"])
+    assert gate["kept"] == (clears and share["accuracy_without"] - share["accuracy_alpha"]
+                            <= 0.03)
     assert identity == (not gate["kept"])  # a kept α moved in its one BOME step
+    daca = adapter.method["daca"]
+    assert daca["fitted"] and adapter.kind == "calm+daca", daca
+    assert adapter.answer_temperature == pytest.approx(daca["fit"]["temperature"])
+    assert set(adapter.metrics["holdout_parts"]["parts"]) == {"base", "lora", "lora+alpha",
+                                                             "lora+alpha+T"}
