@@ -135,7 +135,8 @@ class FitConfig:
         if self.reference_scores is not None and self.model_scores is None:
             problems.append("reference_scores need model_scores too (both models' scores "
                             "come from logs of the same documents)")
-        if self.model_scores is not None and self.mode == "p_true":
+        if (self.model_scores is not None and self.mode in ALL_MODES
+                and not modes.mode(self.mode).choice):
             problems.append("scores from lm-eval logs are multiple-choice scores; use --mode "
                             "cloze or letter")
         if problems:
