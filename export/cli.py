@@ -36,12 +36,12 @@ _DEFAULTS = {f.name: f.default for f in dataclasses.fields(ExportConfig)}
 __all__ = ["main", "build_parser", "register", "run"]
 
 EPILOG = """examples:
-  calm-export --model smollm2-135m-instruct --adapter runs/daca-adapter --out engines/smol
+  calm-export --model smollm2-135m-instruct --adapter adapters/daca-smollm2 --out engines/daca
   calm-export --model smollm2-135m-instruct --quantize int8 \\
-      --recalibrate arc-easy:calibration --out engines/smol-int8
-  calm-export --model smollm2-135m-instruct --adapter runs/daca-adapter --format hf \\
+      --recalibrate arc-easy:calibration --out engines/daca-int8
+  calm-export --model smollm2-135m-instruct --adapter adapters/daca-smollm2 --format hf \\
       --out checkpoints/smol-calibrated     # a transformers folder vLLM & co. serve
-  calm-export --model smollm2-135m-instruct --adapter runs/daca-adapter --format gguf \\
+  calm-export --model smollm2-135m-instruct --adapter adapters/daca-smollm2 --format gguf \\
       --out smol-calibrated.gguf            # the GGUF with a calibrated head, for llama.cpp
 
 An ONNX or TensorRT engine is validated before it is written (logits and greedy KV-cache
