@@ -261,4 +261,5 @@ def test_long_options_are_scored_within_a_memory_budget(tmp_path_factory, tmp_pa
                           capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     peak = int(done.stdout.strip().splitlines()[-1])
+    print(f"child peak RSS {peak / 2**30:.2f} GB")
     assert peak < 1.5 * 2**30, f"peak RSS {peak / 2**30:.2f} GB"
