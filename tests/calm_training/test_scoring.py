@@ -248,6 +248,7 @@ def test_long_options_are_scored_within_a_memory_budget(tmp_path_factory, tmp_pa
                                name="wide-llama")
     config = json.loads((model_dir / "config.json").read_text())
     config["max_position_embeddings"] = 4096
+    config["dtype"] = config["torch_dtype"] = "float32"  # what is measured: a float32 model
     (model_dir / "config.json").write_text(json.dumps(config))
     rng = np.random.default_rng(0)
     letters = np.array(list("abcdefghij"))
@@ -256,7 +257,11 @@ def test_long_options_are_scored_within_a_memory_budget(tmp_path_factory, tmp_pa
             for i in range(4)]
     data = tmp_path / "long.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    env = {**os.environ, "CALM_CACHE": str(tmp_path / "cache")}
+    # the child's environment is the process's essentials only: what earlier tests left in
+    # os.environ must not change what is measured
+    keep = ("PATH", "HOME", "LANG", "TMPDIR", "PYTHONPATH", "VIRTUAL_ENV", "SSL_CERT_FILE")
+    env = {k: os.environ[k] for k in keep if k in os.environ}
+    env["CALM_CACHE"] = str(tmp_path / "cache")
     done = subprocess.run([sys.executable, "-c", CHILD_LONG_OPTIONS, str(model_dir), str(data)],
                           capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
