@@ -225,12 +225,16 @@ def test_scores_sized_by_what_they_allocate_equal_the_batched_ones(tiny, monkeyp
         np.testing.assert_allclose(got.values, want.values, atol=1e-4)
 
 
+# The child's own peak (VmHWM, the high-water mark of its address space), not ru_maxrss:
+# Linux carries the parent's peak into a child's ru_maxrss across fork and exec, so a
+# long test session's size would be measured instead of the scorer's.
 CHILD_LONG_OPTIONS = r"""
-import json, resource, sys
+import json, sys
 from calm_training.fit import FitConfig, compare_methods
 config = FitConfig(model=sys.argv[1], data=sys.argv[2], mode="cloze", bootstrap=0)
 compare_methods(config, ("vanilla", "ts"), progress=False)
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+with open("/proc/self/status") as status:
+    print(next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:")))
 """
 
 
