@@ -125,7 +125,7 @@ def final_checkpoint(trainer) -> Path | None:
 def drop_final_checkpoint(trainer, folder: Path | None) -> None:
     """Remove the checkpoint :func:`final_checkpoint` wrote once the adapter is written
     (checkpoints the run asked for stay), and the checkpoint folder if it is then empty."""
-    if folder is None or getattr(trainer, "made_final_checkpoint", None) != folder:
+    if folder is None or trainer.made_final_checkpoint != folder:
         return
     shutil.rmtree(folder, ignore_errors=True)
     try:

@@ -194,6 +194,8 @@ class _Trainer:
                                    epsilon=CalmConfig.LAMBDA_EPSILON,
                                    upper_theta=config.upper_params == "all")
         self.history: list[dict] = []
+        #: the last step's checkpoint this run wrote before measuring (checkpoint.py)
+        self.made_final_checkpoint = None
         self.step = 0
         self.q_warnings = 0
         if config.checkpoint_every and self.checkpoint_dir is None:
