@@ -155,6 +155,9 @@ ARMS = {
     # (the paper's) and DACA's masked KL to the pre-trained Gemma-3-270M (calm's extension)
     "calm-centred": dict(ROUND2),
     "calm-centred-daca": {**ROUND2, "upper": "daca", "reference": "gemma-3-270m"},
+    # the second round's settings with α frozen at the identity (the same held-out training
+    # questions): θ trained without α, against which α's share is read a second way
+    "calm-centred-frozen": {**ROUND2, "freeze_alpha": True},
 }
 #: the third round: what `calm train` hands users, run as they run it — every CalmConfig
 #: default, pinned here (tests/benchmarks/test_arms_pinned.py fails when a default moves away
@@ -174,6 +177,8 @@ ARMS["calm-train"] = CALM_TRAIN
 #: the configuration `calm train` ships: its defaults, run as users run them
 SHIPPED = "calm-train"
 ROUND2_ARMS = ("calm-centred", "calm-centred-daca")
+#: the second round's α-frozen control (θ trained without α), read against calm-centred
+ROUND2_CONTROL = "calm-centred-frozen"
 ROUND3_ARMS = ("calm-train",)
 #: arms whose settings start from the default arm's (the rest start from COMMON)
 DERIVED = ("lora-matched", "ablation-iterate", "ablation-regularization", "ablation-scalar")
@@ -184,7 +189,14 @@ CANDIDATES = ("calm-bome-all", "calm-bome-alpha")
 #: seed-0 run at the arm's recorded rate (1e-3) is that rate's probe.
 CFT_ARMS = ("cft", "cft-ce")
 CFT_LR_GRID = (3e-4, 1e-3, 3e-3)
+#: a rate chosen at the grid's edge is not a choice: the grid is extended past that edge by
+#: the grid's own factor (×3), up to this many times, until the chosen rate is inside it
+CFT_LR_EXTEND = 2
 LETTER_LORA = {"method": "lora", "optimizer": "adam", "outer_lr": 1e-3, "warm_start_steps": 0}
+#: the one tuned letter attempt, fixed before it ran: five times the steps at a third of the
+#: rate (the 40-step LoRA answers one letter for every question, a collapse onto a letter
+#: prior that a longer, gentler run may leave)
+LETTER_TUNED = {"steps": 200, "outer_lr": 3e-4}
 
 
 def arm_settings(arm: str, gate: dict, default: str | None) -> dict:
@@ -232,16 +244,29 @@ def choose_cft_lr(args, gate: dict) -> dict:
     """Each CFT arm's learning rate: the grid's rate with the lower validation NLL."""
     chosen = {}
     for arm in CFT_ARMS:
-        probes = [cft_lr_probe(args, arm, lr, gate) for lr in CFT_LR_GRID]
+        grid = list(CFT_LR_GRID)
+        probes = [cft_lr_probe(args, arm, lr, gate) for lr in grid]
+        for _ in range(CFT_LR_EXTEND):
+            stable = [p for p in probes if "diverged" not in p]
+            best = min(stable, key=lambda p: p["validation_nll"])
+            if grid[0] < best["outer_lr"] < grid[-1]:
+                break
+            step = float(f"{grid[0] / 3:.3g}") if best["outer_lr"] == grid[0] \
+                else float(f"{grid[-1] * 3:.3g}")
+            grid = sorted([*grid, step])
+            probes.append(cft_lr_probe(args, arm, step, gate))
         stable = [p for p in probes if "diverged" not in p]
         best = min(stable, key=lambda p: p["validation_nll"])
-        chosen[arm] = {"outer_lr": best["outer_lr"],
+        chosen[arm] = {"outer_lr": best["outer_lr"], "grid": grid,
+                       "at_edge": not grid[0] < best["outer_lr"] < grid[-1],
                        "validation_nll": {f"{p['outer_lr']:g}": p.get("validation_nll")
-                                          for p in probes}}
+                                          for p in sorted(probes, key=lambda p: p["outer_lr"])}}
     write_part(args, "gate-cft-lr", {"grid": list(CFT_LR_GRID), "arms": chosen,
+                                     "extend": CFT_LR_EXTEND,
                                      "rule": "the rate with the lower option NLL on the "
                                              f"validation split ({DOMAIN}:unlabeled with its "
-                                             "labels), seed 0"})
+                                             "labels), seed 0; a rate at the grid's edge "
+                                             "extends the grid past it (x3)"})
     return read_part(args, "gate-cft-lr")
 
 
@@ -348,24 +373,34 @@ def binomial_p_above(successes: int, n: int, p0: float) -> float:
                      for k in range(successes, n + 1)))
 
 
-def letter_gate(args, model: str, name: str) -> dict:
+def letter_gate(args, model: str, name: str, tuned: bool = False) -> dict:
     """A plain LoRA on ``model`` trained on letter answers of the training split, read on the
     validation split: above chance by a one-sided binomial test (p < 0.05), letter mode is a
-    regime for that model. Written as part ``name`` (reused when present)."""
+    regime for that model. Written as part ``name`` (reused when present and holding the
+    predicted-letter histogram). ``tuned``: the one tuned attempt (:data:`LETTER_TUNED`)."""
     letter = read_part(args, name)
-    if letter is not None and not args.retrain:
+    if letter is not None and not args.retrain and "predicted_letters" in letter:
         return letter
     args = argparse.Namespace(**{**vars(args), "model": model})
-    settings = {**COMMON, **LETTER_LORA, "mode": "letter", "alpha_tokens": "all",
-                "alpha_lr": None, "upper_params": "alpha"}
+    settings = {**COMMON, **LETTER_LORA, **(LETTER_TUNED if tuned else {}), "mode": "letter",
+                "alpha_tokens": "all", "alpha_lr": None, "upper_params": "alpha"}
+    started = time.perf_counter()
     result = train_calm(_config(args, settings, 0), None, progress=not args.quiet)
     letter_eval = _evaluator(args, "letter", result.model)
     hidden = letter_eval.hidden(_validation())
     scores, _ = letter_eval.scores(hidden)
-    right = int((scores.argmax(axis=1) == hidden.labels).sum())
+    predicted = scores.argmax(axis=1)
+    right = int((predicted == hidden.labels).sum())
     n = int(hidden.labels.size)
-    write_part(args, name, {"model": model, "accuracy": right / n, "n": n,
-                            "p_value": binomial_p_above(right, n, 0.25), "settings": settings})
+    k = scores.shape[1]
+    write_part(args, name, {
+        "model": model, "accuracy": right / n, "n": n, "tuned": tuned,
+        "p_value": binomial_p_above(right, n, 0.25), "settings": settings,
+        # which letter the LoRA answers, and which is right: one letter always is a collapse
+        # onto a prior, not a reading of the question
+        "predicted_letters": np.bincount(predicted, minlength=k).tolist(),
+        "label_letters": np.bincount(hidden.labels, minlength=k).tolist(),
+        "wall_s": round(time.perf_counter() - started, 1)})
     return read_part(args, name)
 
 
@@ -443,9 +478,20 @@ def run_gate(args) -> dict:
 
 
 # ---------------------------------------------------------------------------- one run
+def finished(args, arm: str, seed: int) -> dict | None:
+    """The run's part when it is made and current: a CFT run trained at another rate than
+    the one chosen on the validation split (``gate-cft-lr``) is to be made again."""
+    found = read_part(args, arm if arm == "vanilla" else f"{arm}-s{seed}")
+    chosen = read_part(args, "gate-cft-lr")
+    if found is not None and arm in CFT_ARMS and chosen is not None and "diverged" not in found \
+            and found["settings"]["outer_lr"] != chosen["arms"][arm]["outer_lr"]:
+        return None
+    return found
+
+
 def run_one(args, arm: str, seed: int, gate: dict, default: str | None) -> dict:
     name = arm if arm == "vanilla" else f"{arm}-s{seed}"
-    found = read_part(args, name)
+    found = finished(args, arm, seed)
     if found is not None and not args.retrain:
         logger.info("reusing %s", name)
         return found
@@ -565,6 +611,8 @@ def plan(default: str | None) -> list[tuple[str, int]]:
         runs += [(arm, seed) for arm in ROUND2_ARMS] + [("ablation-scalar", seed)]
     # the third round: `calm train` as users run it, three seeds
     runs += [(arm, seed) for seed in SEEDS for arm in ROUND3_ARMS]
+    # the second round's α-frozen control, three seeds
+    runs += [(ROUND2_CONTROL, seed) for seed in SEEDS]
     return list(dict.fromkeys(runs))
 
 
@@ -575,9 +623,7 @@ def run_plan(args) -> int:
         chosen = choose_default(args, gate)
         default = chosen["arm"] if chosen else None
         todo = plan(default) if wanted is None else wanted
-        pending = [(a, s) for a, s in todo
-                   if args.retrain or read_part(args, a if a == "vanilla" else f"{a}-s{s}")
-                   is None]
+        pending = [(a, s) for a, s in todo if args.retrain or finished(args, a, s) is None]
         if not pending:
             break
         arm, seed = pending[0]
@@ -708,16 +754,16 @@ def claims(parts: dict, default: str | None, n_boot: int, bins: int) -> list[dic
         ("per-vocabulary α beats one learned temperature, TS on both: OOD ECE below the "
          "scalar ablation", "ece", "ece", (default, "alpha+ts"), ("ablation-scalar",
                                                                    "alpha+ts"), ood),
-        ("OOD conf-ECE below CFT (calibration loss alone)", "ece", "ece", (default, "alpha"),
-         ("cft", "alpha"), ood),
-        ("OOD conf-ECE below CFT (calibration loss alone), TS on both", "ece", "ece",
-         (default, "alpha+ts"), ("cft", "alpha+ts"), ood),
         # CFT's primary comparator: cross-entropy plus the calibration term (the published
         # form), with and without TS
         ("OOD conf-ECE below CFT (CE + calibration term)", "ece", "ece", (default, "alpha"),
          ("cft-ce", "alpha"), ood),
         ("OOD conf-ECE below CFT (CE + calibration term), TS on both", "ece", "ece",
          (default, "alpha+ts"), ("cft-ce", "alpha+ts"), ood),
+        ("OOD conf-ECE below CFT (calibration loss alone)", "ece", "ece", (default, "alpha"),
+         ("cft", "alpha"), ood),
+        ("OOD conf-ECE below CFT (calibration loss alone), TS on both", "ece", "ece",
+         (default, "alpha+ts"), ("cft", "alpha+ts"), ood),
         ("accuracy kept out of domain (vs CFT, calibration loss alone)", "kept", "accuracy",
          (default, "alpha"), ("cft", "alpha"), ood),
         # "CALM is the only training-time method that improves both in domain": CFT's rows
@@ -769,6 +815,18 @@ def round_two(ood: list[str]) -> list[tuple]:
              "no-harm", "nll", (arm, "alpha"), (arm, "no-alpha"), ood),
             (f"{arm}: in domain, α's own share (as trained), NLL below the same θ without α",
              "nll", "nll", (arm, "trained-alpha"), (arm, "no-alpha"), [DOMAIN])]
+    # α's share read a second way: against a θ trained without α at all (the same settings
+    # and held-out questions, α frozen), so that θ's training with α is part of what is read
+    arm, control = ROUND2_ARMS[0], (ROUND2_CONTROL, "alpha")
+    specs += [
+        (f"{arm} (as trained) against θ trained without α ({ROUND2_CONTROL}): OOD ECE below",
+         "ece", "ece", (arm, "trained-alpha"), control, ood),
+        (f"{arm} (as trained) against θ trained without α ({ROUND2_CONTROL}): OOD NLL below",
+         "nll", "nll", (arm, "trained-alpha"), control, ood),
+        (f"{arm} (as trained) against θ trained without α ({ROUND2_CONTROL}): OOD accuracy "
+         "kept", "kept", "accuracy", (arm, "trained-alpha"), control, ood),
+        (f"{arm} (as written) against θ trained without α ({ROUND2_CONTROL}): OOD NLL not "
+         f"raised (by {NLL_MARGIN})", "no-harm", "nll", (arm, "alpha"), control, ood)]
     return specs
 
 
@@ -882,8 +940,8 @@ def report(args) -> int:
                               for s, info in part["sets"].items()}
     commits = ",".join(dict.fromkeys(p["commit"] for p in [gate, *parts.values()]))
     folder = Path(args.parts)
-    letter_gates = {p.stem.removeprefix("gate-letter-"): json.loads(p.read_text())
-                    for p in sorted(folder.glob("gate-letter-*.json"))}
+    letter_gates = {p.stem.removeprefix("gate-letter").lstrip("-") or "gate":
+                    json.loads(p.read_text()) for p in sorted(folder.glob("gate-letter*.json"))}
     payload = {"command": args.command, "run_commands": sorted({p["command"] for p in
                                                                  [gate, *parts.values()]}),
                "commit": commits, "gate": gate, "letter_gates": letter_gates,
@@ -944,15 +1002,28 @@ def _gate_lines(gate: dict) -> list[str]:
 
 
 def _letter_gate_lines(payload: dict) -> list[str]:
-    """The letter regime tried on other packaged models (issue: the paper's class-wise α is
-    the letter regime); a pass would add letter-mode arms on that model."""
+    """The letter regime on each packaged model tried (the paper's class-wise α is the letter
+    regime): accuracy, the binomial test, and which letters the LoRA answered; a pass would
+    add letter-mode arms on that model."""
     lines = []
-    for model, g in (payload.get("letter_gates") or {}).items():
+    for name, g in (payload.get("letter_gates") or {}).items():
+        model = g.get("model", name)
         verdict = ("above chance: letter-mode CALM arms on it are the next runs"
                    if g["p_value"] < 0.05 else "not above chance: no letter regime for it")
-        lines.append(f"- Letter mode after LoRA on {model}: accuracy {g['accuracy']:.3f} on "
+        how = (f"the tuned attempt ({g['settings']['steps']} steps at rate "
+               f"{g['settings']['outer_lr']:g})" if g.get("tuned") else
+               f"a {g['settings']['steps']}-step LoRA at rate {g['settings']['outer_lr']:g}")
+        letters = ""
+        if g.get("predicted_letters"):
+            def hist(counts):
+                return ", ".join(f"{chr(65 + i)} {c}" for i, c in enumerate(counts))
+            letters = (f"; letters answered: {hist(g['predicted_letters'])} (right letters: "
+                       f"{hist(g['label_letters'])})")
+        flag = "--letter-tuned " if g.get("tuned") else ""
+        lines.append(f"- Letter mode after {how} on {model}: accuracy {g['accuracy']:.3f} on "
                      f"{g['n']} validation questions, one-sided binomial p = "
-                     f"{g['p_value']:.3g}: {verdict} (`--letter-gate {model}`).")
+                     f"{g['p_value']:.3g}{letters}: {verdict} "
+                     f"(`--letter-gate {model} {flag}`).".replace(" `)", "`)"))
     return lines
 
 
@@ -1125,6 +1196,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--letter-gate", metavar="MODEL",
                         help="only run the letter-mode gate for MODEL (another packaged model "
                              "that might answer letters above chance), then report")
+    parser.add_argument("--letter-tuned", action="store_true",
+                        help="with --letter-gate: the one tuned letter LoRA attempt "
+                             "(LETTER_TUNED) instead of the gate's LoRA")
     parser.add_argument("--cft-lr", action="store_true",
                         help="only choose the CFT arms' learning rates on the validation "
                              "split (seed-0 probes over CFT_LR_GRID), then report")
@@ -1177,7 +1251,11 @@ def main(argv=None) -> int:
         return report(args)
     if args.letter_gate:
         install_named([args.letter_gate], (DOMAIN,))
-        letter_gate(args, args.letter_gate, f"gate-letter-{args.letter_gate}")
+        name = "gate-letter" if args.letter_gate == args.model else \
+            f"gate-letter-{args.letter_gate}"
+        if args.letter_tuned:
+            name = f"gate-letter-tuned-{args.letter_gate}"
+        letter_gate(args, args.letter_gate, name, tuned=args.letter_tuned)
         return report(args)
     install_named([args.model], (DOMAIN, *OOD))
     return run_plan(args)

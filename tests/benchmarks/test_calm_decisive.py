@@ -111,8 +111,9 @@ def test_report_gives_every_claim_a_verdict_or_not_run(bench, tmp_path):
     runs["gate-probe-2"] = {"alpha_lr": 2.0, "diverged": "step 30: f is nan",
                             "commit": "abc1234", "command": "python x"}
     # CFT's learning rate chosen on the validation split from its seed-0 probes (the probes
-    # exist, so nothing is trained): the lowest NLL wins, a diverged rate is left out
-    for lr, nll in ((3e-4, 1.2), (1e-3, 1.7), (3e-3, None)):
+    # exist, so nothing is trained): the lowest NLL wins, a diverged rate is left out, and a
+    # rate at the grid's edge (3e-4) extends the grid past it (1e-4) until it is inside
+    for lr, nll in ((1e-4, 1.3), (3e-4, 1.2), (1e-3, 1.7), (3e-3, None)):
         for arm in bench.CFT_ARMS:
             probe = {"arm": arm, "outer_lr": lr, "commit": "abc1234", "command": "python x"}
             probe |= {"validation_nll": nll} if nll is not None else {"diverged": "nan"}
@@ -130,6 +131,16 @@ def test_report_gives_every_claim_a_verdict_or_not_run(bench, tmp_path):
                     k: {"accuracy": 0.5, "ece": 0.1, "nll": 1.0} for k in
                     ("base", "lora", "lora+alpha", "lora+alpha+T")}}}
         runs[f"{bench.SHIPPED}-s{seed}"] = run
+    # the second round's arm against its α-frozen control (θ trained without α)
+    for seed in bench.SEEDS:
+        runs[f"calm-centred-s{seed}"] = _part(bench, "calm-centred", seed, 0.6, variants=(
+            "alpha", "alpha+ts", "no-alpha", "no-alpha+ts", "trained-alpha", "trained-alpha+ts"))
+        runs[f"{bench.ROUND2_CONTROL}-s{seed}"] = _part(bench, bench.ROUND2_CONTROL, seed, 0.8)
+    # a letter gate with the letters the LoRA answered: one letter always
+    (parts / "gate-letter.json").write_text(json.dumps({
+        "model": "smollm2-135m-instruct", "accuracy": 0.25, "n": 8, "p_value": 0.6,
+        "settings": {"steps": 40, "outer_lr": 1e-3}, "predicted_letters": [8, 0, 0, 0],
+        "label_letters": [2, 2, 2, 2], "commit": "abc1234", "command": "python x"}))
     for name, part in runs.items():
         (parts / f"{name}.json").write_text(json.dumps(part))
     readme = tmp_path / "README.md"
@@ -138,13 +149,15 @@ def test_report_gives_every_claim_a_verdict_or_not_run(bench, tmp_path):
                              "--decision-bootstrap", "200"])
     chosen = bench.choose_cft_lr(args, gate)
     assert {a: c["outer_lr"] for a, c in chosen["arms"].items()} == {"cft": 3e-4, "cft-ce": 3e-4}
+    assert chosen["arms"]["cft"]["grid"] == [1e-4, 3e-4, 1e-3, 3e-3]
+    assert not chosen["arms"]["cft"]["at_edge"]
     assert bench.report(args) == 0
     payload = json.loads((tmp_path / "calm_decisive.json").read_text())
     verdicts = {c["claim"]: c["verdict"] for c in payload["claims"]}
     assert verdicts["OOD conf-ECE below lora-matched (no TS)"] == "holds"
     assert verdicts["OOD conf-ECE below vanilla, TS on both"] in ("holds", "refuted",
                                                                   "inconclusive")
-    assert verdicts["calm-centred: α (as trained) keeps OOD accuracy"] == "not run"
+    assert verdicts["calm-centred-daca: α (as trained) keeps OOD accuracy"] == "not run"
     assert verdicts["iterate ablation collapses in accuracy (vs default arm)"] == "not run"
     assert verdicts["regularization ablation collapses in accuracy (vs default arm)"] == \
         "not run"
@@ -164,9 +177,14 @@ def test_report_gives_every_claim_a_verdict_or_not_run(bench, tmp_path):
     assert "LoRA + gated α + DACA T (what `calm train` writes) | 3 |" in md
     assert f"| {bench.SHIPPED}-s0 | no | 1.700 | 1.100 | 0.710 |" in md
     assert "ablation-iterate:0" in md and "Decision rule" in md
+    control = (f"calm-centred (as trained) against θ trained without α "
+               f"({bench.ROUND2_CONTROL}): OOD ECE below")
+    assert verdicts[control] == "holds"
+    assert "letters answered: A 8, B 0, C 0, D 0 (right letters: A 2, B 2, C 2, D 2)" in md
     assert "ablation-regularization:0" not in md.split("Runs not yet made")[1].split("\n")[0]
     assert "Diverged (no results" in md
-    assert "- cft: validation NLL by learning rate (0.0003: 1.2000, 0.001: 1.7000, 0.003: " \
+    assert "- cft: validation NLL by learning rate (0.0001: 1.3000, 0.0003: 1.2000, 0.001: " \
+        "1.7000, 0.003: " \
         "diverged); chosen 0.0003; its runs used 0.001: they are to be rerun" in md
     cft_row = md.split("## CFT runs")[1].split("| cft-s0 |")[1].split("\n")[0]
     assert "0.3: 0.40/12" in cft_row and "| 0 | 5e-05 |" in cft_row  # (1 − w)·CE, w·c·L_cal
