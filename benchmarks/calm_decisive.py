@@ -91,7 +91,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _common import command_line, git_commit, rewrite_generated_block
+from _common import command_line, git_commit, portable, rewrite_generated_block
 
 from calm_runtime.cli.main import install_named
 from calm_runtime.data.sets import load_dataset, split_records
@@ -361,7 +361,8 @@ def write_part(args, name: str, part: dict) -> None:
     part = {"command": args.command, "commit": args.commit,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), **part}
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(part, separators=(",", ":"), default=str) + "\n")
+    # the adapter folders it names are the machine's: named by their last part
+    tmp.write_text(portable(json.dumps(part, separators=(",", ":"), default=str)) + "\n")
     tmp.replace(path)
     logger.warning("wrote %s", path)
 
@@ -952,7 +953,8 @@ def report(args) -> int:
                "decision_rule": __doc__.split("**The decision rule**, fixed before the runs.")[1]
                .split("Writes")[0].strip()}
     out = Path(args.out)
-    (out / "calm_decisive.json").write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    (out / "calm_decisive.json").write_text(
+        portable(json.dumps(payload, indent=1, default=str)) + "\n")
     (out / "calm_decisive.md").write_text(render(payload) + "\n")
     if args.readme:
         rewrite_generated_block(args.readme, README_START, README_END, readme_block(payload))

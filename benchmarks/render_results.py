@@ -5,7 +5,9 @@
 
 Nothing is measured here: every table and every number is read from ``benchmarks/results/``
 (the JSON a benchmark wrote, or the tables of the ``.md`` it rendered from that JSON), and
-every section names the file and the command that produced it. The CALM block of
+every section names the file and the command that produced it. The result files themselves
+are rewritten only to name each folder of the machine that made them by its last part. The
+CALM block of
 docs/results.md, between its markers, is written by ``python benchmarks/calm_decisive.py
 --report`` and kept here as it stands.
 """
@@ -560,10 +562,13 @@ def current_calm_block() -> str:
 
 
 def rendered() -> dict[Path, str]:
-    """What docs/results.md and README.md should hold."""
-    # the result files keep what their runs recorded; what the docs quote of them names no
-    # folder of the machine that made them
-    out = {DOC: portable(render_doc(current_calm_block()))}
+    """What docs/results.md and README.md should hold, and the result files themselves."""
+    # the result files keep what their runs recorded, every folder of the machine that made
+    # them named by its last part (a folder the reader has of their own); so does every
+    # page that quotes them
+    out = {path: portable(path.read_text()) for path in sorted(RESULTS.rglob("*"))
+           if path.suffix in (".json", ".md") and path.is_file()}
+    out[DOC] = portable(render_doc(current_calm_block()))
     readme = README.read_text()
     for start, end, block in ((README_START, README_END, readme_block),
                               (QUICKSTART_START, QUICKSTART_END, quickstart_block)):

@@ -154,6 +154,9 @@ def test_docs_name_no_folder_of_the_machine_that_made_them():
         sys.path.remove(str(ROOT / "benchmarks"))
     assert portable("--llama-cpp /work/lcb/llama.cpp/build --out /tmp/x") == \
         "--llama-cpp build --out x"
-    for page in PAGES:
+    results = sorted(p for p in (ROOT / "benchmarks" / "results").rglob("*")
+                     if p.suffix in (".json", ".md"))
+    assert results  # the result files are scanned too, parts included
+    for page in [*PAGES, *results]:
         found = MACHINE_PATH.findall(page.read_text())
-        assert not found, (page.name, found[:3])
+        assert not found, (str(page.relative_to(ROOT)), found[:3])
