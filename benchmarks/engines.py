@@ -104,9 +104,9 @@ def main(argv=None) -> int:
         (out / f"{STEM}.md").write_text(render(json.loads(path.read_text())))
         return 0
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from calm_runtime._paths import cache_dir
     from calm_runtime.cli.main import install_named
     from calm_runtime.data.models import resolve_model
+    from calm_runtime.paths import cache_dir
 
     install_named([args.model])
     folder = resolve_model(args.model)

@@ -116,7 +116,7 @@ def weight_bytes(engine: Path) -> int:
 # ---------------------------------------------------------------------- contenders
 def ort_loop(backend, prompt_ids, batch, tokens, *, stats=False, calibrate=None):
     """The bare KV-cache loop on a backend: argmax (and optionally confidences) only."""
-    from calm_runtime.inference._generation import initial_positions
+    from calm_runtime.inference.generation import initial_positions
     from calm_runtime.inference.sampling import step_stats
 
     ids = np.asarray([prompt_ids] * batch, dtype=np.int64)
@@ -448,7 +448,7 @@ def prefill_table(engine: Path, model_spec: str | None, tokens: int, threads: in
     """Milliseconds to prefill one ``tokens``-long prompt: last position only vs every
     position (chunked) on the same session, and transformers with ``logits_to_keep=1``."""
     from calm_runtime import CalibratedLM
-    from calm_runtime.inference._generation import initial_positions
+    from calm_runtime.inference.generation import initial_positions
 
     lm = CalibratedLM.load(engine, threads=threads)
     text = " ".join([PROMPT] * (4 * tokens // max(1, len(lm.tokenizer.encode(PROMPT))) + 4))
@@ -505,7 +505,7 @@ def prefill_table(engine: Path, model_spec: str | None, tokens: int, threads: in
 
 def _confidence_cost(lm, prompt_ids, batches) -> dict:
     """Milliseconds of ``step_stats`` (the confidences) on the engine's real logits, per step."""
-    from calm_runtime.inference._generation import initial_positions
+    from calm_runtime.inference.generation import initial_positions
     from calm_runtime.inference.sampling import step_stats
 
     out = {}

@@ -44,7 +44,7 @@ def main(argv=None) -> int:
     if args.render:
         (out / f"{STEM}.md").write_text(render(json.loads((out / f"{STEM}.json").read_text())))
         return 0
-    from calm_runtime._paths import cache_dir
+    from calm_runtime.paths import cache_dir
 
     job = ["calm", "quickstart"] + (["--limit", str(args.limit)] if args.limit else [])
     source = Path(cache_dir())

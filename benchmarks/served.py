@@ -142,8 +142,8 @@ def main(argv=None) -> int:
         proc, reference_url = _serve(reference_engine, "reference", workers=1)
         procs.append(proc)
         timings = {}
-        from calm_runtime._paths import cache_dir
         from calm_runtime.data.sets import load_dataset
+        from calm_runtime.paths import cache_dir
         from calm_training.scoring.served import remote_option_scores
 
         records = load_dataset(args.data)[: args.limit] if args.limit else load_dataset(

@@ -31,11 +31,11 @@ import numpy as np
 import torch
 
 from calm_runtime import __version__
-from calm_runtime._fs import sha256_file
 from calm_runtime.calibration import fused_head
 from calm_runtime.errors import ArtifactError, IncompatibleModelError
-from calm_runtime.formats._manifest import write_json
+from calm_runtime.files import sha256_file
 from calm_runtime.formats.artifact import CalibrationAdapter
+from calm_runtime.formats.manifest import write_json
 from calm_runtime.inference.post_head import model_configs
 
 from .heads import PostHead

@@ -8,7 +8,6 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from calm_runtime._extras import missing
 from calm_runtime.cli.common import (
     HelpFormatter,
     install_named,
@@ -18,6 +17,7 @@ from calm_runtime.cli.common import (
 from calm_runtime.data.models import MODEL_FORMS
 from calm_runtime.data.prompts import CHOICE_MODES, CLOZE_VARIANTS, DEFAULT_CLOZE_VARIANT
 from calm_runtime.errors import ConfigError
+from calm_runtime.extras import missing
 
 from .config import (  # torch-free, like this module
     DTYPES,

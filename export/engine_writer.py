@@ -9,9 +9,8 @@ import string
 from pathlib import Path
 
 from calm_runtime import __version__
-from calm_runtime._fs import sha256_bytes, sha256_file
 from calm_runtime.data.prompts import p_true_template
-from calm_runtime.formats._manifest import write_json
+from calm_runtime.files import sha256_bytes, sha256_file
 from calm_runtime.formats.artifact import (
     MANIFEST_NAME,
     TENSORS_NAME,
@@ -19,6 +18,7 @@ from calm_runtime.formats.artifact import (
     ModelIdentity,
 )
 from calm_runtime.formats.engine import EngineManifest, engine_io_names
+from calm_runtime.formats.manifest import write_json
 
 from .onnx import DecoderShape
 

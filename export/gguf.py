@@ -46,11 +46,10 @@ from pathlib import Path
 import numpy as np
 
 from calm_runtime import __version__
-from calm_runtime._fs import sha256_file, show_name
-from calm_runtime._paths import cache_dir
 from calm_runtime.calibration import fused_head
 from calm_runtime.data.models import PACKAGED_MODELS
 from calm_runtime.errors import ArtifactError, ConfigError, IncompatibleModelError
+from calm_runtime.files import sha256_file, show_name
 from calm_runtime.formats.artifact import (
     MANIFEST_NAME,
     TENSORS_NAME,
@@ -58,6 +57,7 @@ from calm_runtime.formats.artifact import (
     ModelIdentity,
     tokenizer_sha256,
 )
+from calm_runtime.paths import cache_dir
 
 from .config import ExportConfig
 from .gguf_file import (

@@ -29,9 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
-from calm_runtime._fs import show_name
 from calm_runtime.data.models import PACKAGED_MODELS
 from calm_runtime.errors import ArtifactError, BackendUnavailableError, ModelSourceError
+from calm_runtime.files import show_name
 from calm_runtime.formats.gguf_layout import check_gguf_layout, require_regular_file
 
 __all__ = ["BLOCK_SCALES", "GGUFSource", "TensorOut", "encode_kv", "gguf_origin", "open_source",

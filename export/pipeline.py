@@ -1,7 +1,7 @@
 """``export_engine``: resolve -> reference -> merge + fuse -> export -> validate -> write.
 
 Nothing reaches the output directory before validation passes: the engine is built in a
-temporary sibling folder (``calm_runtime._fs.atomic_directory``) and renamed into place
+temporary sibling folder (``calm_runtime.files.atomic_directory``) and renamed into place
 last; with ``overwrite`` the old engine is replaced only then, so a failed export leaves
 it intact.
 """
@@ -19,7 +19,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from calm_runtime._fs import atomic_directory, check_creatable
 from calm_runtime.data.models import (
     PACKAGED_MODELS,
     check_model_config,
@@ -29,6 +28,7 @@ from calm_runtime.data.models import (
 )
 from calm_runtime.data.prompts import DEFAULT_P_TRUE_TEMPLATE
 from calm_runtime.errors import ArtifactError, ConfigError
+from calm_runtime.files import atomic_directory, check_creatable
 from calm_runtime.formats.artifact import CalibrationAdapter, describe_calibrated_outputs
 from calm_runtime.formats.engine import EngineManifest
 

@@ -170,9 +170,9 @@ def fold_temperature(path: Path, factor: float, *, external: bool) -> list[str]:
 # ---------------------------------------------------------------------- scoring
 def _lm(manifest, model_root: Path | None = None):
     """A CalibratedLM on the staged engine (the graph from ``model_root`` when given)."""
-    from calm_runtime.inference._tokenizer import EngineTokenizer
     from calm_runtime.inference.backends import create_backend
     from calm_runtime.inference.lm import CalibratedLM
+    from calm_runtime.inference.tokenization import EngineTokenizer
 
     view = manifest if model_root is None else dataclasses.replace(manifest, root=model_root)
     return CalibratedLM(manifest, create_backend("onnxruntime", view), EngineTokenizer(manifest))

@@ -274,7 +274,7 @@ def synthetic_engine_manifest(root, *, adapter: dict | None = None, adapter_kind
     that are there. For loader tests that never run the graph; the graph and the
     genai_config.json should be :func:`synthetic_onnx_graph` (naming the listed data files)
     and :func:`synthetic_genai_config`, which the loader checks."""
-    from calm_runtime._fs import sha256_file
+    from calm_runtime.files import sha256_file
     from calm_runtime.formats.engine import engine_io_names
 
     inputs, outputs = engine_io_names(1)

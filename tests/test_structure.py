@@ -296,6 +296,53 @@ def test_no_private_name_crosses_a_module():
     assert not crossing, crossing
 
 
+def test_an_underscore_module_is_imported_from_its_own_package_only():
+    """``_name.py`` is private to its package: a module imported from another package has a
+    public name."""
+    graph, crossing = _graph(), []
+    for name, targets in graph.items():
+        for target in targets:
+            package, _, last = target.rpartition(".")
+            if last.startswith("_") and not (name == package or name.startswith(package + ".")):
+                crossing.append(f"{name} imports {target}")
+    assert not crossing, crossing
+
+
+def _private_attribute_reads(tree: ast.AST, modules: set[str]) -> list[str]:
+    """``module._name`` reads, where ``module`` is a name bound by importing one of calm's
+    modules (another library's private names are that library's business)."""
+    bound = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            bound |= {(a.asname or a.name.split(".")[0]): a.name for a in node.names
+                      if a.name in modules}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            bound |= {(a.asname or a.name): f"{node.module}.{a.name}" for a in node.names
+                      if f"{node.module}.{a.name}" in modules}
+    return [f"{bound[n.value.id]}.{n.attr}" for n in ast.walk(tree)
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+            and n.value.id in bound and n.attr.startswith("_") and not n.attr.startswith("__")]
+
+
+def test_no_private_attribute_is_read_across_modules():
+    """``from calm_training.calm import data as calm_data; calm_data._Encoder`` reads a
+    private name as surely as ``from x import _name`` does."""
+    modules, crossing = set(_modules()), []
+    for folder in PACKAGES.values():
+        for path in (ROOT / folder).rglob("*.py"):
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+            crossing += [f"{path.relative_to(ROOT)}: {read}"
+                         for read in _private_attribute_reads(tree, modules)]
+    assert not crossing, crossing
+
+
+def test_the_attribute_check_finds_a_private_read():
+    tree = ast.parse("from calm_training.calm import data as calm_data\n"
+                     "import numpy as np\nx = calm_data._Encoder(np._pyx)\n")
+    found = _private_attribute_reads(tree, {"calm_training.calm.data"})
+    assert found == ["calm_training.calm.data._Encoder"]
+
+
 #: the scoring modes are decided by calm_runtime.modes.Mode; nothing compares their names
 MODE_NAMES = ("cloze", "letter", "p_true")
 

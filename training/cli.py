@@ -276,9 +276,9 @@ def _eval(args) -> int:
 
 def _quickstart(args) -> int:
     """fit (label-free DACA) -> compare -> export the engine -> serve it with calm_runtime."""
-    from calm_runtime._extras import install_hint, missing
     from calm_runtime.data.models import install_model
     from calm_runtime.data.sets import install_dataset
+    from calm_runtime.extras import install_hint, missing
     from calm_training.fit import (
         DEFAULT_VARIANT,
         FitConfig,

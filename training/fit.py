@@ -14,8 +14,8 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
-from calm_runtime._fs import check_creatable
 from calm_runtime.errors import ConfigError, FitError
+from calm_runtime.files import check_creatable
 from calm_runtime.formats.artifact import CalibrationAdapter
 from calm_runtime.measure import metrics
 from calm_runtime.modes import option_probabilities

@@ -17,8 +17,8 @@ import sys
 import threading
 from collections.abc import Callable, Iterable, Sequence
 
-from calm_runtime._extras import EXTRA_MODULES, install_hint, missing
 from calm_runtime.errors import BackendUnavailableError, CalmError
+from calm_runtime.extras import EXTRA_MODULES, install_hint, missing
 
 __all__ = ["DATA_ARGUMENTS", "EXIT_SIGINT", "EXIT_SIGTERM", "MODEL_ARGUMENTS", "Terminated",
            "add_endpoint_limits", "configure_logging", "deprecated_alias", "entry_point",

@@ -18,7 +18,6 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from calm_runtime._extras import missing
 from calm_runtime._version import __version__
 from calm_runtime.cli.common import (  # noqa: F401 - re-exported: calm's command-line API
     COMMANDS_GROUP,
@@ -46,6 +45,7 @@ from calm_runtime.data.models import DEFAULT_API_KEY_ENV, MODEL_FORMS
 from calm_runtime.data.prompts import CHOICE_MODES, CLOZE_VARIANTS, DEFAULT_CLOZE_VARIANT
 from calm_runtime.data.sets import DATA_PARTS
 from calm_runtime.errors import BackendUnavailableError, ConfigError
+from calm_runtime.extras import missing
 
 __all__ = ["main", "build_parser"]
 

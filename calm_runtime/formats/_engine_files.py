@@ -15,10 +15,10 @@ import stat
 from collections.abc import Mapping
 from typing import Any
 
-from calm_runtime._fs import read_regular_file, resolve_inside, show, show_name
 from calm_runtime.errors import ArtifactError
+from calm_runtime.files import read_regular_file, resolve_inside, show, show_name
 from calm_runtime.formats._engine_checks import MODEL_NUMBER_LIMIT
-from calm_runtime.formats._manifest import MAX_MANIFEST_BYTES, parse_json
+from calm_runtime.formats.manifest import MAX_MANIFEST_BYTES, parse_json
 
 __all__ = ["check_genai_config", "check_external_data", "onnx_external_locations"]
 

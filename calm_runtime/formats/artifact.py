@@ -25,16 +25,6 @@ from typing import Any
 
 import numpy as np
 
-from calm_runtime._fs import (
-    atomic_directory,
-    check_tree,
-    inside_copier,
-    is_dir,
-    is_file,
-    resolve_inside,
-    show,
-    show_name,
-)
 from calm_runtime._version import __version__
 from calm_runtime.calibration import (
     SHIFT_LIMIT,
@@ -45,6 +35,16 @@ from calm_runtime.calibration import (
     fused_head,
 )
 from calm_runtime.errors import ArtifactError, IncompatibleModelError
+from calm_runtime.files import (
+    atomic_directory,
+    check_tree,
+    inside_copier,
+    is_dir,
+    is_file,
+    resolve_inside,
+    show,
+    show_name,
+)
 from calm_runtime.formats._adapter_checks import (  # noqa: F401 - check_abstention is part of the artifact's API
     MAX_VOCAB_SIZE,
     check_abstention,
@@ -54,7 +54,8 @@ from calm_runtime.formats._adapter_checks import (  # noqa: F401 - check_abstent
     non_empty_string,
     optional_mapping,
 )
-from calm_runtime.formats._manifest import (
+from calm_runtime.formats.fit_record import FitRecord
+from calm_runtime.formats.manifest import (
     check_keys,
     check_p_true_template,
     iso_timestamp,
@@ -63,7 +64,6 @@ from calm_runtime.formats._manifest import (
     sha256_hex,
     write_json,
 )
-from calm_runtime.formats.fit_record import FitRecord
 from calm_runtime.formats.tokenizer_file import (  # noqa: F401 - part of the artifact's API
     MAX_TOKENIZER_BYTES,
     tokenizer_sha256,

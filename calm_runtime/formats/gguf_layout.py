@@ -20,8 +20,8 @@ import os
 import struct
 from pathlib import Path
 
-from calm_runtime._fs import show_name
 from calm_runtime.errors import ArtifactError
+from calm_runtime.files import show_name
 
 __all__ = ["MAX_ARRAY_ITEMS", "MAX_DIMS", "MAX_KEYS", "MAX_NESTING", "MAX_TENSORS",
            "MAX_STRING_BYTES", "check_gguf_layout", "require_regular_file"]

@@ -9,8 +9,8 @@ import json
 import os
 from pathlib import Path
 
-from calm_runtime._fs import sha256_file, show_name
 from calm_runtime.errors import ArtifactError, IncompatibleModelError
+from calm_runtime.files import sha256_file, show_name
 
 __all__ = ["MAX_TOKENIZER_BYTES", "tokenizer_sha256"]
 

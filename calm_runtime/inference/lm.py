@@ -26,7 +26,7 @@ every forward pass over many positions, for generation and scoring alike: a pass
 most that many tokens (rows x padded length) and holds at most 64 KiB of attention scores
 and logits per token of it (256 MiB at the default). Larger batches are cut into groups of
 rows, and longer prompts into pieces of positions on top of their KV cache
-(:class:`~calm_runtime.inference._generation.PrefillBudget`); a prompt that cannot fit
+(:class:`~calm_runtime.inference.generation.PrefillBudget`); a prompt that cannot fit
 even alone (on a backend that cannot prefill in pieces: TensorRT) is refused before
 anything runs.
 """
@@ -44,19 +44,19 @@ from calm_runtime.data.prompts import CHOICE_MODES, CLOZE_VARIANTS, DEFAULT_CLOZ
 from calm_runtime.errors import ArtifactError, ConfigError
 from calm_runtime.formats.engine import EngineManifest
 from calm_runtime.inference import scoring_passes
-from calm_runtime.inference._generation import (
+from calm_runtime.inference._inputs import check_text, input_label, non_negative_int, positive_int
+from calm_runtime.inference._judging import Judging, recorded_cloze_variant
+from calm_runtime.inference.backends import Backend, create_backend
+from calm_runtime.inference.generation import (
     DEFAULT_MAX_PREFILL_TOKENS,
     DecodeSettings,
     GenerationRun,
     PrefillBudget,
     release,
 )
-from calm_runtime.inference._inputs import check_text, input_label, non_negative_int, positive_int
-from calm_runtime.inference._judging import Judging, recorded_cloze_variant
-from calm_runtime.inference._tokenizer import EngineTokenizer
-from calm_runtime.inference.backends import Backend, create_backend
 from calm_runtime.inference.results import Alternative, Generation, PromptToken, Token
 from calm_runtime.inference.sampling import SamplingParams, raw_log_softmax
+from calm_runtime.inference.tokenization import EngineTokenizer
 
 __all__ = ["CalibratedLM", "CLOZE_VARIANTS", "recorded_cloze_variant"]
 

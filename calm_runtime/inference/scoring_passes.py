@@ -8,7 +8,7 @@ are fed (the last token's probability comes from the step before it), so single-
 options cost no extra forward pass.
 
 Every pass stays within the backend's prefill budget (``backend.prefill_budget``, see
-:class:`~calm_runtime.inference._generation.PrefillBudget`): contexts are prefilled as generation
+:class:`~calm_runtime.inference.generation.PrefillBudget`): contexts are prefilled as generation
 prefills prompts (groups of rows, pieces of positions), and continuations run in row chunks
 and position segments whose attention scores fit it as well as :data:`SCORING_BUDGET_BYTES`.
 """
@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from calm_runtime.errors import ConfigError
-from calm_runtime.inference._generation import left_pad, prefill, release
+from calm_runtime.inference.generation import left_pad, prefill, release
 
 __all__ = ["next_token_logits", "cloze_logprobs", "log_softmax_at", "ScoringStopped",
            "SCORING_BUDGET_BYTES"]

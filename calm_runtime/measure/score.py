@@ -26,10 +26,10 @@ from pathlib import Path
 import numpy as np
 
 from calm_runtime import modes
-from calm_runtime._fs import show_name
 from calm_runtime.data.prompts import cloze_context
 from calm_runtime.data.sets import MultipleChoiceRecord, Record
 from calm_runtime.errors import ConfigError, DataError
+from calm_runtime.files import show_name
 from calm_runtime.measure import metrics
 
 __all__ = ["score_records", "choices_report", "require_labels", "format_report", "write_report",

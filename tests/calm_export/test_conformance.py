@@ -180,7 +180,7 @@ def test_default_graph_is_the_builders_where_it_builds_the_family(case):
 def test_a_left_padded_batch_equals_its_rows_alone(case):
     """Two prompts of different lengths in one left-padded batch: prefill logits at the real
     positions and 6 greedy decode steps equal each prompt run alone (batch 1)."""
-    from calm_runtime.inference._generation import initial_positions, left_pad
+    from calm_runtime.inference.generation import initial_positions, left_pad
 
     backend = CalibratedLM.load(case.engine, threads=1).backend
     rows = [case.tokenizer(LONG_PROMPT)["input_ids"], case.tokenizer("Answer:")["input_ids"]]

@@ -13,8 +13,8 @@ import sys
 import pytest
 from conftest import synthetic_genai_config, synthetic_onnx_graph
 
-from calm_runtime._fs import sha256_file
 from calm_runtime.errors import ArtifactError, SchemaVersionError
+from calm_runtime.files import sha256_file
 from calm_runtime.formats.engine import (
     ENGINE_MANIFEST_NAME,
     ENGINE_SCHEMA_VERSION,

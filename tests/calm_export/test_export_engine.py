@@ -21,9 +21,9 @@ from conftest import genai_greedy, random_calibration_adapter  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache  # noqa: E402
 
 from calm_export import ExportConfig, export_engine  # noqa: E402
-from calm_runtime._fs import sha256_file  # noqa: E402
 from calm_runtime.calibration import apply_calibration  # noqa: E402
 from calm_runtime.data.models import model_identity  # noqa: E402
+from calm_runtime.files import sha256_file  # noqa: E402
 from calm_runtime.formats.artifact import CalibrationAdapter  # noqa: E402
 from calm_runtime.formats.engine import EngineManifest  # noqa: E402
 

@@ -15,7 +15,6 @@ pytest.importorskip("onnxruntime")
 from conftest import random_calibration_adapter  # noqa: E402
 
 from calm_export import ExportConfig, export_engine, fuse, pipeline, validate  # noqa: E402
-from calm_runtime._fs import sha256_file  # noqa: E402
 from calm_runtime.data.models import model_identity  # noqa: E402
 from calm_runtime.errors import (  # noqa: E402
     ArtifactError,
@@ -25,6 +24,7 @@ from calm_runtime.errors import (  # noqa: E402
     IncompatibleModelError,
     ModelSourceError,
 )
+from calm_runtime.files import sha256_file  # noqa: E402
 from calm_runtime.formats.artifact import CalibrationAdapter, ModelIdentity  # noqa: E402
 from calm_runtime.formats.engine import EngineManifest  # noqa: E402
 

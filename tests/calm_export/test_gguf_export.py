@@ -13,9 +13,9 @@ gguf = pytest.importorskip("gguf")
 from calm_export.config import ExportConfig  # noqa: E402
 from calm_export.gguf import export_gguf  # noqa: E402
 from calm_export.gguf_file import BLOCK_SCALES, rescale_rows  # noqa: E402
-from calm_runtime._extras import missing  # noqa: E402
 from calm_runtime.calibration import fused_head  # noqa: E402
 from calm_runtime.errors import ArtifactError, IncompatibleModelError  # noqa: E402
+from calm_runtime.extras import missing  # noqa: E402
 from calm_runtime.formats.artifact import CalibrationAdapter, ModelIdentity  # noqa: E402
 
 VOCAB, DIM = 40, 32

@@ -130,16 +130,16 @@ def test_option_names_are_never_abbreviated(capsys):
 def test_installs_check_their_modules_before_any_pip_install(monkeypatch, tmp_path):
     """`calm models install` / `calm data install` without the modules that convert them say
     which extra brings them, before pip-installing anything."""
-    from calm_runtime import _extras
+    from calm_runtime import extras
     from calm_runtime.data import models
     from calm_runtime.data import sets as data
     from calm_runtime.errors import DataError, ModelSourceError
 
     monkeypatch.setenv("CALM_CACHE", str(tmp_path))
-    real = _extras.missing
-    monkeypatch.setattr(_extras, "missing", lambda extra: (
-        ["torch"] if extra == _extras.MODEL_INSTALL_MODULES else
-        ["pyarrow"] if extra == _extras.DATA_INSTALL_MODULES else real(extra)))
+    real = extras.missing
+    monkeypatch.setattr(extras, "missing", lambda extra: (
+        ["torch"] if extra == extras.MODEL_INSTALL_MODULES else
+        ["pyarrow"] if extra == extras.DATA_INSTALL_MODULES else real(extra)))
 
     def no_pip(*_a, **_k):
         raise AssertionError("nothing may be pip-installed")

@@ -490,13 +490,13 @@ def test_install_lock_makes_a_second_process_wait(tmp_path):
     """Two installs of one model or data set at once: the second waits for the first."""
     import time
 
-    from calm_runtime._fs import install_lock
+    from calm_runtime.files import install_lock
 
     lock, log = tmp_path / "locks" / "x.lock", tmp_path / "log"
     child = subprocess.Popen([sys.executable, "-c", (
         "import sys, time\n"
         "from pathlib import Path\n"
-        "from calm_runtime._fs import install_lock\n"
+        "from calm_runtime.files import install_lock\n"
         "log = Path(sys.argv[2])\n"
         "with install_lock(sys.argv[1], 'x'):\n"
         "    log.write_text('started\\n')\n"

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 from conftest import synthetic_engine_manifest, synthetic_genai_config, synthetic_onnx_graph
 
-from calm_runtime._fs import sha256_file
 from calm_runtime.errors import ArtifactError
+from calm_runtime.files import sha256_file
 from calm_runtime.formats._engine_files import onnx_external_locations
 from calm_runtime.formats.engine import ENGINE_MANIFEST_NAME, EngineManifest
 

@@ -56,7 +56,7 @@ def test_a_looping_chat_template_is_stopped(engine_copy):
     (engine_copy / "chat_template.jinja").write_text(
         "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}x")
     data = json.loads((engine_copy / "calm_engine.json").read_text())
-    from calm_runtime._fs import sha256_file
+    from calm_runtime.files import sha256_file
 
     files = data["tokenizer"]["files"]
     if "chat_template.jinja" in files:

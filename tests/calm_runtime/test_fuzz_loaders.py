@@ -37,9 +37,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import save_file
 
-from calm_runtime._fs import sha256_file
 from calm_runtime.data.sets import dataset_hash, read_jsonl, write_jsonl
 from calm_runtime.errors import CalmError
+from calm_runtime.files import sha256_file
 from calm_runtime.formats.artifact import (
     MANIFEST_NAME,
     TENSORS_NAME,
@@ -47,7 +47,7 @@ from calm_runtime.formats.artifact import (
     ModelIdentity,
 )
 from calm_runtime.formats.engine import ENGINE_MANIFEST_NAME, EngineManifest
-from calm_runtime.inference._tokenizer import EngineTokenizer
+from calm_runtime.inference.tokenization import EngineTokenizer
 
 VOCAB = 8
 SECRET = b"-----BEGIN FUZZ SECRET----- do not copy me -----END FUZZ SECRET-----\n"

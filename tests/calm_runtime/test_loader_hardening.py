@@ -32,9 +32,9 @@ import pytest
 from conftest import synthetic_engine_manifest, synthetic_genai_config, synthetic_onnx_graph
 from safetensors.numpy import save_file
 
-from calm_runtime._fs import sha256_file
 from calm_runtime.data.sets import dataset_hash, read_jsonl
 from calm_runtime.errors import ArtifactError, CalmError, DataError
+from calm_runtime.files import sha256_file
 from calm_runtime.formats.artifact import (
     MANIFEST_NAME,
     TENSORS_NAME,
@@ -42,7 +42,7 @@ from calm_runtime.formats.artifact import (
     ModelIdentity,
 )
 from calm_runtime.formats.engine import ENGINE_MANIFEST_NAME, EngineManifest
-from calm_runtime.inference._tokenizer import EngineTokenizer
+from calm_runtime.inference.tokenization import EngineTokenizer
 
 VOCAB = 8
 SECRET = b"-----BEGIN OPENSSH PRIVATE KEY----- not really -----END OPENSSH PRIVATE KEY-----\n"

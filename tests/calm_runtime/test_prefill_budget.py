@@ -29,12 +29,12 @@ pytest.importorskip("onnxruntime")
 from conftest import tiny_llama_dir  # noqa: E402
 
 from calm_runtime.errors import ConfigError  # noqa: E402
-from calm_runtime.inference._generation import (  # noqa: E402
+from calm_runtime.inference.backends import BackendMemoryError  # noqa: E402
+from calm_runtime.inference.generation import (  # noqa: E402
     ATTENTION_BUFFERS,
     PREFILL_BYTES_PER_TOKEN,
     PrefillBudget,
 )
-from calm_runtime.inference.backends import BackendMemoryError  # noqa: E402
 from calm_runtime.inference.lm import CalibratedLM  # noqa: E402
 
 LETTERS = list("abcdefgh ")

@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 
 from calm_runtime import CalibratedLM  # noqa: E402
 from calm_runtime.errors import ConfigError  # noqa: E402
-from calm_runtime.inference._generation import DecodeSettings, GenerationRun  # noqa: E402
+from calm_runtime.inference.generation import DecodeSettings, GenerationRun  # noqa: E402
 from calm_runtime.inference.sampling import SamplingParams  # noqa: E402
 
 #: |runtime - reference| allowed. The engine matches the reference's calibrated logits to
@@ -203,7 +203,7 @@ def test_chat_template_renders_like_transformers(lm, hf_tokenizer):
 
 
 def test_incremental_token_text_rebuilds_multibyte_text(lm):
-    from calm_runtime.inference._tokenizer import IncrementalDecoder
+    from calm_runtime.inference.tokenization import IncrementalDecoder
 
     text = " naïve café — 東京 😀 done"
     ids = lm.tokenizer.encode(text, add_bos=False)

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from calm_runtime._fs import atomic_directory
 from calm_runtime.errors import ArtifactError, ConfigError
+from calm_runtime.files import atomic_directory
 
 __all__ = ["CHECKPOINT_FORMAT", "RESUMABLE_CHANGES", "drop_final_checkpoint",
            "final_checkpoint", "latest_checkpoint", "save_checkpoint", "load_checkpoint"]

@@ -223,7 +223,7 @@ def _answer_position(context: list[int], max_length: int) -> Example:
     return Example((tuple(context),), ((0, len(context) - 1),), (-1,))
 
 
-class _Encoder:
+class Encoder:
     def __init__(self, tokenizer, *, mode: str, chat: bool, max_length: int,
                  positions: str = "options", entropy: str = "vocab",
                  variant: str = DEFAULT_CLOZE_VARIANT) -> None:
@@ -326,7 +326,7 @@ class _Encoder:
 def encode_training(records: Sequence[Record], tokenizer, *, mode: str, chat: bool,
                     max_length: int) -> list[Example]:
     """Labeled examples for the lower level (cross-entropy on the answer tokens)."""
-    encoder = _Encoder(tokenizer, mode=mode, chat=chat, max_length=max_length)
+    encoder = Encoder(tokenizer, mode=mode, chat=chat, max_length=max_length)
     return [encoder.encode(r, labeled=True) for r in records]
 
 
@@ -342,7 +342,7 @@ def encode_calibration(records: Sequence[Record], tokenizer, *, mode: str, chat:
     ``entropy="options"``: the entropy of the K-option distribution (module docstring),
     cloze scores of the ``variant`` (:data:`~calm_runtime.data.prompts.CLOZE_VARIANTS`).
     """
-    encoder = _Encoder(tokenizer, mode=mode, chat=chat, max_length=max_length,
+    encoder = Encoder(tokenizer, mode=mode, chat=chat, max_length=max_length,
                        positions=positions, entropy=entropy, variant=variant)
     return [encoder.encode(r, labeled=False) for r in records]
 
@@ -352,7 +352,7 @@ def encode_labeled_options(records: Sequence[Record], tokenizer, *, mode: str, c
                            ) -> list[Example]:
     """Labeled examples that score every option (CFT: cross-entropy on the answer and the
     K-option distribution of ``variant`` cloze scores or of the letters)."""
-    encoder = _Encoder(tokenizer, mode=mode, chat=chat, max_length=max_length,
+    encoder = Encoder(tokenizer, mode=mode, chat=chat, max_length=max_length,
                        entropy="options", variant=variant)
     out = []
     for record in records:
@@ -367,7 +367,7 @@ def answer_token_ids(records: Sequence[Record], tokenizer, *, mode: str, chat: b
     """Every token an answer can be read from: the tokens of every option text (cloze) or
     the option letters (letter) of multiple-choice records, and of every answer alias of
     open-QA records — where ``--alpha-tokens options`` trains τ and l."""
-    encoder = _Encoder(tokenizer, mode=mode, chat=chat, max_length=1 << 30)
+    encoder = Encoder(tokenizer, mode=mode, chat=chat, max_length=1 << 30)
     ids: set[int] = set()
     for record in records:
         if isinstance(record, MultipleChoiceRecord):

@@ -63,7 +63,7 @@ class OptionEvaluator:
     def __init__(self, model, *, mode: str = "cloze", variant: str = DEFAULT_CLOZE_VARIANT,
                  chat: bool = False, max_length: int = 256, batch_size: int = 16) -> None:
         self.model, self.batch_size = model, batch_size
-        self.encoder = calm_data._Encoder(model.tokenizer, mode=mode, chat=chat,
+        self.encoder = calm_data.Encoder(model.tokenizer, mode=mode, chat=chat,
                                           max_length=max_length, entropy="options",
                                           variant=variant)
         from calm_training.scoring.local import padding_id

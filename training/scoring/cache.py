@@ -16,10 +16,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from calm_runtime import modes
-from calm_runtime._fs import sha256_bytes, sha256_file
-from calm_runtime._paths import cache_dir
 from calm_runtime.data.sets import MultipleChoiceRecord, dataset_hash
+from calm_runtime.files import sha256_bytes, sha256_file
 from calm_runtime.formats.artifact import MANIFEST_NAME, CalibrationAdapter
+from calm_runtime.paths import cache_dir
 from calm_training.scoring.local import OptionScores, score_multiple_choice
 from calm_training.scoring.sources import ModelSource, as_source
 

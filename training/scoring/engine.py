@@ -15,8 +15,8 @@ from __future__ import annotations
 import os
 from types import SimpleNamespace
 
-from calm_runtime._fs import sha256_bytes
 from calm_runtime.errors import ConfigError
+from calm_runtime.files import sha256_bytes
 from calm_runtime.formats.artifact import ModelIdentity
 from calm_runtime.formats.engine import EngineManifest
 

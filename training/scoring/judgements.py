@@ -14,11 +14,11 @@ from pathlib import Path
 
 import numpy as np
 
-from calm_runtime._fs import sha256_bytes
-from calm_runtime._paths import cache_dir
 from calm_runtime.data.prompts import p_true_template
 from calm_runtime.data.sets import dataset_hash
 from calm_runtime.errors import ConfigError
+from calm_runtime.files import sha256_bytes
+from calm_runtime.paths import cache_dir
 from calm_training.scoring.answers import generate_answers, score_p_true
 from calm_training.scoring.local import is_correct
 from calm_training.scoring.served import remote_answers, remote_p_true

@@ -29,10 +29,10 @@ from pathlib import Path
 
 import numpy as np
 
-from calm_runtime._fs import show_name
 from calm_runtime.data.prompts import option_char_count
 from calm_runtime.data.sets import MultipleChoiceRecord
 from calm_runtime.errors import DataError
+from calm_runtime.files import show_name
 
 __all__ = ["LOG_PREFIX", "MAX_LOG_BYTES", "LmEvalLog", "is_log_spec", "log_path", "paired",
            "read_samples"]

@@ -49,7 +49,7 @@ class Backend(ABC):
     #: pass, a pass on top of a cache)
     keeps_last_logits: tuple[bool, bool] = (False, False)
     #: the bound on passes over many positions, set by ``CalibratedLM`` from its
-    #: ``max_prefill_tokens`` (a :class:`calm_runtime.inference._generation.PrefillBudget`;
+    #: ``max_prefill_tokens`` (a :class:`calm_runtime.inference.generation.PrefillBudget`;
     #: ``None``: unbounded)
     prefill_budget: Any = None
 

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-from calm_runtime._fs import sha256_file
 from calm_runtime.calibration import apply_calibration
 from calm_runtime.errors import BackendUnavailableError, ConfigError, IncompatibleModelError
+from calm_runtime.files import sha256_file
 from calm_runtime.formats.artifact import TENSORS_NAME, CalibrationAdapter, ModelIdentity
 from calm_runtime.inference.backends._base import Backend, TorchStateMixin
 

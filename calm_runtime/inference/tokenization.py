@@ -21,9 +21,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from calm_runtime._fs import read_regular_file
 from calm_runtime.errors import ArtifactError, ConfigError
-from calm_runtime.formats._manifest import MAX_MANIFEST_BYTES, parse_json
+from calm_runtime.files import read_regular_file
+from calm_runtime.formats.manifest import MAX_MANIFEST_BYTES, parse_json
 
 __all__ = ["EngineTokenizer", "IncrementalDecoder"]
 

@@ -17,9 +17,9 @@ import os
 import re
 from pathlib import Path
 
-from calm_runtime._extras import install_hint
-from calm_runtime._fs import read_regular_file, show
 from calm_runtime.errors import ArtifactError, ModelSourceError
+from calm_runtime.extras import install_hint
+from calm_runtime.files import read_regular_file, show
 
 __all__ = ["check_model_config", "MAX_CONFIG_VOCAB_SIZE", "MAX_CONFIG_HIDDEN_SIZE",
            "MAX_CONFIG_INTERMEDIATE_SIZE", "MAX_CONFIG_LAYERS", "MAX_CONFIG_HEADS",

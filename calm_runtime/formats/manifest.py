@@ -21,9 +21,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from calm_runtime._fs import is_file, read_regular_file, resolve_inside, show
 from calm_runtime.calibration import as_float32
 from calm_runtime.errors import ArtifactError, SchemaVersionError
+from calm_runtime.files import is_file, read_regular_file, resolve_inside, show
 
 __all__ = ["read_manifest", "write_json", "check_keys", "parse_json", "finite_number",
            "number_in_range", "iso_timestamp", "sha256_hex", "check_p_true_template",

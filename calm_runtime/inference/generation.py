@@ -25,7 +25,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from calm_runtime.errors import ConfigError
-from calm_runtime.inference._tokenizer import EngineTokenizer, IncrementalDecoder
 from calm_runtime.inference.results import Alternative, Generation, Timing, Token
 from calm_runtime.inference.sampling import (
     SamplingParams,
@@ -35,6 +34,7 @@ from calm_runtime.inference.sampling import (
     step_stats,
     top_alternatives,
 )
+from calm_runtime.inference.tokenization import EngineTokenizer, IncrementalDecoder
 
 __all__ = ["GenerationRun", "left_pad", "initial_positions", "PrefillBudget", "prefill", "release",
            "DEFAULT_MAX_PREFILL_TOKENS", "PREFILL_BYTES_PER_TOKEN", "ATTENTION_BUFFERS"]
