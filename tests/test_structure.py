@@ -391,3 +391,25 @@ def test_the_values_walk_follows_what_is_computed_from_the_value(tmp_path):
     assert [name for _, name in walk(modules, "pkg.a", "start", "config",
                                      values=True).stops] == ["start", "shout"]
     assert main(["--stops"]) == 0  # this checkout's fit walk, as the command prints it
+
+
+def _architecture_names() -> set[str]:
+    """Every name docs/architecture.md gives in backticks, split at separators, ``.py``
+    dropped (code blocks left out)."""
+    import re
+
+    doc = re.sub(r"```.*?```", "", (ROOT / "docs" / "architecture.md").read_text(), flags=re.S)
+    return {part for tick in re.findall(r"`([^`\n]+)`", doc)
+            for part in re.split(r"[\s,/()]+", tick) if part}
+
+
+def test_the_architecture_page_names_every_module_and_no_module_that_is_not():
+    named = _architecture_names()
+    stems = {p.stem for folder in [*PACKAGES.values(), "tests", "benchmarks"]
+             for p in (ROOT / folder).rglob("*.py")}
+    unnamed = [str(path.relative_to(ROOT)) for path in _modules().values()
+               if path.name != "__init__.py" and path.stem not in
+               {n.removesuffix(".py") for n in named}]
+    assert not unnamed, f"docs/architecture.md does not name {unnamed}"
+    absent = sorted(n for n in named if n.endswith(".py") and n[:-3] not in stems)
+    assert not absent, f"docs/architecture.md names modules that do not exist: {absent}"
