@@ -26,7 +26,7 @@ from calm_export import pipeline  # noqa: E402
 from calm_export.cli import main  # noqa: E402
 from calm_runtime.data.models import check_model_config, load_model_and_tokenizer  # noqa: E402
 from calm_runtime.errors import ModelSourceError  # noqa: E402
-from calm_runtime.formats import _model_config
+from calm_runtime.formats import model_config
 
 #: the probe's four configs: (the change to config.json, what the one line must say)
 HOSTILE = {
@@ -201,4 +201,4 @@ def test_the_bounds_fit_inside_the_engine_manifests_own_limit():
 
     for name in ("VOCAB_SIZE", "HIDDEN_SIZE", "INTERMEDIATE_SIZE", "LAYERS", "HEADS",
                  "HEAD_DIM", "CONTEXT"):
-        assert 1 < getattr(_model_config, f"MAX_CONFIG_{name}") <= MODEL_NUMBER_LIMIT
+        assert 1 < getattr(model_config, f"MAX_CONFIG_{name}") <= MODEL_NUMBER_LIMIT
