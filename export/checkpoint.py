@@ -38,6 +38,7 @@ from calm_runtime.formats.artifact import CalibrationAdapter
 from calm_runtime.formats.manifest import write_json
 from calm_runtime.inference.post_head import model_configs
 
+from .formats import CHECKPOINT_MANIFEST
 from .heads import PostHead
 
 __all__ = ["CHECKPOINT_MANIFEST", "SCHEMA_VERSION", "check_foldable", "fold_into_checkpoint",
@@ -46,7 +47,6 @@ __all__ = ["CHECKPOINT_MANIFEST", "SCHEMA_VERSION", "check_foldable", "fold_into
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINT_MANIFEST = "calm_checkpoint.json"
 SCHEMA_VERSION = 1
 
 

@@ -175,15 +175,12 @@ def run(args: argparse.Namespace) -> int:
                           drop_shift=args.drop_shift,
                           int8_exclude=None if args.int8_exclude is None else tuple(
                               m.strip() for m in args.int8_exclude.split(",") if m.strip()))
-    if config.format == "gguf":  # llama.cpp's file: no torch, no validation graph
+    if config.output.gguf_file:  # llama.cpp's file: no torch, no validation graph
         from calm_export.gguf import export_gguf
 
         print(export_gguf(args.model, args.out, adapter=args.adapter, config=config).summary())
         return 0
-    if config.format == "tensorrt":  # fail at once, before loading anything heavy
-        from calm_export.tensorrt import require_tensorrt
-
-        require_tensorrt()
+    config.output.preflight()  # fail at once, before loading anything heavy
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     if args.quiet:  # transformers' own weight-loading bars too

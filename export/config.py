@@ -9,9 +9,10 @@ from typing import ClassVar
 from calm_runtime.data.prompts import CHOICE_MODES, CLOZE_VARIANTS, p_true_template
 from calm_runtime.errors import ConfigError
 
+from .formats import FORMATS, OutputFormat, output_format
+
 __all__ = ["ExportConfig"]
 
-FORMATS = ("onnx", "tensorrt", "hf", "gguf")
 DTYPES = ("fp32", "fp16")
 QUANTIZE = ("int8", "int4")
 GRAPHS = ("auto", "builder", "fused", "standard")
@@ -160,28 +161,20 @@ class ExportConfig:
             if self.quantize not in QUANTIZE:
                 problems.append(f"quantize must be one of {list(QUANTIZE)} or None, got "
                                 f"{self.quantize!r}")
-            elif self.format != "onnx":
-                problems.append(f"quantize {self.quantize} applies to --format onnx only "
-                                "(TensorRT builds its own precision); drop --quantize or use "
-                                "--format onnx")
-            elif self.dtype != "fp32":
+            elif self.dtype != "fp32" and self.format in FORMATS and self.output.onnx_engine:
                 problems.append(f"quantize {self.quantize} starts from the fp32 graph; use "
                                 f"--dtype fp32 with --quantize {self.quantize}")
-        if self.format == "hf":
-            if self.dtype != "fp32" or self.quantize is not None:
-                problems.append("--format hf writes the model's own float32 weights; drop "
-                                "--dtype/--quantize (the serving engine picks its precision)")
-            if self.head_layout != "untied":
-                problems.append("--format hf unties the head (the embedding must keep its "
-                                "weights); drop --head-layout tied-scale")
-        problems += self._gguf_problems()
+        if not isinstance(self.drop_shift, bool):
+            problems.append(f"drop_shift must be true or false, got {self.drop_shift!r}")
+        elif self.format in FORMATS:
+            problems += self.output.problems(self)
         problems += self._variant_problems()
         if isinstance(self.opset, bool) or not isinstance(self.opset, int) \
                 or not 14 <= self.opset <= 23:
             problems.append(f"opset must be an integer in [14, 23], got {self.opset!r}")
         if self.graph not in GRAPHS:
             problems.append(f"graph must be one of {list(GRAPHS)}, got {self.graph!r}")
-        elif self.graph == "builder" and self.format != "gguf":  # gguf: _gguf_problems
+        elif self.graph == "builder" and self.format in FORMATS and self.output.engine_folder:
             from .graphs.builder import settings_problem
 
             problem = settings_problem(self)
@@ -213,19 +206,6 @@ class ExportConfig:
         if problems:
             raise ConfigError("invalid export settings: " + "; ".join(problems))
 
-    def _gguf_problems(self) -> list[str]:
-        if not isinstance(self.drop_shift, bool):
-            return [f"drop_shift must be true or false, got {self.drop_shift!r}"]
-        if self.format != "gguf":
-            return ["--drop-shift applies to --format gguf only"] if self.drop_shift else []
-        if self.dtype != "fp32" or self.quantize is not None:
-            return ["--format gguf keeps the source's tensors as they are (the calibrated head "
-                    "at the source's type, or F16/F32); drop --dtype/--quantize"]
-        if self.head_layout != "untied" or self.graph != "auto":
-            return ["--format gguf writes llama.cpp's own graph with an untied head; drop "
-                    "--head-layout/--graph"]
-        return []
-
     def _variant_problems(self) -> list[str]:
         problems = []
         if self.int8_scheme not in INT8_SCHEMES:
@@ -255,8 +235,6 @@ class ExportConfig:
                                                   or not self.calibration_data):
             problems.append(f"calibration_data must be a data spec string, got "
                             f"{self.calibration_data!r}")
-        if self.calibration_data and self.format != "onnx":
-            problems.append("calibration data and --recalibrate apply to --format onnx only")
         if self.calibration_mode not in (None, *CALIBRATION_MODES):
             problems.append(f"calibration_mode must be one of {list(CALIBRATION_MODES)}, got "
                             f"{self.calibration_mode!r}")
@@ -272,10 +250,15 @@ class ExportConfig:
         return problems
 
     @property
+    def output(self) -> OutputFormat:
+        """The output format's object (export/formats.py): what it writes, what applies."""
+        return output_format(self.format)
+
+    @property
     def variant(self) -> str | None:
         """The reduced-precision ONNX variant built from the fp32 graph: "int8", "int4",
         "fp16" or None."""
-        if self.format != "onnx":
+        if not self.output.onnx_engine:
             return None
         return self.quantize or ("fp16" if self.dtype == "fp16" else None)
 

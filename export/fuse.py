@@ -126,7 +126,7 @@ def keeps_tied_head(model, adapter: CalibrationAdapter, config) -> bool:
     without a bias."""
     head = model.get_output_embeddings()
     tau = np.asarray(adapter.tau, np.float64)
-    return (config.format == "onnx" and config.graph in ("auto", "builder")
+    return (config.output.onnx_engine and config.graph in ("auto", "builder")
             and config.head_layout == "untied" and head_is_tied(model)
             and getattr(head, "bias", None) is None and not adapter.centered
             and bool(np.all(tau == tau.flat[0])))

@@ -140,7 +140,7 @@ def export_gguf(model, out, *, adapter, config: ExportConfig | None = None) -> G
     and an existing ``out`` is untouched.
     """
     config = config or ExportConfig(format="gguf")
-    if config.format != "gguf":
+    if not config.output.gguf_file:
         raise ConfigError(f"export_gguf writes --format gguf, not {config.format!r}")
     started = time.perf_counter()
     out = _check_out(Path(out), config.overwrite)

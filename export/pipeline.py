@@ -34,7 +34,6 @@ from calm_runtime.formats.engine import EngineManifest
 
 from . import engine_writer, fuse, genai_builder, graphs, heads, recalibrate, validate
 from .build_stages import build_tensorrt, build_variant, validate_graph
-from .checkpoint import CHECKPOINT_MANIFEST
 from .config import ExportConfig
 from .gguf_file import gguf_origin
 from .onnx import ONNX_FILE, KVCacheDecoder, decoder_shape
@@ -136,10 +135,10 @@ def export_engine(model: str | os.PathLike, out: str | os.PathLike, *,
     """
     config = config or ExportConfig()
     out = Path(out)
-    if config.format == "gguf":  # llama.cpp's file, not an engine folder
+    if not config.output.engine_folder:  # llama.cpp's file, not an engine folder
         raise ConfigError("export_engine builds engine folders; write a calibrated GGUF with "
                           "calm_export.gguf.export_gguf (calm-export --format gguf)")
-    wanted = {"tensorrt": config.format == "tensorrt", "quantize": config.variant is not None,
+    wanted = {"tensorrt": config.output.tensorrt_plan, "quantize": config.variant is not None,
               "calibrate": config.calibration_data is not None}
     stages = _Stages([s for s in STAGES if wanted.get(s, True)], config.progress)
     try:
@@ -157,14 +156,13 @@ def _export(model_spec, out: Path, adapter_arg, config: ExportConfig,
                             "to replace it (the old engine stays until the new one is valid)")
     if out.exists() and not out.is_dir():
         raise ArtifactError(f"{out} exists and is not a folder; choose another --out")
-    marker = CHECKPOINT_MANIFEST if config.format == "hf" else "calm_engine.json"
-    if out.exists() and not (out / marker).is_file() and any(out.iterdir()):
-        what = "calibrated checkpoint" if config.format == "hf" else "engine"
-        raise ArtifactError(f"{out} exists and is not a calm {what}; refusing to replace it "
-                            "even with --overwrite, choose another --out")
+    output = config.output
+    if out.exists() and not (out / output.marker).is_file() and any(out.iterdir()):
+        raise ArtifactError(f"{out} exists and is not a calm {output.what}; refusing to "
+                            "replace it even with --overwrite, choose another --out")
     check_creatable(out)
     trt_facts = None
-    if config.format == "tensorrt":
+    if output.tensorrt_plan:
         from .tensorrt import require_tensorrt
 
         trt_facts = require_tensorrt()
@@ -177,7 +175,7 @@ def _export(model_spec, out: Path, adapter_arg, config: ExportConfig,
         adapter = CalibrationAdapter.identity(identity)
     else:  # vocabulary and tokenizer sha256, before anything heavy is loaded
         adapter.base_model.check_compatible(identity)
-    if config.format == "hf":  # what the checkpoint cannot hold fails before the weights load
+    if output.checkpoint:  # what the checkpoint cannot hold fails before the weights load
         from .checkpoint import check_foldable
 
         check_foldable(folder, adapter)
@@ -206,7 +204,7 @@ def _export(model_spec, out: Path, adapter_arg, config: ExportConfig,
                        f"; its cloze answer temperature {adapter.answer_temperature:.4g} "
                        "calibrates option probabilities only"
                        + (" (the engine's runtime applies it; a --format hf checkpoint "
-                          "cannot carry it)" if config.format == "hf" else ""))
+                          "cannot carry it)" if output.checkpoint else ""))
 
     stages.start("reference")
     was_tied = fuse.head_is_tied(model)
@@ -230,7 +228,7 @@ def _export(model_spec, out: Path, adapter_arg, config: ExportConfig,
     if adapter.lora_path is not None:
         model = fuse.merge_lora(reference_model)
     del reference_model
-    if config.format == "hf":
+    if output.checkpoint:
         return _export_checkpoint(model, tokenizer, out, folder, identity, adapter, adapter_arg,
                                   adapter_dir, post, cases, references, tolerance, scale,
                                   config, stages, started)
@@ -302,7 +300,7 @@ def _export(model_spec, out: Path, adapter_arg, config: ExportConfig,
                              if p.is_file() and p.name.startswith(ONNX_FILE))
         model_file, kind = ONNX_FILE, "onnx"
         trt_settings = None
-        if config.format == "tensorrt":
+        if output.tensorrt_plan:
             stages.start("tensorrt")
             trt_settings, trt_report = build_tensorrt(staging, shape, config, cases,
                                                        references, scale, trt_facts)

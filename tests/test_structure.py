@@ -371,6 +371,20 @@ def test_modes_are_never_compared_by_name():
         "cloze", "x", "letter"}
 
 
+#: calm-export's output formats are objects (export/formats.py); nothing compares their names
+FORMAT_NAMES = ("onnx", "tensorrt", "hf", "gguf")
+
+
+def test_export_formats_are_never_compared_by_name():
+    where = {}
+    for path in (ROOT / "export").rglob("*.py"):
+        hits = _compared_strings(ast.parse(path.read_text(encoding="utf-8"))) & set(
+            FORMAT_NAMES)
+        if hits:
+            where[str(path.relative_to(ROOT))] = sorted(hits)
+    assert not where, where
+
+
 def test_the_values_walk_follows_what_is_computed_from_the_value(tmp_path):
     from structure_walk import main, walk
 

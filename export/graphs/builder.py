@@ -23,9 +23,9 @@ BUILDER_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "ge
 
 def settings_problem(config) -> str | None:
     """Why the export settings alone rule the builder's graph out (``None``: they do not)."""
-    if config.format == "tensorrt":
+    if config.output.tensorrt_plan:
         return "TensorRT's parser reads standard ONNX ops only"
-    if config.format != "onnx":
+    if not config.output.onnx_engine:
         return f"--format {config.format} writes no ONNX graph"
     if config.variant == "fp16":
         return "the fp16 variant converts calm's standard graph"

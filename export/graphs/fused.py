@@ -11,7 +11,7 @@ class FusedGraph(GraphStrategy):
     name = "fused"
 
     def unsupported_because(self, config, model_config=None) -> str | None:
-        if config.format != "onnx":
+        if not config.output.onnx_engine:  # a TensorRT plan is parsed from the graph
             return "TensorRT's parser reads standard ONNX ops only"
         if config.variant:
             # the quantisers and the fp16 converter read standard ops: a variant is built
