@@ -435,6 +435,16 @@ def cost_section(latency_head: str, scoring_head: str, load_head: str) -> list[s
     return lines
 
 
+def lm_eval_section() -> list[str]:
+    """Scores read from lm-evaluation-harness logs against calm's own (results/lm_eval_logs.md,
+    rendered there from its JSON); nothing when that benchmark has not run."""
+    path = RESULTS / "lm_eval_logs.md"
+    if not path.is_file():
+        return []
+    return ["## Calibrating from lm-evaluation-harness logs", "",
+            "From `benchmarks/results/lm_eval_logs.md`. " + path.read_text().strip(), ""]
+
+
 def _head_command(name: str) -> str:
     """The backquoted command a result file's first line names."""
     for line in (RESULTS / name).read_text().splitlines():
@@ -462,13 +472,16 @@ def render_doc(calm_block: str) -> str:
         "(#the-default-pair-smollm2-against-gemma-3-270m-cross-family) · [token level]"
         "(#token-level-what-an-engines-head-carries) · [acting on the confidence]"
         "(#acting-on-the-confidence) · [P(True)](#ptrue-on-open-qa) · [CALM]"
-        "(#training-time-calibration-calm) · [cost at inference](#cost-at-inference)", ""]
+        "(#training-time-calibration-calm) · [lm-eval logs]"
+        "(#calibrating-from-lm-evaluation-harness-logs) · [cost at inference]"
+        "(#cost-at-inference)", ""]
     lines += regime_section(regime)
     lines += pair_section(pair)
     lines += token_section(load("token_calibration.json"))
     lines += acting_section(load("served.json"), _head_command("threshold.md"))
     lines += p_true_section(load("p_true.json"))
     lines += calm_section(calm_block, load("calm_decisive.json"))
+    lines += lm_eval_section()
     lines += cost_section(_head_command("latency.md"), _head_command("scoring.md"),
                           _head_command("serve_load.md"))
     return "\n".join(lines).rstrip() + "\n"
