@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 
 __all__ = ["DISTRIBUTION", "EXTRA_MODULES", "MODEL_INSTALL_MODULES", "DATA_INSTALL_MODULES",
-           "install_hint", "missing", "require_for_install"]
+           "install_hint", "missing", "missing_extra_message", "require_for_install"]
 
 #: The name on the package index (``calm`` there is an unrelated project).
 DISTRIBUTION = "calm-llm"
@@ -47,6 +47,13 @@ def missing(extra: str | tuple[str, ...]) -> list[str]:
 def install_hint(extra: str) -> str:
     return (f"pip install '{DISTRIBUTION}[{extra}]' (from a checkout: pip install -e "
             f"'.[{extra}]')")
+
+
+def missing_extra_message(extra: str, what: str = "this command") -> str:
+    """One line: ``what`` needs ``extra``, which of its modules are missing, how to install."""
+    modules = missing(extra) or list(EXTRA_MODULES[extra])
+    return (f"{what} needs the {extra} extra ({', '.join(modules)} not installed); install it "
+            f"with {install_hint(extra)}")
 
 
 def require_for_install(modules: tuple[str, ...], what: str, error) -> None:

@@ -427,3 +427,13 @@ def test_the_architecture_page_names_every_module_and_no_module_that_is_not():
     assert not unnamed, f"docs/architecture.md does not name {unnamed}"
     absent = sorted(n for n in named if n.endswith(".py") and n[:-3] not in stems)
     assert not absent, f"docs/architecture.md names modules that do not exist: {absent}"
+
+
+def test_the_server_imports_no_command_line_module():
+    """The CLI sits above the server (``calm serve`` calls it); the server's settings live in
+    ``calm_runtime.server.config``, so no server module reaches back up into ``cli``."""
+    graph = _graph()
+    back = sorted(f"{name} -> {target}" for name, targets in graph.items()
+                  if name.startswith("calm_runtime.server") for target in targets
+                  if target.startswith("calm_runtime.cli"))
+    assert not back, back

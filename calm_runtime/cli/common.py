@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 
 from calm_runtime.errors import BackendUnavailableError, CalmError
-from calm_runtime.extras import EXTRA_MODULES, install_hint, missing
+from calm_runtime.extras import install_hint, missing, missing_extra_message
 
 __all__ = ["DATA_ARGUMENTS", "EXIT_SIGINT", "EXIT_SIGTERM", "MODEL_ARGUMENTS", "Terminated",
            "add_endpoint_limits", "configure_logging", "deprecated_alias", "entry_point",
@@ -122,12 +122,6 @@ def register_missing(sub, extra: str, names: Sequence[str]) -> None:
 
 def _missing(extra: str) -> int:
     raise BackendUnavailableError(missing_extra_message(extra))
-
-
-def missing_extra_message(extra: str, what: str = "this command") -> str:
-    modules = missing(extra) or list(EXTRA_MODULES[extra])
-    return (f"{what} needs the {extra} extra ({', '.join(modules)} not installed); install it "
-            f"with {install_hint(extra)}")
 
 
 def entry_point(group: str, name: str):

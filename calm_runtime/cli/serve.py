@@ -1,5 +1,5 @@
 """``calm serve``'s command line: the parser, whose defaults come from
-:class:`~calm_runtime.cli.serve_config.ServeConfig`, and the handler that starts the server. It
+:class:`~calm_runtime.server.config.ServeConfig`, and the handler that starts the server. It
 imports neither the serve extra nor torch until the command runs, so ``calm --help`` works
 without them."""
 
@@ -31,7 +31,7 @@ def _serve_default(name: str):
     """A ``calm serve`` option's default: ServeConfig's field (one place for both)."""
     import dataclasses
 
-    from calm_runtime.cli.serve_config import ServeConfig
+    from calm_runtime.server.config import ServeConfig
 
     return next(f.default for f in dataclasses.fields(ServeConfig) if f.name == name)
 

@@ -11,15 +11,16 @@ this package.
 
 from __future__ import annotations
 
-try:
-    import fastapi  # noqa: F401
-except ImportError as err:  # one clear line instead of a missing-module error deep inside
-    from calm_runtime.cli.common import missing_extra_message
-    from calm_runtime.errors import BackendUnavailableError
-
-    raise BackendUnavailableError(missing_extra_message("serve", "calm_runtime.server")) from err
-
-from calm_runtime.cli.serve_config import ServeConfig
-from calm_runtime.server.app import create_app
+from calm_runtime.server.config import ServeConfig
 
 __all__ = ["create_app", "ServeConfig"]
+
+
+def __getattr__(name: str):
+    # the app needs the serve extra; its settings (``ServeConfig``, ``server.config``) do
+    # not, so that ``calm serve --help`` and a config check work without FastAPI
+    if name == "create_app":
+        from calm_runtime.server.app import create_app
+
+        return create_app
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

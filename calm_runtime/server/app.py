@@ -36,16 +36,24 @@ import logging
 import os
 from contextlib import asynccontextmanager
 
+try:
+    import fastapi  # noqa: F401
+except ImportError as err:  # one clear line instead of a missing-module error deep inside
+    from calm_runtime.errors import BackendUnavailableError
+    from calm_runtime.extras import missing_extra_message
+
+    raise BackendUnavailableError(missing_extra_message("serve", "calm_runtime.server")) from err
+
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from calm_runtime._version import __version__
-from calm_runtime.cli.serve_config import ServeConfig
 from calm_runtime.errors import CalmError, ConfigError
 from calm_runtime.inference.lm import CalibratedLM
 from calm_runtime.server.batcher import Job
+from calm_runtime.server.config import ServeConfig
 from calm_runtime.server.guard import Guard
 from calm_runtime.server.intake import Intake
 from calm_runtime.server.metrics import CONTENT_TYPE_LATEST

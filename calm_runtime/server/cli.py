@@ -9,9 +9,9 @@ from dataclasses import fields
 
 import uvicorn
 
-from calm_runtime.cli.serve_config import ServeConfig
 from calm_runtime.errors import ConfigError
 from calm_runtime.server.app import CONFIG_ENV, create_app
+from calm_runtime.server.config import ServeConfig
 
 __all__ = ["serve", "config_from_args"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from calm_runtime.cli.serve_config import ServeConfig
+from calm_runtime.server.config import ServeConfig
 from calm_runtime.server.protocol import APIError
 from calm_runtime.server.serving import ServerState
 

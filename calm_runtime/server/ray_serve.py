@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import logging
 
-from calm_runtime.cli.serve_config import ServeConfig
 from calm_runtime.errors import BackendUnavailableError
 from calm_runtime.extras import install_hint
+from calm_runtime.server.config import ServeConfig
 
 __all__ = ["calm_deployment", "run_ray"]
 

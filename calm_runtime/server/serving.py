@@ -13,10 +13,10 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from calm_runtime import modes
-from calm_runtime.cli.serve_config import ServeConfig
 from calm_runtime.formats.engine import ENGINE_MANIFEST_NAME
 from calm_runtime.inference.lm import CalibratedLM
 from calm_runtime.server.batcher import Job, MicroBatcher
+from calm_runtime.server.config import ServeConfig
 from calm_runtime.server.metrics import ServerMetrics
 from calm_runtime.server.protocol import APIError
 

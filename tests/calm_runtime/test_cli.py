@@ -177,7 +177,7 @@ def test_serve_takes_vllm_flag_names_and_shows_its_defaults():
     import dataclasses
 
     from calm_runtime.cli.main import build_parser
-    from calm_runtime.cli.serve_config import ServeConfig
+    from calm_runtime.server.config import ServeConfig
 
     parser = build_parser()
     args = parser.parse_args(["serve", "engine", "--served-model-name", "m", "--api-key", "k"])
