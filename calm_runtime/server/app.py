@@ -44,23 +44,19 @@ except ImportError as err:  # one clear line instead of a missing-module error d
 
     raise BackendUnavailableError(missing_extra_message("serve", "calm_runtime.server")) from err
 
-from fastapi import FastAPI, Request
-from fastapi.responses import Response
-from starlette.concurrency import run_in_threadpool
+from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from calm_runtime._version import __version__
 from calm_runtime.errors import CalmError, ConfigError
 from calm_runtime.inference.lm import CalibratedLM
-from calm_runtime.server.batcher import Job
 from calm_runtime.server.config import ServeConfig
 from calm_runtime.server.guard import Guard
-from calm_runtime.server.intake import Intake
-from calm_runtime.server.metrics import CONTENT_TYPE_LATEST
-from calm_runtime.server.openapi import openapi_schema, request_body, template_tokens
-from calm_runtime.server.protocol import APIError, ChatRequest, CompletionRequest, ErrorResponse
-from calm_runtime.server.responses import EventStream, ResponseWriter
-from calm_runtime.server.serving import ECHO_MAX_ENTRIES, PROMPT_CHARS_PER_TOKEN, ServerState  # noqa: F401
+from calm_runtime.server.openapi import openapi_schema, template_tokens
+from calm_runtime.server.protocol import APIError
+from calm_runtime.server.routes import router
+from calm_runtime.server.served import Served
+from calm_runtime.server.serving import PROMPT_CHARS_PER_TOKEN, ServerState
 
 __all__ = ["create_app", "app_from_environment", "CONFIG_ENV", "PROMPT_CHARS_PER_TOKEN"]
 
@@ -68,13 +64,6 @@ logger = logging.getLogger(__name__)
 
 #: environment variable through which ``calm serve --workers N`` hands each worker its config
 CONFIG_ENV = "CALM_SERVE_CONFIG"
-_ERROR_RESPONSES = {
-    status: {"model": ErrorResponse, "description": text} for status, text in (
-        (400, "a bad body or parameter"), (401, "a missing or wrong API key"),
-        (404, "another model"), (413, "a body over the size limit"),
-        (429, "the queue is full"),
-        (503, "the server is shutting down, or a batch ran out of memory"),
-        (504, "past the request timeout"))}
 
 
 def create_app(config: ServeConfig, lm: CalibratedLM | None = None) -> FastAPI:
@@ -90,8 +79,6 @@ def create_app(config: ServeConfig, lm: CalibratedLM | None = None) -> FastAPI:
                           f"CalibratedLM.load(..., max_prefill_tokens="
                           f"{config.max_prefill_tokens}) or set the config's")
     server = ServerState(config, lm)
-    intake = Intake(server)
-    writer = ResponseWriter(server)
     #: tokens the chat template adds around the documented messages (the OpenAPI document's
     #: text limits leave room for them)
     template_overhead = template_tokens(lm)
@@ -105,118 +92,30 @@ def create_app(config: ServeConfig, lm: CalibratedLM | None = None) -> FastAPI:
     app = FastAPI(title="calm serve", version=__version__, lifespan=lifespan, docs_url=None,
                   redoc_url=None, openapi_url=None)
     app.state.calm = server
+    app.state.served = Served.of(server)
     app.add_middleware(Guard, server=server)
-
-    @app.exception_handler(APIError)
-    async def _api_error(_request, exc: APIError):
-        return server.error_response(exc)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_request, exc: StarletteHTTPException):
-        return server.error_response(APIError(
-            exc.status_code, str(exc.detail),
-            code="not_found" if exc.status_code == 404 else None))
-
-    @app.exception_handler(Exception)
-    async def _unexpected(_request, exc: Exception):
-        logger.error("unexpected error", exc_info=exc)
-        return server.error_response(APIError(
-            500, "the server failed on this request; the details are in its log",
-            type="server_error"))
-
-    @app.get("/health")
-    async def health():
-        return {"status": "ok", "model": config.served_name, "queue_depth": server.batcher.depth}
-
-    @app.get("/metrics", responses={401: _ERROR_RESPONSES[401]})
-    async def metrics(request: Request):
-        server.authorize(request)
-        return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/models", responses={401: _ERROR_RESPONSES[401]})
-    async def models(request: Request):
-        server.authorize(request)
-        return {"object": "list", "data": [{"id": config.served_name, "object": "model",
-                                            "created": server.created, "owned_by": "calm",
-                                            "calm": server.identity}]}
-
-    @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest),
-              responses=_ERROR_RESPONSES)
-    async def completions(request: Request):
-        server.authorize(request)
-        req = await intake.parse(request, CompletionRequest)
-        single = isinstance(req.prompt, str)
-        prompts = [req.prompt] if single else list(req.prompt)
-        if not prompts or len(prompts) > config.max_queue:
-            raise APIError(400, f"prompt must be a string or a list of 1 to {config.max_queue} "
-                           "strings", param="prompt")
-        for index, prompt in enumerate(prompts):
-            intake.check_chars(len(prompt), "the prompt" if single else f"prompt[{index}]",
-                               "prompt")
-        intake.check_raw(req, req.logprobs is not None)
-        constrained = req.choices()
-        if constrained is not None:
-            intake.check_constrained(req, logprobs=req.logprobs is not None,
-                                     max_tokens=req.max_tokens)
-        if req.echo:  # prompt scoring: one forward pass per prompt, no decoding
-            # --max-prompt-tokens applies too, and the answer's size is bounded before work
-            encoded = await run_in_threadpool(intake.encode, prompts)
-            entries = sum(len(ids) for ids in encoded) * (1 + (req.logprobs or 0)) * (
-                2 if req.wants_raw else 1)
-            if entries > ECHO_MAX_ENTRIES:
-                raise APIError(400, f"this echo would return {entries:,} log-probabilities "
-                               f"(tokens x (1 + logprobs)); the limit is {ECHO_MAX_ENTRIES:,}: "
-                               "send fewer or shorter prompts or fewer alternatives",
-                               param="logprobs" if req.logprobs else "prompt")
-            return await writer.echo(prompts, req, request)
-        if constrained is not None:
-            encoded = await run_in_threadpool(intake.encode, prompts)
-            return await writer.constrained(encoded, prompts, constrained, req, "completion",
-                                            request)
-        limit = intake.max_tokens(req.max_tokens, config.default_max_tokens)
-        options = intake.options(req, top=req.logprobs or 0)
-        encoded = await run_in_threadpool(intake.encode, prompts)
-        jobs = [Job(ids, limit, options, p if req.wants_p_true else None,
-                    stream=bool(req.stream)) for ids, p in zip(encoded, prompts, strict=True)]
-        intake.submit(jobs)
-        if req.stream:
-            return EventStream(server, jobs, writer.stream(jobs, req, "completion"))
-        return await writer.complete(jobs, req, "completion", request)
-
-    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatRequest),
-              responses=_ERROR_RESPONSES)
-    async def chat(request: Request):
-        server.authorize(request)
-        req = await intake.parse(request, ChatRequest)
-        if req.top_logprobs and not req.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        limit = intake.max_tokens(req.limit(), config.max_tokens_limit)
-        messages = [{"role": "system" if m.role == "developer" else m.role,
-                     "content": m.text()} for m in req.messages]
-        users = [m["content"] for m in messages if m["role"] == "user"]
-        if req.wants_p_true and not users:
-            raise APIError(400, "P(True) needs a user message to score the answer against",
-                           param="messages")
-        intake.check_chars(sum(len(m["content"]) for m in messages), "the messages' text",
-                           "messages")
-        top = (req.top_logprobs or 0) if req.logprobs else 0
-        intake.check_raw(req, bool(req.logprobs))
-        constrained = req.choices()
-        if constrained is not None:
-            intake.check_constrained(req, logprobs=bool(req.logprobs), max_tokens=req.limit())
-        ids = await run_in_threadpool(intake.encode_chat, messages)
-        if constrained is not None:
-            return await writer.constrained([ids], [users[-1] if users else ""], constrained,
-                                            req, "chat", request)
-        job = Job(ids, limit, intake.options(req, top=top),
-                  users[-1] if req.wants_p_true else None, stream=bool(req.stream))
-        intake.submit([job])
-        if req.stream:
-            return EventStream(server, [job], writer.stream([job], req, "chat"))
-        return await writer.complete([job], req, "chat", request)
-
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected)
+    app.include_router(router)
     app.openapi = lambda: openapi_schema(app, server, template_overhead)  # type: ignore[method-assign]
     return app
+
+
+async def _api_error(request, exc: APIError):
+    return request.app.state.calm.error_response(exc)
+
+
+async def _http_error(request, exc: StarletteHTTPException):
+    return request.app.state.calm.error_response(APIError(
+        exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None))
+
+
+async def _unexpected(request, exc: Exception):
+    logger.error("unexpected error", exc_info=exc)
+    return request.app.state.calm.error_response(APIError(
+        500, "the server failed on this request; the details are in its log",
+        type="server_error"))
 
 
 def app_from_environment() -> FastAPI:

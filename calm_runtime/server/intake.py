@@ -1,5 +1,6 @@
-"""The request intake behind the routes: parsing and validation against the server's
-limits, encoding, and admission to the batcher's queue."""
+"""The request intake behind the routes: parsing and every check of a request against the
+server's limits (those of each endpoint and those they share), encoding, and admission to
+the batcher's queue. Nothing past the intake refuses a request for what it asks."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from calm_runtime.server.batcher import Job, QueueFull, ShuttingDown
 from calm_runtime.server.guard import too_large
 from calm_runtime.server.json_body import clip, json_object, validated
 from calm_runtime.server.protocol import APIError
-from calm_runtime.server.serving import PROMPT_CHARS_PER_TOKEN, ServerState
+from calm_runtime.server.serving import ECHO_MAX_ENTRIES, PROMPT_CHARS_PER_TOKEN, ServerState
 
 __all__ = ["Intake"]
 
@@ -41,6 +42,54 @@ class Intake:
                            param=bad[0])
         return req
 
+    # ------------------------------------------------------------- per endpoint
+    def completion_prompts(self, req) -> tuple[list[str], bool]:
+        """``/v1/completions``: the prompts (``single``: one string was sent), each checked
+        against the character limit, and the fields the request combines checked."""
+        single = isinstance(req.prompt, str)
+        prompts = [req.prompt] if single else list(req.prompt)
+        if not prompts or len(prompts) > self.config.max_queue:
+            raise APIError(400, f"prompt must be a string or a list of 1 to "
+                           f"{self.config.max_queue} strings", param="prompt")
+        for index, prompt in enumerate(prompts):
+            self.check_chars(len(prompt), "the prompt" if single else f"prompt[{index}]",
+                             "prompt")
+        self.check_raw(req, req.logprobs is not None)
+        if req.choices() is not None:
+            self.check_constrained(req, logprobs=req.logprobs is not None,
+                                   max_tokens=req.max_tokens)
+        return prompts, single
+
+    def check_echo(self, req, encoded: list[list[int]]) -> None:
+        """An echo's answer is bounded before any work: tokens x (1 + alternatives)."""
+        entries = sum(len(ids) for ids in encoded) * (1 + (req.logprobs or 0)) * (
+            2 if req.wants_raw else 1)
+        if entries > ECHO_MAX_ENTRIES:
+            raise APIError(400, f"this echo would return {entries:,} log-probabilities "
+                           f"(tokens x (1 + logprobs)); the limit is {ECHO_MAX_ENTRIES:,}: "
+                           "send fewer or shorter prompts or fewer alternatives",
+                           param="logprobs" if req.logprobs else "prompt")
+
+    def chat_messages(self, req) -> tuple[list[dict], list[str], int]:
+        """``/v1/chat/completions``: the messages as the chat template takes them, the
+        users' texts and the token limit, with the fields the request combines checked."""
+        if req.top_logprobs and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        limit = self.max_tokens(req.limit(), self.config.max_tokens_limit)
+        messages = [{"role": "system" if m.role == "developer" else m.role,
+                     "content": m.text()} for m in req.messages]
+        users = [m["content"] for m in messages if m["role"] == "user"]
+        if req.wants_p_true and not users:
+            raise APIError(400, "P(True) needs a user message to score the answer against",
+                           param="messages")
+        self.check_chars(sum(len(m["content"]) for m in messages), "the messages' text",
+                         "messages")
+        self.check_raw(req, bool(req.logprobs))
+        if req.choices() is not None:
+            self.check_constrained(req, logprobs=bool(req.logprobs), max_tokens=req.limit())
+        return messages, users, limit
+
+    # ------------------------------------------------------------- shared checks
     def max_tokens(self, asked: int | None, default: int) -> int:
         value = default if asked is None else asked
         if value > self.config.max_tokens_limit:

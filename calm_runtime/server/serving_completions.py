@@ -1,0 +1,39 @@
+"""``POST /v1/completions``: text prompts answered by decoding, prompt scoring (``echo``), or
+a constrained choice among given answers."""
+
+from __future__ import annotations
+
+from fastapi import Request
+from starlette.concurrency import run_in_threadpool
+
+from calm_runtime.server.batcher import Job
+from calm_runtime.server.protocol import CompletionRequest
+from calm_runtime.server.responses import EventStream
+from calm_runtime.server.served import Served
+
+__all__ = ["serve_completions"]
+
+
+async def serve_completions(served: Served, request: Request):
+    intake, writer = served.intake, served.writer
+    served.server.authorize(request)
+    req = await intake.parse(request, CompletionRequest)
+    prompts, _ = intake.completion_prompts(req)
+    constrained = req.choices()
+    if req.echo:  # prompt scoring: one forward pass per prompt, no decoding
+        encoded = await run_in_threadpool(intake.encode, prompts)
+        intake.check_echo(req, encoded)
+        return await writer.echo(prompts, req, request)
+    if constrained is not None:
+        encoded = await run_in_threadpool(intake.encode, prompts)
+        return await writer.constrained(encoded, prompts, constrained, req, "completion",
+                                        request)
+    limit = intake.max_tokens(req.max_tokens, served.server.config.default_max_tokens)
+    options = intake.options(req, top=req.logprobs or 0)
+    encoded = await run_in_threadpool(intake.encode, prompts)
+    jobs = [Job(ids, limit, options, p if req.wants_p_true else None, stream=bool(req.stream))
+            for ids, p in zip(encoded, prompts, strict=True)]
+    intake.submit(jobs)
+    if req.stream:
+        return EventStream(served.server, jobs, writer.stream(jobs, req, "completion"))
+    return await writer.complete(jobs, req, "completion", request)
