@@ -136,6 +136,14 @@ def _fit(adapter: Path) -> dict:
             "token_fit_reason": None if token.get("fitted") else token.get("reason")}
 
 
+#: the `calm fit` runs of each source: (label, method, extra flags); from calm's own scoring
+#: `calm fit ts` fits a token-level T first unless --no-token-fit (a log holds no next-token
+#: distributions, so a fit from logs is answer-only)
+FITS = {"own": (("daca", "daca", ()), ("ts", "ts", ()),
+                ("ts --no-token-fit", "ts", ("--no-token-fit",))),
+        "logs": (("daca", "daca", ()), ("ts", "ts", ()))}
+#: (own label, logs label): the same fit both ways
+SAME_FIT = (("daca", "daca"), ("ts --no-token-fit", "ts"))
 #: what an eval table's row holds that is solver bookkeeping, not a result
 BOOKKEEPING = ("fit.iterations", "fit.objective")
 
@@ -173,11 +181,11 @@ def fits(args, folders: dict, logs: dict, root: Path) -> dict:
                       "--reference-scores", f"lm-eval:{logs['reference']}"])
             given += ["--variant", variant]
             found = {}
-            for method in ("daca", "ts"):
-                adapter = root / "adapters" / f"{source}-{variant}-{method}"
-                seconds = calm_cli("fit", method, *given, "--out", str(adapter),
+            for label, method, extra in FITS[source]:
+                adapter = root / "adapters" / f"{source}-{variant}-{label.replace(' ', '')}"
+                seconds = calm_cli("fit", method, *given, *extra, "--out", str(adapter),
                                    "--overwrite", env=env)
-                found[method] = {**_fit(adapter), "s": round(seconds, 1)}
+                found[label] = {**_fit(adapter), "s": round(seconds, 1)}
             reports = root / "reports" / f"{source}-{variant}"
             shutil.rmtree(reports, ignore_errors=True)
             seconds = calm_cli("eval", *given, "--compare", "--report-dir", str(reports),
@@ -194,8 +202,8 @@ def fits(args, folders: dict, logs: dict, root: Path) -> dict:
         # (a log holds option sums, not the next-token distributions a token fit needs)
         same = {f"eval {m}": abs(own[m]["fit.temperature"] - logs_[m]["fit.temperature"])
                 for m in own if "fit.temperature" in own[m] and m in logs_}
-        same |= {f"calm fit {m}": abs(row["own"][m]["temperature"] - row["logs"][m]["temperature"])
-                 for m in ("daca", "ts") if row["own"][m]["token_temperature"] is None}
+        same |= {f"calm fit {m}": abs(row["own"][o]["temperature"] - row["logs"][m]["temperature"])
+                 for o, m in SAME_FIT if row["own"][o]["token_temperature"] is None}
         row["same_fit_diff"] = same
         out[variant] = row
     return out
@@ -221,21 +229,25 @@ def render(payload: dict) -> str:
                      f"{s['harness']['wall_s'] / s['calm_s']:.2f}x | {s['max_abs_diff']:.1e} | "
                      f"{s['same_argmax']}/{payload['n']} |")
     lines += ["", "Fits from the two logs (model folders holding config and tokenizer only, "
-              "no weights) against the same fits from calm's own scoring: the answer "
-              "temperature each `calm fit` wrote (from calm's own scoring `calm fit ts` also "
-              "fits a token-level temperature first, which needs the next-token distributions "
-              "a log does not hold, and fits its answer temperature on top of it).", "",
-              "| variant | method | answer T, calm's scoring | token T, calm's scoring | "
-              "answer T, logs | fit from logs s |", "|---|---|---|---|---|---|"]
+              "no weights) against the fits from calm's own scoring: the temperatures each "
+              "`calm fit` wrote. From its own scoring `calm fit ts` fits a token-level "
+              "temperature first (on the next-token distributions, which a log does not "
+              "hold) and its answer temperature on top of it; `--no-token-fit` is the "
+              "answer-only fit a log allows.", "",
+              "| variant | calm fit (own scoring) | answer T | token T | calm fit (logs) | "
+              "answer T | fit from logs s |", "|---|---|---|---|---|---|---|"]
     for variant, row in payload["fits"].items():
-        for method in ("daca", "ts"):
-            own, logs = row["own"][method], row["logs"][method]
-            token = own["token_temperature"]
-            lines.append(f"| {variant} | {method} | {own['temperature']:.6f} | "
+        for label, _, _ in FITS["own"]:
+            own, token = row["own"][label], row["own"][label]["token_temperature"]
+            pair = dict(SAME_FIT).get(label)
+            logs = row["logs"].get(pair) if pair else None
+            lines.append(f"| {variant} | {label} | {own['temperature']:.6f} | "
                          f"{'-' if token is None else format(token, '.4f')} | "
-                         f"{logs['temperature']:.6f} | {logs['s']:.1f} |")
+                         + (f"{pair} | {logs['temperature']:.6f} | {logs['s']:.1f} |" if logs
+                            else "- | - | - |"))
     lines += ["", "The same fit both ways (`calm eval --compare`'s naive, DACA and TS answer "
-              "temperatures, and each `calm fit` without a token-level T), largest absolute "
+              "temperatures; `calm fit daca`; `calm fit ts --no-token-fit` against `calm fit "
+              "ts` from the logs), largest absolute "
               "difference, and the largest difference between any two numbers of the two "
               "`calm eval --compare` tables (accuracy, ECE and its interval, MCE, AECE, "
               "Brier, NLL, fitted parameters; solver iteration counts left out):", ""]

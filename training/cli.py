@@ -61,6 +61,11 @@ def register(sub) -> None:
                      help="threshold: the probability of staying below --risk, by a "
                           "Clopper-Pearson bound on the calibration split (default "
                           f"{_FIT['risk_confidence']})")
+    fit.add_argument("--no-token-fit", dest="token_fit", action="store_false",
+                     help="cloze mode: fit the answer temperature only, leaving the engine's "
+                          "token confidences the model's own (by default a token-level "
+                          "temperature is fitted first and the answer temperature on top; a "
+                          "fit from --model-scores logs is always answer-only)")
     fit.add_argument("--out", required=True, help="adapter directory to write")
     fit.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     fit.set_defaults(handler=_fit)
@@ -188,7 +193,7 @@ def _fit(args) -> int:
     from calm_training.methods import fit_method
 
     config = dataclasses.replace(_config(args), risk=args.risk,
-                                 risk_confidence=args.risk_confidence)
+                                 risk_confidence=args.risk_confidence, token_fit=args.token_fit)
     adapter, report = fit_adapter(config, args.method, args.out,
                                   overwrite=args.overwrite, progress=show_progress(args))
     fit = report["fit"]

@@ -150,6 +150,30 @@ def test_cloze_fit_writes_a_token_temperature_and_refits_the_options(
     assert loaded.answer_temperature == pytest.approx(refit.temperature, rel=1e-6)
 
 
+def test_no_token_fit_fits_the_answer_temperature_of_the_model_as_it_is(
+        tiny_llama_tied, mc_file, tmp_path):
+    """--no-token-fit: the head keeps T = 1 and the answer temperature is TS on the model's
+    own option scores (what a fit from lm-eval logs computes)."""
+    from calm_runtime.data.sets import load_dataset, split_indices
+
+    mc_file = _greedy_answers(tiny_llama_tied, mc_file, tmp_path)
+    config = _config(tiny_llama_tied, mc_file, token_fit=False)
+    _, report = fit_adapter(config, "ts", tmp_path / "a", progress=False)
+    assert report["token_fit"]["fitted"] is False
+    assert "--no-token-fit" in report["token_fit"]["reason"]
+    loaded = CalibrationAdapter.from_pretrained(tmp_path / "a")
+    assert loaded.temperature == pytest.approx(1.0)
+    records = load_dataset(str(mc_file))
+    scores = score_cache.cached_option_scores(str(tiny_llama_tied), records, mode="cloze",
+                                              progress=False)
+    cal, _ = split_indices(len(records), 0.3, 0)
+    g = scores.scores(FitPlan.resolve(config).variant())[cal]
+    refit = daca.fit_temperature_scaling(g, scores.labels[cal])
+    assert loaded.answer_temperature == pytest.approx(refit.temperature, rel=1e-6)
+    with pytest.raises(Exception, match="token_fit must be true or false"):
+        _config(tiny_llama_tied, mc_file, token_fit="no")
+
+
 def test_cross_tokenizer_reference_fits_option_level_only(tiny_llama_tied, tiny_llama_untied,
                                                           mc_file, tmp_path):
     other = tmp_path / "other-tokenizer"

@@ -183,6 +183,9 @@ class FitMethod:
             record = {"fitted": False, "reason": "the scores come from lm-eval logs, which "
                       "hold each option's log-likelihood, not the next-token distributions "
                       "a token-level fit needs; only the answer temperature is fitted"}
+        elif not plan.mode.token_level and not plan.config.token_fit:
+            record = {"fitted": False, "reason": "--no-token-fit: the answer temperature "
+                      "only (token confidences stay the model's own)"}
         elif not plan.mode.token_level:  # cloze: the token level first, then the options
             token_temperature, record = cloze_token_fit(self, plan, prep, progress=progress)
             if token_temperature is not None:

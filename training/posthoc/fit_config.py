@@ -67,6 +67,10 @@ class FitConfig:
             option scores read from an lm-evaluation-harness sample log instead of running it
             (:mod:`calm_training.scoring.lm_eval_logs`); the model's log also gives the
             records, and ``model`` / ``reference`` then only name the models.
+        token_fit: cloze mode: fit a token-level temperature first (on the next-token
+            distributions, so that the engine's token confidences are calibrated too), then
+            the answer temperature on top of it; ``False`` (``--no-token-fit``): the answer
+            temperature only, which is all a fit from lm-eval logs can do.
     """
 
     model: str
@@ -95,9 +99,12 @@ class FitConfig:
     risk_confidence: float = 0.95
     model_scores: str | None = None
     reference_scores: str | None = None
+    token_fit: bool = True
 
     def __post_init__(self) -> None:
         problems = []
+        if not isinstance(self.token_fit, bool):
+            problems.append(f"token_fit must be true or false, got {self.token_fit!r}")
         if not 0 < self.risk < 1:
             problems.append(f"risk {self.risk!r} must lie strictly between 0 and 1")
         if not 0.5 <= self.risk_confidence < 1:
