@@ -437,3 +437,15 @@ def test_the_server_imports_no_command_line_module():
                   if name.startswith("calm_runtime.server") for target in targets
                   if target.startswith("calm_runtime.cli"))
     assert not back, back
+
+
+def test_the_server_never_compares_an_endpoint_by_name():
+    """Each endpoint's answers have their shape (serving_completions.py, serving_chat.py);
+    the writer asks the shape, never ``kind == "chat"``."""
+    where = {}
+    for path in (ROOT / "calm_runtime" / "server").rglob("*.py"):
+        hits = _compared_strings(ast.parse(path.read_text(encoding="utf-8"))) & {
+            "completion", "chat", "text_completion", "chat.completion"}
+        if hits:
+            where[str(path.relative_to(ROOT))] = sorted(hits)
+    assert not where, where

@@ -27,21 +27,16 @@ from calm_runtime.server.guard import CLIENT_CLOSED
 from calm_runtime.server.protocol import (
     FINISH_REASONS,
     APIError,
-    AssistantMessage,
     CalmOptions,
-    ChatChoice,
-    ChatCompletionResponse,
     CompletionChoice,
     CompletionResponse,
     Usage,
-    chat_logprobs,
     choice_extension,
-    completion_logprobs,
     echo_logprobs,
 )
 from calm_runtime.server.serving import ServerState
 
-__all__ = ["EventStream", "ResponseWriter", "out_of_memory"]
+__all__ = ["EventStream", "ResponseShape", "ResponseWriter", "out_of_memory"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +83,41 @@ class EventStream(StreamingResponse):
                 await self.body_iterator.aclose()
             self._server.abandon(self._jobs)
 
+
+
+class ResponseShape:
+    """How one endpoint's answers look: OpenAI's completions or chat completions objects.
+    The writer asks the shape, never the endpoint's name; each serving module
+    (serving_completions.py, serving_chat.py) defines its own on this base."""
+
+    #: the response id's prefix ("cmpl", "chatcmpl")
+    id_prefix = ""
+    #: the non-streaming response's model (protocol.py)
+    response_model: type = CompletionResponse
+    #: a stream opens each choice with a chunk holding the assistant's role
+    opens_with_role = False
+
+    def object_name(self, chunk: bool) -> str:
+        raise NotImplementedError
+
+    def choice(self, index: int, text: str, finish: str, logprobs, calm: dict):
+        raise NotImplementedError
+
+    def logprobs(self, tokens, req, *, offset: int = 0, raw: bool = False, token_bytes=None):
+        """The ``logprobs`` object of ``tokens`` as this endpoint writes it (``raw``: the
+        uncalibrated ones, for the ``calm`` object)."""
+        raise NotImplementedError
+
+    def asks_logprobs(self, req) -> bool:
+        raise NotImplementedError
+
+    def chunk_choice(self, index: int, text: str | None) -> dict:
+        """A streamed choice carrying ``text`` (``None``: no text in this chunk)."""
+        raise NotImplementedError
+
+    def final_text(self, text: str, sent: int) -> str | None:
+        """What the last chunk of a streamed choice carries after ``sent`` characters."""
+        return text[sent:]
 
 
 class ResponseWriter:
@@ -173,27 +203,16 @@ class ResponseWriter:
         if result.p_true is not None:
             self.metrics.p_true.observe(result.p_true)
 
-    def _envelope(self, rid: str, kind: str, chunk: bool = False) -> dict:
-        obj = {"completion": "text_completion",
-               "chat": "chat.completion.chunk" if chunk else "chat.completion"}[kind]
-        return {"id": rid, "object": obj, "created": int(time.time()),
+    def _envelope(self, rid: str, shape: ResponseShape, chunk: bool = False) -> dict:
+        return {"id": rid, "object": shape.object_name(chunk), "created": int(time.time()),
                 "model": self.config.served_name, "system_fingerprint": self.server.fingerprint}
 
-    def _response(self, kind: str, choices: list, usage: Usage) -> dict:
+    def _response(self, shape: ResponseShape, choices: list, usage: Usage) -> dict:
         """A non-streaming response body, built through its model (protocol.py)."""
-        model = CompletionResponse if kind == "completion" else ChatCompletionResponse
-        prefix = "cmpl" if kind == "completion" else "chatcmpl"
-        return model(id=f"{prefix}-{uuid.uuid4().hex}", created=int(time.time()),
-                     model=self.config.served_name, system_fingerprint=self.server.fingerprint,
-                     choices=choices, usage=usage, calm=self.server.identity).model_dump()
-
-    @staticmethod
-    def _choice(kind: str, index: int, text: str, finish: str, logprobs, calm: dict):
-        if kind == "completion":
-            return CompletionChoice(index=index, text=text, finish_reason=finish,
-                                    logprobs=logprobs, calm=calm)
-        return ChatChoice(index=index, message=AssistantMessage(content=text),
-                          finish_reason=finish, logprobs=logprobs, calm=calm)
+        return shape.response_model(
+            id=f"{shape.id_prefix}-{uuid.uuid4().hex}", created=int(time.time()),
+            model=self.config.served_name, system_fingerprint=self.server.fingerprint,
+            choices=choices, usage=usage, calm=self.server.identity).model_dump()
 
     async def _results(self, jobs: list[Job], request: Request):
         """The jobs' results; ``None`` when the client disconnected first (the rows are then
@@ -223,7 +242,7 @@ class ResponseWriter:
             gone.cancel()
 
     async def constrained(self, encoded: list[list[int]], questions: list[str],
-                          choices: list[str], req, kind: str, request: Request):
+                          choices: list[str], req, shape: ResponseShape, request: Request):
         """A constrained choice: the answer is the most probable of ``choices``; the
         ``calm`` object carries the calibrated ``option_probabilities`` (in the given order).
         Cloze: each choice's text continues the prompt as given; letter: the choices are
@@ -258,10 +277,10 @@ class ResponseWriter:
             if below is not None:
                 extension["abstained"] = picked.confidence < below
                 extension["abstain_below"] = below
-            out.append(self._choice(kind, index, text, "stop", None, extension))
-        return self._response(kind, out, Usage.of(sum(len(ids) for ids in encoded)))
+            out.append(shape.choice(index, text, "stop", None, extension))
+        return self._response(shape, out, Usage.of(sum(len(ids) for ids in encoded)))
 
-    async def echo(self, prompts: list[str], req, request: Request):
+    async def echo(self, prompts: list[str], req, shape: ResponseShape, request: Request):
         """``echo`` with ``max_tokens`` 0: every prompt token's calibrated log-probability
         (and ``logprobs`` alternatives), text offsets and no generated text."""
         top = req.logprobs or 0
@@ -275,22 +294,23 @@ class ResponseWriter:
             if scored is None:  # the client went away: nobody to answer
                 return Response(status_code=CLIENT_CLOSED)
             prompt_tokens += len(scored)
-            choices.append(await run_in_threadpool(self._echo_choice, index, prompt, scored,
-                                                   req, top))
+            choices.append(await run_in_threadpool(self._echo_choice, shape, index, prompt,
+                                                   scored, req, top))
         # a long echo with alternatives is megabytes of JSON: built and encoded off the loop
         content = await run_in_threadpool(
-            lambda: _encode_json(self._response("completion", choices, Usage.of(prompt_tokens))))
+            lambda: _encode_json(self._response(shape, choices, Usage.of(prompt_tokens))))
         return Response(content=content, media_type="application/json")
 
-    def _echo_choice(self, index: int, prompt: str, scored, req, top: int) -> CompletionChoice:
+    def _echo_choice(self, shape: ResponseShape, index: int, prompt: str, scored, req,
+                     top: int) -> CompletionChoice:
         calm = {"calibrated": self.server.calibrated}
         if req.wants_raw:
             calm["raw_logprobs"] = echo_logprobs(scored, top, raw=True)
-        return self._choice("completion", index, prompt, "length",
+        return shape.choice(index, prompt, "length",
                             echo_logprobs(scored, top) if req.logprobs is not None else None,
                             calm)
 
-    async def complete(self, jobs: list[Job], req, kind: str, request: Request):
+    async def complete(self, jobs: list[Job], req, shape: ResponseShape, request: Request):
         results = await self._results(jobs, request)
         if results is None:  # nobody to answer
             return Response(status_code=CLIENT_CLOSED)
@@ -308,34 +328,28 @@ class ResponseWriter:
         for index, result in enumerate(results):
             self._observe(result)
             g = result.generation
-            if kind == "completion":
-                logprobs = (None if req.logprobs is None
-                            else completion_logprobs(g.tokens, req.logprobs))
-            else:
-                logprobs = (chat_logprobs(g.tokens, req.top_logprobs or 0,
-                                          token_bytes=self.lm.tokenizer.token_bytes)
-                            if req.logprobs else None)
+            token_bytes = self.lm.tokenizer.token_bytes
+            logprobs = (shape.logprobs(g.tokens, req, token_bytes=token_bytes)
+                        if shape.asks_logprobs(req) else None)
             calm = {**choice_extension(g, result.p_true, req.wants_p_true),
                     "calibrated": self.server.calibrated}
             if req.wants_raw:
-                calm["raw_logprobs"] = (
-                    completion_logprobs(g.tokens, req.logprobs, raw=True)
-                    if kind == "completion"
-                    else chat_logprobs(g.tokens, req.top_logprobs or 0, raw=True,
-                                       token_bytes=self.lm.tokenizer.token_bytes))
-            choices.append(self._choice(kind, index, g.text, FINISH_REASONS[g.finish_reason],
+                calm["raw_logprobs"] = shape.logprobs(g.tokens, req, raw=True,
+                                                      token_bytes=token_bytes)
+            choices.append(shape.choice(index, g.text, FINISH_REASONS[g.finish_reason],
                                         logprobs, calm))
-        return self._response(kind, choices, Usage.of(
+        return self._response(shape, choices, Usage.of(
             sum(len(j.ids) for j in jobs), sum(len(r.generation.tokens) for r in results)))
 
-    async def stream(self, jobs: list[Job], req, kind: str):
+    async def stream(self, jobs: list[Job], req, shape: ResponseShape):
         """SSE events: one chunk per token, a final chunk per choice, usage, ``[DONE]``.
 
         The text of a chunk is released only once no stop string can still begin in it, so
         the chunks' texts join to exactly the non-streaming text. Closed early (the client
         left), it stops the unfinished rows.
         """
-        rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
+        rid = f"{shape.id_prefix}-{uuid.uuid4().hex}"
+        token_bytes = self.lm.tokenizer.token_bytes
         deadline = time.monotonic() + self.config.request_timeout_s
         stops = req.stops()
         hold = max((len(s) for s in stops), default=1) - 1
@@ -343,17 +357,13 @@ class ResponseWriter:
         ended = False  # the stream ran to its end (an error event included)
 
         def chunk(index: int, text: str | None, logprobs, finish, extension) -> dict:
-            choice = {"index": index}
-            if kind == "completion":
-                choice["text"] = text or ""
-            else:
-                choice["delta"] = {} if text is None else {"content": text}
+            choice = shape.chunk_choice(index, text)
             choice.update(logprobs=logprobs, finish_reason=finish, calm=extension)
-            return {**self._envelope(rid, kind, chunk=True), "choices": [choice]}
+            return {**self._envelope(rid, shape, chunk=True), "choices": [choice]}
 
         try:
             for index, job in enumerate(jobs):
-                if kind == "chat":
+                if shape.opens_with_role:
                     first = chunk(index, None, None, None, None)
                     first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
                     yield _event(first)
@@ -370,34 +380,26 @@ class ResponseWriter:
                             upto = min(upto, at)
                     text = full[sent:upto] if upto > sent else ""
                     sent = max(sent, upto)
-                    if kind == "completion":
-                        logprobs = (None if req.logprobs is None
-                                    else completion_logprobs([token], req.logprobs, offset))
-                    else:
-                        logprobs = (chat_logprobs([token], req.top_logprobs or 0,
-                                                  token_bytes=self.lm.tokenizer.token_bytes)
-                                    if req.logprobs else None)
+                    logprobs = (shape.logprobs([token], req, offset=offset,
+                                               token_bytes=token_bytes)
+                                if shape.asks_logprobs(req) else None)
                     extension = {"token_confidence": token.confidence}
                     if req.wants_raw:
-                        extension["raw_logprobs"] = (
-                            completion_logprobs([token], req.logprobs, offset, raw=True)
-                            if kind == "completion"
-                            else chat_logprobs([token], req.top_logprobs or 0, raw=True,
-                                               token_bytes=self.lm.tokenizer.token_bytes))
+                        extension["raw_logprobs"] = shape.logprobs(
+                            [token], req, offset=offset, raw=True, token_bytes=token_bytes)
                     offset += len(token.text)
                     yield _event(chunk(index, text, logprobs, None, extension))
                 result = await job.future
                 self._observe(result)
                 g = result.generation
-                yield _event(chunk(index, g.text[sent:] if kind == "completion" or
-                                   len(g.text) > sent else None, None,
+                yield _event(chunk(index, shape.final_text(g.text, sent), None,
                                    FINISH_REASONS[g.finish_reason],
                                    {**choice_extension(g, result.p_true, req.wants_p_true),
                                     "calibrated": self.server.calibrated}))
                 usage[0] += len(job.ids)
                 usage[1] += len(g.tokens)
             if req.stream_options and req.stream_options.include_usage:
-                yield _event({**self._envelope(rid, kind, chunk=True), "choices": [],
+                yield _event({**self._envelope(rid, shape, chunk=True), "choices": [],
                               "usage": {"prompt_tokens": usage[0], "completion_tokens": usage[1],
                                         "total_tokens": sum(usage)}})
             ended = True

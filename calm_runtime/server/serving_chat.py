@@ -7,11 +7,48 @@ from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
 from calm_runtime.server.batcher import Job
-from calm_runtime.server.protocol import ChatRequest
-from calm_runtime.server.responses import EventStream
+from calm_runtime.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionResponse,
+    ChatRequest,
+    chat_logprobs,
+)
+from calm_runtime.server.responses import EventStream, ResponseShape
 from calm_runtime.server.served import Served
 
-__all__ = ["serve_chat"]
+__all__ = ["CHAT", "serve_chat"]
+
+
+class ChatShape(ResponseShape):
+    """OpenAI's chat completions objects: ``chat.completion`` (``.chunk`` when streamed),
+    choices with an assistant ``message`` (a ``delta`` when streamed)."""
+
+    id_prefix = "chatcmpl"
+    response_model = ChatCompletionResponse
+    opens_with_role = True
+
+    def object_name(self, chunk: bool) -> str:
+        return "chat.completion.chunk" if chunk else "chat.completion"
+
+    def choice(self, index, text, finish, logprobs, calm):
+        return ChatChoice(index=index, message=AssistantMessage(content=text),
+                          finish_reason=finish, logprobs=logprobs, calm=calm)
+
+    def asks_logprobs(self, req) -> bool:
+        return bool(req.logprobs)
+
+    def logprobs(self, tokens, req, *, offset=0, raw=False, token_bytes=None):
+        return chat_logprobs(tokens, req.top_logprobs or 0, raw=raw, token_bytes=token_bytes)
+
+    def chunk_choice(self, index, text):
+        return {"index": index, "delta": {} if text is None else {"content": text}}
+
+    def final_text(self, text, sent):
+        return text[sent:] if len(text) > sent else None
+
+
+CHAT = ChatShape()
 
 
 async def serve_chat(served: Served, request: Request):
@@ -24,10 +61,10 @@ async def serve_chat(served: Served, request: Request):
     ids = await run_in_threadpool(intake.encode_chat, messages)
     if constrained is not None:
         return await writer.constrained([ids], [users[-1] if users else ""], constrained, req,
-                                        "chat", request)
+                                        CHAT, request)
     job = Job(ids, limit, intake.options(req, top=top),
               users[-1] if req.wants_p_true else None, stream=bool(req.stream))
     intake.submit([job])
     if req.stream:
-        return EventStream(served.server, [job], writer.stream([job], req, "chat"))
-    return await writer.complete([job], req, "chat", request)
+        return EventStream(served.server, [job], writer.stream([job], req, CHAT))
+    return await writer.complete([job], req, CHAT, request)

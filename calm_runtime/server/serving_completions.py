@@ -7,11 +7,42 @@ from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
 from calm_runtime.server.batcher import Job
-from calm_runtime.server.protocol import CompletionRequest
-from calm_runtime.server.responses import EventStream
+from calm_runtime.server.protocol import (
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    completion_logprobs,
+)
+from calm_runtime.server.responses import EventStream, ResponseShape
 from calm_runtime.server.served import Served
 
-__all__ = ["serve_completions"]
+__all__ = ["COMPLETION", "serve_completions"]
+
+
+class CompletionShape(ResponseShape):
+    """OpenAI's (legacy) completions objects: ``text_completion``, choices with ``text``."""
+
+    id_prefix = "cmpl"
+    response_model = CompletionResponse
+
+    def object_name(self, chunk: bool) -> str:
+        return "text_completion"
+
+    def choice(self, index, text, finish, logprobs, calm):
+        return CompletionChoice(index=index, text=text, finish_reason=finish,
+                                logprobs=logprobs, calm=calm)
+
+    def asks_logprobs(self, req) -> bool:
+        return req.logprobs is not None
+
+    def logprobs(self, tokens, req, *, offset=0, raw=False, token_bytes=None):
+        return completion_logprobs(tokens, req.logprobs, offset, raw=raw)
+
+    def chunk_choice(self, index, text):
+        return {"index": index, "text": text or ""}
+
+
+COMPLETION = CompletionShape()
 
 
 async def serve_completions(served: Served, request: Request):
@@ -23,10 +54,10 @@ async def serve_completions(served: Served, request: Request):
     if req.echo:  # prompt scoring: one forward pass per prompt, no decoding
         encoded = await run_in_threadpool(intake.encode, prompts)
         intake.check_echo(req, encoded)
-        return await writer.echo(prompts, req, request)
+        return await writer.echo(prompts, req, COMPLETION, request)
     if constrained is not None:
         encoded = await run_in_threadpool(intake.encode, prompts)
-        return await writer.constrained(encoded, prompts, constrained, req, "completion",
+        return await writer.constrained(encoded, prompts, constrained, req, COMPLETION,
                                         request)
     limit = intake.max_tokens(req.max_tokens, served.server.config.default_max_tokens)
     options = intake.options(req, top=req.logprobs or 0)
@@ -35,5 +66,5 @@ async def serve_completions(served: Served, request: Request):
             for ids, p in zip(encoded, prompts, strict=True)]
     intake.submit(jobs)
     if req.stream:
-        return EventStream(served.server, jobs, writer.stream(jobs, req, "completion"))
-    return await writer.complete(jobs, req, "completion", request)
+        return EventStream(served.server, jobs, writer.stream(jobs, req, COMPLETION))
+    return await writer.complete(jobs, req, COMPLETION, request)
