@@ -78,10 +78,15 @@ MODE_NAMES = tuple(MODES)
 CHOICE_MODES = tuple(name for name, m in MODES.items() if m.choice)
 
 
-def mode(name: str, *, choice: bool = False) -> Mode:
-    """The :class:`Mode` called ``name``; a :class:`ConfigError` when there is none (or,
+def mode(name: str | Mode, *, choice: bool = False) -> Mode:
+    """The :class:`Mode` called ``name`` (a :class:`Mode` is returned as it is: what is
+    resolved once travels as the object); a :class:`ConfigError` when there is none (or,
     with ``choice``, when it is not a multiple-choice mode)."""
     allowed = CHOICE_MODES if choice else MODE_NAMES
+    if isinstance(name, Mode):
+        if name.name not in allowed:
+            raise ConfigError(f"mode {name.name!r} is not one of {', '.join(allowed)}")
+        return name
     if not isinstance(name, str) or name not in allowed:
         raise ConfigError(f"unknown mode {name!r}; choose one of {', '.join(allowed)}")
     return MODES[name]

@@ -59,3 +59,13 @@ def test_option_probabilities_is_the_softmax():
     padded = np.array([[1.0, 2.0, -np.inf]])  # an absent option gets probability 0
     probs = modes.option_probabilities(padded)
     assert probs[0, 2] == 0.0 and probs.sum() == pytest.approx(1.0)
+
+
+def test_a_resolved_mode_travels_as_the_object():
+    from calm_runtime import modes
+    from calm_runtime.errors import ConfigError
+
+    cloze = modes.mode("cloze")
+    assert modes.mode(cloze) is cloze and modes.mode(cloze, choice=True) is cloze
+    with pytest.raises(ConfigError, match="is not one of cloze, letter"):
+        modes.mode(modes.mode("p_true"), choice=True)

@@ -177,7 +177,7 @@ class FitPlan:
         if self.variant(role) == "mean" and not self.mode.token_level:
             source = self.model if role == "model" else self.require_reference()
             tokenizer = source.tokenizer()
-        scores = log.option_scores(self.config.mode, tokenizer)
+        scores = log.option_scores(self.mode.name, tokenizer)
         n = len(self.records)
         for name in ("values", "n_tokens", "n_chars", "labels"):
             setattr(scores, name, getattr(scores, name)[:n])
@@ -198,7 +198,7 @@ class FitPlan:
             return self.log_option_scores(role)
         source = self.model if role == "model" else self.require_reference()
         config = self.config
-        return cached_option_scores(source, self.records, mode=config.mode,
+        return cached_option_scores(source, self.records, mode=self.mode,
                                     adapter_dir=adapter_dir, chat=config.chat,
                                     batch_size=config.batch_size, progress=progress,
                                     max_length=config.max_length)

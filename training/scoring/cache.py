@@ -45,7 +45,7 @@ def adapter_fingerprint(adapter_dir: str | os.PathLike | None) -> str | None:
 
 
 def cached_option_scores(model: ModelSource | str, records: Sequence[MultipleChoiceRecord], *,
-                         mode: str, adapter_dir: str | os.PathLike | None = None,
+                         mode: modes.Mode | str, adapter_dir: str | os.PathLike | None = None,
                          chat: bool | None = None, batch_size: int = 8,
                          progress: bool = True, loaded=None,
                          max_length: int | None = None) -> OptionScores:
@@ -63,7 +63,8 @@ def cached_option_scores(model: ModelSource | str, records: Sequence[MultipleCho
     source.check_adapter(adapter_dir)
     # letter prompts through the chat template or not: the source's one rule, which the
     # plan records as the prompt format and a vector fit reads its option tokens by
-    use_chat = modes.mode(mode).chat_prompts and source.chat(chat)
+    mode = modes.mode(mode, choice=True)  # resolved once; the object travels from here
+    use_chat = mode.chat_prompts and source.chat(chat)
     if source.served:  # a served model: its own per-request cache
         from calm_training.scoring.served import remote_option_scores
 
@@ -77,14 +78,14 @@ def cached_option_scores(model: ModelSource | str, records: Sequence[MultipleCho
         return scores
     key_material = {"scorer": SCORER_VERSION, "model": source.fingerprint(),
                     "adapter": adapter_fingerprint(adapter_dir), "data": dataset_hash(records),
-                    "mode": mode, "chat": chat}
+                    "mode": mode.name, "chat": chat}
     key = sha256_bytes(json.dumps(key_material, sort_keys=True).encode())
-    path = cache_dir("scores") / f"{mode}-{key[:40]}.safetensors"
+    path = cache_dir("scores") / f"{mode.name}-{key[:40]}.safetensors"
     if path.is_file():
         try:
-            scores = OptionScores.from_arrays(mode, load_file(str(path)))
+            scores = OptionScores.from_arrays(mode.name, load_file(str(path)))
             logger.info("scores for %s on %d records (%s) from cache %s", source.spec,
-                        len(records), mode, path.name)
+                        len(records), mode.name, path.name)
             return scores
         except Exception as exc:  # noqa: BLE001 - a broken cache entry is recomputed
             logger.warning("ignoring unreadable score cache %s (%s)", path, exc)
@@ -96,7 +97,7 @@ def cached_option_scores(model: ModelSource | str, records: Sequence[MultipleCho
     else:
         lm, tokenizer = loaded
     calibration = adapter if adapter is not None and adapter.has_token_calibration() else None
-    scores = score_multiple_choice(lm, tokenizer, records, mode=mode, batch_size=batch_size,
+    scores = score_multiple_choice(lm, tokenizer, records, mode=mode.name, batch_size=batch_size,
                                    chat=use_chat, calibration=calibration, progress=progress,
                                    max_length=max_length)
     handle, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")

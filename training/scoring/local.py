@@ -81,10 +81,11 @@ class OptionScores:
     option_ids: np.ndarray | None = None
 
     @classmethod
-    def empty(cls, records: Sequence[MultipleChoiceRecord], mode: str) -> OptionScores:
+    def empty(cls, records: Sequence[MultipleChoiceRecord],
+              mode: modes.Mode | str) -> OptionScores:
         """The scores of ``records`` before any is read (NaN values, one token and character
         per option, the labels): every scorer (torch, engine, served) fills these in place."""
-        modes.mode(mode, choice=True)
+        mode = modes.mode(mode, choice=True).name  # the scores record the mode's name
         if not records:
             raise DataError("no records to score; check the data file or split")
         shape = (len(records), max(len(r.choices) for r in records))

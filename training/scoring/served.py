@@ -304,16 +304,17 @@ def _next_token_logprobs(endpoint: Endpoint, prompts: Sequence[str],
 
 
 def remote_option_scores(endpoint: Endpoint, records: Sequence[MultipleChoiceRecord], *,
-                         mode: str, progress: bool = True,
+                         mode: modes.Mode | str, progress: bool = True,
                          chat: bool = False) -> tuple[OptionScores, RemoteStats]:
     """Option scores like :func:`calm_training.scoring.local.score_multiple_choice`: cloze prompts
     as text to ``/v1/completions``; letter prompts there too, or with ``chat`` as the user's
     message to ``/v1/chat/completions`` (letters without a leading space, as the local path
     reads them after a chat prompt)."""
+    mode = modes.mode(mode, choice=True)
     out = OptionScores.empty(records, mode)
     values, n_tokens, n_chars, n = out.values, out.n_tokens, out.n_chars, len(records)
     stats = RemoteStats(total=n)
-    if modes.mode(mode).token_level:
+    if mode.token_level:
         letters = [letter_tokens(len(r.choices), chat=chat) for r in records]
         scored = _next_token_logprobs(endpoint, [letter_prompt(r.question, r.choices)
                                                  for r in records], letters, stats,

@@ -60,7 +60,7 @@ def score_served(args, records) -> tuple[dict, str]:
                 f"{args.adapter} was fitted for {recorded_at['served_model']!r} at "
                 f"{recorded_at['endpoint']}, not {endpoint.model!r} at {endpoint.base_url}; "
                 "score the model it was fitted for, or fit one for this one")
-    scores = cached_option_scores(endpoint, records, mode=args.mode, chat=args.chat,
+    scores = cached_option_scores(endpoint, records, mode=plan.mode, chat=args.chat,
                                   progress=not args.quiet)
     answer_t = 1.0
     if adapter is not None:  # a served model's adapter holds temperatures only
