@@ -46,7 +46,10 @@ def main(argv=None) -> int:
         return 0
     from calm_runtime.paths import cache_dir
 
-    job = ["calm", "quickstart"] + (["--limit", str(args.limit)] if args.limit else [])
+    # the calm of this interpreter's environment (an activated one puts it on PATH too)
+    here = Path(sys.executable).with_name("calm")
+    calm = str(here) if here.is_file() else "calm"
+    job = [calm, "quickstart"] + (["--limit", str(args.limit)] if args.limit else [])
     source = Path(cache_dir())
     with tempfile.TemporaryDirectory(prefix="calm-quickstart-") as tmp:
         cache = Path(tmp) / "cache"
@@ -70,7 +73,7 @@ def main(argv=None) -> int:
         return 1
     result = {"command": command_line("quickstart.py", argv), "commit": git_commit(),
               "created": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "job": " ".join(job), "wall_s": round(wall, 1),
+              "job": " ".join(["calm", *job[1:]]), "wall_s": round(wall, 1),
               "cpu_s": round((after.ru_utime - before.ru_utime)
                              + (after.ru_stime - before.ru_stime), 1),
               "machine": _machine(), "load_before": [round(x, 2) for x in load_before],
