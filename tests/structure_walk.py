@@ -50,11 +50,11 @@ class _Module:
         self.functions: dict[str, ast.FunctionDef] = {}
         self.classes: dict[str, dict[str, ast.FunctionDef]] = {}
         for node in self.tree.body:
-            if isinstance(node, ast.FunctionDef):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 self.functions[node.name] = node
             elif isinstance(node, ast.ClassDef):
                 self.classes[node.name] = {n.name: n for n in node.body
-                                           if isinstance(n, ast.FunctionDef)}
+                                           if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}
         self.imported: dict[str, tuple[str, str]] = {}  # local name -> (module, name)
         package = name.rsplit(".", 1)[0]
         for node in ast.walk(self.tree):

@@ -211,6 +211,19 @@ def test_a_fit_resolves_its_config_once():
     assert len(found.files) <= MAX_FIT_WALK[1], found.files
 
 
+@pytest.mark.parametrize("start", ["calm_export.pipeline:export_engine:config",
+                                   "calm_runtime.server.routes:completions:request"])
+def test_an_export_and_a_completion_request_stay_within_the_room_bound(start):
+    """The export's settings and a completion request walked as the fit's config is: at most
+    MAX_FIT_WALK's rooms (files) each (async handlers included)."""
+    from structure_walk import walk
+
+    module, function, parameter = start.split(":")
+    found = walk(_modules(), module, function, parameter)
+    assert len(found.stops) >= 1 + (module == "calm_runtime.server.routes")  # it is walked
+    assert len(found.files) <= MAX_FIT_WALK[1], found.files
+
+
 def _package(tmp_path, files: dict[str, str]) -> dict[str, Path]:
     """A package ``pkg`` of the modules ``files`` (name -> source) under ``tmp_path``, as the
     walk takes it (module name -> path)."""
