@@ -355,13 +355,15 @@ def gate_reading(payload: dict) -> list[str]:
             f"reaches letter accuracy {letter['accuracy']:.3f} on {letter['n']} validation "
             f"questions (one-sided p = {letter['p_value']:.3f} against chance), so the regime "
             f"is {gate['mode']}. ")
+    text += _letter_reading(payload.get("letter_gates") or {})
     if gate.get("alpha_moves"):
-        text += ("There the base model with the learned α changes the option entropy by more "
-                 f"than the gate's {gate['entropy_gate']:g} nats: α moves.")
+        text += (f"In {gate['mode']} mode the base model with the learned α changes the "
+                 f"option entropy by more than the gate's {gate['entropy_gate']:g} nats: α "
+                 "moves.")
     else:
-        text += (f"There the base model with the learned α changes the option entropy by at "
-                 f"most {largest:.4f} nats at every stable α learning rate (the gate asks for "
-                 f"{gate['entropy_gate']:g}). That gate measured only the entropy, which a "
+        text += (f"In {gate['mode']} mode the base model with the learned α changes the "
+                 f"option entropy by at most {largest:.4f} nats at every stable α learning "
+                 f"rate (the gate asks for {gate['entropy_gate']:g}). That gate measured only the entropy, which a "
                  "reordering of the options does not change: α as trained in the first round "
                  "did move (its τ range and the with/without-α rows are in the result file), "
                  "and what it did there is read by the claims on α's own share, in NLL as well "
@@ -371,6 +373,33 @@ def gate_reading(payload: dict) -> list[str]:
                  "more than its paired interval, and ends with a DACA temperature against the "
                  "model before the LoRA.")
     return [text, ""]
+
+
+def _letters(counts: list[int]) -> str:
+    return ", ".join(f"{chr(65 + i)} {c}" for i, c in enumerate(counts))
+
+
+def _letter_reading(gates: dict) -> str:
+    """Which letters the gate's LoRA answered, and what the tuned attempt reached."""
+    text = ""
+    first = gates.get("gate")
+    if first and first.get("predicted_letters"):
+        text += (f"That LoRA ({first['settings']['steps']} steps) answers "
+                 f"{_letters(first['predicted_letters'])} (the right letters: "
+                 f"{_letters(first['label_letters'])}): ")
+        collapsed = max(first["predicted_letters"]) == first["n"]
+        text += ("one letter for every question, a collapse onto a letter prior, so its "
+                 "accuracy is that letter's share and says nothing of whether the model can "
+                 "read the questions in letter mode. " if collapsed else
+                 "more than one letter. ")
+    for g in gates.values():
+        if not g.get("tuned"):
+            continue
+        text += (f"One tuned attempt on {g['model']} ({g['settings']['steps']} steps at "
+                 f"rate {g['settings']['outer_lr']:g}, fixed before it ran) reaches "
+                 f"{g['accuracy']:.3f} (p = {g['p_value']:.3f}), answering "
+                 f"{_letters(g['predicted_letters'])}. ")
+    return text
 
 
 def calm_section(block: str, payload: dict | None = None) -> list[str]:
