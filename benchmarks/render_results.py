@@ -363,7 +363,8 @@ def gate_reading(payload: dict) -> list[str]:
     else:
         text += (f"In {gate['mode']} mode the base model with the learned α changes the "
                  f"option entropy by at most {largest:.4f} nats at every stable α learning "
-                 f"rate (the gate asks for {gate['entropy_gate']:g}). That gate measured only the entropy, which a "
+                 f"rate (the gate asks for {gate['entropy_gate']:g}). That gate measured only "
+                 "the entropy, which a "
                  "reordering of the options does not change: α as trained in the first round "
                  "did move (its τ range and the with/without-α rows are in the result file), "
                  "and what it did there is read by the claims on α's own share, in NLL as well "
