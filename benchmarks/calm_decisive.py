@@ -1012,6 +1012,10 @@ def _letter_gate_lines(payload: dict) -> list[str]:
         model = g.get("model", name)
         verdict = ("above chance: letter-mode CALM arms on it are the next runs"
                    if g["p_value"] < 0.05 else "not above chance: no letter regime for it")
+        if g.get("tuned") and g["p_value"] < 0.05:  # a second attempt on the same model
+            verdict = ("above chance by the gate's test, though not once corrected for the "
+                       "two attempts on this model (p < 0.025): the letter regime is not "
+                       "ruled out; no letter-mode arm was run")
         how = (f"the tuned attempt ({g['settings']['steps']} steps at rate "
                f"{g['settings']['outer_lr']:g})" if g.get("tuned") else
                f"a {g['settings']['steps']}-step LoRA at rate {g['settings']['outer_lr']:g}")

@@ -393,13 +393,23 @@ def _letter_reading(gates: dict) -> str:
                  "accuracy is that letter's share and says nothing of whether the model can "
                  "read the questions in letter mode. " if collapsed else
                  "more than one letter. ")
+    attempts = sum(1 for g in gates.values() if g.get("model") == (first or {}).get("model"))
     for g in gates.values():
         if not g.get("tuned"):
             continue
         text += (f"One tuned attempt on {g['model']} ({g['settings']['steps']} steps at "
                  f"rate {g['settings']['outer_lr']:g}, fixed before it ran) reaches "
                  f"{g['accuracy']:.3f} (p = {g['p_value']:.3f}), answering "
-                 f"{_letters(g['predicted_letters'])}. ")
+                 f"{_letters(g['predicted_letters'])}: ")
+        corrected = 0.05 / max(attempts, 1)
+        if g["p_value"] < corrected:
+            text += "above chance, even corrected for the attempts made. "
+        elif g["p_value"] < 0.05:
+            text += (f"above chance by the gate's test (p < 0.05) but not once corrected for "
+                     f"the {attempts} attempts made on this model (p < {corrected:.3g}); the "
+                     "letter regime is not ruled out, and no letter-mode arm was run. ")
+        else:
+            text += "not above chance. "
     return text
 
 
