@@ -44,21 +44,6 @@ from _common import command_line, git_commit, portable
 HERE = Path(__file__).resolve().parent
 logger = logging.getLogger("lm_eval_logs")
 
-#: calm's cloze prompt as an lm-eval task over calm's JSONL (question, choices, answer)
-TASK = """task: {name}
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{answer}}}}"
-metric_list:
-  - metric: acc
-  - metric: acc_norm
-"""
 #: the files of a model folder that are not its weights (a tokenizer-only copy keeps these)
 WEIGHTS = re.compile(r"\.(safetensors|bin|pt|pth|gguf|onnx)$|\.index\.json$")
 #: the harness's log-likelihood progress bar, "... 2281/2281 [02:43<00:00, ...]"
@@ -71,9 +56,11 @@ TOLERANCE = 1e-3
 def run_harness(lm_eval: str, folder: Path, data: Path, root: Path, batch_size: int) -> dict:
     """``lm_eval --log_samples`` on ``data`` with the model in ``folder``: the samples file,
     the process's wall time and its log-likelihood phase (from its progress bar)."""
+    from calm_training.scoring.lm_eval_logs import cloze_task
+
     tasks = root / "tasks"
     tasks.mkdir(parents=True, exist_ok=True)
-    (tasks / "calm_mc.yaml").write_text(TASK.format(name="calm_mc", data=data))
+    (tasks / "calm_mc.yaml").write_text(cloze_task("calm_mc", data))
     command = [lm_eval, "--model", "hf", "--model_args",
                f"pretrained={folder},dtype=float32", "--tasks", "calm_mc", "--include_path",
                str(tasks), "--device", "cpu", "--batch_size", str(batch_size), "--log_samples",

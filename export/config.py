@@ -153,7 +153,8 @@ class ExportConfig:
 
     def __post_init__(self) -> None:
         problems = []
-        if self.format not in FORMATS:
+        output = FORMATS.get(self.format)  # None: an unknown name, refused here
+        if output is None:
             problems.append(f"format must be one of {list(FORMATS)}, got {self.format!r}")
         if self.dtype not in DTYPES:
             problems.append(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
@@ -161,20 +162,20 @@ class ExportConfig:
             if self.quantize not in QUANTIZE:
                 problems.append(f"quantize must be one of {list(QUANTIZE)} or None, got "
                                 f"{self.quantize!r}")
-            elif self.dtype != "fp32" and self.format in FORMATS and self.output.onnx_engine:
+            elif self.dtype != "fp32" and output is not None and output.onnx_engine:
                 problems.append(f"quantize {self.quantize} starts from the fp32 graph; use "
                                 f"--dtype fp32 with --quantize {self.quantize}")
         if not isinstance(self.drop_shift, bool):
             problems.append(f"drop_shift must be true or false, got {self.drop_shift!r}")
-        elif self.format in FORMATS:
-            problems += self.output.problems(self)
+        elif output is not None:
+            problems += output.problems(self)
         problems += self._variant_problems()
         if isinstance(self.opset, bool) or not isinstance(self.opset, int) \
                 or not 14 <= self.opset <= 23:
             problems.append(f"opset must be an integer in [14, 23], got {self.opset!r}")
         if self.graph not in GRAPHS:
             problems.append(f"graph must be one of {list(GRAPHS)}, got {self.graph!r}")
-        elif self.graph == "builder" and self.format in FORMATS and self.output.engine_folder:
+        elif self.graph == "builder" and output is not None and output.engine_folder:
             from .graphs.builder import settings_problem
 
             problem = settings_problem(self)

@@ -24,7 +24,7 @@ from conftest import write_mc_jsonl  # noqa: E402
 
 from calm_runtime.data.sets import load_dataset  # noqa: E402
 from calm_training.fit import FitConfig, compare_methods  # noqa: E402
-from calm_training.scoring.lm_eval_logs import read_samples  # noqa: E402
+from calm_training.scoring.lm_eval_logs import cloze_task, read_samples  # noqa: E402
 
 LM_EVAL = os.environ.get("CALM_LM_EVAL") or shutil.which("lm_eval")
 pytestmark = [pytest.mark.usefixtures("private_calm_cache"),
@@ -33,28 +33,13 @@ pytestmark = [pytest.mark.usefixtures("private_calm_cache"),
 #: calm's cloze scores and the harness's log-likelihoods agree to float32 rounding
 TOLERANCE = 1e-4
 
-TASK = """task: {name}
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{answer}}}}"
-metric_list:
-  - metric: acc
-  - metric: acc_norm
-"""
-
 
 def harness_log(model_dir, data, root, name="calm_mc", limit=None):
     """Run ``lm_eval --log_samples`` offline on ``data`` (calm's JSONL) with ``model_dir``;
     return the samples file it wrote."""
     tasks = root / "tasks"
     tasks.mkdir(parents=True, exist_ok=True)
-    (tasks / f"{name}.yaml").write_text(TASK.format(name=name, data=data))
+    (tasks / f"{name}.yaml").write_text(cloze_task(name, data))
     out = root / "out"
     command = [LM_EVAL, "--model", "hf", "--model_args",
                f"pretrained={model_dir},dtype=float32", "--tasks", name, "--include_path",

@@ -34,8 +34,8 @@ from calm_runtime.data.sets import MultipleChoiceRecord
 from calm_runtime.errors import DataError
 from calm_runtime.files import show_name
 
-__all__ = ["LOG_PREFIX", "MAX_LOG_BYTES", "LmEvalLog", "is_log_spec", "log_path", "paired",
-           "read_samples"]
+__all__ = ["LOG_PREFIX", "MAX_LOG_BYTES", "LmEvalLog", "cloze_task", "is_log_spec", "log_path",
+           "paired", "read_samples"]
 
 #: how a score source names an lm-eval sample log: ``lm-eval:PATH``
 LOG_PREFIX = "lm-eval:"
@@ -43,6 +43,30 @@ LOG_PREFIX = "lm-eval:"
 MAX_LOG_BYTES = 1 << 30
 #: the longest line read (one document, its arguments and responses)
 MAX_LINE_BYTES = 16 << 20
+
+
+#: an lm-eval ``multiple_choice`` task over calm's JSONL (question, choices, answer) whose
+#: prompt is calm's cloze prompt, so that its log-likelihoods are calm's ``sum`` scores
+CLOZE_TASK = """task: {name}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+  - metric: acc_norm
+"""
+
+
+def cloze_task(name: str, data: str | os.PathLike) -> str:
+    """The YAML of an lm-eval task ``name`` that scores calm's JSONL file ``data`` with calm's
+    cloze prompt (pass its folder to ``lm_eval --include_path``)."""
+    return CLOZE_TASK.format(name=name, data=data)
 
 
 def is_log_spec(spec) -> bool:
