@@ -5,7 +5,9 @@ parameter and follows the value: into every project function a call hands it to 
 argument, positionally or by keyword), into the methods called on it, and on through the
 names that hold it (``x = value``; ``plan = FitPlan.resolve(config)``: an object a project class
 builds from it carries it; ``config = plan.config`` reads it back; what a function computes
-from it does not). Each function reached is a stop
+from it does not). A project class called with it is entered at its ``__init__``, and a value
+stored on the object (``self.config = config``) is carried into every method of that class
+that reads it (``self.config.steps``). Each function reached is a stop
 (once); the walk's files are the files of its stops, in visiting order, and a return is a
 step back to a file the walk had already left. Calls are resolved through each module's
 imports and its own top-level names; a method call on a carried value is resolved by the
@@ -99,9 +101,13 @@ def walk(modules: dict[str, Path], module: str, function: str, parameter: str, *
     def callee(module: _Module, call: ast.Call, carried: dict[str, str | None]):
         func = call.func
         if isinstance(func, ast.Name):
+            cls = _class_of(module, func.id, get)  # a constructor: its __init__
+            if cls is not None:
+                init = cls[2].get("__init__")
+                return None if init is None else (cls[0], f"{cls[1]}.__init__", init)
             return lookup(module, func.id)
-        if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
-            owner = func.value.id
+        owner = _name_of(func.value) if isinstance(func, ast.Attribute) else None
+        if owner is not None:
             if objects and owner in carried and carried[owner]:  # a method on a carried object
                 mod, cls = carried[owner].split(":")
                 methods = get(mod).classes.get(cls, {})
@@ -116,6 +122,8 @@ def walk(modules: dict[str, Path], module: str, function: str, parameter: str, *
 
     result = Walk()
     visited: set[tuple[str, str]] = set()
+    #: (module, class) -> the attributes of its objects that carry the value (``self.name``)
+    stored: dict[tuple[str, str], dict[str, str | None]] = {}
 
     def visit(mod_name: str, qualname: str, node: ast.FunctionDef, names: dict) -> None:
         key = (mod_name, qualname)
@@ -124,7 +132,8 @@ def walk(modules: dict[str, Path], module: str, function: str, parameter: str, *
         visited.add(key)
         result.stops.append(key)
         module = get(mod_name)
-        carried = dict(names)
+        owner = qualname.split(".")[0] if "." in qualname else None
+        carried = {**stored.get((mod_name, owner), {}), **names}
         typed_names = _typed_names(module, qualname, node, lookup, get) if typed else {}
         for stmt in ast.walk(node):
             if isinstance(stmt, ast.Assign | ast.AnnAssign):
@@ -133,21 +142,22 @@ def walk(modules: dict[str, Path], module: str, function: str, parameter: str, *
                 kind = _carries(value, carried, module, get, parameter, values)
                 if kind is not False:
                     for target in targets:
-                        if isinstance(target, ast.Name):
-                            carried[target.id] = kind
+                        key = _name_of(target)
+                        if key is not None:
+                            carried[key] = kind
+                        if key and key.startswith("self.") and owner in module.classes:
+                            stored.setdefault((mod_name, owner), {})[key] = kind
         for call in [n for n in ast.walk(node) if isinstance(n, ast.Call)]:
             args = [(i, a) for i, a in enumerate(call.args)] + [
                 (k.arg, k.value) for k in call.keywords]
-            handed = [(slot, a.id) for slot, a in args
-                      if isinstance(a, ast.Name) and a.id in carried]
+            handed = [(slot, _name_of(a)) for slot, a in args if _name_of(a) in carried]
             if values:  # an argument computed from a carried value hands it on
                 handed = [(slot, name) for slot, a in args
                           for name in [_carried_name(a, carried)] if name is not None]
             on_carried = (isinstance(call.func, ast.Attribute)
-                          and isinstance(call.func.value, ast.Name)
-                          and call.func.value.id in carried)
-            read = any(isinstance(a, ast.Attribute) and isinstance(a.value, ast.Name)
-                       and a.value.id in carried for _, a in args)
+                          and _name_of(call.func.value) in carried)
+            read = any(isinstance(a, ast.Attribute) and _name_of(a.value) in carried
+                       for _, a in args)
             if not handed and not on_carried and not read:
                 continue
             func = call.func
@@ -166,8 +176,15 @@ def walk(modules: dict[str, Path], module: str, function: str, parameter: str, *
                     if isinstance(param, str):
                         inner[param] = carried[name]
                 if on_carried and offset:
-                    inner[params[0]] = carried[call.func.value.id]
+                    inner[params[0]] = carried[_name_of(call.func.value)]
                 visit(target_mod, target_name, target_node, inner)
+        # the object holds the value now: every method of its class that reads it
+        for key in dict(stored.get((mod_name, owner), {})) if owner else ():
+            attr = key.split(".", 1)[1]
+            for name, method in module.classes[owner].items():
+                if any(isinstance(n, ast.Attribute) and n.attr == attr
+                       and _name_of(n) == key for n in ast.walk(method)):
+                    visit(mod_name, f"{owner}.{name}", method, {})
 
     mod = get(module)
     visit(module, function, mod.functions[function], {parameter: None})
@@ -227,21 +244,30 @@ def _class_of(module: _Module, name: str, get):
     return None
 
 
+def _name_of(node) -> str | None:
+    """``x`` for the name ``x``, ``self.x`` for an attribute of ``self``; else None."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+            and node.value.id == "self"):
+        return f"self.{node.attr}"
+    return None
+
+
 def _carried_name(node, carried: dict) -> str | None:
-    """The first carried name in the expression ``node``, or None."""
-    return next((n.id for n in ast.walk(node) if isinstance(n, ast.Name) and n.id in carried),
-                None)
+    """The first carried name (or ``self.x``) in the expression ``node``, or None."""
+    return next((key for n in ast.walk(node) for key in [_name_of(n)] if key in carried), None)
 
 
 def _carries(value, carried: dict, module: _Module, get, parameter: str, values: bool = False):
     """``False`` when ``value`` does not carry a carried value; else its class (``"module:
     Class"``) when it is built by a project class's constructor or class method, or None
     (``values``: anything computed from a carried value carries)."""
-    names = {n.id for n in ast.walk(value) if isinstance(n, ast.Name)}
+    names = {_name_of(n) for n in ast.walk(value)}
     if not names & set(carried):
         return False
-    if isinstance(value, ast.Name):
-        return carried[value.id]
+    if _name_of(value) in carried:
+        return carried[_name_of(value)]
     if isinstance(value, ast.Call):
         func = value.func
         owner = func.value.id if isinstance(func, ast.Attribute) and isinstance(

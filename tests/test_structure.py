@@ -212,10 +212,12 @@ def test_a_fit_resolves_its_config_once():
 
 
 @pytest.mark.parametrize("start", ["calm_export.pipeline:export_engine:config",
-                                   "calm_runtime.server.routes:completions:request"])
-def test_an_export_and_a_completion_request_stay_within_the_room_bound(start):
-    """The export's settings and a completion request walked as the fit's config is: at most
-    MAX_FIT_WALK's rooms (files) each (async handlers included)."""
+                                   "calm_runtime.server.routes:completions:request",
+                                   "calm_training.calm.trainer:train_calm:config"])
+def test_an_export_a_training_and_a_completion_request_stay_within_the_room_bound(start):
+    """The export's settings, a training's settings (into the trainer object that holds them)
+    and a completion request walked as the fit's config is: at most MAX_FIT_WALK's rooms
+    (files) each (async handlers included)."""
     from structure_walk import walk
 
     module, function, parameter = start.split(":")
@@ -263,6 +265,33 @@ def test_the_walk_follows_a_value_through_calls_and_plans(tmp_path):
     assert [name for _, name in found.stops] == [
         "start", "Plan.resolve", "use", "Plan.run", "helper"]
     assert found.files == ["pkg.a", "pkg.b"] and found.returns == 0
+
+
+def test_the_walk_enters_a_constructor_and_the_methods_that_read_what_it_stored(tmp_path):
+    """``Trainer(config)`` is entered at ``__init__``; ``self.config = config`` carries the value
+    into every method of the class that reads ``self.config``, and on from there."""
+    from structure_walk import walk
+
+    modules = _package(tmp_path, {
+        "a": (
+            "from .t import Trainer\n"
+            "def start(config):\n"
+            "    return Trainer(config).run()\n"),
+        "t": (
+            "class Trainer:\n"
+            "    def __init__(self, config):\n"
+            "        self.config = config\n"
+            "        self.other = 1\n"
+            "    def run(self):\n"
+            "        return steps(self.config.steps)\n"
+            "    def idle(self):\n"
+            "        return self.other\n"
+            "def steps(n):\n"
+            "    return n\n"),
+    })
+    found = walk(modules, "pkg.a", "start", "config")
+    assert [name for _, name in found.stops] == [
+        "start", "Trainer.__init__", "Trainer.run", "steps"]
 
 
 def test_the_walk_follows_a_dispatch_into_every_implementation(tmp_path):
