@@ -137,7 +137,7 @@ def temperature_interval(logits, target_scores, clusters, *, temperature: float,
                          points: int = 81, chunk_rows: int = 32) -> dict:
     """Bootstrap interval of a fitted temperature over its clusters (questions).
 
-    The scalar fits of ``calm_training.posthoc.daca`` minimise ``mean_i[-b t_i + logsumexp(b z_i)]``
+    The scalar fits (``calm_runtime.temperature``) minimise ``mean_i[-b t_i + logsumexp(b z_i)]``
     over ``b = 1/T`` (``t_i = target_scores[i]``: the target's logit for temperature
     scaling, ``p_ref . z_i`` for DACA). Its derivative is ``mean_i[E_{softmax(b z_i)} z_i -
     t_i]``, increasing in ``b``. Each row's term is evaluated once on a grid of ``b`` from

@@ -98,11 +98,11 @@ from calm_runtime.data.sets import load_dataset, split_records
 from calm_runtime.errors import FitError
 from calm_runtime.formats.artifact import CalibrationAdapter
 from calm_runtime.measure import metrics
+from calm_runtime.temperature import fit_temperature_scaling
 from calm_training.calm import data as calm_data
 from calm_training.calm.config import THETA_ONLY
 from calm_training.calm.trainer import CalmConfig, train_calm
 from calm_training.fit import option_probabilities
-from calm_training.posthoc import daca
 
 HERE = Path(__file__).resolve().parent
 logger = logging.getLogger("calm_decisive")
@@ -560,7 +560,7 @@ def run_one(args, arm: str, seed: int, gate: dict, default: str | None) -> dict:
     center = run.get("centered", False)
     for variant, (tau, shift) in alphas.items():
         s = evaluator.scores(hidden_val, tau, shift, center=center)[0] / answer_t.get(variant, 1.0)
-        temperatures[variant] = daca.fit_temperature_scaling(s, hidden_val.labels).temperature
+        temperatures[variant] = fit_temperature_scaling(s, hidden_val.labels).temperature
         validation_nll[variant] = metrics.nll(option_probabilities(s), hidden_val.labels)
     run |= {"temperature": temperatures, "validation_nll": validation_nll, "sets": {}}
     for set_name, records in eval_sets(args.eval_limit).items():

@@ -63,10 +63,10 @@ from calm_runtime.cli.main import install_named
 from calm_runtime.data.sets import load_dataset, split_records
 from calm_runtime.formats.artifact import CalibrationAdapter
 from calm_runtime.measure import metrics
+from calm_runtime.temperature import fit_temperature_scaling
 from calm_training.calm import data as calm_data
 from calm_training.calm.trainer import CalmConfig, train_calm
 from calm_training.fit import option_probabilities
-from calm_training.posthoc import daca
 
 HERE = Path(__file__).resolve().parent
 SETS = ("arc-easy", "sciq", "arc-challenge", "mmlu")
@@ -254,7 +254,7 @@ def evaluate(args, direction: str, runs: dict, evaluator, vanilla: bool = True) 
         fits = {}
         for with_alpha, (tau, shift) in alphas.items():
             s, _ = evaluator.scores(hidden_ts, tau, shift)
-            fits[with_alpha] = daca.fit_temperature_scaling(s, hidden_ts.labels).temperature
+            fits[with_alpha] = fit_temperature_scaling(s, hidden_ts.labels).temperature
         for name, records in sets.items():
             hidden = evaluator.hidden(records, progress=not args.quiet)
             for with_alpha, (tau, shift) in alphas.items():

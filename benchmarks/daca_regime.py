@@ -49,9 +49,11 @@ from calm_runtime.data.sets import load_dataset, split_indices
 from calm_runtime.errors import ConfigError, FitError
 from calm_runtime.formats.artifact import CalibrationAdapter
 from calm_runtime.measure import metrics
+from calm_runtime.temperature import TemperatureFit, fit_temperature_scaling
 from calm_training.calm.data import TRAIN_PART, TRAIN_SPLIT_FRACTION, TRAIN_SPLIT_SEED
 from calm_training.fit import DEFAULT_VARIANT, apply_fit, option_probabilities
-from calm_training.posthoc import daca
+from calm_training.methods.daca import fit_daca_temperature
+from calm_training.methods.vector import VectorFit, fit_daca_vector_scaling
 from calm_training.scoring.cache import cached_option_scores
 
 HERE = Path(__file__).resolve().parent
@@ -283,9 +285,9 @@ def _evaluate(args, name: str, adapter: str, data: str, mode: str, split: dict):
                "below_1_over_k": group["fit"]["below_1_over_k"],
                "n_fit": group["n_fit"], "n_test": group["n_test"],
                "nll": m["nll"], "brier": m["brier"], "mean_confidence": m["mean_confidence"]}
-        if isinstance(fit, daca.TemperatureFit) and fit.at_bound:
+        if isinstance(fit, TemperatureFit) and fit.at_bound:
             row["at_bound"] = fit.at_bound
-        if isinstance(fit, daca.VectorFit):
+        if isinstance(fit, VectorFit):
             row["weights"], row["bias"] = list(fit.weights), list(fit.bias)
         rows.append(row)
     logger.info("%s / %s / %s: %s", name, data, mode, ", ".join(
@@ -310,10 +312,10 @@ def _fit(method: str, f, g, labels):
     if method == "vanilla":
         return None
     if method in ("naive", "daca"):
-        return daca.fit_daca_temperature(f, g, mask=method == "daca")
+        return fit_daca_temperature(f, g, mask=method == "daca")
     if method == "daca-vector":
-        return daca.fit_daca_vector_scaling(f, g)
-    return daca.fit_temperature_scaling(g, labels)
+        return fit_daca_vector_scaling(f, g)
+    return fit_temperature_scaling(g, labels)
 
 
 def _temperature(fit) -> float | None:
@@ -321,7 +323,7 @@ def _temperature(fit) -> float | None:
     ``at_bound`` says which)."""
     if fit is None:
         return 1.0
-    if isinstance(fit, daca.VectorFit) or not math.isfinite(fit.temperature):
+    if isinstance(fit, VectorFit) or not math.isfinite(fit.temperature):
         return None
     return float(fit.temperature)
 

@@ -5,7 +5,7 @@ logits ``g`` against target rows ``p`` is convex in ``beta``, and its derivative
 ``E_softmax(beta g)[g] - p.g`` is monotone: :func:`solve_inverse_temperature` finds the
 optimum by one safeguarded Newton/bisection root search (deterministic, tight tolerance, no
 learning rate). Temperature scaling with labels (:func:`fit_temperature_scaling`) is the same
-search with one-hot targets; DACA's fits (``calm_training.posthoc.daca``) hand it the
+search with one-hot targets; DACA's fits (``calm_training.methods.daca``) hand it the
 reference's probabilities on the agreeing items. It lives in the runtime package because an
 exported engine refits its temperature here too (``calm-export --recalibrate``), and export
 does not import training. Applying a fit is ``calm_runtime.calibration.apply_calibration``.

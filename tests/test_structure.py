@@ -205,7 +205,7 @@ def test_a_fit_resolves_its_config_once():
     # the method's fit and write, each implementation of them (a dispatch is walked through)
     assert {"calm_training.methods.fit_method.FitMethod.fit",
             "calm_training.methods.fit_method.FitMethod.write",
-            "calm_training.methods.fit_method.VectorMethod.write_fit",
+            "calm_training.methods.vector.VectorMethod.write_fit",
             "calm_training.methods.threshold.ThresholdMethod.fit"} <= stops
     assert len(found.stops) <= MAX_FIT_WALK[0], found.stops
     assert len(found.files) <= MAX_FIT_WALK[1], found.files

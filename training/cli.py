@@ -40,7 +40,7 @@ EVAL_EPILOG = """examples:
 
 def register(sub) -> None:
     from calm_training.fit import DEFAULT_VARIANT
-    from calm_training.methods import ADAPTER_METHODS
+    from calm_training.methods import ADAPTER_METHODS, add_fit_arguments
 
     fit = sub.add_parser("fit", help="fit a post-hoc calibration adapter", epilog=FIT_EPILOG,
                          description="Score the model (and, for the label-free methods, a "
@@ -54,18 +54,7 @@ def register(sub) -> None:
                           "picks an abstention threshold for --adapter (see --risk)")
     _add_common(fit, DEFAULT_VARIANT)
     fit.add_argument("--adapter", help="fit on top of this adapter (e.g. a CALM adapter)")
-    fit.add_argument("--risk", type=float, default=_FIT["risk"],
-                     help="threshold: the selective risk (share of wrong answers kept) to stay "
-                          f"at or below (default {_FIT['risk']})")
-    fit.add_argument("--risk-confidence", type=float, default=_FIT["risk_confidence"],
-                     help="threshold: the probability of staying below --risk, by a "
-                          "Clopper-Pearson bound on the calibration split (default "
-                          f"{_FIT['risk_confidence']})")
-    fit.add_argument("--no-token-fit", dest="token_fit", action="store_false",
-                     help="cloze mode: fit the answer temperature only, leaving the engine's "
-                          "token confidences the model's own (by default a token-level "
-                          "temperature is fitted first and the answer temperature on top; a "
-                          "fit from --model-scores logs is always answer-only)")
+    add_fit_arguments(fit)  # the flags a method family declares for itself (--risk, ...)
     fit.add_argument("--out", required=True, help="adapter directory to write")
     fit.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     fit.set_defaults(handler=_fit)
@@ -190,10 +179,9 @@ def _config(args):
 
 def _fit(args) -> int:
     from calm_training.fit import fit_adapter
-    from calm_training.methods import fit_method
+    from calm_training.methods import fit_method, fit_settings
 
-    config = dataclasses.replace(_config(args), risk=args.risk,
-                                 risk_confidence=args.risk_confidence, token_fit=args.token_fit)
+    config = dataclasses.replace(_config(args), **fit_settings(args))
     adapter, report = fit_adapter(config, args.method, args.out,
                                   overwrite=args.overwrite, progress=show_progress(args))
     fit = report["fit"]

@@ -67,14 +67,14 @@ def test_clustered_interval_is_as_wide_as_the_questions_allow(common):
 def test_temperature_interval_matches_refitting_each_resample(common):
     """The grid solve of each resample equals calm's own solver refitted on the resampled
     rows (rows repeated as often as their question was drawn)."""
-    daca = pytest.importorskip("calm_training.posthoc.daca")
+    ts = pytest.importorskip("calm_training.methods.ts")
     rng = np.random.default_rng(1)
     rows, vocab = 90, 200
     logits = rng.normal(size=(rows, vocab)) * 3
     targets = rng.integers(0, vocab, size=rows)
     targets[:50] = logits[:50].argmax(1)
     owner = np.repeat(np.arange(30), 3)
-    fit = daca.fit_token_temperature_scaling(logits, targets)
+    fit = ts.fit_token_temperature_scaling(logits, targets)
     scores = logits[np.arange(rows), targets]
     out = common.temperature_interval(logits, scores, owner, temperature=fit.temperature,
                                       n_clusters=30, n_resamples=60, seed=7)
@@ -82,7 +82,7 @@ def test_temperature_interval_matches_refitting_each_resample(common):
     exact = []
     for weights in common.cluster_resamples(owner, 30, n_resamples=60, seed=7):
         idx = np.repeat(np.arange(rows), weights)
-        exact.append(daca.fit_token_temperature_scaling(logits[idx], targets[idx]).temperature)
+        exact.append(ts.fit_token_temperature_scaling(logits[idx], targets[idx]).temperature)
     assert out["ci95"] == pytest.approx(list(np.percentile(exact, [2.5, 97.5])), rel=2e-3)
     assert out["beyond_grid"] == 0 and out["resamples"] == 60
 

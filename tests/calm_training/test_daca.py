@@ -1,4 +1,5 @@
-"""Known-answer tests for DACA and its baselines (training/posthoc/daca.py, docs/methods.md §3).
+"""Known-answer tests for DACA and its baselines (training/methods/daca.py, ts.py, vector.py;
+docs/methods.md §3).
 
 The synthetic data have a known true temperature: PLM logits ``f`` are calibrated by
 construction (labels are drawn from ``softmax(f)``), and the PoLM's logits are ``g = k f``
@@ -16,14 +17,12 @@ import pytest
 
 from calm_runtime.calibration import apply_calibration
 from calm_runtime.errors import ConfigError, FitError
-from calm_training.posthoc.daca import (
+from calm_runtime.temperature import fit_temperature_scaling, solve_inverse_temperature
+from calm_training.methods.daca import fit_daca_p_true, fit_daca_temperature
+from calm_training.methods.vector import (
     VectorFit,
-    fit_daca_p_true,
-    fit_daca_temperature,
     fit_daca_vector_scaling,
-    fit_temperature_scaling,
     fit_vector_scaling,
-    solve_inverse_temperature,
     vector_fit_to_tau_shift,
 )
 
@@ -143,7 +142,7 @@ def test_tiny_agreement_warns_and_still_fits(caplog):
     keep = np.flatnonzero(f.argmax(1) == g.argmax(1))[:10]
     disagree = np.flatnonzero(f.argmax(1) != g.argmax(1))[:500]
     rows = np.concatenate([keep, disagree])
-    with caplog.at_level(logging.WARNING, logger="calm_training.posthoc.daca"):
+    with caplog.at_level(logging.WARNING, logger="calm_training.methods.daca"):
         fit = fit_daca_temperature(f[rows], g[rows])
     assert fit.n_used == 10 and fit.n == 510
     assert "10 of 510" in caplog.text

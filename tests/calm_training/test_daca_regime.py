@@ -16,7 +16,7 @@ import math
 import numpy as np
 import pytest
 
-from calm_training.posthoc.daca import fit_daca_temperature
+from calm_training.methods.daca import fit_daca_temperature
 
 K = 4
 N_AGREE = 200

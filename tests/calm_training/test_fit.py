@@ -75,7 +75,7 @@ def test_scores_are_cached(tiny_llama_tied, mc_file, monkeypatch):
 def test_a_method_that_cannot_fit_is_reported_not_fatal(tiny_llama_tied, mc_file, monkeypatch,
                                                         tmp_path):
     from calm_runtime.errors import FitError
-    from calm_training.methods.fit_method import VectorMethod
+    from calm_training.methods.vector import VectorMethod
 
     config = _config(tiny_llama_tied, mc_file, mode="letter", chat=False)
 

@@ -10,9 +10,10 @@ import pytest
 
 from calm_runtime import modes
 from calm_runtime.errors import ConfigError, DataError
+from calm_runtime.temperature import TemperatureFit
 from calm_training import methods
 from calm_training.methods.platt import PlattFit
-from calm_training.posthoc.daca import TemperatureFit, VectorFit
+from calm_training.methods.vector import VectorFit
 
 TRAIN_NAMES = ("bilevel", "regularization", "iterate-theta", "iterate-alpha", "scalar", "lora",
                "cft")

@@ -11,7 +11,13 @@ import shutil
 import numpy as np
 import pytest
 
-from calm_training.posthoc import daca
+from calm_runtime.temperature import (
+    fit_temperature_scaling,
+    solve_inverse_temperature,
+    solve_inverse_temperature_scores,
+)
+from calm_training.methods.daca import fit_daca_temperature, fit_token_daca_temperature
+from calm_training.methods.ts import fit_token_temperature_scaling
 
 # ------------------------------------------------------------------ the solver (numpy only)
 
@@ -20,7 +26,7 @@ def test_token_daca_recovers_a_known_temperature():
     rng = np.random.default_rng(0)
     reference = rng.normal(0.0, 3.0, (300, 500)).astype(np.float32)
     model = reference * 2.5  # over-confident by exactly T = 2.5; same argmax everywhere
-    fit = daca.fit_token_daca_temperature(model, reference)
+    fit = fit_token_daca_temperature(model, reference)
     assert fit.method == "daca_token"
     assert fit.temperature == pytest.approx(2.5, rel=1e-6)
     assert fit.n_used == 300 and fit.agreement_rate == 1.0
@@ -33,10 +39,10 @@ def test_token_daca_masks_disagreeing_positions():
     model = reference * 0.5
     flipped = reference.copy()
     flipped[:50] = -flipped[:50]  # the reference's argmax moves on 50 positions
-    fit = daca.fit_token_daca_temperature(model, flipped)
+    fit = fit_token_daca_temperature(model, flipped)
     assert fit.n_used == 150 and fit.agreement_rate == pytest.approx(0.75)
     assert fit.temperature == pytest.approx(0.5, rel=1e-6)  # only the agreeing rows count
-    naive = daca.fit_token_daca_temperature(model, flipped, mask=False)
+    naive = fit_token_daca_temperature(model, flipped, mask=False)
     assert naive.method == "naive_token" and naive.n_used == 200
     assert naive.temperature > fit.temperature  # pulled up by the disagreements
 
@@ -47,7 +53,7 @@ def test_token_temperature_scaling_with_labels():
     p = np.exp(true - true.max(1, keepdims=True))
     p /= p.sum(1, keepdims=True)
     targets = np.array([rng.choice(40, p=row) for row in p])
-    fit = daca.fit_token_temperature_scaling((true * 3.0).astype(np.float32), targets)
+    fit = fit_token_temperature_scaling((true * 3.0).astype(np.float32), targets)
     assert fit.method == "ts_token"
     assert fit.temperature == pytest.approx(3.0, rel=0.05)
 
@@ -56,8 +62,8 @@ def test_chunked_solver_equals_the_dense_one():
     rng = np.random.default_rng(3)
     g = rng.normal(0.0, 2.0, (150, 7))
     p = rng.dirichlet(np.ones(7), 150)
-    dense, _ = daca.solve_inverse_temperature(g, p)
-    scores, _ = daca.solve_inverse_temperature_scores(g.astype(np.float32),
+    dense, _ = solve_inverse_temperature(g, p)
+    scores, _ = solve_inverse_temperature_scores(g.astype(np.float32),
                                                       np.einsum("nk,nk->n", p, g))
     assert scores == pytest.approx(dense, rel=1e-6)
 
@@ -142,11 +148,11 @@ def test_cloze_fit_writes_a_token_temperature_and_refits_the_options(
     variant = FitPlan.resolve(config).variant()
     g = scores.scores(variant)[cal]
     if method == "ts":
-        refit = daca.fit_temperature_scaling(g, scores.labels[cal])
+        refit = fit_temperature_scaling(g, scores.labels[cal])
     else:
         plm = score_cache.cached_option_scores(str(tiny_llama_untied), records, mode="cloze",
                                                progress=False)
-        refit = daca.fit_daca_temperature(plm.scores(variant)[cal], g)
+        refit = fit_daca_temperature(plm.scores(variant)[cal], g)
     assert loaded.answer_temperature == pytest.approx(refit.temperature, rel=1e-6)
 
 
@@ -168,7 +174,7 @@ def test_no_token_fit_fits_the_answer_temperature_of_the_model_as_it_is(
                                               progress=False)
     cal, _ = split_indices(len(records), 0.3, 0)
     g = scores.scores(FitPlan.resolve(config).variant())[cal]
-    refit = daca.fit_temperature_scaling(g, scores.labels[cal])
+    refit = fit_temperature_scaling(g, scores.labels[cal])
     assert loaded.answer_temperature == pytest.approx(refit.temperature, rel=1e-6)
     with pytest.raises(Exception, match="token_fit must be true or false"):
         _config(tiny_llama_tied, mc_file, token_fit="no")

@@ -1,11 +1,15 @@
 """The methods of ``calm fit`` / ``calm eval --compare`` and of ``calm train``: one module a
-method family, and this registry of them by name (docs/methods.md §3, §4).
+method family, its home (its mathematics, the object that fits and writes it, its own flags
+and the settings they set), and this registry of them by name (docs/methods.md §3, §4).
 
 :data:`FIT_METHODS` maps a post-hoc method's name to its
-:class:`~calm_training.methods.fit_method.FitMethod` (``vanilla``, ``daca`` with ``naive`` and
-``daca-vector``, ``ts`` with ``ts-vector``, ``threshold``, ``platt``): what it needs, where it
-is fitted, :meth:`~calm_training.methods.fit_method.FitMethod.fit` over a plan and
-:meth:`~calm_training.methods.fit_method.FitMethod.write` onto an adapter.
+:class:`~calm_training.methods.fit_method.FitMethod` (``vanilla``, ``daca`` with ``naive``,
+``ts``, ``vector`` with ``ts-vector`` and ``daca-vector``, ``threshold``, ``platt``): what it
+needs, where it is fitted, :meth:`~calm_training.methods.fit_method.FitMethod.fit` over a
+plan and :meth:`~calm_training.methods.fit_method.FitMethod.write` onto an adapter.
+:func:`add_fit_arguments` adds the flags of ``calm fit`` a family declares for itself
+(``add_arguments``), and :func:`fit_settings` reads back the
+:class:`~calm_training.posthoc.fit_config.FitConfig` settings they set (``SETTINGS``).
 :data:`TRAIN_METHODS` maps a training method's name to its
 :class:`~calm_training.methods.train_method.TrainMethod` (``calm``'s bilevel method and its
 ablations, ``lora``, ``cft``); :data:`UPPER_SPECS` the upper objectives ``f`` (``--upper``).
@@ -16,23 +20,26 @@ choices and the configs' validation are the names listed here.
 from __future__ import annotations
 
 from calm_runtime.errors import ConfigError
+from calm_training.methods import fit_method as fit_method_home
+from calm_training.methods import threshold as threshold_home
 from calm_training.methods.calm import BILEVEL, ITERATE_ALPHA, ITERATE_THETA, REGULARIZATION, SCALAR
 from calm_training.methods.cft import CFT
-from calm_training.methods.daca import DACA, DACA_VECTOR, NAIVE
+from calm_training.methods.daca import DACA, NAIVE
 from calm_training.methods.fit_method import FitMethod
 from calm_training.methods.lora import LORA
 from calm_training.methods.platt import PLATT
 from calm_training.methods.threshold import THRESHOLD
 from calm_training.methods.train_method import TrainMethod, UpperObjective
-from calm_training.methods.ts import TS, TS_VECTOR
+from calm_training.methods.ts import TS
 from calm_training.methods.upper import DACA_UPPER, ENTROPY
 from calm_training.methods.vanilla import VANILLA
+from calm_training.methods.vector import DACA_VECTOR, TS_VECTOR
 
 __all__ = ["ADAPTER_METHODS", "FIT_METHODS", "FitMethod", "KINDS", "LABEL_FREE", "METHODS",
            "P_TRUE_METHODS", "THETA_ONLY", "TRAIN_METHODS", "TRAIN_METHOD_NAMES", "TrainMethod",
-           "UPPER_OBJECTIVES", "UPPER_SPECS", "UpperObjective", "compared_methods", "fit_method",
-           "method_for_mode", "option_method", "p_true_method", "train_method",
-           "upper_objective"]
+           "UPPER_OBJECTIVES", "UPPER_SPECS", "UpperObjective", "add_fit_arguments",
+           "compared_methods", "fit_method", "fit_settings", "method_for_mode", "option_method",
+           "p_true_method", "train_method", "upper_objective"]
 
 
 # ---------------------------------------------------------------------------- calm fit
@@ -45,6 +52,22 @@ P_TRUE_METHODS = tuple(m.name for m in _FIT if m.p_true)
 LABEL_FREE = tuple(m.name for m in _FIT if m.choice and m.needs_reference)
 #: what ``calm fit METHOD`` takes
 ADAPTER_METHODS = tuple(m.name for m in _FIT if m.writes_adapter)
+#: the homes that declare flags of ``calm fit`` of their own, in the order its help lists them:
+#: the abstention threshold's, then the token-level fit's of the temperature methods
+#: (:class:`~calm_training.methods.fit_method.FitMethod`'s cloze fit)
+_FLAGS = (threshold_home, fit_method_home)
+
+
+def add_fit_arguments(parser) -> None:
+    """Add to ``calm fit``'s ``parser`` the flags the method families declare for themselves."""
+    for home in _FLAGS:
+        home.add_arguments(parser)
+
+
+def fit_settings(args) -> dict:
+    """The :class:`~calm_training.posthoc.fit_config.FitConfig` settings those flags set, read
+    from the parsed ``args``."""
+    return {name: getattr(args, name) for home in _FLAGS for name in home.SETTINGS}
 
 
 def fit_method(name: str) -> FitMethod:

@@ -10,8 +10,9 @@ scoring mode (:class:`calm_runtime.modes.Mode`), never on a method's name:
 * cloze: the option-level temperature becomes ``answer_temperature`` (it acts on summed
   option scores, so it cannot be fused into the LM head), after a token-level temperature
   where the answer positions carry a signal;
-* letter: the temperature is token-level (fusable); :class:`VectorMethod` writes vector
-  scaling onto the option tokens' entries of ``tau``/``shift`` (exact, docs/methods.md §1);
+* letter: the temperature is token-level (fusable);
+  :class:`~calm_training.methods.vector.VectorMethod` writes vector scaling onto the option
+  tokens' entries of ``tau``/``shift`` (exact, docs/methods.md §1);
 * P(True): the temperature of the two-way ``[true, false]`` logits, with the template.
 """
 
@@ -27,7 +28,6 @@ from calm_runtime.errors import ConfigError
 from calm_runtime.formats.artifact import CalibrationAdapter
 from calm_runtime.measure import metrics
 from calm_runtime.modes import p_true_probability
-from calm_training.posthoc import daca
 from calm_training.posthoc.option_fit import (
     Prepared,
     apply_fit,
@@ -38,7 +38,12 @@ from calm_training.posthoc.option_fit import (
 )
 from calm_training.posthoc.plan import FitPlan
 
-__all__ = ["FitMethod", "Fitted", "VectorMethod"]
+__all__ = ["SETTINGS", "FitMethod", "Fitted", "add_arguments"]
+
+#: the :class:`~calm_training.posthoc.fit_config.FitConfig` setting the token-level fit of the
+#: temperature methods (``daca``, ``naive``, ``ts``; :meth:`FitMethod.fit`) reads, set by the
+#: flag :func:`add_arguments` declares
+SETTINGS = ("token_fit",)
 
 
 @dataclass
@@ -75,15 +80,17 @@ class FitMethod:
     needs_labels: bool = False
     #: DACA's agreement mask (naive: every question, no mask)
     masked: bool = False
-    #: has a token-level counterpart (a cloze fit then also fits the answer positions'
-    #: next-token temperature, calm_training.posthoc.token_fit)
-    token_level: bool = False
     #: fits on option scores ``[N, K]``: ``(reference, scores)`` label-free, else
     #: ``(scores, labels)``; None: not an option-level method (or the unfitted baseline)
     option_fit: Callable | None = None
     #: fits on P(True)'s ``[true, false]`` logits: ``(reference P(True), P(True))``
     #: label-free, else ``(two-way logits, correctness)``; None: none
     p_true_fit: Callable | None = None
+    #: its token-level counterpart (a cloze fit then also fits the answer positions'
+    #: next-token temperature, :mod:`calm_training.posthoc.token_fit`): ``(model logits,
+    #: reference logits, n_questions=)`` label-free, else ``(logits, answer token ids)``;
+    #: None: none
+    token_fit: Callable | None = None
     #: compared in the multiple-choice modes (cloze, letter) / in P(True) mode
     choice: bool = True
     p_true: bool = False
@@ -101,6 +108,11 @@ class FitMethod:
     def baseline(self) -> bool:
         """The uncalibrated baseline: nothing to fit."""
         return self.option_fit is None and self.p_true_fit is None and not self.abstention
+
+    @property
+    def token_level(self) -> bool:
+        """Whether it has a token-level counterpart (:attr:`token_fit`)."""
+        return self.token_fit is not None
 
     @property
     def kind(self) -> str:
@@ -124,6 +136,15 @@ class FitMethod:
         if self.needs_reference:
             return self.option_fit(reference, scores)
         return self.option_fit(scores, labels)
+
+    def fit_tokens(self, logits, *, targets=None, reference=None, n_questions=None):
+        """The token-level fit on the answer positions' next-token logits ``logits``
+        ``[P, V]``: against the reference's logits at the same positions (label-free;
+        ``n_questions`` the questions they belong to), else against the answer tokens
+        ``targets`` ``[P]``."""
+        if self.needs_reference:
+            return self.token_fit(logits, reference, n_questions=n_questions)
+        return self.token_fit(logits, targets)
 
     def fit_p_true(self, two_way, *, reference=None, correct=None):
         """The fit on two-way logits ``two_way`` ``[N, 2]`` (None for the baseline):
@@ -266,49 +287,14 @@ class FitMethod:
         return out
 
 
-@dataclass(frozen=True)
-class VectorMethod(FitMethod):
-    """Vector scaling: a weight and a bias per option, written onto the option letters'
-    entries of ``tau``/``shift`` (letter mode only; docs/methods.md §1)."""
-
-    vector = True
-
-    def not_fitted_because(self, plan: FitPlan) -> str | None:
-        """Letter-mode vector scaling is not invariant to a shift of a question's scores,
-        and an endpoint returns log-probabilities (logits minus a per-question constant)
-        where the local path reads logits: the fit would depend on which one it saw (and a
-        served model's adapter holds temperatures only)."""
-        if plan.mode.token_level and plan.served:
-            return ("not fitted for a served model: vector scaling is not shift-invariant and "
-                    "an endpoint returns log-probabilities, not logits; use daca, naive or ts")
-        return None
-
-    def check_writable(self, plan: FitPlan) -> None:
-        super().check_writable(plan)
-        if plan.served:
-            raise ConfigError(f"{self.name} writes per-token weights, which need the model's "
-                              "token ids; a served model takes daca, naive or ts")
-        if not plan.mode.token_level:
-            raise ConfigError("vector scaling of cloze scores acts on summed log-probabilities "
-                              "and cannot be stored as token calibration; use daca or ts in "
-                              "cloze mode, or letter mode for vector scaling")
-        base, _ = plan.base
-        if (base.tau != 1).any() or (base.shift != 0).any():
-            raise ConfigError("vector scaling on top of an adapter that already has per-token "
-                              "tau/shift is not supported; fit a scalar temperature (daca or ts)")
-
-    def write_fit(self, adapter: CalibrationAdapter, fitted: Fitted, plan: FitPlan) -> None:
-        """The weights and biases onto ``tau``/``shift`` at the token ids the option letters
-        were scored at (the scores carry them), so they land where the fit read."""
-        fit = fitted.fit
-        if fitted.option_ids is None or len(fitted.option_ids) != len(fit.weights):
-            raise ConfigError("vector scaling needs letter scores that name their option "
-                              "tokens (a local model or an engine); use daca, naive or ts")
-        adapter.tau, adapter.shift = daca.vector_fit_to_tau_shift(
-            fit, [int(i) for i in fitted.option_ids], adapter.base_model.vocab_size,
-            temperature=adapter.temperature)
-
-
 def _kind(base: CalibrationAdapter, name: str) -> str:
     return name if base.kind == "identity" else f"{base.kind}+{name}"
 
+
+def add_arguments(parser) -> None:
+    """``calm fit``'s flag of the token-level fit (cloze mode)."""
+    parser.add_argument("--no-token-fit", dest="token_fit", action="store_false",
+                        help="cloze mode: fit the answer temperature only, leaving the engine's "
+                             "token confidences the model's own (by default a token-level "
+                             "temperature is fitted first and the answer temperature on top; a "
+                             "fit from --model-scores logs is always answer-only)")

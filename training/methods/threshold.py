@@ -31,11 +31,17 @@ from calm_runtime.errors import ConfigError, FitError
 from calm_runtime.formats.artifact import CalibrationAdapter
 from calm_runtime.modes import option_probabilities
 from calm_training.methods.fit_method import FitMethod, Fitted
+from calm_training.posthoc.fit_config import FitConfig
 from calm_training.posthoc.option_fit import prepare
 from calm_training.posthoc.plan import FitPlan
 
-__all__ = ["GRID", "THRESHOLD", "ThresholdFit", "ThresholdMethod", "binomial_upper_bound",
-           "fit_threshold"]
+__all__ = ["GRID", "SETTINGS", "THRESHOLD", "ThresholdFit", "ThresholdMethod",
+           "add_arguments", "binomial_upper_bound", "fit_threshold"]
+
+#: the :class:`~calm_training.posthoc.fit_config.FitConfig` settings ``calm fit threshold``
+#: reads (the selective risk and the probability of staying at or below it), set by the
+#: flags :func:`add_arguments` declares
+SETTINGS = ("risk", "risk_confidence")
 
 #: The candidate thresholds, fixed before the data is seen.
 GRID = tuple(round(0.05 * i, 2) for i in range(1, 20))
@@ -176,3 +182,14 @@ class ThresholdMethod(FitMethod):
 
 
 THRESHOLD = ThresholdMethod("threshold", needs_labels=True, choice=False)
+
+
+def add_arguments(parser) -> None:
+    """``calm fit``'s flags of the abstention threshold (defaults: FitConfig's)."""
+    parser.add_argument("--risk", type=float, default=FitConfig.risk,
+                        help="threshold: the selective risk (share of wrong answers kept) to "
+                             f"stay at or below (default {FitConfig.risk})")
+    parser.add_argument("--risk-confidence", type=float, default=FitConfig.risk_confidence,
+                        help="threshold: the probability of staying below --risk, by a "
+                             "Clopper-Pearson bound on the calibration split (default "
+                             f"{FitConfig.risk_confidence})")

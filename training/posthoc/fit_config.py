@@ -1,6 +1,12 @@
 """``FitConfig``: what ``calm fit`` / ``calm eval`` fit and evaluate (the methods are
 :mod:`calm_training.methods`'s).
 
+It holds every setting of a fit, checked once when it is built (before any method is looked
+up): those every method shares, and the few one kind of method reads (``risk``,
+``risk_confidence``: the abstention threshold's; ``token_fit``: the temperature methods'
+token-level fit), whose flags the module that reads them declares
+(:mod:`calm_training.methods.threshold`, :mod:`calm_training.methods.fit_method`:
+``add_arguments`` and ``SETTINGS``, gathered by :func:`calm_training.methods.add_fit_arguments`).
 Nothing here scores a model; :mod:`calm_training.fit` runs the fits.
 """
 

@@ -19,7 +19,7 @@ import numpy as np
 from calm_runtime.errors import DataError, FitError
 from calm_runtime.measure import metrics
 from calm_runtime.modes import option_probabilities
-from calm_training.posthoc import daca
+from calm_runtime.temperature import TemperatureFit
 from calm_training.posthoc.fit_report import Metrics, add_selective, served_floor
 from calm_training.posthoc.plan import FitPlan
 
@@ -101,12 +101,13 @@ def require_labels(labels: np.ndarray, what: str) -> np.ndarray:
 
 def apply_fit(fit, scores: np.ndarray) -> np.ndarray:
     """Option probabilities of ``scores`` [N, K] under a fitted temperature or vector
-    scaling (``None``: plain softmax)."""
+    scaling (``None``: plain softmax; a vector fit,
+    :class:`~calm_training.methods.vector.VectorFit`, scales them itself)."""
     if fit is None:
         return option_probabilities(scores)
-    if isinstance(fit, daca.VectorFit):
-        return option_probabilities(scores * np.asarray(fit.weights) + np.asarray(fit.bias))
-    return option_probabilities(scores, fit.temperature)
+    if isinstance(fit, TemperatureFit):
+        return option_probabilities(scores, fit.temperature)
+    return option_probabilities(fit.scaled(scores))
 
 
 def metric_row(probs: np.ndarray, labels: np.ndarray, settings: Metrics):
@@ -119,7 +120,7 @@ def metric_row(probs: np.ndarray, labels: np.ndarray, settings: Metrics):
 
 def check_finite_temperature(fit) -> None:
     """A :class:`FitError` when a temperature fit ran off to infinity (no signal)."""
-    if isinstance(fit, daca.TemperatureFit) and not np.isfinite(fit.temperature):
+    if isinstance(fit, TemperatureFit) and not np.isfinite(fit.temperature):
         raise FitError(f"the {fit.method} fit put the optimum at an infinite temperature on "
                        f"{fit.n_used} items (uniform probabilities fit best: the scores carry no "
                        "signal there); use more or other data; nothing was written")

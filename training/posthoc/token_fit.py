@@ -13,8 +13,11 @@ next-token distributions at the answer positions:
 
 :func:`answer_positions` runs the teacher-forced sequences through a torch model and keeps
 the full-vocabulary logits of the answer positions; :func:`token_level_fit` decides whether
-a signal exists and fits. Where none exists (a reference with another tokenizer, an engine
-or a served model) the fit is option-level only and the reason is recorded.
+a signal exists and hands the positions to the method's own token-level fit
+(:meth:`FitMethod.fit_tokens <calm_training.methods.fit_method.FitMethod.fit_tokens>`:
+:mod:`calm_training.methods.daca`'s, :mod:`calm_training.methods.ts`'s). Where none exists
+(a reference with another tokenizer, an engine or a served model) the fit is option-level
+only and the reason is recorded.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import numpy as np
 from calm_runtime.data.prompts import cloze_context, cloze_continuation
 from calm_runtime.data.sets import MultipleChoiceRecord
 from calm_runtime.errors import ConfigError, FitError
-from calm_training.posthoc import daca
+from calm_runtime.temperature import TOKEN_CHUNK_ROWS
 from calm_training.scoring.local import (
     batched_logits,
     context_limit,
@@ -113,8 +116,8 @@ def token_confidences(logits: np.ndarray, targets: np.ndarray, temperature: floa
     token is the target, and the target's NLL: ``(confidence, correct, nll)`` arrays."""
     conf = np.empty(len(targets))
     nll = np.empty(len(targets))
-    for start in range(0, len(targets), daca.TOKEN_CHUNK_ROWS):
-        z = np.asarray(logits[start:start + daca.TOKEN_CHUNK_ROWS], np.float64) / temperature
+    for start in range(0, len(targets), TOKEN_CHUNK_ROWS):
+        z = np.asarray(logits[start:start + TOKEN_CHUNK_ROWS], np.float64) / temperature
         z = z - z.max(axis=1, keepdims=True)
         lse = np.log(np.exp(z).sum(axis=1))
         conf[start:start + len(z)] = np.exp(-lse)  # the top logit is 0 after the shift
@@ -144,7 +147,7 @@ def token_level_fit(method, *, model, tokenizer, records, chosen: np.ndarray,
             return None, {"fitted": False, "reason": "labels missing on the calibration split"}
         pos = answer_positions(model, tokenizer, records, labels, calibration=calibration,
                                batch_size=batch_size, max_length=max_length, progress=progress)
-        fit = daca.fit_token_temperature_scaling(pos.logits, pos.targets)
+        fit = method.fit_tokens(pos.logits, targets=pos.targets)
         return fit, {"fitted": True, "signal": "labels: the correct answers' tokens",
                      "positions": int(len(pos.targets)), "questions": len(records),
                      **fit.to_dict()}
@@ -165,8 +168,8 @@ def token_level_fit(method, *, model, tokenizer, records, chosen: np.ndarray,
                                                  "differently; option-level only"}
     width = min(mine.logits.shape[1], theirs.logits.shape[1])
     try:  # naive: every position, no agreement mask (the baseline's failure mode)
-        fit = daca.fit_token_daca_temperature(mine.logits[:, :width], theirs.logits[:, :width],
-                                              n_questions=len(records), mask=method.masked)
+        fit = method.fit_tokens(mine.logits[:, :width], reference=theirs.logits[:, :width],
+                                n_questions=len(records))
     except FitError as exc:  # no agreeing position: a result (option-level only), not a crash
         return None, {"fitted": False, "reason": str(exc)}
     return fit, {"fitted": True,

@@ -1,6 +1,11 @@
-"""Vector scaling of K-option logits, labeled or by DACA (docs/methods.md §3): calibrated
-logits ``weights * g + bias`` fitted with L-BFGS in torch (imported lazily), and the map of
-a fit onto per-token ``tau`` and ``shift`` for the engine's head."""
+"""Vector scaling of K-option logits (docs/methods.md §1, §3): a weight and a bias per
+option, labeled (``ts-vector``) or by DACA (``daca-vector``, on its agreement set,
+:func:`calm_training.methods.daca.agreement_set`), letter mode only.
+
+Calibrated logits ``weights * g + bias`` are fitted with L-BFGS in torch (imported lazily);
+:func:`vector_fit_to_tau_shift` maps a fit onto per-token ``tau`` and ``shift`` for the
+engine's head, and :class:`VectorMethod` writes them there, at the option letters' token ids.
+"""
 
 from __future__ import annotations
 
@@ -12,19 +17,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from calm_runtime.errors import BackendUnavailableError, ConfigError, FitError
-from calm_training.posthoc._daca_arrays import (
-    MIN_AGREEMENT_ITEMS,
-    MIN_AGREEMENT_RATE,
-    agreement_set,
-    as_labels,
-    as_matrix,
-    mean_entropy,
-)
+from calm_runtime.formats.artifact import CalibrationAdapter
+from calm_runtime.temperature import as_labels, as_matrix, mean_entropy
+from calm_training.methods.daca import MIN_AGREEMENT_ITEMS, MIN_AGREEMENT_RATE, agreement_set
+from calm_training.methods.fit_method import FitMethod, Fitted
+from calm_training.posthoc.plan import FitPlan
 
-logger = logging.getLogger("calm_training.posthoc.daca")
+__all__ = ["DACA_VECTOR", "TS_VECTOR", "VectorFit", "VectorMethod", "fit_daca_vector_scaling",
+           "fit_vector_scaling", "vector_fit_to_tau_shift"]
 
-__all__ = ["VectorFit", "fit_daca_vector_scaling", "fit_vector_scaling",
-           "vector_fit_to_tau_shift"]
+logger = logging.getLogger(__name__)
 
 # L-BFGS stops on these; "converged" means the final max |gradient| is tiny.
 LBFGS_MAX_ITER = 500
@@ -39,7 +41,8 @@ class VectorFit:
 
     ``bias`` is centred (mean 0): the softmax is invariant to a common shift. ``converged``
     says whether L-BFGS ended with max |gradient| <= ``VECTOR_CONVERGED_GRAD``;
-    ``iterations`` is L-BFGS's iteration count. Other fields as in :class:`TemperatureFit`.
+    ``iterations`` is L-BFGS's iteration count. Other fields as in
+    :class:`calm_runtime.temperature.TemperatureFit`.
     """
 
     method: str
@@ -51,6 +54,10 @@ class VectorFit:
     objective: float
     converged: bool
     iterations: int
+
+    def scaled(self, scores: np.ndarray) -> np.ndarray:
+        """The calibrated option logits ``weights * scores + bias`` of ``scores`` ``[N, K]``."""
+        return scores * np.asarray(self.weights) + np.asarray(self.bias)
 
     def to_dict(self) -> dict:
         """A JSON-safe dict (lists for the vectors)."""
@@ -65,7 +72,8 @@ def fit_daca_vector_scaling(plm_logits, polm_logits, *, mask: bool = True, l2: f
     """DACA vector scaling: ``w * g + c`` minimising the masked mean KL to ``softmax(f)``.
 
     ``l2`` (default 0: plain maximum likelihood) adds ``l2 * (|w - 1|^2 + |c|^2)`` pulling
-    toward the identity. Agreement handling as in :func:`fit_daca_temperature`.
+    toward the identity. Agreement handling as in
+    :func:`~calm_training.methods.daca.fit_daca_temperature`.
     """
     p, g, n, rate = agreement_set(plm_logits, polm_logits, mask, min_agreement,
                                   min_agreement_rate)
@@ -171,4 +179,49 @@ def vector_fit_to_tau_shift(fit: VectorFit, option_token_ids, vocab_size: int,
     return tau, shift
 
 
-# ------------------------------------------------------------------------- helpers
+@dataclass(frozen=True)
+class VectorMethod(FitMethod):
+    """Vector scaling: a weight and a bias per option, written onto the option letters'
+    entries of ``tau``/``shift`` (letter mode only; docs/methods.md §1)."""
+
+    vector = True
+
+    def not_fitted_because(self, plan: FitPlan) -> str | None:
+        """Letter-mode vector scaling is not invariant to a shift of a question's scores,
+        and an endpoint returns log-probabilities (logits minus a per-question constant)
+        where the local path reads logits: the fit would depend on which one it saw (and a
+        served model's adapter holds temperatures only)."""
+        if plan.mode.token_level and plan.served:
+            return ("not fitted for a served model: vector scaling is not shift-invariant and "
+                    "an endpoint returns log-probabilities, not logits; use daca, naive or ts")
+        return None
+
+    def check_writable(self, plan: FitPlan) -> None:
+        super().check_writable(plan)
+        if plan.served:
+            raise ConfigError(f"{self.name} writes per-token weights, which need the model's "
+                              "token ids; a served model takes daca, naive or ts")
+        if not plan.mode.token_level:
+            raise ConfigError("vector scaling of cloze scores acts on summed log-probabilities "
+                              "and cannot be stored as token calibration; use daca or ts in "
+                              "cloze mode, or letter mode for vector scaling")
+        base, _ = plan.base
+        if (base.tau != 1).any() or (base.shift != 0).any():
+            raise ConfigError("vector scaling on top of an adapter that already has per-token "
+                              "tau/shift is not supported; fit a scalar temperature (daca or ts)")
+
+    def write_fit(self, adapter: CalibrationAdapter, fitted: Fitted, plan: FitPlan) -> None:
+        """The weights and biases onto ``tau``/``shift`` at the token ids the option letters
+        were scored at (the scores carry them), so they land where the fit read."""
+        fit = fitted.fit
+        if fitted.option_ids is None or len(fitted.option_ids) != len(fit.weights):
+            raise ConfigError("vector scaling needs letter scores that name their option "
+                              "tokens (a local model or an engine); use daca, naive or ts")
+        adapter.tau, adapter.shift = vector_fit_to_tau_shift(
+            fit, [int(i) for i in fitted.option_ids], adapter.base_model.vocab_size,
+            temperature=adapter.temperature)
+
+
+TS_VECTOR = VectorMethod("ts-vector", needs_labels=True, option_fit=fit_vector_scaling)
+DACA_VECTOR = VectorMethod("daca-vector", needs_reference=True, masked=True,
+                           option_fit=fit_daca_vector_scaling)
