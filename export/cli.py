@@ -258,6 +258,22 @@ def _outputs_lines(outputs: dict) -> list[str]:
         for key, label in names.items())]
 
 
+def _blocks_line(facts: dict, blocks: dict) -> str:
+    """What a GGUF-blocks engine carried and its size against the GGUF it came from."""
+    tables = []
+    for table in blocks.get("embeddings", []):
+        if "reason" in table:
+            tables.append(f"embedding float32 ({table['reason']})")
+        else:
+            tables.append(f"embedding {'+'.join(table['types'])} blocks"
+                          + (", shared with the head" if table["shares_head"] else
+                             ", its own copy (the head holds other weights)"))
+    return (f"GGUF blocks from {blocks['gguf_file']}: {blocks['carried_nodes']} MatMuls carried"
+            + "".join(f"; {t}" for t in tables)
+            + f"; weights {facts['bytes'] / blocks['gguf_bytes']:.2f}x the GGUF's "
+            f"{blocks['gguf_bytes'] / 1e6:.1f} MB")
+
+
 def _variant_lines(manifest) -> list[str]:
     export, lines = manifest.export, []
     for name in ("int8", "int4", "fp16"):
@@ -273,6 +289,9 @@ def _variant_lines(manifest) -> list[str]:
                      f"positions: top-1 agreement {drift['greedy_agreement']:.1%}, mean TV "
                      f"{drift['mean_total_variation']:.4f}, max |dp| "
                      f"{drift['max_prob_change']:.3g}")
+        blocks = facts.get("blocks") or {}
+        if blocks.get("gguf_bytes"):
+            lines.append(_blocks_line(facts, blocks))
     check = export.get("calibration_check")
     if check:
         steps = [f"{key} {check[key]['ece']:.4f}" for key in ("fp32", "int8", "int4", "fp16",

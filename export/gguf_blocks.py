@@ -25,9 +25,10 @@ MatMulNBits' symmetric form (no zero-point input: ``2^(bits-1)``) computes ``sca
 with ONNX Runtime's fast int8-compute kernels; a float zero point would be exact too but
 takes a dequantising path 50x slower on this CPU. A block minimum is therefore added as
 llama.cpp's own Q4_1 dot product does: ``x . (scale k + min) = scale (x . k) + min * sum(x)``
-over the block, i.e. ``Y = MatMulNBits(X) + (X E) M``, where ``E`` (K x K/block, ones)
-sums each block of inputs and ``M`` holds the minima (one small fp32 MatMul pair per
-input, shared by the MatMuls that read it).
+over the block, i.e. ``Y = MatMulNBits(X) + S M``, where ``S`` sums each block of inputs (a
+ReduceSum over ``X`` seen as [..., K/block, block] where X's rank is known, else ``X E`` with
+``E`` block-diagonal ones; shared by the MatMuls that read the same input) and ``M`` (K/block
+x N) holds the minima: one small fp32 MatMul per carried node.
 
 A weight column is matched to its GGUF row by its exact float32 values (a fingerprint, then
 equality), so permuted rows (Llama's q/k), packed projections (the builder's q/k/v) and a
@@ -175,6 +176,10 @@ class CarriedNode:
     reason: str | None = None
     #: the fp32 MatMuls added for a block minimum (left unquantised)
     extra_nodes: tuple[str, ...] = ()
+    #: a Gather of an embedding table (GatherBlockQuantized once carried), not a MatMul
+    embedding: bool = False
+    #: an embedding that reads a carried head's integers (no copy of its own)
+    shared: bool = False
 
 
 def _fingerprints(values: np.ndarray, chunk: int = 4096) -> np.ndarray:
@@ -264,6 +269,124 @@ def _pack(blocks: Blocks) -> np.ndarray:
     return (stored[..., 0::2] | (stored[..., 1::2] << 4)).astype(np.uint8)
 
 
+def _embedding_weight(node, inits, producers):
+    """``(initializer name, [V, H] float32 table, the Transpose between them or None)`` when
+    the Gather ``node`` reads rows of a constant table (an embedding, or a tied head's
+    ``W^T`` read through a Transpose), else None."""
+    from onnx import TensorProto, numpy_helper
+
+    if node.op_type != "Gather" or next((a.i for a in node.attribute if a.name == "axis"), 0):
+        return None
+    data, transpose = node.input[0], None
+    if data not in inits and data in producers and producers[data].op_type == "Transpose":
+        transpose = producers[data]
+        perm = [list(a.ints) for a in transpose.attribute if a.name == "perm"]
+        if perm not in ([], [[1, 0]]):
+            return None
+        data = transpose.input[0]
+    init = inits.get(data)
+    if init is None or init.data_type != TensorProto.FLOAT or len(init.dims) != 2:
+        return None
+    table = numpy_helper.to_array(init)
+    return data, (table.T if transpose is not None else table), transpose
+
+
+def _carry_embeddings(graph, source: _Source, packed) -> list[CarriedNode]:
+    """Every Gather of a constant table whose rows are a GGUF matrix's (the token embedding)
+    becomes ``GatherBlockQuantized`` on those very blocks: the bytes of a head carried from
+    the same rows are shared (a tied model stores its vocabulary once), and the float32 table
+    goes where nothing else reads it. A table whose blocks have minima (no integer zero
+    point holds them) stays float32, listed."""
+    from onnx import helper, numpy_helper
+
+    inits = {i.name: i for i in graph.initializer}
+    producers = {o: n for n in graph.node for o in n.output}
+    report, nodes, added = [], [], []
+    for node in graph.node:
+        found = _embedding_weight(node, inits, producers)
+        if found is None:
+            nodes.append(node)
+            continue
+        name, table, transpose = found
+        rows = source.exact_rows(table)
+        blocks = None if rows is None else _node_blocks(source, rows)
+        reason = ("its rows are not the GGUF's" if blocks is None else
+                  "its blocks have minima" if blocks.minimum is not None else
+                  "its carried blocks differ from the table" if not _close(
+                      blocks.dequantize(), table) else None)
+        if reason is not None:
+            report.append(CarriedNode(node.name, reason=reason, embedding=True))
+            nodes.append(node)
+            continue
+        q = _pack(blocks)
+        shared = next((p for p in packed if p[1].shape == q.shape and np.array_equal(p[1], q)),
+                      None)
+        tag = node.name.strip("/").replace("/", "_") or name
+        q_name = shared[0] if shared else f"{tag}.gguf_q"
+        s_name = f"{tag}.gguf_scales3d"
+        if shared is None:
+            added.append(numpy_helper.from_array(q, q_name))
+        if shared is not None and np.array_equal(shared[3], blocks.scale):
+            shape = f"{tag}.gguf_scales_shape"
+            added.append(numpy_helper.from_array(np.array([*blocks.scale.shape, 1], np.int64),
+                                                 shape))
+            nodes.append(helper.make_node("Reshape", [shared[2], shape], [s_name],
+                                          name=f"{tag}/gguf_scales"))
+        else:
+            added.append(numpy_helper.from_array(blocks.scale[..., None].copy(), s_name))
+        gathered, index_shape, out_shape = (f"{tag}.gguf_blocks", f"{tag}.gguf_index_shape",
+                                            f"{tag}.gguf_out_shape")
+        width = f"{tag}.gguf_width"
+        added.append(numpy_helper.from_array(np.array([table.shape[1]], np.int64), width))
+        nodes += [
+            helper.make_node("GatherBlockQuantized", [q_name, node.input[1], s_name],
+                             [gathered], name=node.name, domain="com.microsoft",
+                             bits=blocks.bits, block_size=blocks.block, gather_axis=0,
+                             quantize_axis=2),
+            helper.make_node("Shape", [node.input[1]], [index_shape], name=f"{tag}/gguf_shape"),
+            helper.make_node("Concat", [index_shape, width], [out_shape], axis=0,
+                             name=f"{tag}/gguf_out_shape"),
+            helper.make_node("Reshape", [gathered, out_shape], [node.output[0]],
+                             name=f"{tag}/gguf_rows")]
+        report.append(CarriedNode(node.name, types=tuple(sorted({source.types[t]
+                                                                 for t, _ in rows})),
+                                  embedding=True, shared=shared is not None))
+        if transpose is not None and not any(transpose.output[0] in n.input
+                                             for n in graph.node if n is not node):
+            nodes = [n for n in nodes if n is not transpose]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    graph.initializer.extend(added)
+    used = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}
+    kept = [i for i in graph.initializer if i.name in used]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    return report
+
+
+def _block_sums(x: str, rank: int | None, k_in: int, block: int, tag: str):
+    """``S``, the sum of each block of ``block`` inputs of ``x`` [..., k_in]: ``(name, nodes,
+    initializers, MatMuls to keep unquantised)``. Where ``x``'s rank is known, a ReduceSum
+    over ``x`` seen as [..., k_in/block, block] (no weights); else ``x E`` with ``E`` the
+    [k_in, k_in/block] block-diagonal ones."""
+    from onnx import helper, numpy_helper
+
+    sums = f"{tag}.gguf_block_sums"
+    if rank is None:
+        ones = np.kron(np.eye(k_in // block, dtype=np.float32), np.ones((block, 1), np.float32))
+        return sums, [helper.make_node("MatMul", [x, f"{tag}.gguf_block_ones"], [sums],
+                                       name=f"{tag}/gguf_block_sums")], \
+            [numpy_helper.from_array(ones, f"{tag}.gguf_block_ones")], [f"{tag}/gguf_block_sums"]
+    grid, shape, axes = f"{tag}.gguf_block_grid", f"{tag}.gguf_grid_shape", f"{tag}.gguf_sum_axes"
+    inits = [numpy_helper.from_array(np.array([0] * (rank - 1) + [k_in // block, block],
+                                              np.int64), shape),
+             numpy_helper.from_array(np.array([-1], np.int64), axes)]
+    nodes = [helper.make_node("Reshape", [x, shape], [grid], name=f"{tag}/gguf_block_grid"),
+             helper.make_node("ReduceSum", [grid, axes], [sums], keepdims=0,
+                              name=f"{tag}/gguf_block_sums")]
+    return sums, nodes, inits, []
+
+
 def carry_gguf_blocks(model, reader) -> list[CarriedNode]:
     """Replace every MatMul of ``model`` (an ONNX ModelProto, weights loaded) whose constant
     weight is the GGUF ``reader``'s rows with MatMulNBits on those blocks (module
@@ -278,7 +401,11 @@ def carry_gguf_blocks(model, reader) -> list[CarriedNode]:
         for name in node.input:
             users[name] = users.get(name, 0) + 1
     block_sums: dict[tuple[str, int], str] = {}
+    ranks = {v.name: len(v.type.tensor_type.shape.dim)
+             for v in [*graph.value_info, *graph.input, *graph.output]
+             if v.type.tensor_type.HasField("shape")}
     report, new_nodes, new_inits, dropped = [], [], [], set()
+    packed: list[tuple[str, np.ndarray, str, np.ndarray]] = []  # (B, its bytes, scales, scales)
     for node in list(graph.node):
         weight_name = node.input[1] if node.op_type == "MatMul" and len(node.input) == 2 else None
         init = inits.get(weight_name) if weight_name else None
@@ -310,6 +437,7 @@ def carry_gguf_blocks(model, reader) -> list[CarriedNode]:
         b_name, s_name = f"{tag}.gguf_q", f"{tag}.gguf_scales"
         new_inits += [numpy_helper.from_array(_pack(blocks), b_name),
                       numpy_helper.from_array(blocks.scale.reshape(-1), s_name)]
+        packed.append((b_name, _pack(blocks), s_name, blocks.scale))
         out = node.output[0]
         main_out = out if blocks.minimum is None else f"{tag}.gguf_scaled"
         new_nodes.append(helper.make_node(
@@ -317,16 +445,14 @@ def carry_gguf_blocks(model, reader) -> list[CarriedNode]:
             domain="com.microsoft", K=k_in, N=n, bits=blocks.bits, block_size=blocks.block,
             accuracy_level=ACCURACY_LEVEL))
         extra = []
-        if blocks.minimum is not None:  # + (X E) M: each block's input sum times its minimum
+        if blocks.minimum is not None:  # + S M: each block's input sum times its minimum
             key = (node.input[0], blocks.block)
             if key not in block_sums:
-                e_name, sums = f"{tag}.gguf_block_ones", f"{tag}.gguf_block_sums"
-                ones = np.kron(np.eye(k_in // blocks.block, dtype=np.float32),
-                               np.ones((blocks.block, 1), np.float32))
-                new_inits.append(numpy_helper.from_array(ones, e_name))
-                new_nodes.append(helper.make_node("MatMul", [node.input[0], e_name], [sums],
-                                                  name=f"{tag}/gguf_block_sums"))
-                extra.append(f"{tag}/gguf_block_sums")
+                sums, nodes, inits_, kept = _block_sums(node.input[0], ranks.get(node.input[0]),
+                                                        k_in, blocks.block, tag)
+                new_nodes += nodes
+                new_inits += inits_
+                extra += kept
                 block_sums[key] = sums
             m_name, m_out = f"{tag}.gguf_minima", f"{tag}.gguf_minimum_term"
             new_inits.append(numpy_helper.from_array(blocks.minimum.T.copy(), m_name))
@@ -346,6 +472,7 @@ def carry_gguf_blocks(model, reader) -> list[CarriedNode]:
     graph.initializer.extend(kept + new_inits)
     del graph.node[:]
     graph.node.extend(new_nodes)
+    report += _carry_embeddings(graph, source, packed)
     if not any(o.domain == "com.microsoft" for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     return report

@@ -164,7 +164,9 @@ def quantize_int4(source: Path, target: Path, config, *, external: bool,
     with source_gguf(gguf_spec, source.parent) as path:
         check_gguf_layout(path)  # before gguf's reader believes its counts
         report = carry_gguf_blocks(model, gguf.GGUFReader(path))
-        gguf_name = path.name
+        gguf_name, gguf_bytes = path.name, path.stat().st_size
+    tables = [r for r in report if r.embedding]
+    report = [r for r in report if not r.embedding]
     carried = [r for r in report if r.reason is None]
     left = [r for r in report if r.reason is not None]
     logger.info("int4 from %s's own blocks: %d of %d MatMuls carried, %d quantised anew",
@@ -182,7 +184,11 @@ def quantize_int4(source: Path, target: Path, config, *, external: bool,
     facts["blocks"] = {
         "path": "gguf-blocks", "gguf_file": gguf_name, "carried_nodes": len(carried),
         "carried_types": types, "row_scaled_nodes": sum(r.scaled for r in carried),
-        "requantised_nodes": [{"node": r.node, "reason": r.reason} for r in left]}
+        "requantised_nodes": [{"node": r.node, "reason": r.reason} for r in left],
+        "gguf_bytes": gguf_bytes,
+        "embeddings": [{"node": r.node, "types": list(r.types), "shares_head": r.shared}
+                       if r.reason is None else {"node": r.node, "reason": r.reason}
+                       for r in tables]}
     facts["quantized_nodes"] += len(carried)
     facts["linear_nodes"] += len(carried)
     facts["fp32_bytes"] = _size(source.parent)

@@ -160,3 +160,83 @@ def test_the_gguf_a_model_came_from(tmp_path):
     file = tmp_path / "m.gguf"
     file.write_bytes(b"GGUF")
     assert gguf_origin(str(file), folder) == str(file)
+
+
+def _tied_graph(table, head=None):
+    """ids [1, 3] -> Gather of the embedding ``table`` [V, COLS]; X [1, 3, COLS] -> the head.
+    ``head`` None: tied, as the builder writes it (the head's ``W^T`` read back through a
+    Transpose for the Gather); else an untied head of its own."""
+    if head is None:
+        inits = [numpy_helper.from_array(np.ascontiguousarray(table.T), "Wt")]
+        nodes = [helper.make_node("Transpose", ["Wt"], ["table"], perm=[1, 0], name="/t"),
+                 helper.make_node("Gather", ["table", "ids"], ["E"], name="/embed/Gather")]
+    else:
+        inits = [numpy_helper.from_array(np.ascontiguousarray(head.T), "Wt"),
+                 numpy_helper.from_array(table, "table")]
+        nodes = [helper.make_node("Gather", ["table", "ids"], ["E"], name="/embed/Gather")]
+    nodes.append(helper.make_node("MatMul", ["X", "Wt"], ["Y"], name="/head/MatMul"))
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("X", TensorProto.FLOAT, [1, 3, COLS]),
+                     helper.make_tensor_value_info("ids", TensorProto.INT64, [1, 3])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [1, 3, ROWS]),
+         helper.make_tensor_value_info("E", TensorProto.FLOAT, [1, 3, COLS])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_an_embedding_of_gguf_rows_is_gathered_from_the_heads_blocks(reader, monkeypatch, tied):
+    """The token embedding becomes GatherBlockQuantized on the GGUF's blocks, sharing the
+    head's bytes (tied: the scales too; a calibrated untied head ``W / (tau T)``: the same
+    integers, scales of its own); rows come back exactly, the float32 table is gone."""
+    rng = np.random.default_rng(3)
+    q80 = values_of(reader, "Q8_0.weight")
+    scale = None if tied else rng.uniform(0.5, 2.0, ROWS).astype(np.float32)
+    model = _tied_graph(q80, None if tied else q80 * scale[:, None])
+    monkeypatch.setattr(gguf_blocks, "ACCURACY_LEVEL", 0)
+    report = carry_gguf_blocks(model, reader)
+    table = [r for r in report if r.embedding]
+    assert [(r.node, r.types, r.reason) for r in table] == [("/embed/Gather", ("Q8_0",), None)]
+    onnx.checker.check_model(model)
+    ops = [n.op_type for n in model.graph.node]
+    assert "Gather" not in ops and "Transpose" not in ops and ops.count("MatMulNBits") == 1
+    gather = next(n for n in model.graph.node if n.op_type == "GatherBlockQuantized")
+    head = next(n for n in model.graph.node if n.op_type == "MatMulNBits")
+    assert gather.input[0] == head.input[1]  # one copy of the vocabulary's integers
+    sizes = {i.name: i.data_type for i in model.graph.initializer}
+    assert not any(t == TensorProto.FLOAT and n in ("Wt", "table") for n, t in sizes.items())
+    ids = rng.integers(0, ROWS, (1, 3)).astype(np.int64)
+    x = rng.standard_normal((1, 3, COLS)).astype(np.float32)
+    session = ort.InferenceSession(model.SerializeToString(),
+                                   providers=["CPUExecutionProvider"])
+    y, e = session.run(["Y", "E"], {"X": x, "ids": ids})
+    np.testing.assert_array_equal(e, q80[ids])
+    want = x @ (q80 if tied else q80 * scale[:, None]).T
+    assert np.abs(y - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_an_embedding_whose_blocks_have_minima_stays_float32_and_says_why(reader):
+    q41 = values_of(reader, "Q4_1.weight")
+    model = _tied_graph(q41)
+    report = carry_gguf_blocks(model, reader)
+    (table,) = [r for r in report if r.embedding]
+    assert "minima" in table.reason
+    assert "Gather" in [n.op_type for n in model.graph.node]
+
+
+@pytest.mark.parametrize("rank_known", [True, False])
+def test_block_minima_are_added_exactly_whether_or_not_the_inputs_rank_is_known(
+        reader, monkeypatch, rank_known):
+    """A block minimum's term ``S M``: ``S`` by a ReduceSum where the input's rank is known
+    (no weights), by block-diagonal ones where it is not; both exact."""
+    q41 = values_of(reader, "Q4_1.weight")
+    model = _graph([q41])
+    if not rank_known:
+        model.graph.input[0].type.tensor_type.ClearField("shape")
+    monkeypatch.setattr(gguf_blocks, "ACCURACY_LEVEL", 0)
+    carry_gguf_blocks(model, reader)
+    ops = [n.op_type for n in model.graph.node]
+    assert ("ReduceSum" in ops) == rank_known and ops.count("MatMul") == (1 if rank_known else 2)
+    x = np.random.default_rng(4).standard_normal((1, 3, COLS)).astype(np.float32)
+    (got,) = _run(model, x)
+    want = x @ q41.T
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
