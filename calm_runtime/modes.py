@@ -12,12 +12,19 @@ template), so a temperature fitted on them is a token-level transform: the adapt
 ``temperature``, fused into an engine's head. Files (adapters, engine manifests, reports)
 keep storing the mode's name; code turns the name into a :class:`Mode` with :func:`mode`
 and asks it, instead of comparing strings. :func:`option_probabilities` is the one option
-softmax. Nothing here imports torch.
+softmax. What the modes put to a model is decided here too: the cloze variants
+(:data:`CLOZE_VARIANTS`, the default :data:`DEFAULT_CLOZE_VARIANT`) and P(True)'s template
+(:class:`PTrueTemplate`; the built-in ones are data, ``templates/p_true.json``), so the files
+that record them are checked against them. Nothing here imports torch.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
 
 import numpy as np
 
@@ -25,7 +32,8 @@ from calm_runtime.calibration import apply_calibration
 from calm_runtime.errors import ConfigError
 
 __all__ = ["Mode", "MODES", "MODE_NAMES", "CHOICE_MODES", "mode", "option_probabilities",
-           "p_true_probability"]
+           "p_true_probability", "CLOZE_VARIANTS", "DEFAULT_CLOZE_VARIANT", "PTrueTemplate",
+           "builtin_p_true_templates", "p_true_template_names"]
 
 
 @dataclass(frozen=True)
@@ -76,6 +84,61 @@ MODES = {m.name: m for m in (CLOZE, LETTER, P_TRUE)}
 MODE_NAMES = tuple(MODES)
 #: the two ways a multiple-choice question is put to a model (docs/methods.md §2)
 CHOICE_MODES = tuple(name for name, m in MODES.items() if m.choice)
+
+#: How a cloze option is scored from the log-probability of its text: ``sum`` (summed),
+#: ``mean`` (per token) or ``char`` (per character of the option, lm-eval's ``acc_norm``).
+CLOZE_VARIANTS = ("sum", "mean", "char")
+#: The one default everywhere (fitting, training, export checks, runtime scoring): per-token
+#: mean scores gave the better-calibrated reference model in the project's calibration
+#: benchmark (benchmarks/results/calibration.md), which is what DACA relies on.
+DEFAULT_CLOZE_VARIANT = "mean"
+
+_TEMPLATE_FILE = Path(__file__).resolve().parent / "templates" / "p_true.json"
+
+
+@dataclass(frozen=True)
+class PTrueTemplate:
+    """A P(True) prompt: ``template`` with ``{question}`` and ``{answer}``, and two tokens."""
+
+    name: str
+    template: str
+    true_token: str
+    false_token: str
+    description: str = ""
+
+    def render(self, question: str, answer: str) -> str:
+        return self.template.format(question=question, answer=answer)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "template": self.template, "true_token": self.true_token,
+                "false_token": self.false_token, "description": self.description}
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> PTrueTemplate:
+        allowed = {"name", "template", "true_token", "false_token", "description"}
+        unknown = sorted(set(data) - allowed)
+        missing = sorted({"template", "true_token", "false_token"} - set(data))
+        if unknown or missing:
+            raise ConfigError(f"P(True) template has unknown keys {unknown} / lacks {missing}; "
+                              f"use the keys {sorted(allowed)}")
+        text = str(data["template"])
+        if "{question}" not in text or "{answer}" not in text:
+            raise ConfigError("P(True) template must contain {question} and {answer}; fix the "
+                              "template text")
+        return cls(name=str(data.get("name", "custom")), template=text,
+                   true_token=str(data["true_token"]), false_token=str(data["false_token"]),
+                   description=str(data.get("description", "")))
+
+
+@lru_cache(maxsize=1)
+def builtin_p_true_templates() -> dict[str, dict]:
+    """The built-in P(True) templates by name (``templates/p_true.json``), as mappings
+    :meth:`PTrueTemplate.from_dict` takes (less their name)."""
+    return json.loads(_TEMPLATE_FILE.read_text(encoding="utf-8"))
+
+
+def p_true_template_names() -> list[str]:
+    return sorted(builtin_p_true_templates())
 
 
 def mode(name: str | Mode, *, choice: bool = False) -> Mode:

@@ -13,8 +13,8 @@ from pathlib import Path
 from calm_runtime import modes
 from calm_runtime.cli.common import add_endpoint_limits, deprecated_alias, show_progress
 from calm_runtime.data.models import MODEL_FORMS
-from calm_runtime.data.prompts import CLOZE_VARIANTS
 from calm_runtime.errors import BackendUnavailableError
+from calm_runtime.modes import CLOZE_VARIANTS
 from calm_training.posthoc.fit_config import ALL_MODES, FitConfig
 from calm_training.train_cli import register_train
 

@@ -9,7 +9,7 @@ import argparse
 
 from calm_runtime.cli.common import show_progress
 from calm_runtime.data.models import MODEL_FORMS
-from calm_runtime.data.prompts import CHOICE_MODES, CLOZE_VARIANTS
+from calm_runtime.modes import CHOICE_MODES, CLOZE_VARIANTS
 
 __all__ = ["register_train"]
 

@@ -42,10 +42,10 @@ from calm_runtime.cli.common import (  # noqa: F401 - re-exported: calm's comman
 )
 from calm_runtime.cli.serve import add_serve
 from calm_runtime.data.models import DEFAULT_API_KEY_ENV, MODEL_FORMS
-from calm_runtime.data.prompts import CHOICE_MODES, CLOZE_VARIANTS, DEFAULT_CLOZE_VARIANT
 from calm_runtime.data.sets import DATA_PARTS
 from calm_runtime.errors import BackendUnavailableError, ConfigError
 from calm_runtime.extras import missing
+from calm_runtime.modes import CHOICE_MODES, CLOZE_VARIANTS, DEFAULT_CLOZE_VARIANT
 
 __all__ = ["main", "build_parser"]
 
@@ -377,7 +377,7 @@ def _score(args) -> int:
 def _score_served(args, records) -> tuple[dict, str]:
     """``calm score URL``: scoring a served model needs the training package's scorers; its
     ``calm.commands`` entry point ``score_served``
-    (:func:`calm_training.scoring.served_score.score_served`) does it."""
+    (:func:`calm_training.served_score.score_served`) does it."""
     score_served = None if missing("train") else entry_point(COMMANDS_GROUP, "score_served")
     if score_served is None:
         raise BackendUnavailableError(missing_extra_message("train", "scoring a served model"))

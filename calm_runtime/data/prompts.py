@@ -4,85 +4,43 @@
 * letter mode: the question, the options as ``"A. text"`` lines, then ``"Answer:"``; the
   option tokens are ``" A"``, ``" B"``, ... (``"A"``, ... after a chat template, where the
   answer starts a fresh assistant turn);
-* P(True): named templates from ``templates/p_true.json`` (data, not code), overridable
-  by passing a template mapping with the same keys.
+* P(True): a built-in template by name (:func:`calm_runtime.modes.builtin_p_true_templates`,
+  from ``templates/p_true.json``: data, not code), overridable by passing a template mapping
+  with the same keys.
+
+The cloze variants an option's scores are combined by, and what a P(True) template is, are
+the modes' (:mod:`calm_runtime.modes`); this module writes the prompts.
 """
 
 from __future__ import annotations
 
-import json
 import string
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from functools import lru_cache
-from pathlib import Path
 
 import numpy as np
 
 from calm_runtime.errors import ConfigError
-from calm_runtime.modes import CHOICE_MODES
+from calm_runtime.modes import (
+    CHOICE_MODES,
+    CLOZE_VARIANTS,
+    DEFAULT_CLOZE_VARIANT,
+    PTrueTemplate,
+    builtin_p_true_templates,
+)
 
 __all__ = [
-    "PTrueTemplate",
     "p_true_template",
-    "p_true_template_names",
     "cloze_context",
     "cloze_continuation",
     "letter_prompt",
     "option_letters",
     "CHOICE_MODES",
-    "CLOZE_VARIANTS",
-    "DEFAULT_CLOZE_VARIANT",
     "cloze_option_scores",
     "cloze_variant_for",
     "option_char_count",
 ]
 
-_TEMPLATE_FILE = Path(__file__).resolve().parents[1] / "templates" / "p_true.json"
 DEFAULT_P_TRUE_TEMPLATE = "kadavath"
-
-
-@dataclass(frozen=True)
-class PTrueTemplate:
-    """A P(True) prompt: ``template`` with ``{question}`` and ``{answer}``, and two tokens."""
-
-    name: str
-    template: str
-    true_token: str
-    false_token: str
-    description: str = ""
-
-    def render(self, question: str, answer: str) -> str:
-        return self.template.format(question=question, answer=answer)
-
-    def to_dict(self) -> dict:
-        return {"name": self.name, "template": self.template, "true_token": self.true_token,
-                "false_token": self.false_token, "description": self.description}
-
-    @classmethod
-    def from_dict(cls, data: Mapping) -> PTrueTemplate:
-        allowed = {"name", "template", "true_token", "false_token", "description"}
-        unknown = sorted(set(data) - allowed)
-        missing = sorted({"template", "true_token", "false_token"} - set(data))
-        if unknown or missing:
-            raise ConfigError(f"P(True) template has unknown keys {unknown} / lacks {missing}; "
-                              f"use the keys {sorted(allowed)}")
-        text = str(data["template"])
-        if "{question}" not in text or "{answer}" not in text:
-            raise ConfigError("P(True) template must contain {question} and {answer}; fix the "
-                              "template text")
-        return cls(name=str(data.get("name", "custom")), template=text,
-                   true_token=str(data["true_token"]), false_token=str(data["false_token"]),
-                   description=str(data.get("description", "")))
-
-
-@lru_cache(maxsize=1)
-def _builtin_templates() -> dict[str, dict]:
-    return json.loads(_TEMPLATE_FILE.read_text(encoding="utf-8"))
-
-
-def p_true_template_names() -> list[str]:
-    return sorted(_builtin_templates())
 
 
 def p_true_template(template: str | Mapping | PTrueTemplate | None = None) -> PTrueTemplate:
@@ -93,7 +51,7 @@ def p_true_template(template: str | Mapping | PTrueTemplate | None = None) -> PT
         template = DEFAULT_P_TRUE_TEMPLATE
     if isinstance(template, Mapping):
         return PTrueTemplate.from_dict(template)
-    builtin = _builtin_templates()
+    builtin = builtin_p_true_templates()
     if template not in builtin:
         raise ConfigError(f"unknown P(True) template {template!r}; choose one of "
                           f"{', '.join(sorted(builtin))} or pass a custom template mapping")
@@ -106,15 +64,6 @@ def cloze_context(question: str) -> str:
 
 def cloze_continuation(option: str) -> str:
     return f" {option}"
-
-
-#: How a cloze option is scored from the log-probability of its text: ``sum`` (summed),
-#: ``mean`` (per token) or ``char`` (per character of the option, lm-eval's ``acc_norm``).
-CLOZE_VARIANTS = ("sum", "mean", "char")
-#: The one default everywhere (fitting, training, export checks, runtime scoring): per-token
-#: mean scores gave the better-calibrated reference model in the project's calibration
-#: benchmark (benchmarks/results/calibration.md), which is what DACA relies on.
-DEFAULT_CLOZE_VARIANT = "mean"
 
 
 def cloze_variant_for(asked: str | None, recorded: str | None, *, bound: bool, what: str,

@@ -10,7 +10,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from calm_runtime.calibration import SHIFT_LIMIT, TAU_RANGE, TEMPERATURE_RANGE
-from calm_runtime.data.prompts import CHOICE_MODES
 from calm_runtime.errors import ArtifactError
 from calm_runtime.files import show
 from calm_runtime.formats.manifest import (
@@ -20,6 +19,7 @@ from calm_runtime.formats.manifest import (
     number_in_range,
     sha256_hex,
 )
+from calm_runtime.modes import CHOICE_MODES, CLOZE_VARIANTS
 
 _SOURCE_KEYS = {"model", "adapter"}
 _SOURCE_MODEL_KEYS = {"name", "vocab_size", "tokenizer_sha256", "weights_sha256"}
@@ -229,7 +229,6 @@ def _check_export(section: dict, where: str) -> None:
     """The open export section; what the runtime reads from it is checked as strictly as
     the adapter: ``genai_config`` (a hashed file), ``choice_mode``, ``cloze_variant`` and
     ``abstention`` (a threshold in [0, 1], never silently dropped)."""
-    from calm_runtime.data.prompts import CLOZE_VARIANTS
     from calm_runtime.formats.artifact import check_abstention
 
     for key, allowed in (("choice_mode", CHOICE_MODES),

@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from calm_runtime.data.prompts import PTrueTemplate
 from calm_runtime.errors import ArtifactError
 from calm_runtime.files import is_dir, is_file, resolve_inside, sha256_file, show, show_name
 from calm_runtime.formats._engine_checks import (  # noqa: F401 - engine_io_names and the limit are public here
@@ -45,6 +44,7 @@ from calm_runtime.formats._engine_checks import (  # noqa: F401 - engine_io_name
 )
 from calm_runtime.formats._engine_files import check_external_data, check_genai_config
 from calm_runtime.formats.manifest import check_keys, iso_timestamp, read_manifest, write_json
+from calm_runtime.modes import PTrueTemplate
 
 __all__ = [
     "ENGINE_SCHEMA_VERSION",

@@ -12,8 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from calm_runtime.data.prompts import CLOZE_VARIANTS
-from calm_runtime.modes import CHOICE_MODES, MODE_NAMES
+from calm_runtime.modes import CHOICE_MODES, CLOZE_VARIANTS, MODE_NAMES
 
 __all__ = ["FitRecord", "FIT_MODES"]
 

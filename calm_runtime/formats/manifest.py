@@ -24,6 +24,7 @@ from typing import Any
 from calm_runtime.calibration import as_float32
 from calm_runtime.errors import ArtifactError, SchemaVersionError
 from calm_runtime.files import is_file, read_regular_file, resolve_inside, show
+from calm_runtime.modes import p_true_template_names
 
 __all__ = ["read_manifest", "write_json", "check_keys", "parse_json", "finite_number",
            "number_in_range", "iso_timestamp", "sha256_hex", "check_p_true_template",
@@ -218,8 +219,6 @@ def check_p_true_template(value: Any, where: str, *, allow_name: bool) -> None:
     fields ``{question}`` and ``{answer}`` (or, with ``allow_name``, a built-in name)."""
     where = f"{where} p_true_template"
     if isinstance(value, str) and allow_name:
-        from calm_runtime.data.prompts import p_true_template_names
-
         names = p_true_template_names()
         if value not in names:
             raise ArtifactError(f"{where}: unknown template name {show(value)}; use one of "

@@ -12,8 +12,6 @@ import numpy as np
 
 from calm_runtime import modes
 from calm_runtime.data.prompts import (
-    CLOZE_VARIANTS,
-    PTrueTemplate,
     cloze_context,
     cloze_continuation,
     cloze_option_scores,
@@ -29,6 +27,7 @@ from calm_runtime.formats.engine import EngineManifest
 from calm_runtime.inference import scoring_passes
 from calm_runtime.inference._inputs import check_text, input_label, positive_int
 from calm_runtime.inference.results import Choice
+from calm_runtime.modes import CLOZE_VARIANTS, PTrueTemplate
 
 logger = logging.getLogger("calm_runtime.inference.lm")
 

@@ -40,7 +40,6 @@ from dataclasses import replace
 
 import numpy as np
 
-from calm_runtime.data.prompts import CHOICE_MODES, CLOZE_VARIANTS, DEFAULT_CLOZE_VARIANT
 from calm_runtime.errors import ArtifactError, ConfigError
 from calm_runtime.formats.engine import EngineManifest
 from calm_runtime.inference import scoring_passes
@@ -57,6 +56,7 @@ from calm_runtime.inference.generation import (
 from calm_runtime.inference.results import Alternative, Generation, PromptToken, Token
 from calm_runtime.inference.sampling import SamplingParams, raw_log_softmax
 from calm_runtime.inference.tokenization import EngineTokenizer
+from calm_runtime.modes import CHOICE_MODES, CLOZE_VARIANTS, DEFAULT_CLOZE_VARIANT
 
 __all__ = ["CalibratedLM", "CLOZE_VARIANTS", "recorded_cloze_variant"]
 

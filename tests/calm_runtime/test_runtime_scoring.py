@@ -15,8 +15,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from calm_runtime import CalibratedLM  # noqa: E402
-from calm_runtime.data.prompts import DEFAULT_CLOZE_VARIANT, p_true_template  # noqa: E402
+from calm_runtime.data.prompts import p_true_template  # noqa: E402
 from calm_runtime.data.sets import MultipleChoiceRecord  # noqa: E402
+from calm_runtime.modes import DEFAULT_CLOZE_VARIANT  # noqa: E402
 
 #: |engine - torch| on option scores (summed log-probabilities of a few tokens, or logits)
 #: and on probabilities; the engine's logits are within ~1e-5 of the reference here
@@ -117,7 +118,7 @@ def test_recorded_variant_is_the_default(runtime_engine, lm):
     manifest = dataclasses.replace(lm.manifest, export={**lm.manifest.export,
                                                         "cloze_variant": "char"})
     other = CalibratedLM(manifest, lm.backend, lm.tokenizer)
-    # unrecorded: the one project-wide default (calm_runtime.data.prompts.DEFAULT_CLOZE_VARIANT)
+    # unrecorded: the one project-wide default (calm_runtime.modes.DEFAULT_CLOZE_VARIANT)
     assert lm.default_variant == DEFAULT_CLOZE_VARIANT == "mean"
     assert other.default_variant == "char"
     question, options = QUESTIONS[1]

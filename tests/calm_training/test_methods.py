@@ -230,7 +230,8 @@ def test_each_method_takes_its_own_outer_step(name, monkeypatch):
         monkeypatch.setattr(bilevel, step, lambda *a, _step=step, **kw: calls.append(
             (_step, a[5:], kw)))
     method = methods.train_method(name)
-    method.step("theta", "alpha", "g", "f", "opt", "options", beta=0.7, reduce="mean")
+    bilevel.outer_step(method, "theta", "alpha", "g", "f", "opt", "options", beta=0.7,
+                       reduce="mean")
     want = {"bilevel": ("bome_step", ("options",), {}),
             "scalar": ("bome_step", ("options",), {}),
             "regularization": ("regularization_step", (0.7,), {}),

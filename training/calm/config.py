@@ -8,8 +8,8 @@ import math
 import os
 from dataclasses import dataclass
 
-from calm_runtime.data.prompts import CHOICE_MODES, CLOZE_VARIANTS, DEFAULT_CLOZE_VARIANT
 from calm_runtime.errors import ConfigError
+from calm_runtime.modes import CHOICE_MODES, CLOZE_VARIANTS, DEFAULT_CLOZE_VARIANT
 from calm_training.calm import data as calm_data
 from calm_training.methods import (  # noqa: F401 - the names stay importable from here
     KINDS,

@@ -55,9 +55,6 @@ import numpy as np
 from calm_runtime import modes
 from calm_runtime.data.olmo_eval_sets import SOURCES
 from calm_runtime.data.prompts import (
-    CHOICE_MODES,
-    CLOZE_VARIANTS,
-    DEFAULT_CLOZE_VARIANT,
     cloze_context,
     cloze_continuation,
     letter_prompt,
@@ -74,6 +71,7 @@ from calm_runtime.data.sets import (
     split_records,
 )
 from calm_runtime.errors import ConfigError, DataError
+from calm_runtime.modes import CHOICE_MODES, CLOZE_VARIANTS, DEFAULT_CLOZE_VARIANT
 from calm_training.scoring.local import (
     CHARS_PER_TOKEN_MARGIN,
     encode_text,
@@ -340,7 +338,7 @@ def encode_calibration(records: Sequence[Record], tokenizer, *, mode: str, chat:
     option token, all options (one sequence each); ``answer`` — only the position where the
     answer starts (one sequence per question, about K times cheaper).
     ``entropy="options"``: the entropy of the K-option distribution (module docstring),
-    cloze scores of the ``variant`` (:data:`~calm_runtime.data.prompts.CLOZE_VARIANTS`).
+    cloze scores of the ``variant`` (:data:`~calm_runtime.modes.CLOZE_VARIANTS`).
     """
     encoder = Encoder(tokenizer, mode=mode, chat=chat, max_length=max_length,
                        positions=positions, entropy=entropy, variant=variant)

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from calm_runtime.data.prompts import DEFAULT_CLOZE_VARIANT
 from calm_runtime.data.sets import MultipleChoiceRecord
 from calm_runtime.errors import DataError
+from calm_runtime.modes import DEFAULT_CLOZE_VARIANT
 from calm_training.calm import data as calm_data
 
 __all__ = ["HiddenSet", "OptionEvaluator"]

@@ -246,7 +246,7 @@ class _Trainer:
     def one_step(self) -> dict:
         import torch
 
-        from calm_training.calm.bilevel import descent_step
+        from calm_training.calm.bilevel import descent_step, outer_step
 
         cfg, m = self.config, self.model
         m.cft_parts = {"ce": 0.0, "l_cal": 0.0}
@@ -266,8 +266,8 @@ class _Trainer:
         if warming:  # plain LoRA steps before the method's own
             stats = descent_step(m.theta, m.alpha, lower, upper, self.optimizer, reduce=reduce)
         else:
-            stats = self.method.step(m.theta, m.alpha, lower, upper, self.optimizer,
-                                     self.options, beta=cfg.beta, reduce=reduce)
+            stats = outer_step(self.method, m.theta, m.alpha, lower, upper, self.optimizer,
+                               self.options, beta=cfg.beta, reduce=reduce)
         if g_identity is None:
             g_identity = stats.g
         self.step += 1

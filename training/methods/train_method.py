@@ -1,6 +1,6 @@
 """A training method of ``calm train`` (docs/methods.md §4) and an upper objective ``f``
-(``--upper``): what each learns, its outer step and its objectives. torch-free (the outer
-steps import :mod:`calm_training.calm.bilevel` when they run)."""
+(``--upper``): what each learns, which outer step it takes and its objectives. torch-free
+(the steps themselves are :mod:`calm_training.calm.bilevel`'s, taken by its ``outer_step``)."""
 
 from __future__ import annotations
 
@@ -57,19 +57,6 @@ class TrainMethod:
         """Its lower objective reads every option of a training question (and needs the
         starting model's confidence-bin accuracies, CFT's E-step), not the answer only."""
         return self.lower_loss == "cft"
-
-    def step(self, theta, alpha, lower, upper, optimizer, options, *, beta: float, reduce):
-        """One outer step (calm_training.calm.bilevel) on ``theta`` and ``alpha``."""
-        from calm_training.calm import bilevel
-
-        args = (theta, alpha, lower, upper, optimizer)
-        if self.solver == "bome":
-            return bilevel.bome_step(*args, options, reduce=reduce)
-        if self.solver == "regularization":
-            return bilevel.regularization_step(*args, beta, reduce=reduce)
-        if self.solver == "iterate":
-            return bilevel.iterate_step(*args, theta_path=self.theta_path, reduce=reduce)
-        return bilevel.descent_step(*args, reduce=reduce)
 
 
 @dataclass(frozen=True)

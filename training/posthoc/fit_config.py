@@ -17,14 +17,14 @@ from dataclasses import dataclass
 
 from calm_runtime import modes
 from calm_runtime.data.models import DEFAULT_API_KEY_ENV
-from calm_runtime.data.prompts import DEFAULT_CLOZE_VARIANT, DEFAULT_P_TRUE_TEMPLATE
+from calm_runtime.data.prompts import DEFAULT_P_TRUE_TEMPLATE
 from calm_runtime.errors import ConfigError
+from calm_runtime.modes import CLOZE_VARIANTS, DEFAULT_CLOZE_VARIANT
 from calm_training.scoring.endpoint import (
     DEFAULT_MAX_RETRIES,
     DEFAULT_TIMEOUT,
     check_deadline,
 )
-from calm_training.scoring.local import CLOZE_VARIANTS
 
 __all__ = ["ALL_MODES", "DEFAULT_VARIANT", "FitConfig"]
 

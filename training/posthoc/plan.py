@@ -18,7 +18,7 @@ from functools import cached_property
 
 import numpy as np
 
-from calm_runtime.data.prompts import PTrueTemplate, p_true_template
+from calm_runtime.data.prompts import p_true_template
 from calm_runtime.data.sets import (
     MultipleChoiceRecord,
     OpenQARecord,
@@ -28,7 +28,7 @@ from calm_runtime.data.sets import (
 )
 from calm_runtime.errors import ConfigError, DataError
 from calm_runtime.formats.artifact import CalibrationAdapter, ModelIdentity
-from calm_runtime.modes import Mode
+from calm_runtime.modes import Mode, PTrueTemplate
 from calm_training.posthoc.fit_config import FitConfig
 from calm_training.posthoc.fit_report import Metrics
 from calm_training.scoring.sources import ModelSource, resolve_source

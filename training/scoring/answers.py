@@ -8,8 +8,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from calm_runtime.data.prompts import PTrueTemplate, cloze_context
+from calm_runtime.data.prompts import cloze_context
 from calm_runtime.errors import ConfigError
+from calm_runtime.modes import PTrueTemplate
 from calm_training.scoring.engine import EngineModel
 from calm_training.scoring.local import (
     batched_logits,

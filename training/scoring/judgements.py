@@ -54,7 +54,7 @@ def open_qa_judgements(records, model, reference=None, *, template, chat: bool |
                        progress: bool = True) -> dict:
     """The model's greedy answers to open-QA ``records``, their correctness, and each
     model's two-way P(True) logits under ``template`` (a name or a
-    :class:`~calm_runtime.data.prompts.PTrueTemplate`; ``model`` and
+    :class:`~calm_runtime.modes.PTrueTemplate`; ``model`` and
     ``reference``: :class:`~calm_training.scoring.sources.ModelSource` objects; cached on
     disk by the models', the data's and the template's hashes)."""
     template = p_true_template(template)

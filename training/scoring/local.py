@@ -4,8 +4,8 @@ Multiple choice (docs/methods.md §2):
 
 * **cloze** — the log-probability of each option's text ``" {option}"`` as the
   continuation of ``"Question: ...\\nAnswer:"``; kept as the summed log-probability plus
-  the token and character counts, so every scoring variant (:data:`CLOZE_VARIANTS`) is
-  derived without recomputation;
+  the token and character counts, so every scoring variant
+  (:data:`calm_runtime.modes.CLOZE_VARIANTS`) is derived without recomputation;
 * **letter** — the next-token logits of the option letters after a prompt listing the
   options (ids looked up in the model's own tokenizer, with or without its chat template).
 
@@ -30,8 +30,6 @@ import numpy as np
 
 from calm_runtime import modes
 from calm_runtime.data.prompts import (
-    CLOZE_VARIANTS,
-    DEFAULT_CLOZE_VARIANT,
     cloze_context,
     cloze_continuation,
     cloze_option_scores,
@@ -43,10 +41,10 @@ from calm_runtime.data.sets import MultipleChoiceRecord
 from calm_runtime.errors import ConfigError, DataError
 from calm_runtime.inference import scoring_passes
 from calm_runtime.measure.score import is_correct, normalize_answer
+from calm_runtime.modes import DEFAULT_CLOZE_VARIANT
 from calm_training.scoring.engine import EngineModel
 
 __all__ = [
-    "CLOZE_VARIANTS",
     "OptionScores",
     "score_multiple_choice",
     "normalize_answer",

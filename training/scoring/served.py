@@ -47,7 +47,6 @@ import numpy as np
 
 from calm_runtime import modes
 from calm_runtime.data.prompts import (
-    PTrueTemplate,
     cloze_context,
     cloze_continuation,
     letter_prompt,
@@ -56,6 +55,7 @@ from calm_runtime.data.prompts import (
 )
 from calm_runtime.data.sets import MultipleChoiceRecord
 from calm_runtime.errors import CalmError, ConfigError
+from calm_runtime.modes import PTrueTemplate
 from calm_runtime.paths import cache_dir
 from calm_training.scoring.answer_logprobs import (  # noqa: F401 - re-exported: the answers this module reads
     TOP_LOGPROBS,
