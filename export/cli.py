@@ -15,9 +15,9 @@ from calm_runtime.cli.common import (
     run_command,
 )
 from calm_runtime.data.models import MODEL_FORMS
-from calm_runtime.data.prompts import CHOICE_MODES, CLOZE_VARIANTS, DEFAULT_CLOZE_VARIANT
 from calm_runtime.errors import ConfigError
 from calm_runtime.extras import missing
+from calm_runtime.modes import CHOICE_MODES, CLOZE_VARIANTS, DEFAULT_CLOZE_VARIANT
 
 from .config import (  # torch-free, like this module
     DTYPES,

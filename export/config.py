@@ -6,8 +6,9 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import ClassVar
 
-from calm_runtime.data.prompts import CHOICE_MODES, CLOZE_VARIANTS, p_true_template
+from calm_runtime.data.prompts import p_true_template
 from calm_runtime.errors import ConfigError
+from calm_runtime.modes import CHOICE_MODES, CLOZE_VARIANTS
 
 from .formats import FORMATS, OutputFormat, output_format
 

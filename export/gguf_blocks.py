@@ -406,6 +406,7 @@ def carry_gguf_blocks(model, reader) -> list[CarriedNode]:
              if v.type.tensor_type.HasField("shape")}
     report, new_nodes, new_inits, dropped = [], [], [], set()
     packed: list[tuple[str, np.ndarray, str, np.ndarray]] = []  # (B, its bytes, scales, scales)
+    prologue = []  # nodes of constants only, first in the graph
     for node in list(graph.node):
         weight_name = node.input[1] if node.op_type == "MatMul" and len(node.input) == 2 else None
         init = inits.get(weight_name) if weight_name else None
@@ -435,8 +436,16 @@ def carry_gguf_blocks(model, reader) -> list[CarriedNode]:
         n, k_in = weight.shape
         tag = node.name.strip("/").replace("/", "_") or weight_name
         b_name, s_name = f"{tag}.gguf_q", f"{tag}.gguf_scales"
-        new_inits += [numpy_helper.from_array(_pack(blocks), b_name),
-                      numpy_helper.from_array(blocks.scale.reshape(-1), s_name)]
+        new_inits.append(numpy_helper.from_array(_pack(blocks), b_name))
+        scales = blocks.scale.reshape(-1)
+        if np.array_equal(scales.astype(np.float16).astype(np.float32), scales):
+            # float16 on disk where that is lossless (the GGUF's own fp16 scales, Q8_0's,
+            # Q4_0's); ONNX Runtime folds the Cast into a float32 initializer at load
+            new_inits.append(numpy_helper.from_array(scales.astype(np.float16), s_name + "16"))
+            prologue.append(helper.make_node("Cast", [s_name + "16"], [s_name],
+                                             to=TensorProto.FLOAT, name=f"{tag}/gguf_scales"))
+        else:
+            new_inits.append(numpy_helper.from_array(scales, s_name))
         packed.append((b_name, _pack(blocks), s_name, blocks.scale))
         out = node.output[0]
         main_out = out if blocks.minimum is None else f"{tag}.gguf_scaled"
@@ -471,7 +480,7 @@ def carry_gguf_blocks(model, reader) -> list[CarriedNode]:
     del graph.initializer[:]
     graph.initializer.extend(kept + new_inits)
     del graph.node[:]
-    graph.node.extend(new_nodes)
+    graph.node.extend(prologue + new_nodes)
     report += _carry_embeddings(graph, source, packed)
     if not any(o.domain == "com.microsoft" for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))

@@ -158,12 +158,14 @@ def quantize_int4(source: Path, target: Path, config, *, external: bool,
 
     from .gguf_blocks import carry_gguf_blocks
     from .gguf_file import require_gguf, source_gguf
+    from .rotary import compact_rotary_caches
 
     gguf = require_gguf()
     model = onnx.load(str(source), load_external_data=True)
     with source_gguf(gguf_spec, source.parent) as path:
         check_gguf_layout(path)  # before gguf's reader believes its counts
         report = carry_gguf_blocks(model, gguf.GGUFReader(path))
+        rotary = compact_rotary_caches(model)
         gguf_name, gguf_bytes = path.name, path.stat().st_size
     tables = [r for r in report if r.embedding]
     report = [r for r in report if not r.embedding]
@@ -185,7 +187,7 @@ def quantize_int4(source: Path, target: Path, config, *, external: bool,
         "path": "gguf-blocks", "gguf_file": gguf_name, "carried_nodes": len(carried),
         "carried_types": types, "row_scaled_nodes": sum(r.scaled for r in carried),
         "requantised_nodes": [{"node": r.node, "reason": r.reason} for r in left],
-        "gguf_bytes": gguf_bytes,
+        "gguf_bytes": gguf_bytes, "rotary_caches": rotary,
         "embeddings": [{"node": r.node, "types": list(r.types), "shares_head": r.shared}
                        if r.reason is None else {"node": r.node, "reason": r.reason}
                        for r in tables]}

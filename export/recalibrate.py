@@ -32,10 +32,11 @@ from pathlib import Path
 import numpy as np
 
 from calm_runtime import modes
-from calm_runtime.data.prompts import CHOICE_MODES, cloze_variant_for
+from calm_runtime.data.prompts import cloze_variant_for
 from calm_runtime.data.sets import MultipleChoiceRecord, dataset_hash, load_dataset
 from calm_runtime.errors import ConfigError, DataError, ExportValidationError, FitError
 from calm_runtime.measure import metrics
+from calm_runtime.modes import CHOICE_MODES
 
 from .onnx import ONNX_FILE
 

@@ -204,6 +204,9 @@ def test_an_embedding_of_gguf_rows_is_gathered_from_the_heads_blocks(reader, mon
     assert gather.input[0] == head.input[1]  # one copy of the vocabulary's integers
     sizes = {i.name: i.data_type for i in model.graph.initializer}
     assert not any(t == TensorProto.FLOAT and n in ("Wt", "table") for n, t in sizes.items())
+    # Q8_0's scales are the GGUF's float16 values: stored as float16, cast at load
+    assert [t for n, t in sizes.items() if n.endswith("gguf_scales16")] == (
+        [TensorProto.FLOAT16] if tied else [])  # W / (tau T): scales no float16 holds
     ids = rng.integers(0, ROWS, (1, 3)).astype(np.int64)
     x = rng.standard_normal((1, 3, COLS)).astype(np.float32)
     session = ort.InferenceSession(model.SerializeToString(),
