@@ -14,7 +14,7 @@ nothing measurable, benchmarks/results/latency.md):
   by calm's runtime;
 * builder fp32, builder fp32 pruned head (``prune_lm_head=true``: the prefill projects the
   last position only), builder int4: onnxruntime-genai's builder on the same folder
-  (through ``python -m calm_export.genai_build``, which runs the builder unchanged but
+  (through ``python -m calm_export.graphs.genai_build``, which runs the builder unchanged but
   reads transformers 5's nested Gemma-3 rotary settings for it), run by onnxruntime-genai
   (which is what the builder's graph is made for);
 * calm int4 requantised (``--int4-blocks requantize``: every MatMul quantised anew from the
@@ -217,7 +217,7 @@ def build_all(folder: Path, spec: str, work: Path, skip: set = frozenset()) -> d
     """Each arm's folder, its build time and size (cached in ``work/builds.json``)."""
     record = work / "builds.json"
     done = json.loads(record.read_text()) if record.is_file() else {}
-    builder = [sys.executable, "-m", "calm_export.genai_build", str(folder)]
+    builder = [sys.executable, "-m", "calm_export.graphs.genai_build", str(folder)]
     steps = {
         REFERENCE_ARM: ["calm-export", "--model", spec],
         "calm fp32 own graph": ["calm-export", "--model", spec, "--graph", "fused"],

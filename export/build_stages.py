@@ -9,9 +9,10 @@ from pathlib import Path
 
 from calm_runtime.errors import ConfigError, ExportValidationError
 
-from . import genai_builder, quantize, validate
+from . import quantize, validate
 from .config import ExportConfig
-from .onnx import ONNX_FILE, fuse_graph
+from .graphs import genai_builder
+from .graphs.calm_graph import ONNX_FILE, fuse_graph
 
 __all__ = ["build_tensorrt", "build_variant", "validate_graph"]
 

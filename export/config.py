@@ -127,9 +127,10 @@ class ExportConfig:
     #: elementwise scale and shift. See export/fuse.py for the measurement behind the default.
     head_layout: str = "untied"
     #: "builder": onnxruntime-genai's model builder graph with the calibration in its head
-    #: (export/genai_builder.py; GroupQueryAttention, an in-place KV cache); "fused": calm's
-    #: own graph (torch.export) with its RMSNorms as ONNX Runtime's fused normalisation ops
-    #: (export/onnx.py ``fuse_graph``); "standard": calm's graph in standard ONNX ops only.
+    #: (export/graphs/genai_builder.py; GroupQueryAttention, an in-place KV cache); "fused":
+    #: calm's own graph (torch.export) with its RMSNorms as ONNX Runtime's fused normalisation
+    #: ops (export/graphs/calm_graph.py ``fuse_graph``); "standard": calm's graph in standard
+    #: ONNX ops only.
     #: "auto": "builder" for the families and settings it covers, else "fused" (and
     #: "fused" when the builder fails or its graph does not pass validation). TensorRT
     #: engines are always built from the standard graph (its parser does not read ONNX

@@ -20,12 +20,12 @@ from calm_runtime.formats.artifact import (
 from calm_runtime.formats.engine import EngineManifest, engine_io_names
 from calm_runtime.formats.manifest import write_json
 
-from .onnx import DecoderShape
+from .graphs.calm_graph import DecoderShape
+from .graphs.genai_builder import GENAI_CONFIG, GRAPH_KIND
 
 __all__ = [
     "tool_versions",
     "TOKENIZER_FILES",
-    "GENAI_CONFIG",
     "copy_tokenizer",
     "special_tokens",
     "option_tokens",
@@ -39,9 +39,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "added_tokens.json", "chat_template.jinja", "chat_template.json",
                    "tokenizer.model", "vocab.json", "merges.txt")
 CHAT_TEMPLATE = "chat_template.jinja"
-GENAI_CONFIG = "genai_config.json"
-#: ``export.graph.kind`` of onnxruntime-genai's builder graph (packed I/O, no position_ids)
-BUILDER_GRAPH = "genai-builder"
 #: option letters whose token ids the manifest records (A-J, the most a MCQA item uses)
 OPTION_LETTERS = string.ascii_uppercase[:10]
 
@@ -178,7 +175,7 @@ def build_manifest(*, kind: str, staging: Path, identity: ModelIdentity, weights
     """Assemble (and check) the manifest of the engine being built in ``staging``; a
     builder graph (``export["graph"]["kind"] == "genai-builder"``) has no position_ids."""
     summary = adapter.summary()
-    packed = (export.get("graph") or {}).get("kind") == BUILDER_GRAPH
+    packed = (export.get("graph") or {}).get("kind") == GRAPH_KIND
     inputs, outputs = engine_io_names(shape.num_layers, position_ids=not packed)
     return EngineManifest(
         kind=kind,

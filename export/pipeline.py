@@ -32,11 +32,12 @@ from calm_runtime.files import atomic_directory, check_creatable
 from calm_runtime.formats.artifact import CalibrationAdapter, describe_calibrated_outputs
 from calm_runtime.formats.engine import EngineManifest
 
-from . import engine_writer, fuse, genai_builder, graphs, heads, recalibrate, validate
+from . import engine_writer, fuse, graphs, heads, recalibrate, validate
 from .build_stages import build_tensorrt, build_variant, validate_graph
 from .config import ExportConfig
 from .gguf_file import gguf_origin
-from .onnx import ONNX_FILE, KVCacheDecoder, decoder_shape
+from .graphs import genai_builder
+from .graphs.calm_graph import ONNX_FILE, KVCacheDecoder, decoder_shape
 
 __all__ = ["ExportResult", "export_engine"]
 

@@ -52,7 +52,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .onnx import ONNX_FILE, save_onnx
+from .graphs.calm_graph import ONNX_FILE, save_onnx
 
 __all__ = [
     "DRIFT_PROMPTS",

@@ -38,7 +38,7 @@ from calm_runtime.errors import ConfigError, DataError, ExportValidationError, F
 from calm_runtime.measure import metrics
 from calm_runtime.modes import CHOICE_MODES
 
-from .onnx import ONNX_FILE
+from .graphs.calm_graph import ONNX_FILE
 
 __all__ = ["CalibrationData", "CalibrationRun", "load_calibration_data", "scoring_settings",
            "head_constants", "fold_temperature", "check_calibration"]
@@ -155,7 +155,7 @@ def fold_temperature(path: Path, factor: float, *, external: bool) -> list[str]:
     import onnx
     from onnx import numpy_helper
 
-    from .onnx import save_onnx
+    from .graphs.calm_graph import save_onnx
 
     model = onnx.load(str(path), load_external_data=True)
     targets = head_constants(model)

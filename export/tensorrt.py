@@ -25,7 +25,7 @@ import numpy as np
 from calm_runtime.errors import BackendUnavailableError, ExportValidationError
 from calm_runtime.formats.engine import engine_io_names
 
-from .onnx import DecoderShape
+from .graphs.calm_graph import DecoderShape
 
 __all__ = ["PLAN_FILE", "require_tensorrt", "build_plan", "tensorrt_runner"]
 

@@ -6,6 +6,9 @@
   (``ort-fused``);
 * :mod:`.standard`: calm's own graph in standard ONNX ops only (``standard``).
 
+The graphs themselves are written by :mod:`.calm_graph` (calm's own, torch.export) and
+:mod:`.genai_builder` (the builder's, which :mod:`.genai_build` runs).
+
 Each strategy says why it cannot build an engine for a model and settings
 (``unsupported_because``; ``None``: it can) and builds the graph into the staging folder
 (``build``). Eligibility is decided there and nowhere else: ``ExportConfig`` asks the
@@ -53,7 +56,7 @@ class GraphJob:
 
     model: Any
     tokenizer: Any
-    shape: Any  # calm_export.onnx.DecoderShape
+    shape: Any  # calm_export.graphs.calm_graph.DecoderShape
     config: Any  # calm_export.config.ExportConfig
     #: the calibration applied after the head (soft-capping families, a kept tied head)
     affine: Any

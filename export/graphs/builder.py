@@ -1,5 +1,5 @@
 """onnxruntime-genai's model builder graph with the calibration in its head
-(``--graph builder``, ``genai-builder``; the graph itself is export/genai_builder.py).
+(``--graph builder``, ``genai-builder``; the graph itself is genai_builder.py).
 
 Where it can build is decided here only: by the settings (:func:`settings_problem`, which
 ``ExportConfig`` asks under ``--graph builder``), then by the model's family and the
@@ -42,7 +42,7 @@ class BuilderGraph(GraphStrategy):
 
     @property
     def failures(self):
-        from ..genai_builder import BuilderError
+        from .genai_builder import BuilderError
 
         return (BuilderError, ExportValidationError)
 
@@ -60,12 +60,12 @@ class BuilderGraph(GraphStrategy):
             return "the builder's Mistral graph does not apply a sliding window"
         if importlib.util.find_spec("onnxruntime_genai") is None:
             return "onnxruntime-genai is not installed (pip install 'calm-llm[genai]')"
-        from ..genai_build import version_problem
+        from .genai_build import version_problem
 
         return version_problem()
 
     def build(self, job) -> dict:
-        from .. import genai_builder
+        from . import genai_builder
 
         return genai_builder.build_graph(job.model, job.tokenizer, job.staging,
                                          job.shape.vocab_size, affine=job.affine)

@@ -1,5 +1,5 @@
 """calm's own graph with its RMSNorms as ONNX Runtime's fused normalisation ops
-(``--graph fused``, ``ort-fused``; export/onnx.py ``fuse_graph``)."""
+(``--graph fused``, ``ort-fused``; calm_graph.py ``fuse_graph``)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ class FusedGraph(GraphStrategy):
         return None
 
     def build(self, job) -> dict:
-        from ..onnx import ONNX_FILE, fuse_graph
+        from .calm_graph import ONNX_FILE, fuse_graph
 
         facts = StandardGraph().build(job)
         facts["graph"] = fuse_graph(job.staging / ONNX_FILE, job.shape, external=job.external)

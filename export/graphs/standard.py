@@ -13,7 +13,7 @@ class StandardGraph(GraphStrategy):
         return None
 
     def build(self, job) -> dict:
-        from ..onnx import export_onnx
+        from .calm_graph import export_onnx
 
         config = job.config
         facts = export_onnx(job.model, job.shape, job.staging, opset=config.opset,

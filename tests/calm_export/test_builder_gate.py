@@ -20,8 +20,9 @@ import pytest
 pytest.importorskip("onnxruntime_genai")
 transformers = pytest.importorskip("transformers")
 
-from calm_export import genai_build, genai_builder, graphs  # noqa: E402
+from calm_export import graphs  # noqa: E402
 from calm_export.config import ExportConfig  # noqa: E402
+from calm_export.graphs import genai_build, genai_builder  # noqa: E402
 
 OLD = "0.8.0"  # the release pyproject.toml used to allow, below the tested range
 PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
@@ -119,7 +120,7 @@ def test_graph_builder_with_an_untested_builder_is_one_line(tmp_path, tiny_llama
 
 
 def test_the_module_refuses_an_untested_builder(monkeypatch):
-    """``python -m calm_export.genai_build`` (the benchmarks' builder arms) checks too,
+    """``python -m calm_export.graphs.genai_build`` (the benchmarks' builder arms) checks too,
     before it touches the builder's API."""
     monkeypatch.setattr(genai_build, "installed_version", lambda: OLD)
     with pytest.raises(genai_build.BuilderVersionError, match="0.8.0 is installed"):

@@ -66,10 +66,10 @@ def test_tensorrt_without_tensorrt_names_the_extra(tmp_path, capsys):
 def test_export_prints_a_summary(tmp_path, capsys, tiny_llama_untied, monkeypatch):
     pytest.importorskip("torch")
     pytest.importorskip("onnxruntime")
-    from calm_export import onnx as calm_onnx
+    from calm_export.graphs import calm_graph
 
-    real = calm_onnx.export_onnx  # the CLI is under test here; TorchScript is 20x faster
-    monkeypatch.setattr(calm_onnx, "export_onnx",
+    real = calm_graph.export_onnx  # the CLI is under test here; TorchScript is 20x faster
+    monkeypatch.setattr(calm_graph, "export_onnx",
                         lambda *a, **k: real(*a, **{**k, "exporter": "torchscript"}))
     out = tmp_path / "engine"
     code = main(["--model", str(tiny_llama_untied), "--out", str(out), "--quiet"])
@@ -85,7 +85,7 @@ def test_calm_export_subcommand_is_the_same_command(tmp_path, capsys, tiny_llama
                                                     monkeypatch):
     """``calm export`` takes calm-export's options and writes the same engine."""
     from calm_export import cli as export_cli
-    from calm_export import onnx as calm_onnx
+    from calm_export.graphs import calm_graph
     from calm_runtime.cli.main import build_parser
     from calm_runtime.cli.main import main as calm_main
 
@@ -94,8 +94,8 @@ def test_calm_export_subcommand_is_the_same_command(tmp_path, capsys, tiny_llama
     standalone = {s for a in export_cli.build_parser()._actions for s in a.option_strings}
     assert standalone <= options  # --quiet too: -q/-v are taken after any subcommand
 
-    real = calm_onnx.export_onnx
-    monkeypatch.setattr(calm_onnx, "export_onnx",
+    real = calm_graph.export_onnx
+    monkeypatch.setattr(calm_graph, "export_onnx",
                         lambda *a, **k: real(*a, **{**k, "exporter": "torchscript"}))
     out = tmp_path / "engine"
     assert calm_main(["-q", "export", "--model", str(tiny_llama_untied), "--out", str(out)]) == 0

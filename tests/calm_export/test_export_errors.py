@@ -175,16 +175,16 @@ def test_broken_lora_folder_is_an_artifact_error(tmp_path, tiny_llama_untied):
 
 
 def test_dynamo_failure_falls_back_to_torchscript(tmp_path, tiny_llama_untied, monkeypatch):
-    from calm_export import onnx as onnx_export
+    from calm_export.graphs import calm_graph
 
     def broken(*args, **kwargs):
         raise RuntimeError("torch.export cannot trace this model")
-    monkeypatch.setattr(onnx_export, "_export_dynamo", broken)
+    monkeypatch.setattr(calm_graph, "_export_dynamo", broken)
     result = export_engine(tiny_llama_untied, tmp_path / "engine",
                            config=ExportConfig(progress=False, greedy_steps=4, graph="fused"))
     assert result.manifest.export["exporter_used"] == "torchscript"
-    monkeypatch.setattr(onnx_export, "_export_torchscript", broken)
-    with pytest.raises(onnx_export.OnnxExportError, match="dynamo: .*torchscript: ") as info:
+    monkeypatch.setattr(calm_graph, "_export_torchscript", broken)
+    with pytest.raises(calm_graph.OnnxExportError, match="dynamo: .*torchscript: ") as info:
         export_engine(tiny_llama_untied, tmp_path / "engine2",
                       config=ExportConfig(progress=False, greedy_steps=4, graph="fused"))
     _one_line(info)
@@ -196,7 +196,7 @@ def test_a_failing_builder_falls_back_to_calms_graph_unless_asked_for(tmp_path,
                                                                     monkeypatch):
     """--graph auto: when onnxruntime-genai's builder fails, the engine is calm's own graph
     and the manifest says why; --graph builder: a one-line error and nothing written."""
-    from calm_export import genai_builder
+    from calm_export.graphs import genai_builder
 
     def broken(*args, **kwargs):
         raise genai_builder.BuilderError("onnxruntime-genai's builder failed (test)")
@@ -319,7 +319,7 @@ def test_logits_to_keep_needs_a_recognisable_head(tmp_path):
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    from calm_export.onnx import OnnxExportError, add_logits_to_keep
+    from calm_export.graphs.calm_graph import OnnxExportError, add_logits_to_keep
 
     weight = numpy_helper.from_array(np.ones((4, 10), np.float32), "w")
     graph = helper.make_graph(
@@ -342,7 +342,7 @@ def test_handlers_the_builder_attached_to_its_log_are_dropped():
     import io
     import logging
 
-    from calm_export.genai_builder import _drop_handlers_on
+    from calm_export.graphs.genai_builder import _drop_handlers_on
 
     sink, other = io.StringIO(), io.StringIO()
     library = logging.getLogger("some.builder.library")

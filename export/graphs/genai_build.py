@@ -1,6 +1,7 @@
-"""Run onnxruntime-genai's model builder on a folder (``python -m calm_export.genai_build``).
+"""Run onnxruntime-genai's model builder on a folder
+(``python -m calm_export.graphs.genai_build``).
 
-    python -m calm_export.genai_build SOURCE OUTPUT CACHE [PRECISION] [KEY=VALUE ...]
+    python -m calm_export.graphs.genai_build SOURCE OUTPUT CACHE [PRECISION] [KEY=VALUE ...]
 
 Builds the CPU graph (PRECISION fp32 by default, or int4, ...) of the transformers folder
 SOURCE into OUTPUT, as ``python -m onnxruntime_genai.models.builder`` would. calm-export calls
@@ -12,7 +13,8 @@ The builder's Python API is internal and changes between releases: :func:`main` 
 ``hf_details`` it returns and passes ``windowed_kv_cache``, which older builders do not know.
 So calm drives only the releases it is tested with, :data:`BUILDER_VERSIONS` (the ``genai``
 extra of pyproject.toml pins the same range); :func:`version_problem` says why another one is
-not used, and calm-export's ``--graph auto`` then takes calm's own graph (export/genai_builder.py).
+not used, and calm-export's ``--graph auto`` then takes calm's own graph
+(export/graphs/genai_builder.py).
 
 One adjustment is made to the config the builder reads, where that builder still needs it
 (:func:`rope_needs_flattening`): transformers 5 nests Gemma-3's rotary settings per layer

@@ -16,7 +16,7 @@ changes but the head's weights:
   head: it is an ``Add`` after the head's ``MatMul``, omitted when zero;
 * after a non-linear head (Gemma-2's soft-capping) the calibration is ``Mul`` + ``Add`` on
   the finished logits, as in calm's own graph;
-* ``logits_to_keep`` is added as in calm's own graph (export/onnx.py).
+* ``logits_to_keep`` is added as in calm's own graph (export/graphs/calm_graph.py).
 
 Sliding-window layers keep full-length caches (``windowed_kv_cache=false``; the attention
 masks the window itself), so every layer's cache has the same layout for calm's runtime.
@@ -29,7 +29,7 @@ The engine is validated like every other (export/validate.py, through calm's run
 backend). Where the builder fails, or its graph does not pass, ``--graph auto`` exports
 calm's own graph instead and says why (export/graphs/: where the builder can build is
 decided in graphs/builder.py). calm drives only the builder releases it is tested
-with (``BUILDER_VERSIONS`` in export/genai_build.py, pinned by the ``genai`` extra): with
+with (``BUILDER_VERSIONS`` in graphs/genai_build.py, pinned by the ``genai`` extra): with
 another, ``--graph auto`` takes calm's own graph and records why, ``--graph builder`` is a
 one-line error; the manifest's ``export.graph.builder_version`` names the release used.
 """
@@ -47,8 +47,7 @@ import numpy as np
 from calm_runtime.errors import CalmError
 
 from . import genai_build
-from .engine_writer import BUILDER_GRAPH, GENAI_CONFIG
-from .onnx import (
+from .calm_graph import (
     EXTERNAL_DATA_FILE,
     ONNX_FILE,
     add_logits_to_keep,
@@ -56,11 +55,17 @@ from .onnx import (
     graph_opset,
 )
 
-__all__ = ["GRAPH_KIND", "BuilderError", "build_graph"]
+__all__ = ["GENAI_CONFIG", "GRAPH_KIND", "BuilderError", "build_graph"]
 
 logger = logging.getLogger(__name__)
 
-GRAPH_KIND = BUILDER_GRAPH
+#: onnxruntime-genai's config file, which the builder writes and export/engine_writer.py
+#: writes for calm's own graph
+GENAI_CONFIG = "genai_config.json"
+#: ``export.graph.kind`` of onnxruntime-genai's builder graph (packed I/O, no position_ids)
+GRAPH_KIND = "genai-builder"
+
+
 class BuilderError(CalmError):
     """onnxruntime-genai's builder did not produce a graph."""
 
