@@ -188,7 +188,15 @@ def main(argv=None) -> int:
             engines["builder int4"] = derived["builder int4"]
         scores = _engine_quality.quality(engines, args.score)
     servers = _servers(llama, builds) if llama else {}
+    quantized = _quantized(builds)
+    for arm, q in quantized.items():
+        if q.get("gguf_bytes"):
+            ratio = q["bytes"] / q["gguf_bytes"]
+            targets.append({"target": "int4 weights vs the GGUF's (at most 1.25x)", "arm": arm,
+                            "against": "the GGUF file", "ratio_median": ratio,
+                            "ratio_min": ratio, "ratio_max": ratio, "met": ratio <= 1.25})
     section = {"command": command_line("engines.py", argv), "commit": git_commit(),
+               "quantized": quantized,
                "scores": scores, "score_data": args.score, "servers": servers,
                "created": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                "model": args.model, "rounds": args.rounds, "long_rounds": args.long_rounds,
@@ -204,6 +212,27 @@ def main(argv=None) -> int:
     (out / f"{STEM}.md").write_text(render(result))
     print(render(result))
     return 0
+
+
+def _quantized(builds: dict) -> dict:
+    """For each calm int8/int4 arm, what ``calm-export`` measured and wrote in its manifest:
+    top-1 agreement with the fp32 graph over its drift positions, the weights' bytes and,
+    for an engine carrying a GGUF's blocks, the GGUF's bytes."""
+    found = {}
+    for name, build in builds.items():
+        manifest = Path(build["path"]) / "calm_engine.json"
+        if not name.startswith("calm") or build.get("runner") or not manifest.is_file():
+            continue
+        export = json.loads(manifest.read_text())["export"]
+        for precision in ("int8", "int4"):
+            facts = export.get(precision)
+            if facts:
+                blocks = facts.get("blocks") or {}
+                found[name] = {"precision": precision, "bytes": facts["bytes"],
+                               "top1_agreement": facts["drift"]["greedy_agreement"],
+                               "positions": facts["drift"]["positions"],
+                               "gguf_bytes": blocks.get("gguf_bytes")}
+    return found
 
 
 def _paired(values: list[float], against: list[float]) -> dict:
@@ -452,6 +481,17 @@ def _render_model(model: str, result: dict) -> list[str]:
     for target in result["targets"]:
         lines.append(f"| {target['target']} | {target['arm']} | {target['against']} | "
                      f"{_ratio(target)} | {'yes' if target['met'] else 'no'} |")
+    if result.get("quantized"):
+        lines += ["", "What `calm-export` measured for each quantised engine (its manifest: "
+                  "top-1 agreement with the fp32 graph at every position of its drift prompts; "
+                  "the weights' size, and the GGUF's where the engine carries its blocks):", "",
+                  "| arm | precision | top-1 agreement | positions | weights MB | GGUF MB | "
+                  "weights / GGUF |", "|---|---|---|---|---|---|---|"]
+        for arm, q in result["quantized"].items():
+            gguf, size = q.get("gguf_bytes"), q["bytes"]
+            against = f"{gguf / 1e6:.1f} | {size / gguf:.2f}x" if gguf else "- | -"
+            lines.append(f"| {arm} | {q['precision']} | {q['top1_agreement']:.3f} | "
+                         f"{q['positions']} | {size / 1e6:.1f} | {against} |")
     if result.get("scores"):
         lines += ["", f"What the precision costs on {result['score_data']} (cloze, `calm score`'s "
                   "metrics through each engine, calm's runtime) and at every position of six "
