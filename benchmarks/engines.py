@@ -221,7 +221,8 @@ def _quantized(builds: dict) -> dict:
     found = {}
     for name, build in builds.items():
         manifest = Path(build["path"]) / "calm_engine.json"
-        if not name.startswith("calm") or build.get("runner") or not manifest.is_file():
+        if (not name.startswith("calm") or build.get("runner") or not build.get("seconds")
+                or not manifest.is_file()):  # derived engines and genai's copies: not built
             continue
         export = json.loads(manifest.read_text())["export"]
         for precision in ("int8", "int4"):
