@@ -319,8 +319,8 @@ def _carry_embeddings(graph, source: _Source, packed) -> list[CarriedNode]:
             nodes.append(node)
             continue
         q = _pack(blocks)
-        shared = next((p for p in packed if p[1].shape == q.shape and np.array_equal(p[1], q)),
-                      None)
+        shared = next((p for p in packed if p[1] == q.shape
+                       and np.array_equal(numpy_helper.to_array(inits[p[0]]), q)), None)
         tag = node.name.strip("/").replace("/", "_") or name
         q_name = shared[0] if shared else f"{tag}.gguf_q"
         s_name = f"{tag}.gguf_scales3d"
@@ -405,7 +405,7 @@ def carry_gguf_blocks(model, reader) -> list[CarriedNode]:
              for v in [*graph.value_info, *graph.input, *graph.output]
              if v.type.tensor_type.HasField("shape")}
     report, new_nodes, new_inits, dropped = [], [], [], set()
-    packed: list[tuple[str, np.ndarray, str, np.ndarray]] = []  # (B, its bytes, scales, scales)
+    packed: list[tuple[str, tuple, str, np.ndarray]] = []  # (B, its shape, scales, their values)
     prologue = []  # nodes of constants only, first in the graph
     for node in list(graph.node):
         weight_name = node.input[1] if node.op_type == "MatMul" and len(node.input) == 2 else None
@@ -436,7 +436,8 @@ def carry_gguf_blocks(model, reader) -> list[CarriedNode]:
         n, k_in = weight.shape
         tag = node.name.strip("/").replace("/", "_") or weight_name
         b_name, s_name = f"{tag}.gguf_q", f"{tag}.gguf_scales"
-        new_inits.append(numpy_helper.from_array(_pack(blocks), b_name))
+        q = _pack(blocks)
+        new_inits.append(numpy_helper.from_array(q, b_name))
         scales = blocks.scale.reshape(-1)
         if np.array_equal(scales.astype(np.float16).astype(np.float32), scales):
             # float16 on disk where that is lossless (the GGUF's own fp16 scales, Q8_0's,
@@ -446,7 +447,7 @@ def carry_gguf_blocks(model, reader) -> list[CarriedNode]:
                                              to=TensorProto.FLOAT, name=f"{tag}/gguf_scales"))
         else:
             new_inits.append(numpy_helper.from_array(scales, s_name))
-        packed.append((b_name, _pack(blocks), s_name, blocks.scale))
+        packed.append((b_name, q.shape, s_name, blocks.scale))
         out = node.output[0]
         main_out = out if blocks.minimum is None else f"{tag}.gguf_scaled"
         new_nodes.append(helper.make_node(

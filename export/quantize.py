@@ -165,8 +165,8 @@ def quantize_int4(source: Path, target: Path, config, *, external: bool,
     with source_gguf(gguf_spec, source.parent) as path:
         check_gguf_layout(path)  # before gguf's reader believes its counts
         report = carry_gguf_blocks(model, gguf.GGUFReader(path))
-        rotary = compact_rotary_caches(model)
         gguf_name, gguf_bytes = path.name, path.stat().st_size
+    rotary = compact_rotary_caches(model)  # the graph's own tables: the GGUF is not needed
     tables = [r for r in report if r.embedding]
     report = [r for r in report if not r.embedding]
     carried = [r for r in report if r.reason is None]
