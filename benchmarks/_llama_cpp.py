@@ -19,8 +19,10 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-#: the server workload: clients x requests completions of TOKENS greedy tokens each
-CLIENTS, REQUESTS, TOKENS = 8, 6, 16
+#: the server workloads: (concurrent clients, completions per client) for each answer length
+#: (greedy, end-of-sequence ignored so that every server writes the same number of tokens)
+WORKLOADS = ((1, 8), (8, 2), (32, 1))
+TOKENS = (16, 128)
 
 
 def binaries(folder: str | Path) -> dict[str, Path]:
@@ -79,48 +81,66 @@ def _wait(url: str, process: subprocess.Popen, seconds: float = 300) -> None:
     raise RuntimeError(f"{url} did not answer within {seconds:.0f} s")
 
 
-def load(command: list[str], port: int, prompts: list[str], model: str) -> dict:
-    """Start a server (``command``, listening on ``port``), send CLIENTS concurrent clients x
-    REQUESTS greedy completions of TOKENS tokens, stop it; generated tokens per second."""
+def load(command: list[str], port: int, prompts: list[str], model: str,
+         workloads=WORKLOADS, lengths=TOKENS) -> list[dict]:
+    """Start a server (``command``, listening on ``port``) and, for each answer length and
+    each ``(clients, requests)`` workload, send ``clients`` concurrent clients x ``requests``
+    greedy completions of exactly that many tokens (``ignore_eos``); stop it. Per workload:
+    generated tokens, wall seconds, tokens/s and requests/s."""
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
+    results = []
     try:
         _wait(f"{base}/health", process)
         _post(f"{base}/v1/completions", {"model": model, "prompt": prompts[0],
                                          "max_tokens": 2, "temperature": 0})  # warm
+        for tokens in lengths:
+            for clients, requests in workloads:
+                def client(index: int, clients=clients, requests=requests,
+                           tokens=tokens) -> int:
+                    made = 0
+                    for r in range(requests):
+                        prompt = prompts[(index * requests + r) % len(prompts)]
+                        answer = _post(f"{base}/v1/completions", {
+                            "model": model, "prompt": prompt, "max_tokens": tokens,
+                            "temperature": 0, "ignore_eos": True})
+                        made += int(answer["usage"]["completion_tokens"])
+                    return made
 
-        def client(index: int) -> int:
-            tokens = 0
-            for r in range(REQUESTS):
-                prompt = prompts[(index * REQUESTS + r) % len(prompts)]
-                answer = _post(f"{base}/v1/completions", {
-                    "model": model, "prompt": prompt, "max_tokens": TOKENS, "temperature": 0})
-                tokens += int(answer["usage"]["completion_tokens"])
-            return tokens
-
-        started = time.perf_counter()
-        with concurrent.futures.ThreadPoolExecutor(CLIENTS) as pool:
-            tokens = sum(pool.map(client, range(CLIENTS)))
-        wall = time.perf_counter() - started
+                started = time.perf_counter()
+                with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+                    made = sum(pool.map(client, range(clients)))
+                wall = time.perf_counter() - started
+                results.append({"clients": clients, "requests": clients * requests,
+                                "max_tokens": tokens, "tokens": made, "seconds": wall,
+                                "tokens_per_s": made / wall,
+                                "requests_per_s": clients * requests / wall})
     finally:
         process.terminate()
         try:
             process.wait(30)
         except subprocess.TimeoutExpired:
             process.kill()
-    return {"tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall,
-            "clients": CLIENTS, "requests": CLIENTS * REQUESTS, "max_tokens": TOKENS}
+    return results
 
 
-def llama_server(binary: Path, gguf: Path, prompts: list[str], threads: int) -> dict:
+def _slots() -> int:
+    return max(clients for clients, _ in WORKLOADS)
+
+
+def llama_server(binary: Path, gguf: Path, prompts: list[str], threads: int) -> list[dict]:
+    """``llama-server -np N`` (N = the most concurrent clients, 1,024 tokens of context
+    each) under :func:`load`."""
     port = _free_port()
     return load([str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-                 "-np", str(CLIENTS), "-t", str(threads), "-c", str(CLIENTS * 1024)],
+                 "-np", str(_slots()), "-t", str(threads), "-c", str(_slots() * 1024)],
                 port, prompts, "model")
 
 
-def calm_serve(engine: Path, prompts: list[str], threads: int) -> dict:
+def calm_serve(engine: Path, prompts: list[str], threads: int) -> list[dict]:
+    """``calm serve`` (batches of up to N rows, N = the most concurrent clients) under
+    :func:`load`."""
     port = _free_port()
     return load([shutil.which("calm") or "calm", "serve", str(engine), "--port",
-                 str(port), "--threads", str(threads), "--max-batch-size", str(CLIENTS), "-q"],
-                port, prompts, Path(engine).name)
+                 str(port), "--threads", str(threads), "--max-batch-size", str(_slots()),
+                 "-q"], port, prompts, Path(engine).name)

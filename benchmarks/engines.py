@@ -24,28 +24,34 @@ nothing measurable, benchmarks/results/latency.md):
 * with ``--llama-cpp DIR``: llama.cpp's ``llama-bench`` (1 thread, one repetition per round)
   on the model's own GGUF and on ``calm-export --format gguf``'s calibrated GGUF (a scalar
   temperature: the head untied at the source's type), and a server load test
-  (benchmarks/_llama_cpp.py: 8 clients x 6 greedy completions of 16 tokens, 2 threads)
-  against ``llama-server -np 8`` and ``calm serve`` on the same prompts;
+  (benchmarks/_llama_cpp.py: 1, 8 and 32 concurrent clients, greedy completions of exactly
+  16 and 128 tokens with ``ignore_eos``, 2 threads) of ``calm serve`` on the int4 engine
+  against ``llama-server -np 32`` on both GGUFs, on the same prompts;
 * transformers ``generate()`` (fp32, ``use_cache``);
 * calm fp32 and calm int4 run by onnxruntime-genai (a copy of the engine folder): the same
   graphs under the builder's runtime, which separates graph from runtime.
 
 Each arm is built once (its wall time is the export time; builds run one at a time on the
 otherwise quiet machine). Then, for ``--rounds`` rounds with the arm order rotated each
-round, every arm runs a 64-token prompt and 64 greedy tokens (decode ms/token), and the
-prefill of a 512-token prompt (time to the first token), on 1 intra-op thread, batch 1; each
-round's figures are divided by the same round's calm fp32 figure and the table gives the
-median ratio (min-max) and the median milliseconds. Long context: calm fp32, calm's own
-graph and builder fp32 decode 16 tokens after prompts of 128, 1,024 and 2,048 tokens.
+round, every engine is loaded anew (where one session's weights land in memory moves its
+speed by a few percent) and every arm runs a 64-token prompt and 64 greedy tokens (decode
+ms/token), and the prefill of a 512-token prompt (time to the first token), on 1 intra-op
+thread, batch 1; each round's figures are divided by the same round's calm fp32 figure and
+the table gives the median ratio (min-max) and the median milliseconds. Long context: calm
+fp32, calm's own graph and builder fp32 decode 16 tokens after prompts of 128, 1,024 and
+2,048 tokens.
 ``targets`` pairs the arms the engine must match (same round): calm fp32 / builder fp32
 decode, calm int4 / builder int4 decode, calm fp32 / builder pruned prefill, the growth of
-decode time from 128 to 2,048 tokens of context, and calm-export's wall time / the
-builder's. Writes ``results/engines.{json,md}`` naming the command and the commit.
+decode time from 128 to 2,048 tokens of context, calm-export's wall time / the builder's,
+and calm serve's wall time / llama-server's on each server workload. The machine's load
+average before the rounds and after the servers is recorded. Writes
+``results/engines.{json,md}`` naming the command and the commit.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -121,12 +127,20 @@ def main(argv=None) -> int:
     for name in ("calm fp32", "calm int4"):  # the same graphs run by onnxruntime-genai
         if name in builds:
             builds[f"{name} run by genai"] = {**builds[name], "runner": "genai"}
-    arms = {name: runner for name, runner in make_runners(builds, folder).items()}
     prompts = _prompts(folder)
-    names = list(arms) + list(llama)
+    names = [n for n in builds if n not in llama] + list(llama)
     raw: dict[str, dict[str, list[float]]] = {n: {"decode": [], "prefill64": [],
                                                    "prefill512": []} for n in names}
+    load_before = os.getloadavg()
+    arms: dict = {}
     for r in range(args.rounds):
+        # every round loads every engine anew: one session's weights can sit a few percent
+        # faster or slower in memory than another's (measured up to 3% between sessions of
+        # the same graph in one process), so a ratio over rounds of one session per arm
+        # would measure where the weights landed
+        arms.clear()
+        gc.collect()
+        arms.update(make_runners(builds, folder))
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
             if name in llama:
@@ -188,6 +202,8 @@ def main(argv=None) -> int:
             engines["builder int4"] = derived["builder int4"]
         scores = _engine_quality.quality(engines, args.score)
     servers = _servers(llama, builds) if llama else {}
+    targets += _server_targets(servers)
+    load_after = os.getloadavg()
     quantized = _quantized(builds)
     for arm, q in quantized.items():
         if q.get("gguf_bytes"):
@@ -199,6 +215,8 @@ def main(argv=None) -> int:
                "quantized": quantized,
                "scores": scores, "score_data": args.score, "servers": servers,
                "created": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+               "load": {"before": [round(x, 2) for x in load_before],
+                        "after": [round(x, 2) for x in load_after]},
                "model": args.model, "rounds": args.rounds, "long_rounds": args.long_rounds,
                "new_tokens": args.new_tokens, "threads": 1, "rows": rows,
                "long_context": {"new_tokens": LONG_NEW_TOKENS, "decode_ms": long_rows,
@@ -333,15 +351,35 @@ def _servers(llama: dict, builds: dict) -> dict:
     from calm_runtime.data.sets import load_dataset
 
     prompts = [cloze_context(r.question) for r in load_dataset("arc-easy:test")[:64]]
-    out = {}
-    for name in ("calm fp32", "calm int4"):
-        out[f"calm serve ({name})"] = _llama_cpp.calm_serve(Path(builds[name]["path"]),
-                                                            prompts, threads=2)
+    out = {"calm serve (calm int4)": _llama_cpp.calm_serve(Path(builds["calm int4"]["path"]),
+                                                           prompts, threads=2)}
     for name, entry in llama.items():
         out[f"llama-server ({name.removeprefix('llama.cpp ')})"] = _llama_cpp.llama_server(
             entry["server"], entry["gguf"], prompts, threads=2)
-    for name, result in out.items():
-        print(f"{name}: {result['tokens_per_s']:.1f} tokens/s", flush=True)
+    for name, results in out.items():
+        print(f"{name}: " + ", ".join(f"{m['clients']}x{m['max_tokens']} "
+                                      f"{m['tokens_per_s']:.1f} tokens/s" for m in results),
+              flush=True)
+    return out
+
+
+def _server_targets(servers: dict) -> list[dict]:
+    """calm serve's wall time over llama-server's (the model's own GGUF) for each workload:
+    the same requests and token counts, so at most 1.00x is at least its requests/s and
+    tokens/s."""
+    calm = servers.get("calm serve (calm int4)")
+    against = next((n for n in servers if n.startswith("llama-server")
+                    and "calibrated" not in n), None)
+    if calm is None or against is None:
+        return []
+    out = []
+    for mine, theirs in zip(calm, servers[against], strict=True):
+        ratio = mine["seconds"] / theirs["seconds"]
+        out.append({"target": f"served, {mine['clients']} clients x {mine['max_tokens']} "
+                              "tokens (wall time)", "arm": "calm serve (calm int4)",
+                    "against": against, "ratio_median": ratio, "ratio_min": ratio,
+                    "ratio_max": ratio, "met": ratio <= 1.0,
+                    "tokens_equal": mine["tokens"] == theirs["tokens"]})
     return out
 
 
@@ -508,14 +546,20 @@ def _render_model(model: str, result: dict) -> list[str]:
                          f"{'-' if agree is None else f'{agree:.3f}'} | "
                          f"{'-' if tv is None else f'{tv:.4f}'} |")
     if result.get("servers"):
-        first = next(iter(result["servers"].values()))
-        lines += ["", f"Servers on the same workload ({first['clients']} concurrent clients, "
-                  f"{first['requests']} greedy completions of at most {first['max_tokens']} "
-                  "tokens over ARC-Easy questions, 2 threads; benchmarks/_llama_cpp.py):", "",
-                  "| server | generated tokens | seconds | tokens/s |", "|---|---|---|---|"]
-        for name, m in result["servers"].items():
-            lines.append(f"| {name} | {m['tokens']} | {m['seconds']:.1f} | "
-                         f"{m['tokens_per_s']:.1f} |")
+        lines += ["", "Servers on the same workloads (greedy completions of exactly N tokens "
+                  "with `ignore_eos`, ARC-Easy questions as prompts, 2 threads; C concurrent "
+                  "clients; benchmarks/_llama_cpp.py):", "",
+                  "| server | clients | tokens each | requests | generated tokens | seconds | "
+                  "requests/s | tokens/s |", "|---|---|---|---|---|---|---|---|"]
+        for name, runs in result["servers"].items():
+            for m in (runs if isinstance(runs, list) else [runs]):
+                lines.append(f"| {name} | {m['clients']} | {m['max_tokens']} | "
+                             f"{m['requests']} | {m['tokens']} | {m['seconds']:.1f} | "
+                             f"{m['requests'] / m['seconds']:.2f} | "
+                             f"{m['tokens_per_s']:.1f} |")
+    if result.get("load"):
+        lines += ["", f"Load average (1, 5, 15 min) before the timed rounds "
+                  f"{result['load']['before']}, after the servers {result['load']['after']}."]
     return lines
 
 

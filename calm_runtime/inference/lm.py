@@ -240,8 +240,8 @@ class CalibratedLM(Judging):
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  seed: int | None = None, stop: str | Sequence[str] = (),
                  top_alternatives: int = 0, chat: bool | None = False,
-                 batch_size: int = 8, raw_logprobs: bool = False
-                 ) -> Generation | list[Generation]:
+                 batch_size: int = 8, raw_logprobs: bool = False,
+                 ignore_eos: bool = False) -> Generation | list[Generation]:
         """Generate from one prompt (returns a :class:`Generation`) or a list (a list).
 
         Greedy when ``temperature == 0`` (the default), else sampled with ``top_k``,
@@ -253,7 +253,8 @@ class CalibratedLM(Judging):
         message in the engine's chat template (``None``: when there is one).
         ``raw_logprobs=True`` adds each token's (and alternative's) raw, uncalibrated
         log-probability (see :attr:`raw_logit_scale`; engines with per-token calibration
-        refuse it).
+        refuse it). ``ignore_eos=True`` decodes past end-of-sequence tokens (a fixed number
+        of tokens, as benchmarks need).
         """
         single = isinstance(prompt, str)
         prompts = [prompt] if single else list(prompt)
@@ -263,7 +264,7 @@ class CalibratedLM(Judging):
                                       label=input_label("prompt", i, len(prompts)))
                    for i, p in enumerate(prompts)]
         settings = self._settings(encoded, max_new_tokens, temperature, top_k, top_p, seed,
-                                  stop, top_alternatives, raw_logprobs)
+                                  stop, top_alternatives, raw_logprobs, ignore_eos)
         size = positive_int(batch_size, "batch_size")
         size = min(size, self.backend.max_batch or size)
         results: list[Generation] = []
@@ -334,7 +335,7 @@ class CalibratedLM(Judging):
 
     def _settings(self, encoded, max_new_tokens, temperature=0.0, top_k=0, top_p=1.0,
                   seed=None, stop=(), top_alternatives=0,
-                  raw_logprobs=False) -> DecodeSettings:
+                  raw_logprobs=False, ignore_eos=False) -> DecodeSettings:
         max_new = positive_int(max_new_tokens, "max_new_tokens")
         top_n = top_alternatives
         if isinstance(top_n, bool) or not isinstance(top_n, (int, np.integer)) or top_n < 0:
@@ -355,7 +356,8 @@ class CalibratedLM(Judging):
                               sampling=SamplingParams(temperature=temperature, top_k=top_k,
                                                       top_p=top_p, seed=seed),
                               stop=stops, top_alternatives=int(top_n),
-                              eos_ids=frozenset(self.tokenizer.eos_token_ids),
+                              eos_ids=(frozenset() if ignore_eos
+                                       else frozenset(self.tokenizer.eos_token_ids)),
                               raw_scale=self.raw_logit_scale if raw_logprobs else None)
 
     def check_prefill(self, n_tokens: int, label: str = "the prompt",
@@ -473,7 +475,7 @@ def _rows(settings: DecodeSettings, part: slice, start: int) -> DecodeSettings:
 
 def _sampling_options(options: dict) -> dict:
     allowed = {"temperature", "top_k", "top_p", "seed", "stop", "top_alternatives",
-               "raw_logprobs"}
+               "raw_logprobs", "ignore_eos"}
     unknown = sorted(set(options) - allowed)
     if unknown:
         raise ConfigError(f"unknown generation option(s) {unknown}; use {sorted(allowed)}")

@@ -79,7 +79,8 @@ class Job:
         seeded = o.get("temperature", 0) > 0 and o.get("seed") is not None
         return (o.get("temperature", 0.0), o.get("top_k", 0), o.get("top_p", 1.0),
                 id(self) if seeded else None, tuple(o.get("stop", ())),
-                o.get("top_alternatives", 0), o.get("raw_logprobs", False))
+                o.get("top_alternatives", 0), o.get("raw_logprobs", False),
+                o.get("ignore_eos", False))
 
 
 class MicroBatcher:

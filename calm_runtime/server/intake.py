@@ -107,6 +107,7 @@ class Intake:
                     "calibrated distribution over the choices"),
                    ("echo", bool(getattr(req, "echo", False)), "echo scores the prompt only"),
                    ("stop", bool(req.stops()), "a choice is answered whole"),
+                   ("ignore_eos", bool(req.ignore_eos), "a choice is answered whole"),
                    ("calm.p_true", req.wants_p_true, "the choice's confidence is its calibrated "
                     "option probability"),
                    ("n", (req.n or 1) > 1, "a choice has one answer")]
@@ -121,7 +122,8 @@ class Intake:
         return {"temperature": 1.0 if req.temperature is None else float(req.temperature),
                 "top_p": 1.0 if req.top_p is None else float(req.top_p),
                 "top_k": req.top_k or 0, "seed": req.seed, "stop": req.stops(),
-                "top_alternatives": top, "raw_logprobs": req.wants_raw}
+                "top_alternatives": top, "raw_logprobs": req.wants_raw,
+                "ignore_eos": bool(req.ignore_eos)}
 
     def check_raw(self, req, logprobs: bool) -> None:
         """Refuse ``calm.raw_logprobs`` without ``logprobs``, with constrained choices, or

@@ -151,6 +151,7 @@ def _document_limits(body: dict, server: ServerState, template_overhead: int) ->
         # a constrained choice is answered whole, with option probabilities only
         {"if": constrained, "then": {"properties": {
             "stream": {"enum": [False, None]}, "stop": absent, "calm": no_p_true,
+            "ignore_eos": {"enum": [False, None]},
             "logprobs": {"enum": [None, False]}, "echo": {"enum": [False, None]},
             "top_logprobs": absent}}},
     ]

@@ -109,6 +109,7 @@ class _Common(_Strict):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
+    ignore_eos: bool | None = False
     seed: int | None = Field(None, ge=0)
     user: str | None = None
     presence_penalty: float | None = 0.0

@@ -60,13 +60,18 @@ def test_the_quality_and_server_tables(engines):
                       "top1_agreement": 1.0, "mean_total_variation": 0.0, "positions": 90},
         "builder int4": {"accuracy": 0.45, "ece": 0.15, "nll": 1.3, "brier": 0.6, "n": 570,
                          "top1_agreement": 0.8, "mean_total_variation": 0.21, "positions": 90}}
-    section["servers"] = {"llama-server (Q4_1 GGUF)": {
-        "tokens": 768, "seconds": 10.0, "tokens_per_s": 76.8, "clients": 8, "requests": 48,
-        "max_tokens": 16}}
+    run = {"tokens": 768, "seconds": 10.0, "tokens_per_s": 76.8, "requests_per_s": 4.8,
+           "clients": 8, "requests": 48, "max_tokens": 16}
+    section["servers"] = {"calm serve (calm int4)": [{**run, "seconds": 8.0}],
+                          "llama-server (Q4_1 GGUF)": [run],
+                          "llama-server (calibrated GGUF)": [{**run, "seconds": 12.0}]}
+    section["targets"] += engines._server_targets(section["servers"])
     text = engines.render({"models": {"smol": section}})
     assert "| builder int4 | 0.450 | 0.150 | 1.300 | 0.800 | 0.2100 |" in text
-    assert "| llama-server (Q4_1 GGUF) | 768 | 10.0 | 76.8 |" in text
-    assert "8 concurrent clients, 48 greedy completions of at most 16 tokens" in text
+    assert "| llama-server (Q4_1 GGUF) | 8 | 16 | 48 | 768 | 10.0 | 4.80 | 76.8 |" in text
+    # calm serve against the model's own GGUF, not the calibrated one
+    assert ("| served, 8 clients x 16 tokens (wall time) | calm serve (calm int4) | "
+            "llama-server (Q4_1 GGUF) | 0.80 (0.80-0.80) | yes |") in text
 
 
 def test_llama_cpp_binaries_are_named_when_missing(tmp_path):

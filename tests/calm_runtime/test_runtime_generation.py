@@ -173,6 +173,53 @@ def test_eos_and_length_finish(lm):
     assert one.finish_reason == "length" and one.token_ids == full.token_ids[:1]
 
 
+def test_ignore_eos_decodes_past_the_end_token(lm, monkeypatch):
+    """``ignore_eos=True`` runs to ``max_new_tokens`` through a token that would end it,
+    with the tokens of a run that never met it."""
+    full = lm.generate(PROMPTS[1], max_new_tokens=6)
+    eos = full.token_ids[2]
+    first = full.token_ids.index(eos)  # at most 2: the run ends early unless told not to
+    monkeypatch.setattr(lm.tokenizer, "eos_token_ids", (eos,))
+    ended = lm.generate(PROMPTS[1], max_new_tokens=6)
+    assert ended.finish_reason == "eos" and ended.token_ids == full.token_ids[:first + 1]
+    kept = lm.generate(PROMPTS[1], max_new_tokens=6, ignore_eos=True)
+    assert kept.finish_reason == "length" and kept.token_ids == full.token_ids
+    assert [t.confidence for t in kept.tokens] == [t.confidence for t in full.tokens]
+
+
+def test_tokens_and_confidences_equal_onnxruntime_genais(runtime_engine, lm):
+    """On the builder's graph, calm's runtime chooses onnxruntime-genai's greedy tokens and
+    each token's confidence is the softmax of the logits genai's own generator computed
+    (float64 here), to float32 rounding: the decode loop, its KV cache and its IO binding
+    change nothing the graph computes."""
+    og = pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed")
+    assert lm.manifest.packed  # the default graph is the builder's
+    prompt = lm.encode_prompt(PROMPTS[0])
+    new = 12
+    model = og.Model(str(runtime_engine[2]))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(prompt) + new, do_sample=False)
+    generator = og.Generator(model, params)
+    generator.append_tokens(np.asarray([prompt], dtype=np.int32))
+    tokens, confidences = [], []
+    while not generator.is_done():
+        generator.generate_next_token()  # runs the last token (if any), then chooses
+        logits = np.asarray(generator.get_output("logits"), dtype=np.float64)[0, -1]
+        token = int(generator.get_next_tokens()[0])
+        p = np.exp(logits - logits.max())
+        tokens.append(token)
+        confidences.append(p[token] / p.sum())
+    settings = DecodeSettings(max_new_tokens=(new,), sampling=SamplingParams(), stop=(),
+                              top_alternatives=0, eos_ids=frozenset())
+    run = GenerationRun(lm.backend, lm.tokenizer, [prompt], settings)
+    for _ in run:
+        pass
+    (got,) = run.results
+    assert len(tokens) == new and got.token_ids == tokens
+    np.testing.assert_allclose([t.confidence for t in got.tokens], confidences, rtol=1e-5,
+                               atol=1e-7)
+
+
 def test_top_alternatives_are_the_most_probable_tokens(lm, runtime_reference_model,
                                                        hf_tokenizer):
     model, adapter = runtime_reference_model

@@ -35,6 +35,19 @@ def _close(a, b, tol=1e-4):
 
 
 # ---------------------------------------------------------------------- answers equal direct calls
+def test_ignore_eos_is_served_as_the_direct_call(client, runtime_lm):
+    """``ignore_eos`` (vLLM's and llama-server's extension) reaches the decode loop: the
+    served answer is the direct call's with the same option, and it differs from one
+    without it only when that one ended at an end-of-sequence token."""
+    out = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=24,
+                                    temperature=0, extra_body={"ignore_eos": True})
+    ref = runtime_lm.generate(PROMPTS[0], max_new_tokens=24, ignore_eos=True)
+    assert out.choices[0].text == ref.text and ref.finish_reason == "length"
+    assert out.usage.completion_tokens == 24
+    plain = runtime_lm.generate(PROMPTS[0], max_new_tokens=24)
+    assert plain.finish_reason == "eos" or plain.token_ids == ref.token_ids
+
+
 def test_completion_matches_direct_call(client, runtime_lm):
     out = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=12, temperature=0,
                                     logprobs=3)

@@ -130,6 +130,7 @@ def test_engine_recorded_mode_and_threshold_are_the_defaults(runtime_engine, run
 @pytest.mark.parametrize(("kwargs", "field"), [
     ({"logprobs": 1}, "logprobs"),
     ({"stop": ["\n"]}, "stop"),
+    ({"extra_body": {"ignore_eos": True}}, "ignore_eos"),
     ({"extra_body": {"calm": {"p_true": True}}}, "calm.p_true"),
     ({"echo": True, "max_tokens": 0}, "echo"),
     ({"max_tokens": 10**9}, "max_tokens"),
