@@ -37,18 +37,21 @@ def binaries(folder: str | Path) -> dict[str, Path]:
     return found
 
 
-def bench(binary: Path, gguf: Path, new_tokens: int) -> dict[str, float]:
-    """One ``llama-bench`` run, 1 thread: decode ms/token over ``new_tokens`` tokens and the
-    prefill ms of 64 and 512 tokens (one repetition; the caller rotates and repeats)."""
-    out = subprocess.run([str(binary), "-m", str(gguf), "-t", "1", "-r", "1", "-p", "64,512",
-                          "-n", str(new_tokens), "-o", "json"], check=True,
+def bench(binary: Path, gguf: Path, new_tokens: int, *, threads: int = 1,
+          prefill: tuple[int, ...] = (64, 512)) -> dict[str, float]:
+    """One ``llama-bench`` run on ``threads`` threads: decode seconds/token over
+    ``new_tokens`` tokens and the prefill seconds of each ``prefill`` length (one
+    repetition; the caller rotates and repeats)."""
+    lengths = ",".join(str(n) for n in prefill) or "0"
+    out = subprocess.run([str(binary), "-m", str(gguf), "-t", str(threads), "-r", "1", "-p",
+                          lengths, "-n", str(new_tokens), "-o", "json"], check=True,
                          capture_output=True, text=True).stdout
     result = {}
     for test in json.loads(out):
         seconds = test["avg_ns"] / 1e9
         if test["n_gen"]:
             result["decode"] = seconds / test["n_gen"]
-        else:
+        elif test["n_prompt"]:
             result[f"prefill{test['n_prompt']}"] = seconds
     return result
 

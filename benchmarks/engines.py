@@ -26,7 +26,8 @@ nothing measurable, benchmarks/results/latency.md):
   temperature: the head untied at the source's type), and a server load test
   (benchmarks/_llama_cpp.py: 1, 8 and 32 concurrent clients, greedy completions of exactly
   16 and 128 tokens with ``ignore_eos``, 2 threads) of ``calm serve`` on the int4 engine
-  against ``llama-server -np 32`` on both GGUFs, on the same prompts;
+  against ``llama-server -np 32`` on both GGUFs, on the same prompts; and calm int4 beside
+  ``llama-bench`` on the model's own GGUF on 2 threads (as many rounds, alternated);
 * transformers ``generate()`` (fp32, ``use_cache``);
 * calm fp32 and calm int4 run by onnxruntime-genai (a copy of the engine folder): the same
   graphs under the builder's runtime, which separates graph from runtime.
@@ -156,6 +157,8 @@ def main(argv=None) -> int:
             raw[name]["prefill512"].append(prefill512)
         print(f"round {r + 1}/{args.rounds}: " + ", ".join(
             f"{n} {raw[n]['decode'][-1] * 1e3:.1f} ms/token" for n in names), flush=True)
+    two_threads = _decode_on_threads(builds, llama, prompts[64], args.rounds,
+                                     args.new_tokens, 2) if llama else {}
     long_arms = tuple(n for n in LONG_ARMS if n in arms)
     long = {n: {c: [] for c in LONG_CONTEXTS} for n in long_arms}
     for r in range(args.long_rounds):
@@ -182,6 +185,10 @@ def main(argv=None) -> int:
         pair = _paired(raw[arm][metric], raw[against][metric])
         targets.append({"target": what, "arm": arm, "against": against, **pair,
                         "met": pair["ratio_median"] <= 1.0})
+    if two_threads:
+        targets.append({"target": f"int4 decode vs llama.cpp, {two_threads['threads']} threads",
+                        "arm": "calm int4", "against": two_threads["against"],
+                        **two_threads["pair"], "met": two_threads["pair"]["ratio_median"] <= 1.0})
     long_rows = {n: {str(c): statistics.median(long[n][c]) * 1e3 for c in LONG_CONTEXTS}
                  for n in long_arms}
     growth = {n: [a / b for a, b in zip(long[n][LONG_CONTEXTS[-1]], long[n][LONG_CONTEXTS[0]],
@@ -219,6 +226,7 @@ def main(argv=None) -> int:
                         "after": [round(x, 2) for x in load_after]},
                "model": args.model, "rounds": args.rounds, "long_rounds": args.long_rounds,
                "new_tokens": args.new_tokens, "threads": 1, "rows": rows,
+               "two_threads": two_threads,
                "long_context": {"new_tokens": LONG_NEW_TOKENS, "decode_ms": long_rows,
                                 "growth": {n: statistics.median(g) for n, g in growth.items()}},
                "targets": targets}
@@ -361,6 +369,32 @@ def _servers(llama: dict, builds: dict) -> dict:
                                       f"{m['tokens_per_s']:.1f} tokens/s" for m in results),
               flush=True)
     return out
+
+
+def _decode_on_threads(builds: dict, llama: dict, prompt: list[int], rounds: int,
+                       new_tokens: int, threads: int) -> dict:
+    """calm int4 and llama.cpp on the model's own GGUF decoding with ``threads`` threads:
+    ``rounds`` alternated rounds, the engine loaded anew each round (as the main rounds)."""
+    from calm_runtime.inference.lm import CalibratedLM
+
+    against = next(n for n in llama if "calibrated" not in n)
+    times: dict[str, list[float]] = {"calm int4": [], against: []}
+    for r in range(rounds):
+        for name in (list(times) if r % 2 == 0 else list(times)[::-1]):
+            if name == against:
+                entry = llama[against]
+                times[name].append(_llama_cpp.bench(entry["bench"], entry["gguf"], new_tokens,
+                                                    threads=threads, prefill=())["decode"])
+                continue
+            lm = CalibratedLM.load(builds["calm int4"]["path"], threads=threads)
+            text = lm.tokenizer.decode(prompt, skip_special_tokens=False)
+            times[name].append(lm.generate(text, new_tokens).timing.per_token_s)
+            lm.close()
+        print(f"{threads}-thread round {r + 1}/{rounds}: " + ", ".join(
+            f"{n} {v[-1] * 1e3:.1f} ms/token" for n, v in times.items()), flush=True)
+    return {"threads": threads, "against": against,
+            "decode_ms": {n: statistics.median(v) * 1e3 for n, v in times.items()},
+            "pair": _paired(times["calm int4"], times[against])}
 
 
 def _server_targets(servers: dict) -> list[dict]:
@@ -514,6 +548,11 @@ def _render_model(model: str, result: dict) -> list[str]:
     for arm, values in long["decode_ms"].items():
         lines.append(f"| {arm} | " + " | ".join(f"{values[c]:.1f}" for c in contexts)
                      + f" | {long['growth'][arm]:.2f} |")
+    two = result.get("two_threads")
+    if two:
+        lines += ["", f"Decode on {two['threads']} threads ({result['rounds']} alternated "
+                  "rounds, ms/token, median): " + ", ".join(
+                      f"{n} {ms:.1f}" for n, ms in two["decode_ms"].items()) + "."]
     lines += ["", "Targets (calm / the builder, paired by round; met when at most 1.00x, the "
               "export time at most 2x):", "", "| target | calm arm | against | ratio | met |",
               "|---|---|---|---|---|"]

@@ -258,6 +258,11 @@ def _outputs_lines(outputs: dict) -> list[str]:
         for key, label in names.items())]
 
 
+def _interval(drift: dict) -> str:
+    low, high = drift.get("greedy_agreement_interval") or (None, None)
+    return "" if low is None else f" (95% interval {low:.1%}-{high:.1%})"
+
+
 def _blocks_line(facts: dict, blocks: dict) -> str:
     """What a GGUF-blocks engine carried and its size against the GGUF it came from."""
     tables = []
@@ -286,7 +291,8 @@ def _variant_lines(manifest) -> list[str]:
                if name in ("int8", "int4") else "float16 weights and KV cache")
         lines.append(f"{name} ({how}): {facts['bytes'] / 1e6:.1f} MB (fp32 "
                      f"{facts['fp32_bytes'] / 1e6:.1f} MB); vs fp32 over {drift['positions']} "
-                     f"positions: top-1 agreement {drift['greedy_agreement']:.1%}, mean TV "
+                     f"positions: top-1 agreement {drift['greedy_agreement']:.1%}"
+                     + _interval(drift) + ", mean TV "
                      f"{drift['mean_total_variation']:.4f}, max |dp| "
                      f"{drift['max_prob_change']:.3g}")
         blocks = facts.get("blocks") or {}

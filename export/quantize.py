@@ -68,10 +68,42 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 #: Plain text, code and a list, beside the validation prompts, so the drift covers text
-#: the model continues fluently as well as the scoring formats.
+#: the model continues fluently as well as the scoring formats. The four passages give the
+#: measure its positions (about a thousand on SmolLM2 with the validation prompts and the
+#: greedy steps; at 400 positions, engines with the very same weights read 97.8% to 99.3%
+#: top-1 agreement); the last two prompts also run as a padded batch of two.
 DRIFT_PROMPTS = (
     "Once upon a time, in a small village by the sea, there lived an old fisherman who",
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+    "The lighthouse keeper kept a notebook of the weather. Every morning at six he wrote "
+    "down the direction of the wind, the height of the waves and the colour of the sky, and "
+    "every evening he read the entries for the same day in earlier years. Over forty winters "
+    "the notebook had grown into a shelf of notebooks, and the shelf had become a kind of "
+    "memory that the village trusted more than the radio. When the fishermen asked whether "
+    "the boats should go out, he would open three or four of the old books, compare the "
+    "pages, and give an answer that was right more often than it was wrong. He never said "
+    "he was certain; he said only how often a morning like this one had",
+    "A hash table stores pairs of keys and values in an array of buckets. To insert a pair, "
+    "the table computes a hash of the key, reduces it modulo the number of buckets, and "
+    "places the pair in the bucket at that index. Two keys can land in the same bucket; "
+    "this is called a collision, and it is usually handled either by keeping a short list "
+    "in each bucket or by probing the following buckets until an empty one is found. As "
+    "the table fills, collisions become more frequent and lookups slow down, so most "
+    "implementations grow the array and move every pair to its new bucket when",
+    "Q: Why does ice float on water?\nA: Because water expands when it freezes. The "
+    "molecules in ice are held in an open lattice by hydrogen bonds, so ice is about nine "
+    "percent less dense than liquid water.\nQ: What would happen if ice sank?\nA: Lakes "
+    "would freeze from the bottom up. Each winter's ice would collect on the lake bed, "
+    "where the summer's warmth reaches it slowly.\nQ: Do other substances expand when they "
+    "freeze?\nA:",
+    "import json\n\n\ndef load_records(path):\n    \"\"\"Read one JSON object per line, "
+    "skipping blank lines.\"\"\"\n    records = []\n    with open(path, encoding=\"utf-8\") "
+    "as handle:\n        for number, line in enumerate(handle, start=1):\n            line "
+    "= line.strip()\n            if not line:\n                continue\n            try:\n"
+    "                records.append(json.loads(line))\n            except "
+    "json.JSONDecodeError as error:\n                raise ValueError(f\"{path}:{number}: "
+    "{error}\") from None\n    return records\n\n\ndef count_by_label(records):\n    "
+    "counts = {}\n    for record in records:\n",
     "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is",
     "Photosynthesis is the process by which plants",
 )
@@ -286,6 +318,17 @@ def _positions(case, rollout) -> np.ndarray:
     return np.concatenate([rollout.prefill[:, :-1][real], rollout.next_logits.reshape(-1, vocab)])
 
 
+def wilson_interval(hits: int, n: int, z: float = 1.959964) -> list[float]:
+    """The 95% Wilson score interval of a proportion ``hits / n`` (positions are not
+    independent draws, so read it as the least uncertainty the count carries)."""
+    if n == 0:
+        return [0.0, 1.0]
+    p = hits / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return [float(max(0.0, centre - half)), float(min(1.0, centre + half))]
+
+
 def measure_drift(cases, base, variant) -> dict:
     """How far the variant's next-token distributions are from the fp32 engine's.
 
@@ -303,6 +346,7 @@ def measure_drift(cases, base, variant) -> dict:
         agree.append(zv.argmax(-1) == zb.argmax(-1))
     change, tv, agree = (np.concatenate(x) for x in (change, tv, agree))
     return {"positions": int(agree.size), "greedy_agreement": float(agree.mean()),
+            "greedy_agreement_interval": wilson_interval(int(agree.sum()), int(agree.size)),
             "mean_total_variation": float(tv.mean()), "max_total_variation": float(tv.max()),
             "mean_prob_change": float(change.mean()), "max_prob_change": float(change.max()),
             "max_abs_logit_diff": logit,

@@ -64,9 +64,12 @@ class Case:
     attention_mask: np.ndarray  # [B, S] int64, zeros on the left padding
 
 
-def build_cases(tokenizer, prompts: Sequence[str], pad_id: int) -> list[Case]:
-    """Each prompt alone (batch 1), and the last two together (batch 2, left padding)."""
-    encoded = [list(tokenizer(text, add_special_tokens=True)["input_ids"]) for text in prompts]
+def build_cases(tokenizer, prompts: Sequence[str], pad_id: int,
+                max_tokens: int | None = None) -> list[Case]:
+    """Each prompt alone (batch 1), and the last two together (batch 2, left padding); a
+    prompt longer than ``max_tokens`` keeps its first ``max_tokens`` tokens."""
+    encoded = [list(tokenizer(text, add_special_tokens=True)["input_ids"])[:max_tokens]
+               for text in prompts]
     cases = [_case(f"batch1[{i}]", [ids], pad_id) for i, ids in enumerate(encoded)]
     pair = sorted(encoded[-2:], key=len, reverse=True)
     if len(pair[0]) == len(pair[1]):

@@ -66,7 +66,13 @@ def test_the_quality_and_server_tables(engines):
                           "llama-server (Q4_1 GGUF)": [run],
                           "llama-server (calibrated GGUF)": [{**run, "seconds": 12.0}]}
     section["targets"] += engines._server_targets(section["servers"])
+    section["two_threads"] = {"threads": 2, "against": "llama.cpp Q4_1 GGUF",
+                              "decode_ms": {"calm int4": 9.84, "llama.cpp Q4_1 GGUF": 10.21},
+                              "pair": {"ratio_median": 0.96, "ratio_min": 0.9,
+                                       "ratio_max": 1.01}}
     text = engines.render({"models": {"smol": section}})
+    assert ("Decode on 2 threads (3 alternated rounds, ms/token, median): calm int4 9.8, "
+            "llama.cpp Q4_1 GGUF 10.2.") in text
     assert "| builder int4 | 0.450 | 0.150 | 1.300 | 0.800 | 0.2100 |" in text
     assert "| llama-server (Q4_1 GGUF) | 8 | 16 | 48 | 768 | 10.0 | 4.80 | 76.8 |" in text
     # calm serve against the model's own GGUF, not the calibrated one
