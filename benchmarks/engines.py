@@ -35,18 +35,18 @@ nothing measurable, benchmarks/results/latency.md):
 Each arm is built once (its wall time is the export time; builds run one at a time on the
 otherwise quiet machine). Then, for ``--rounds`` rounds with the arm order rotated each
 round, every engine is loaded anew (where one session's weights land in memory moves its
-speed by a few percent) and every arm runs a 64-token prompt and 64 greedy tokens (decode
-ms/token), and the prefill of a 512-token prompt (time to the first token), on 1 intra-op
-thread, batch 1; each round's figures are divided by the same round's calm fp32 figure and
-the table gives the median ratio (min-max) and the median milliseconds. Long context: calm
-fp32, calm's own graph and builder fp32 decode 16 tokens after prompts of 128, 1,024 and
-2,048 tokens.
-``targets`` pairs the arms the engine must match (same round): calm fp32 / builder fp32
-decode, calm int4 / builder int4 decode, calm fp32 / builder pruned prefill, the growth of
-decode time from 128 to 2,048 tokens of context, calm-export's wall time / the builder's,
-and calm serve's wall time / llama-server's on each server workload. The machine's load
-average before the rounds and after the servers is recorded. Writes
-``results/engines.{json,md}`` naming the command and the commit.
+speed by a few percent) and warmed up with one short call, and every arm runs a 64-token
+prompt and 64 greedy tokens (decode ms/token), and the prefill of a 512-token prompt (time
+to the first token), on 1 intra-op thread, batch 1; each round's figures are divided by the
+same round's calm fp32 figure and the table gives the median ratio (min-max) and the median
+milliseconds. Long context: calm fp32, calm's own graph and builder fp32 decode 16 tokens
+after prompts of 128, 1,024 and 2,048 tokens. ``targets`` pairs the arms the engine must
+match (same round): calm fp32 / builder fp32 decode, calm int4 / builder int4 decode, calm
+fp32 / builder pruned prefill, the growth of decode time from 128 to 2,048 tokens of
+context, calm-export's wall time / the builder's, and calm serve's wall time /
+llama-server's on each server workload. The machine's load average before the rounds and
+after the servers is recorded. Writes ``results/engines.{json,md}`` naming the command and
+the commit.
 """
 
 from __future__ import annotations
@@ -100,6 +100,8 @@ def main(argv=None) -> int:
     parser.add_argument("--llama-cpp", metavar="DIR", default=None,
                         help="a folder with llama.cpp's llama-bench and llama-server binaries: "
                         "adds llama.cpp's rows (benchmarks/_llama_cpp.py)")
+    parser.add_argument("--no-servers", action="store_true",
+                        help="with --llama-cpp, leave the server load test out")
     parser.add_argument("--skip", action="append", default=[], metavar="ARM",
                         help="leave an arm out (repeatable), e.g. 'calm fp32 own graph'")
     parser.add_argument("--render", action="store_true")
@@ -142,6 +144,8 @@ def main(argv=None) -> int:
         arms.clear()
         gc.collect()
         arms.update(make_runners(builds, folder))
+        for run in arms.values():  # a first call pays for what a served engine has done
+            run(prompts[64], 2)  # once (llama-bench warms up the same way)
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
             if name in llama:
@@ -208,7 +212,7 @@ def main(argv=None) -> int:
         if "builder int4" in derived:
             engines["builder int4"] = derived["builder int4"]
         scores = _engine_quality.quality(engines, args.score)
-    servers = _servers(llama, builds) if llama else {}
+    servers = _servers(llama, builds) if llama and not args.no_servers else {}
     targets += _server_targets(servers)
     load_after = os.getloadavg()
     quantized = _quantized(builds)
@@ -388,6 +392,7 @@ def _decode_on_threads(builds: dict, llama: dict, prompt: list[int], rounds: int
                 continue
             lm = CalibratedLM.load(builds["calm int4"]["path"], threads=threads)
             text = lm.tokenizer.decode(prompt, skip_special_tokens=False)
+            lm.generate(text, 2)  # warmed up, as above
             times[name].append(lm.generate(text, new_tokens).timing.per_token_s)
             lm.close()
         print(f"{threads}-thread round {r + 1}/{rounds}: " + ", ".join(
