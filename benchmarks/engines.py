@@ -34,24 +34,24 @@ nothing measurable, benchmarks/results/latency.md):
 
 Each arm is built once (its wall time is the export time; builds run one at a time on the
 otherwise quiet machine). Then, for ``--rounds`` rounds with the arm order rotated each
-round, every engine is loaded anew (where one session's weights land in memory moves its
-speed by a few percent) and warmed up with one short call, and every arm runs a 64-token
-prompt and 64 greedy tokens (decode ms/token), and the prefill of a 512-token prompt (time
-to the first token), on 1 intra-op thread, batch 1; each round's figures are divided by the
-same round's calm fp32 figure and the table gives the median ratio (min-max) and the median
-milliseconds. Long context: calm fp32, calm's own graph and builder fp32 decode 16 tokens
-after prompts of 128, 1,024 and 2,048 tokens. ``targets`` pairs the arms the engine must
-match (same round): calm fp32 / builder fp32 decode, calm int4 / builder int4 decode, calm
-fp32 / builder pruned prefill, the growth of decode time from 128 to 2,048 tokens of
-context, calm-export's wall time / the builder's, and calm serve's wall time /
-llama-server's on each server workload. The machine's load average before the rounds and
-after the servers is recorded. Writes ``results/engines.{json,md}`` naming the command and
-the commit.
+round, every arm is loaded alone for its turn (where one load's weights land in memory moves
+its speed), warmed up with one short call, and runs a 64-token prompt and 64 greedy tokens
+(decode ms/token), and the prefill of a 512-token prompt (time to the first token), on 1
+intra-op thread, batch 1; each round's figures are divided by the same round's calm fp32
+figure and the table gives the median ratio (min-max) and the median milliseconds. Long
+context: calm fp32, calm's own graph and builder fp32 decode 16 tokens after prompts of 128,
+1,024 and 2,048 tokens. ``targets`` pairs the arms the engine must match (same round): calm
+fp32 / builder fp32 decode, calm int4 / builder int4 decode, calm fp32 / builder pruned
+prefill, the growth of decode time from 128 to 2,048 tokens of context, calm-export's wall
+time / the builder's, and calm serve's wall time / llama-server's on each server workload.
+The machine's load average before the rounds and after the servers is recorded. Writes
+``results/engines.{json,md}`` naming the command and the commit.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import logging
@@ -124,6 +124,8 @@ def main(argv=None) -> int:
     builds = build_all(folder, args.model, work, skip=set(args.skip))
     derived = _engine_quality.derive(builds, work)
     for name in ("calm int4 fp32 compute", "calm int4 requantised, head fp32"):
+        if name in args.skip:
+            continue
         builds[name] = {"path": str(derived[name]), "seconds": 0.0, "graph": None,
                         "bytes": sum(p.stat().st_size for p in derived[name].glob("*.onnx*"))}
     llama = _llama_builds(args, work) if args.llama_cpp else {}
@@ -135,17 +137,8 @@ def main(argv=None) -> int:
     raw: dict[str, dict[str, list[float]]] = {n: {"decode": [], "prefill64": [],
                                                    "prefill512": []} for n in names}
     load_before = os.getloadavg()
-    arms: dict = {}
+    copies = _genai_copies(builds)
     for r in range(args.rounds):
-        # every round loads every engine anew: one session's weights can sit a few percent
-        # faster or slower in memory than another's (measured up to 3% between sessions of
-        # the same graph in one process), so a ratio over rounds of one session per arm
-        # would measure where the weights landed
-        arms.clear()
-        gc.collect()
-        arms.update(make_runners(builds, folder))
-        for run in arms.values():  # a first call pays for what a served engine has done
-            run(prompts[64], 2)  # once (llama-bench warms up the same way)
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
             if name in llama:
@@ -154,8 +147,9 @@ def main(argv=None) -> int:
                 decode, prefill64, prefill512 = (times[k] for k in ("decode", "prefill64",
                                                                     "prefill512"))
             else:
-                decode, prefill64 = arms[name](prompts[64], args.new_tokens)
-                _, prefill512 = arms[name](prompts[512], 1)
+                with _loaded(name, builds[name], folder, copies, prompts) as run:
+                    decode, prefill64 = run(prompts[64], args.new_tokens)
+                    _, prefill512 = run(prompts[512], 1)
             raw[name]["decode"].append(decode)
             raw[name]["prefill64"].append(prefill64)
             raw[name]["prefill512"].append(prefill512)
@@ -163,13 +157,14 @@ def main(argv=None) -> int:
             f"{n} {raw[n]['decode'][-1] * 1e3:.1f} ms/token" for n in names), flush=True)
     two_threads = _decode_on_threads(builds, llama, prompts[64], args.rounds,
                                      args.new_tokens, 2) if llama else {}
-    long_arms = tuple(n for n in LONG_ARMS if n in arms)
+    long_arms = tuple(n for n in LONG_ARMS if n in builds)
     long = {n: {c: [] for c in LONG_CONTEXTS} for n in long_arms}
     for r in range(args.long_rounds):
         order = long_arms[r % len(long_arms):] + long_arms[:r % len(long_arms)]
         for name in order:
-            for context in LONG_CONTEXTS:
-                long[name][context].append(arms[name](prompts[context], LONG_NEW_TOKENS)[0])
+            with _loaded(name, builds[name], folder, copies, prompts) as run:
+                for context in LONG_CONTEXTS:
+                    long[name][context].append(run(prompts[context], LONG_NEW_TOKENS)[0])
         print(f"long-context round {r + 1}/{args.long_rounds}: " + ", ".join(
             f"{n} {long[n][2048][-1] * 1e3:.1f} ms/token at 2048" for n in long_arms),
             flush=True)
@@ -423,21 +418,41 @@ def _server_targets(servers: dict) -> list[dict]:
 
 
 # ---------------------------------------------------------------------- running
-def make_runners(builds: dict, folder: Path) -> dict:
-    runners = {}
+def _genai_copies(builds: dict) -> dict:
+    """The engine folders onnxruntime-genai runs as copies (its thread settings are written
+    into the copy's genai_config.json), made once per run."""
+    copies = {}
     for name, build in builds.items():
-        if build.get("runner") == "genai":  # a copy: genai's thread settings are written in
+        if build.get("runner") == "genai":
             copy = Path(build["path"]).parent / (Path(build["path"]).name + "-genai-copy")
             shutil.rmtree(copy, ignore_errors=True)
             shutil.copytree(build["path"], copy)
-            runners[name] = _genai_runner(copy)
-        elif name.startswith("calm"):
-            runners[name] = _calm_runner(Path(build["path"]))
-        elif name.startswith("builder"):
-            runners[name] = _genai_runner(Path(build["path"]))
-        else:
-            runners[name] = _transformers_runner(folder)
-    return runners
+            copies[name] = copy
+    return copies
+
+
+@contextlib.contextmanager
+def _loaded(name: str, build: dict, folder: Path, copies: dict, prompts: dict):
+    """One arm loaded alone, warmed up with one short call (a first call pays for what a
+    served engine has done once; llama-bench warms up the same way), and dropped after:
+    every arm is measured in the same process state, and where one load's weights land in
+    memory (measured to move the speed of the very same graph by 3% between two sessions
+    of one process, and by more when every arm was loaded at once) is drawn anew each
+    round."""
+    if name in copies:
+        run = _genai_runner(copies[name])
+    elif name.startswith("calm"):
+        run = _calm_runner(Path(build["path"]))
+    elif name.startswith("builder"):
+        run = _genai_runner(Path(build["path"]))
+    else:
+        run = _transformers_runner(folder)
+    run(prompts[64], 2)
+    try:
+        yield run
+    finally:
+        del run
+        gc.collect()
 
 
 def _calm_runner(path: Path):

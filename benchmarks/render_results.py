@@ -455,7 +455,10 @@ def cost_section(latency_head: str, scoring_head: str, load_head: str) -> list[s
                   f"From `benchmarks/results/engines.md`, produced by `{command}`; 1 thread, "
                   "batch 1; ratio = the arm's time over calm fp32's in the same round (median, "
                   "min-max).", "", *tables[0], "",
-                  "Targets (calm over the builder, paired by round):", "", *tables[2], ""]
+                  *[line + "\n" for line in section.splitlines()
+                    if line.startswith("Decode on 2 threads")],
+                  "Targets (calm over the builder and llama.cpp, paired by round; calm serve's "
+                  "wall time over llama-server's):", "", *tables[2], ""]
         if len(tables) > 3:
             quality = ("same positions for every engine (top-1 agreement and mean total "
                        "variation against calm fp32), the builder's own int4 engine and two "
@@ -464,8 +467,9 @@ def cost_section(latency_head: str, scoring_head: str, load_head: str) -> list[s
             lines += ["What the precision costs on ARC-Easy's test part (cloze, `calm "
                       f"score` through each engine; {quality}):", "", *tables[3], ""]
         if len(tables) > 4:
-            lines += ["Servers on the same workload (8 concurrent clients, greedy completions "
-                      "of at most 16 tokens, 2 threads):", "", *tables[4], ""]
+            lines += ["Servers on the same workloads (1, 8 and 32 concurrent clients, greedy "
+                      "completions of exactly 16 and 128 tokens with `ignore_eos`, 2 threads):",
+                      "", *tables[4], ""]
     lines += [f"Scoring speed of `calm fit`/`calm eval` with the torch model and with its "
               f"engine folder as `--model` (`benchmarks/results/scoring.md`, produced by "
               f"{scoring_head}):", "", *md_tables("scoring.md")[0], "",
