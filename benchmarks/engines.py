@@ -150,6 +150,7 @@ def main(argv=None) -> int:
                 with _loaded(name, builds[name], folder, copies, prompts) as run:
                     decode, prefill64 = run(prompts[64], args.new_tokens)
                     _, prefill512 = run(prompts[512], 1)
+                del run  # else the next arm loads beside this one
             raw[name]["decode"].append(decode)
             raw[name]["prefill64"].append(prefill64)
             raw[name]["prefill512"].append(prefill512)
@@ -165,6 +166,7 @@ def main(argv=None) -> int:
             with _loaded(name, builds[name], folder, copies, prompts) as run:
                 for context in LONG_CONTEXTS:
                     long[name][context].append(run(prompts[context], LONG_NEW_TOKENS)[0])
+            del run
         print(f"long-context round {r + 1}/{args.long_rounds}: " + ", ".join(
             f"{n} {long[n][2048][-1] * 1e3:.1f} ms/token at 2048" for n in long_arms),
             flush=True)
@@ -452,7 +454,7 @@ def _loaded(name: str, build: dict, folder: Path, copies: dict, prompts: dict):
         yield run
     finally:
         del run
-        gc.collect()
+        gc.collect()  # the caller drops its own name for it too
 
 
 def _calm_runner(path: Path):
