@@ -8,9 +8,8 @@ asked between decode steps) is dropped the same way, with ``finish_reason="cance
 Timing excludes the time the consumer of a stream spends between tokens.
 
 The prefill obeys the backend's :class:`PrefillBudget` (``backend.prefill_budget``, set by
-:class:`~calm_runtime.inference.lm.CalibratedLM` from ``max_prefill_tokens``): a batch whose
-prefill would not fit one pass, or whose rows' lengths spread wider than
-:data:`LENGTH_SPREAD`, is cut into groups of rows (longest first, each group left-padded to
+:class:`~calm_runtime.inference.lm.CalibratedLM` from ``max_prefill_tokens``): a batch whose prefill
+would not fit one pass is cut into groups of rows (longest first, each group left-padded to
 its own longest row), a row that does not fit alone is prefilled in pieces of positions on
 top of its own KV cache, and the groups' caches are put back together in the callers' row
 order (``backend.assemble``) before decoding. A prompt that cannot fit even alone is refused
@@ -38,8 +37,7 @@ from calm_runtime.inference.sampling import (
 from calm_runtime.inference.tokenization import EngineTokenizer, IncrementalDecoder
 
 __all__ = ["GenerationRun", "left_pad", "initial_positions", "PrefillBudget", "prefill", "release",
-           "DEFAULT_MAX_PREFILL_TOKENS", "PREFILL_BYTES_PER_TOKEN", "ATTENTION_BUFFERS",
-           "LENGTH_SPREAD"]
+           "DEFAULT_MAX_PREFILL_TOKENS", "PREFILL_BYTES_PER_TOKEN", "ATTENTION_BUFFERS"]
 
 #: ``max_prefill_tokens`` by default (``calm serve --max-prefill-tokens``): the most tokens
 #: (rows x padded positions) one prefill pass takes, as vLLM's ``--max-num-batched-tokens``
@@ -47,10 +45,6 @@ DEFAULT_MAX_PREFILL_TOKENS = 4096
 #: bytes of working set (attention scores and logits) a pass may hold per token of
 #: ``max_prefill_tokens``: 256 MiB at the default
 PREFILL_BYTES_PER_TOKEN = 64 << 10
-#: rows shorter than the longest of their pass by more than this share of it are prefilled
-#: in another pass: a pass computes every row at its longest row's length (left padding),
-#: and a packed graph's head projects each row from the shortest row's last position on
-LENGTH_SPREAD = 0.25
 #: float32 attention matrices (rows x heads x new x (past + new)) alive at once in a pass of a
 #: graph that materialises them: one prefill of 1,024-3,100 tokens of calm's own graph on ONNX
 #: Runtime's CPU provider grew the process by 4.6x one matrix without the memory arena and
@@ -184,27 +178,23 @@ class PrefillBudget:
 
     def plan(self, lengths: Sequence[int]) -> list[tuple[list[int], int]]:
         """The prefill passes of rows of ``lengths`` tokens: ``(rows, chunk)`` groups, all the
-        rows in one group when they fit one pass (left-padded to the longest) and their
-        lengths are within :data:`LENGTH_SPREAD` of the longest, else groups of rows by
-        decreasing length that each fit one pass within that spread, and rows that fit no
-        pass alone in pieces of ``chunk`` positions. Raises :class:`ConfigError` before any
-        pass when a row cannot be prefilled (see :meth:`check`)."""
+        rows in one group when they fit one pass (left-padded to the longest), else groups of
+        rows by decreasing length that each fit one pass, and rows that fit no pass alone in
+        pieces of ``chunk`` positions. Raises :class:`ConfigError` before any pass when a row
+        cannot be prefilled (see :meth:`check`)."""
         n = len(lengths)
         for i, length in enumerate(lengths):
             self.check(length, "the prompt" if n == 1 else f"prompt {i + 1} of {n}")
         width = max(lengths)
-        if self.fits(n, width) and min(lengths) >= (1 - LENGTH_SPREAD) * width:
+        if self.fits(n, width):
             return [(list(range(n)), width)]
         order = sorted(range(n), key=lambda i: -lengths[i])
         groups: list[list[int]] = []
         for i in order:
-            if groups:
-                longest = lengths[groups[-1][0]]
-                if (self.fits(len(groups[-1]) + 1, longest)
-                        and lengths[i] >= (1 - LENGTH_SPREAD) * longest):
-                    groups[-1].append(i)
-                    continue
-            groups.append([i])
+            if groups and self.fits(len(groups[-1]) + 1, lengths[groups[-1][0]]):
+                groups[-1].append(i)
+            else:
+                groups.append([i])
         return [(rows, self.chunk(lengths[rows[0]])) for rows in groups]
 
 
