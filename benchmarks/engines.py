@@ -613,7 +613,7 @@ def _render_model(model: str, result: dict) -> list[str]:
                   "| server | clients | tokens each | requests | generated tokens | seconds | "
                   "requests/s | tokens/s |", "|---|---|---|---|---|---|---|---|"]
         for name, runs in result["servers"].items():
-            for m in (runs if isinstance(runs, list) else [runs]):
+            for m in runs:
                 lines.append(f"| {name} | {m['clients']} | {m['max_tokens']} | "
                              f"{m['requests']} | {m['tokens']} | {m['seconds']:.1f} | "
                              f"{m['requests'] / m['seconds']:.2f} | "
