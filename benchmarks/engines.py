@@ -34,8 +34,9 @@ nothing measurable, benchmarks/results/latency.md):
 
 Each arm is built once (its wall time is the export time; builds run one at a time on the
 otherwise quiet machine). Then, for ``--rounds`` rounds with the arm order rotated each
-round, every arm is loaded alone for its turn (where one load's weights land in memory moves
-its speed), warmed up with one short call, and runs a 64-token prompt and 64 greedy tokens
+round, every arm runs in a process of its own for its turn (as llama-bench does; where one
+load's weights land in memory moves its speed), is warmed up with one short call, and runs a
+64-token prompt and 64 greedy tokens
 (decode ms/token), and the prefill of a 512-token prompt (time to the first token), on 1
 intra-op thread, batch 1; each round's figures are divided by the same round's calm fp32
 figure and the table gives the median ratio (min-max) and the median milliseconds. Long
@@ -51,8 +52,6 @@ The machine's load average before the rounds and after the servers is recorded. 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import gc
 import json
 import logging
 import os
@@ -105,7 +104,12 @@ def main(argv=None) -> int:
     parser.add_argument("--skip", action="append", default=[], metavar="ARM",
                         help="leave an arm out (repeatable), e.g. 'calm fp32 own graph'")
     parser.add_argument("--render", action="store_true")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # one arm's measurement (JSON)
     args = parser.parse_args(argv)
+    if args.worker:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        print(json.dumps(_worker(json.loads(args.worker))))
+        return 0
     logging.basicConfig(level=logging.WARNING)
     out = HERE / "results"
     path = out / f"{STEM}.json"
@@ -147,26 +151,25 @@ def main(argv=None) -> int:
                 decode, prefill64, prefill512 = (times[k] for k in ("decode", "prefill64",
                                                                     "prefill512"))
             else:
-                with _loaded(name, builds[name], folder, copies, prompts) as run:
-                    decode, prefill64 = run(prompts[64], args.new_tokens)
-                    _, prefill512 = run(prompts[512], 1)
-                del run  # else the next arm loads beside this one
+                (decode, prefill64), (_, prefill512) = _measured(
+                    name, builds[name], folder, copies.get(name),
+                    [(64, args.new_tokens), (512, 1)])
             raw[name]["decode"].append(decode)
             raw[name]["prefill64"].append(prefill64)
             raw[name]["prefill512"].append(prefill512)
         print(f"round {r + 1}/{args.rounds}: " + ", ".join(
             f"{n} {raw[n]['decode'][-1] * 1e3:.1f} ms/token" for n in names), flush=True)
-    two_threads = _decode_on_threads(builds, llama, prompts[64], args.rounds,
+    two_threads = _decode_on_threads(builds, llama, folder, prompts[64], args.rounds,
                                      args.new_tokens, 2) if llama else {}
     long_arms = tuple(n for n in LONG_ARMS if n in builds)
     long = {n: {c: [] for c in LONG_CONTEXTS} for n in long_arms}
     for r in range(args.long_rounds):
         order = long_arms[r % len(long_arms):] + long_arms[:r % len(long_arms)]
         for name in order:
-            with _loaded(name, builds[name], folder, copies, prompts) as run:
-                for context in LONG_CONTEXTS:
-                    long[name][context].append(run(prompts[context], LONG_NEW_TOKENS)[0])
-            del run
+            measured = _measured(name, builds[name], folder, copies.get(name),
+                                 [(c, LONG_NEW_TOKENS) for c in LONG_CONTEXTS])
+            for context, (decode, _) in zip(LONG_CONTEXTS, measured, strict=True):
+                long[name][context].append(decode)
         print(f"long-context round {r + 1}/{args.long_rounds}: " + ", ".join(
             f"{n} {long[n][2048][-1] * 1e3:.1f} ms/token at 2048" for n in long_arms),
             flush=True)
@@ -372,12 +375,10 @@ def _servers(llama: dict, builds: dict) -> dict:
     return out
 
 
-def _decode_on_threads(builds: dict, llama: dict, prompt: list[int], rounds: int,
-                       new_tokens: int, threads: int) -> dict:
+def _decode_on_threads(builds: dict, llama: dict, folder: Path, prompt: list[int],
+                       rounds: int, new_tokens: int, threads: int) -> dict:
     """calm int4 and llama.cpp on the model's own GGUF decoding with ``threads`` threads:
-    ``rounds`` alternated rounds, the engine loaded anew each round (as the main rounds)."""
-    from calm_runtime.inference.lm import CalibratedLM
-
+    ``rounds`` alternated rounds, each in a process of its own (as the main rounds)."""
     against = next(n for n in llama if "calibrated" not in n)
     times: dict[str, list[float]] = {"calm int4": [], against: []}
     for r in range(rounds):
@@ -387,11 +388,8 @@ def _decode_on_threads(builds: dict, llama: dict, prompt: list[int], rounds: int
                 times[name].append(_llama_cpp.bench(entry["bench"], entry["gguf"], new_tokens,
                                                     threads=threads, prefill=())["decode"])
                 continue
-            lm = CalibratedLM.load(builds["calm int4"]["path"], threads=threads)
-            text = lm.tokenizer.decode(prompt, skip_special_tokens=False)
-            lm.generate(text, 2)  # warmed up, as above
-            times[name].append(lm.generate(text, new_tokens).timing.per_token_s)
-            lm.close()
+            times[name].append(_measured(name, builds[name], folder, None,
+                                         [(len(prompt), new_tokens)], threads=threads)[0][0])
         print(f"{threads}-thread round {r + 1}/{rounds}: " + ", ".join(
             f"{n} {v[-1] * 1e3:.1f} ms/token" for n, v in times.items()), flush=True)
     return {"threads": threads, "against": against,
@@ -433,34 +431,40 @@ def _genai_copies(builds: dict) -> dict:
     return copies
 
 
-@contextlib.contextmanager
-def _loaded(name: str, build: dict, folder: Path, copies: dict, prompts: dict):
-    """One arm loaded alone, warmed up with one short call (a first call pays for what a
-    served engine has done once; llama-bench warms up the same way), and dropped after:
-    every arm is measured in the same process state, and where one load's weights land in
-    memory (measured to move the speed of the very same graph by 3% between two sessions
-    of one process, and by more when every arm was loaded at once) is drawn anew each
-    round."""
-    if name in copies:
-        run = _genai_runner(copies[name])
-    elif name.startswith("calm"):
-        run = _calm_runner(Path(build["path"]))
-    elif name.startswith("builder"):
-        run = _genai_runner(Path(build["path"]))
-    else:
-        run = _transformers_runner(folder)
+def _measured(name: str, build: dict, folder: Path, copy: Path | None,
+              calls: list[tuple[int, int]], threads: int = 1) -> list[tuple[float, float]]:
+    """(decode s/token, prefill s) of each (prompt tokens, new tokens) call, run by one arm
+    in a process of its own, loaded and warmed up with one short call first (a first call
+    pays for what a served engine has done once; llama-bench warms up the same way).
+
+    One process per arm and round, as llama-bench is: where one load's weights land in
+    memory moved the speed of the very same graph by 3% between two sessions of one process,
+    and by 6-15% when other arms had been loaded in it before, so no arm inherits another's
+    process state and each round draws the placement anew."""
+    job = {"name": name, "path": str(copy or build["path"]), "folder": str(folder),
+           "runner": ("genai" if copy or name.startswith("builder") else
+                      "calm" if name.startswith("calm") else "transformers"),
+           "calls": calls, "threads": threads}
+    done = subprocess.run([sys.executable, __file__, "--worker", json.dumps(job)], check=True,
+                          stdout=subprocess.PIPE, text=True)
+    return [tuple(x) for x in json.loads(done.stdout.strip().splitlines()[-1])]
+
+
+def _worker(job: dict) -> list[tuple[float, float]]:
+    """The child's side of :func:`_measured`."""
+    folder, path, threads = Path(job["folder"]), Path(job["path"]), job["threads"]
+    run = {"genai": _genai_runner, "calm": _calm_runner,
+           "transformers": _transformers_runner}[job["runner"]](
+               folder if job["runner"] == "transformers" else path, threads)
+    prompts = _prompts(folder)
     run(prompts[64], 2)
-    try:
-        yield run
-    finally:
-        del run
-        gc.collect()  # the caller drops its own name for it too
+    return [run(prompts[context], new_tokens) for context, new_tokens in job["calls"]]
 
 
-def _calm_runner(path: Path):
+def _calm_runner(path: Path, threads: int):
     from calm_runtime.inference.lm import CalibratedLM
 
-    lm = CalibratedLM.load(path, threads=1)
+    lm = CalibratedLM.load(path, threads=threads)
 
     def run(ids: list[int], new_tokens: int) -> tuple[float, float]:
         out = lm.generate(lm.tokenizer.decode(ids, skip_special_tokens=False), new_tokens)
@@ -469,13 +473,13 @@ def _calm_runner(path: Path):
     return run
 
 
-def _genai_runner(path: Path):
+def _genai_runner(path: Path, threads: int):
     import onnxruntime_genai as og
 
     config_path = path / "genai_config.json"
     config = json.loads(config_path.read_text())
     session = config["model"]["decoder"].setdefault("session_options", {})
-    session["intra_op_num_threads"] = 1
+    session["intra_op_num_threads"] = threads
     session["inter_op_num_threads"] = 1
     config_path.write_text(json.dumps(config, indent=2))
     model = og.Model(str(path))
@@ -487,8 +491,13 @@ def _genai_runner(path: Path):
         params.set_search_options(max_length=max(len(ids) + new_tokens, window),
                                   do_sample=False)
         generator = og.Generator(model, params)
+        # append_tokens runs the prompt's pass; the first generate_next_token only picks
+        # the first token from its logits (no pass), every later one runs the previous
+        # token's pass and picks: so the prefill, as calm's, ends with the first token, and
+        # each decode step is one pass and one token
         started = time.perf_counter()
         generator.append_tokens(np.asarray([ids], dtype=np.int32))
+        generator.generate_next_token()
         prefill = time.perf_counter() - started
         steps = 0
         started = time.perf_counter()
@@ -501,11 +510,11 @@ def _genai_runner(path: Path):
     return run
 
 
-def _transformers_runner(folder: Path):
+def _transformers_runner(folder: Path, threads: int):
     import torch
     from transformers import AutoModelForCausalLM
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
 
     def run(ids: list[int], new_tokens: int) -> tuple[float, float]:
