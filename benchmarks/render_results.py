@@ -459,17 +459,30 @@ def cost_section(latency_head: str, scoring_head: str, load_head: str) -> list[s
                     if line.startswith("Decode on 2 threads")],
                   "Targets (calm over the builder and llama.cpp, paired by round; calm serve's "
                   "wall time over llama-server's):", "", *tables[2], ""]
-        if len(tables) > 3:
+        quantized = _table_with(tables, "| arm | precision | top-1 agreement")
+        if quantized:
+            lines += ["What `calm-export` measured for each quantised engine (top-1 agreement "
+                      "with the fp32 graph over its drift prompts; weights against the GGUF):",
+                      "", *quantized, ""]
+        agreement = _table_with(tables, "| engine | top-1 agreement | interval")
+        if agreement:
+            lines += ["Top-1 agreement with the float32 model on the same text and positions, "
+                      "calm's int4 engine beside llama.cpp's own arithmetic on the same GGUF "
+                      "(ARC-Easy's test questions, chunks of 128 tokens, llama-perplexity's "
+                      "KL-divergence mode for llama.cpp):", "", *agreement, ""]
+        scores = _table_with(tables, "| engine | accuracy | ECE")
+        if scores:
             quality = ("same positions for every engine (top-1 agreement and mean total "
                        "variation against calm fp32), the builder's own int4 engine and two "
                        "ablations of calm's int4 among them" if "builder int4" in
-                       "".join(tables[3]) else "drift against the fp32 graph at export")
+                       "".join(scores) else "drift against the fp32 graph at export")
             lines += ["What the precision costs on ARC-Easy's test part (cloze, `calm "
-                      f"score` through each engine; {quality}):", "", *tables[3], ""]
-        if len(tables) > 4:
+                      f"score` through each engine; {quality}):", "", *scores, ""]
+        servers = _table_with(tables, "| server | clients")
+        if servers:
             lines += ["Servers on the same workloads (1, 8 and 32 concurrent clients, greedy "
                       "completions of exactly 16 and 128 tokens with `ignore_eos`, 2 threads):",
-                      "", *tables[4], ""]
+                      "", *servers, ""]
     lines += [f"Scoring speed of `calm fit`/`calm eval` with the torch model and with its "
               f"engine folder as `--model` (`benchmarks/results/scoring.md`, produced by "
               f"{scoring_head}):", "", *md_tables("scoring.md")[0], "",
@@ -477,6 +490,11 @@ def cost_section(latency_head: str, scoring_head: str, load_head: str) -> list[s
               f"(`benchmarks/results/serve_load.md`, produced by {load_head}):", "",
               *md_tables("serve_load.md")[0], ""]
     return lines
+
+
+def _table_with(tables: list[list[str]], header: str) -> list[str]:
+    """The table whose header row begins with ``header`` ([] when none does)."""
+    return next((t for t in tables if t and t[0].startswith(header)), [])
 
 
 def lm_eval_section() -> list[str]:
