@@ -94,3 +94,25 @@ def test_llama_cpp_binaries_are_named_when_missing(tmp_path):
     finally:
         sys.path.remove(str(BENCHMARKS))
         sys.modules.pop("_llama_cpp", None)
+
+
+def test_the_agreement_beside_llama_cpp_and_the_operator_profile(engines):
+    section = _section("smol", 31.9)
+    section["agreement"] = {
+        "text": "arc-easy:test questions and choices", "context": 128, "chunks": 48,
+        "calm int4": {"agreement": 0.9643, "positions": 3024, "interval": [0.957, 0.970]},
+        "llama.cpp Q4_1 GGUF": {"agreement": 0.9630, "positions": 3024, "mean_kld": 0.0036,
+                                "interval": [0.9556, 0.9691]}}
+    section["op_profile"] = {
+        "calm int4": {"MatMulNBits": [9966.0, 151.0], "MatMul": [2214.0, 150.0],
+                      "(model_run)": [20961.0, 1.0]},
+        "calm int4 requantised": {"MatMulNBits": [8800.0, 151.0],
+                                  "(model_run)": [11455.0, 1.0]}}
+    text = engines.render({"models": {"smol": section}})
+    assert "| calm int4 | 0.964 | 0.957-0.970 | 3024 |" in text
+    assert "| llama.cpp Q4_1 GGUF | 0.963 | 0.956-0.969 | 3024 |" in text
+    assert "| operator | calm int4 | calm int4 requantised |" in text
+    assert "| (model_run) | 20961 | 11455 |" in text
+    # an operator one engine does not run reads "-", and the slowest operators come first
+    assert "| MatMul | 2214 (150) | - |" in text
+    assert text.index("| MatMulNBits |") < text.index("| MatMul |")
