@@ -1,0 +1,135 @@
+"""calm's runtime against onnxruntime-genai's generator on the very same engine folder: the
+per-step decode time of each, paired by round, with the power to read a few percent.
+
+    python benchmarks/runtime_ab.py --model smollm2-135m-instruct --rounds 16
+    python benchmarks/runtime_ab.py --model gemma-3-270m --rounds 12
+
+The engine is ``calm-export``'s default fp32 graph (onnxruntime-genai's builder graph with the
+calibration in its head), built as benchmarks/engines.py builds it (and cached with its
+builds); onnxruntime-genai runs a copy of the folder. Each round runs both, in alternating
+order, each in a process of its own (benchmarks/engines.py's worker: loaded, warmed up with
+one short call, then a 64-token prompt and ``--new-tokens`` greedy tokens on 1 thread), and
+divides calm's decode ms/step by genai's. The host's own drift between processes (±10% on
+one arm here) is larger than the difference being judged, so the verdict rests on many
+rounds: the median ratio with a distribution-free 95% interval (order statistics of the
+paired ratios) and the number of rounds calm was faster. Each run adds (or replaces) its
+model's section of ``results/runtime_ab.{json,md}``, naming the command and the commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import time
+from pathlib import Path
+
+import engines
+from _common import command_line, git_commit
+
+HERE = Path(__file__).resolve().parent
+STEM = "runtime_ab"
+ARM, AGAINST = "calm fp32", "calm fp32 run by genai"
+
+
+def median_interval(values: list[float], level: float = 0.95) -> list[float]:
+    """A distribution-free interval for the median of ``values``: the widest-inside order
+    statistics ``(x_(k), x_(n-k+1))`` whose binomial(n, 1/2) coverage is at least ``level``
+    (the whole range when ``n`` is too small for it)."""
+    x, n = sorted(values), len(values)
+    best = [x[0], x[-1]]
+    for k in range(1, n // 2 + 1):
+        coverage = 1 - 2 * sum(math.comb(n, i) for i in range(k)) / 2 ** n
+        if coverage < level:
+            break
+        best = [x[k - 1], x[n - k]]
+    return best
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--rounds", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--render", action="store_true", help="rewrite the .md from the .json")
+    args = parser.parse_args(argv)
+    out = HERE / "results"
+    path = out / f"{STEM}.json"
+    if args.render:
+        (out / f"{STEM}.md").write_text(render(json.loads(path.read_text())))
+        return 0
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from calm_runtime.cli.main import install_named
+    from calm_runtime.data.models import resolve_model
+    from calm_runtime.paths import cache_dir
+
+    install_named([args.model])
+    folder = resolve_model(args.model)
+    work = cache_dir("bench-engines") / Path(str(args.model)).name
+    work.mkdir(parents=True, exist_ok=True)
+    every = {"calm fp32 own graph", "calm int8", "calm int4", "calm int4 requantised",
+             "builder fp32", "builder fp32 pruned head", "builder int4"}
+    # build_all forgets the builds it is told to skip: keep its record for engines.py
+    record = work / "builds.json"
+    kept = record.read_text() if record.is_file() else None
+    build = engines.build_all(folder, args.model, work, skip=every)[ARM]
+    if kept is not None:
+        merged = {**json.loads(kept), ARM: build}
+        record.write_text(json.dumps(merged, indent=2))
+    copy = engines._genai_copies({AGAINST: {**build, "runner": "genai"}})[AGAINST]
+    times: dict[str, list[float]] = {ARM: [], AGAINST: []}
+    load_before = os.getloadavg()
+    for r in range(args.rounds):
+        for name in ((ARM, AGAINST) if r % 2 == 0 else (AGAINST, ARM)):
+            [(decode, _)] = engines._measured(name, build, folder,
+                                              copy if name == AGAINST else None,
+                                              [(64, args.new_tokens)])
+            times[name].append(decode)
+        print(f"round {r + 1}/{args.rounds}: " + ", ".join(
+            f"{n} {v[-1] * 1e3:.1f} ms/step" for n, v in times.items()), flush=True)
+    ratios = [a / b for a, b in zip(times[ARM], times[AGAINST], strict=True)]
+    section = {"command": command_line("runtime_ab.py", argv), "commit": git_commit(),
+               "created": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+               "model": args.model, "rounds": args.rounds, "new_tokens": args.new_tokens,
+               "threads": 1, "arm": ARM, "against": AGAINST,
+               "ms_per_step": {n: [round(v * 1e3, 3) for v in vs] for n, vs in times.items()},
+               "ratios": [round(x, 4) for x in ratios],
+               "ratio_median": statistics.median(ratios),
+               "ratio_interval": median_interval(ratios),
+               "calm_faster_rounds": sum(x < 1 for x in ratios),
+               "load": {"before": [round(x, 2) for x in load_before],
+                        "after": [round(x, 2) for x in os.getloadavg()]}}
+    result = json.loads(path.read_text()) if path.is_file() else {}
+    models = result.get("models", {})
+    models[args.model] = section
+    result = {"models": models}
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    (out / f"{STEM}.md").write_text(render(result))
+    print(render(result))
+    return 0
+
+
+def render(result: dict) -> str:
+    lines = ["# calm's runtime against onnxruntime-genai's on the same engine", "",
+             "Generated by `benchmarks/runtime_ab.py` (one run per model, commands below); do "
+             "not edit by hand. Decode ms per step on 1 thread, batch 1, each arm in a process "
+             "of its own, alternated; ratio = calm's runtime over genai's in the same round, "
+             "median with its distribution-free 95% interval.", "",
+             "| model | command | commit | rounds | calm ms/step | genai ms/step | ratio | "
+             "95% interval | rounds calm faster |", "|---|---|---|---|---|---|---|---|---|"]
+    for model, s in result["models"].items():
+        low, high = s["ratio_interval"]
+        lines.append(
+            f"| {model} | `{s['command']}` | {s['commit']} | {s['rounds']} | "
+            f"{statistics.median(s['ms_per_step'][s['arm']]):.1f} | "
+            f"{statistics.median(s['ms_per_step'][s['against']]):.1f} | "
+            f"{s['ratio_median']:.3f} | {low:.3f}-{high:.3f} | "
+            f"{s['calm_faster_rounds']} of {s['rounds']} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
