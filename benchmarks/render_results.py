@@ -483,6 +483,12 @@ def cost_section(latency_head: str, scoring_head: str, load_head: str) -> list[s
             lines += ["Servers on the same workloads (1, 8 and 32 concurrent clients, greedy "
                       "completions of exactly 16 and 128 tokens with `ignore_eos`, 2 threads):",
                       "", *servers, ""]
+    if (RESULTS / "runtime_ab.md").is_file():
+        lines += ["calm's runtime against onnxruntime-genai's generator on the very same fp32 "
+                  "engine folder, over more rounds than the engines benchmark gives it "
+                  "(`benchmarks/results/runtime_ab.md`; each arm in a process of its own, "
+                  "alternated; the ratio's distribution-free 95% interval):", "",
+                  *md_tables("runtime_ab.md")[0], ""]
     lines += [f"Scoring speed of `calm fit`/`calm eval` with the torch model and with its "
               f"engine folder as `--model` (`benchmarks/results/scoring.md`, produced by "
               f"{scoring_head}):", "", *md_tables("scoring.md")[0], "",

@@ -1,0 +1,47 @@
+"""benchmarks/runtime_ab.py: the median's interval and the report."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture()
+def runtime_ab():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import runtime_ab as module
+
+        yield module
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+        for name in ("runtime_ab", "engines"):
+            sys.modules.pop(name, None)
+
+
+def test_the_median_interval_is_the_order_statistics_of_its_coverage(runtime_ab):
+    values = [float(v) for v in range(1, 17)]  # 16 rounds
+    # binomial(16, 1/2): (x_(4), x_(13)) covers 0.979, (x_(5), x_(12)) only 0.923 < 0.95
+    assert runtime_ab.median_interval(values) == [4.0, 13.0]
+    # too few rounds for 95%: the whole range
+    assert runtime_ab.median_interval([1.0, 2.0, 3.0]) == [1.0, 3.0]
+    # the order of the rounds does not matter
+    assert runtime_ab.median_interval(values[::-1]) == [4.0, 13.0]
+
+
+def test_the_report_names_command_commit_and_verdict(runtime_ab):
+    section = {"command": "python benchmarks/runtime_ab.py --model smol --rounds 4",
+               "commit": "abc1234", "rounds": 4, "arm": "calm fp32",
+               "against": "calm fp32 run by genai",
+               "ms_per_step": {"calm fp32": [30.0, 31.0, 32.0, 33.0],
+                               "calm fp32 run by genai": [31.0, 31.0, 31.0, 31.0]},
+               "ratio_median": 1.0, "ratio_interval": [0.968, 1.065],
+               "calm_faster_rounds": 1}
+    text = runtime_ab.render({"models": {"smol": section}})
+    assert ("| smol | `python benchmarks/runtime_ab.py --model smol --rounds 4` | abc1234 | 4 | "
+            "31.5 | 31.0 | 1.000 | 0.968-1.065 | 1 of 4 |") in text
+    assert "do not edit by hand" in text
