@@ -49,7 +49,10 @@ fp32 / builder fp32 decode, calm int4 / builder int4 decode, calm fp32 / builder
 prefill, the growth of decode time from 128 to 2,048 tokens of context, calm-export's wall
 time / the builder's, calm's runtime / genai's on the same graph, and calm serve's wall time
 / llama-server's on each server workload. ONNX Runtime's profiler splits one decode of calm
-int4 and of calm int4 requantised by operator (what the GGUF's block minima cost).
+int4 and of calm int4 requantised by operator (what the GGUF's block minima cost). Each
+arm's row gives the weights one decode step reads as its runtime holds them
+(:func:`step_weight_bytes`, :func:`gguf_step_bytes`) and the rate that makes of its decode
+time: where a step streams its weights at the machine's bandwidth, the bytes set the time.
 The machine's load average before the rounds and after the servers is recorded. Writes
 ``results/engines.{json,md}`` naming the command and the commit.
 """
@@ -182,7 +185,9 @@ def main(argv=None) -> int:
     for name in names:
         built = llama.get(name) or builds[name]
         row = {"arm": name, "build_seconds": built["seconds"], "bytes": built["bytes"],
-               "graph": built.get("graph")}
+               "graph": built.get("graph"),
+               "step_bytes": (gguf_step_bytes(built["gguf"]) if name in llama else
+                              step_weight_bytes(built["path"]) if built.get("path") else None)}
         for metric in ("decode", "prefill64", "prefill512"):
             row[metric] = _paired(raw[name][metric], raw[REFERENCE_ARM][metric])
             row[metric]["median_ms"] = statistics.median(raw[name][metric]) * 1e3
@@ -273,6 +278,64 @@ def _quantized(builds: dict) -> dict:
                                "positions": facts["drift"]["positions"],
                                "gguf_bytes": blocks.get("gguf_bytes")}
     return found
+
+
+#: operators whose constant inputs are the weights a decode step streams through (an
+#: embedding's Gather reads one row per token and is left out)
+MATRIX_OPS = {"MatMul", "Gemm", "MatMulNBits", "FusedMatMul", "MatMulInteger",
+              "MatMulIntegerToFloat", "DynamicQuantizeMatMul"}
+
+
+def step_weight_bytes(folder: Path) -> int | None:
+    """Bytes of weights one decode step of the engine in ``folder`` reads, as ONNX Runtime
+    holds them: every constant input of a matrix product (MatMulNBits' codes, scales and
+    zero points, the block minima's MatMul, fp32 weights), a float16 constant that a Cast
+    feeds in counted at float32 (ONNX Runtime folds the Cast at load). None where the folder
+    has no ``model.onnx``. A lower bound on the traffic: ONNX Runtime's packed layouts may
+    add to it, the KV cache and activations are not counted."""
+    import onnx
+    from onnx import helper
+
+    path = Path(folder) / "model.onnx"
+    if not path.is_file():
+        return None
+    graph = onnx.load(str(path), load_external_data=False).graph
+    inits = {i.name: i for i in graph.initializer}
+
+    def size(name: str, itemsize: int | None = None) -> int:
+        init = inits[name]
+        count = int(np.prod(init.dims)) if init.dims else 1
+        return count * (itemsize or helper.tensor_dtype_to_np_dtype(init.data_type).itemsize)
+
+    cast = {n.output[0]: (n.input[0], helper.tensor_dtype_to_np_dtype(
+        next(a.i for a in n.attribute if a.name == "to")).itemsize)
+        for n in graph.node if n.op_type == "Cast" and n.input[0] in inits}
+    seen, total = set(), 0
+    for node in graph.node:
+        if node.op_type not in MATRIX_OPS:
+            continue
+        for name in node.input:
+            if name in seen:
+                continue
+            seen.add(name)
+            if name in inits:
+                total += size(name)
+            elif name in cast:
+                total += size(*cast[name])
+    return total
+
+
+def gguf_step_bytes(path: Path) -> int:
+    """Bytes of weights one decode step of llama.cpp on the GGUF at ``path`` reads: every
+    matrix's blocks as stored, the token embedding only where it is also the head (no
+    ``output.weight``)."""
+    import gguf
+
+    tensors = gguf.GGUFReader(str(path)).tensors
+    tied = not any(t.name == "output.weight" for t in tensors)
+    return sum(int(t.n_bytes) for t in tensors
+               if len([d for d in t.shape if d > 1]) >= 2
+               and (tied or t.name != "token_embd.weight"))
 
 
 def _paired(values: list[float], against: list[float]) -> dict:
@@ -691,8 +754,8 @@ def _render_model(model: str, result: dict) -> list[str]:
              f"{result['rounds']} rounds; decode: {result['new_tokens']} greedy tokens after a "
              "64-token prompt.", "",
              "| arm | graph | decode ratio | decode ms/token | prefill 64 ratio | prefill 512 "
-             "ratio | prefill 512 ms | build s | MB |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "ratio | prefill 512 ms | build s | MB | MB read/token | GB/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in result["rows"]:
         graph = (row.get("graph") or {}).get("kind", "builder" if "builder" in row["arm"]
                                                   else "-")
@@ -700,7 +763,14 @@ def _render_model(model: str, result: dict) -> list[str]:
         lines.append(
             f"| {row['arm']} | {graph} | {_ratio(d)} | {d['median_ms']:.1f} | {_ratio(p64)} | "
             f"{_ratio(p512)} | {p512['median_ms']:.0f} | {row['build_seconds']:.0f} | "
-            f"{row['bytes'] / 1e6:.0f} |")
+            f"{row['bytes'] / 1e6:.0f} | {_streamed(row)} |")
+    lines += ["", "MB read/token: the weights one decode step reads, as the runtime holds them "
+              "(ONNX Runtime: every constant input of a matrix product, float16 scales at the "
+              "float32 it casts them to; llama.cpp: the GGUF's matrices as stored, the "
+              "embedding only where it is the head); GB/s = those MB over the decode ms. A "
+              "decode step that streams its weights from memory runs at the machine's "
+              "bandwidth, so where two engines read at the same GB/s their time is in the "
+              "ratio of their MB."]
     long = result["long_context"]
     contexts = list(next(iter(long["decode_ms"].values())))
     lines += ["", f"Long context ({result['long_rounds']} rounds): decode ms/token over "
@@ -794,6 +864,14 @@ def _render_model(model: str, result: dict) -> list[str]:
         lines += ["", f"Load average (1, 5, 15 min) before the timed rounds "
                   f"{result['load']['before']}, after the servers {result['load']['after']}."]
     return lines
+
+
+def _streamed(row: dict) -> str:
+    """``MB | GB/s`` of a row's weights read per decode step (``- | -`` where unknown)."""
+    step = row.get("step_bytes")
+    if not step:
+        return "- | -"
+    return f"{step / 1e6:.1f} | {step / 1e6 / row['decode']['median_ms']:.1f}"
 
 
 def _ratio(m: dict) -> str:

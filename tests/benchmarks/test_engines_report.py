@@ -116,3 +116,66 @@ def test_the_agreement_beside_llama_cpp_and_the_operator_profile(engines):
     # an operator one engine does not run reads "-", and the slowest operators come first
     assert "| MatMul | 2214 (150) | - |" in text
     assert text.index("| MatMulNBits |") < text.index("| MatMul |")
+
+
+def test_step_weight_bytes_counts_what_a_decode_step_streams(engines, tmp_path):
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    f32 = np.float32
+    inits = [numpy_helper.from_array(np.zeros((10, 8), f32), "embedding"),  # Gather: one row
+             numpy_helper.from_array(np.zeros((8, 6), f32), "w"),  # 192 bytes
+             numpy_helper.from_array(np.zeros((6, 1, 16), np.uint8), "codes"),  # 96
+             numpy_helper.from_array(np.zeros(6, np.float16), "scales16"),  # 24 as float32
+             numpy_helper.from_array(np.zeros((1, 6), f32), "minima"),  # 24
+             numpy_helper.from_array(np.zeros(8, f32), "norm")]  # not a matrix product's
+    nodes = [helper.make_node("Gather", ["embedding", "ids"], ["x"]),
+             helper.make_node("Mul", ["x", "norm"], ["xn"]),
+             helper.make_node("MatMul", ["xn", "w"], ["a"]),
+             helper.make_node("MatMul", ["xn", "w"], ["a2"]),  # the same weight, read once
+             helper.make_node("Cast", ["scales16"], ["scales"], to=TensorProto.FLOAT),
+             helper.make_node("MatMulNBits", ["xn", "codes", "scales"], ["b"],
+                              domain="com.microsoft", K=8, N=6, bits=4, block_size=32),
+             helper.make_node("ReduceSum", ["xn"], ["s"], keepdims=1),
+             helper.make_node("MatMul", ["s", "minima"], ["m"])]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, [1])],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("a", "a2", "b",
+                                                                           "m")], inits)
+    onnx.save(helper.make_model(graph), str(tmp_path / "model.onnx"))
+    assert engines.step_weight_bytes(tmp_path) == 192 + 96 + 24 + 24
+    assert engines.step_weight_bytes(tmp_path / "elsewhere") is None
+
+
+def test_gguf_step_bytes_reads_the_embedding_only_as_the_head(engines, tmp_path):
+    import gguf
+    import numpy as np
+
+    def write(name, tensors):
+        writer = gguf.GGUFWriter(str(tmp_path / name), "llama")
+        for key, values in tensors.items():
+            writer.add_tensor(key, values)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        return tmp_path / name
+
+    layers = {"token_embd.weight": np.zeros((16, 32), np.float32),  # 2048 bytes
+              "blk.0.attn_norm.weight": np.zeros(32, np.float32),  # a vector: not a matrix
+              "blk.0.ffn_up.weight": np.zeros((64, 32), np.float32)}  # 8192
+    assert engines.gguf_step_bytes(write("tied.gguf", layers)) == 2048 + 8192
+    untied = {**layers, "output.weight": np.zeros((16, 32), np.float16)}  # 1024
+    assert engines.gguf_step_bytes(write("untied.gguf", untied)) == 1024 + 8192
+
+
+def test_the_table_gives_the_bytes_read_per_token_and_their_rate(engines):
+    section = _section("smol", 31.9)
+    section["rows"][0]["step_bytes"] = 537.9e6  # at the row's 31.9 ms: 16.9 GB/s
+    section["rows"].append({**section["rows"][0], "arm": "transformers generate()",
+                            "step_bytes": None})
+    text = engines.render({"models": {"smol": section}})
+    assert "| MB read/token | GB/s |" in text
+    assert "| 30 | 600 | 537.9 | 16.9 |" in text
+    assert "| 30 | 600 | - | - |" in text
