@@ -585,7 +585,8 @@ def _genai_copies(builds: dict) -> dict:
 
 
 def _measured(name: str, build: dict, folder: Path, copy: Path | None,
-              calls: list[tuple[int, int]], threads: int = 1) -> list[tuple[float, float]]:
+              calls: list[tuple[int, int]], threads: int = 1,
+              runner: str | None = None) -> list[tuple[float, float]]:
     """(decode s/token, prefill s) of each (prompt tokens, new tokens) call, run by one arm
     in a process of its own, loaded and warmed up with one short call first (a first call
     pays for what a served engine has done once; llama-bench warms up the same way).
@@ -593,10 +594,11 @@ def _measured(name: str, build: dict, folder: Path, copy: Path | None,
     One process per arm and round, as llama-bench is: where one load's weights land in
     memory moved the speed of the very same graph by 3% between two sessions of one process,
     and by 6-15% when other arms had been loaded in it before, so no arm inherits another's
-    process state and each round draws the placement anew."""
+    process state and each round draws the placement anew. ``runner`` names the runner
+    where the arm's name does not imply it (``"ort"``: :func:`_ort_runner`)."""
     job = {"name": name, "path": str(copy or build["path"]), "folder": str(folder),
-           "runner": ("genai" if copy or name.startswith("builder") else
-                      "calm" if name.startswith("calm") else "transformers"),
+           "runner": runner or ("genai" if copy or name.startswith("builder") else
+                                "calm" if name.startswith("calm") else "transformers"),
            "calls": calls, "threads": threads}
     done = subprocess.run([sys.executable, __file__, "--worker", json.dumps(job)], check=True,
                           stdout=subprocess.PIPE, text=True)
@@ -648,7 +650,7 @@ def _worker(job: dict):
     if job["runner"] == "profile":
         return _profile_worker(job)
     folder, path, threads = Path(job["folder"]), Path(job["path"]), job["threads"]
-    run = {"genai": _genai_runner, "calm": _calm_runner,
+    run = {"genai": _genai_runner, "calm": _calm_runner, "ort": _ort_runner,
            "transformers": _transformers_runner}[job["runner"]](
                folder if job["runner"] == "transformers" else path, threads)
     prompts = _prompts(folder)
@@ -664,6 +666,58 @@ def _calm_runner(path: Path, threads: int):
     def run(ids: list[int], new_tokens: int) -> tuple[float, float]:
         out = lm.generate(lm.tokenizer.decode(ids, skip_special_tokens=False), new_tokens)
         return out.timing.per_token_s, out.timing.prefill_s
+
+    return run
+
+
+def _ort_runner(path: Path, threads: int):
+    """A bare decode loop on a builder-graph engine folder with ONNX Runtime's Python API and
+    nothing else: the session as calm's runtime opens it, one KV buffer per layer read and
+    written in place through IO binding (as onnxruntime-genai's shared buffer), the logits
+    bound to one buffer, greedy argmax. What any Python runtime on this session pays per
+    step, without calm's probabilities, confidences and text."""
+    import onnxruntime as ort
+
+    config = json.loads((path / "genai_config.json").read_text())["model"]
+    decoder = config["decoder"]
+    layers, heads, size = (decoder["num_hidden_layers"], decoder["num_key_value_heads"],
+                           decoder["head_size"])
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
+    session = ort.InferenceSession(str(path / "model.onnx"), options,
+                                   providers=["CPUExecutionProvider"])
+    logits = ort.OrtValue.ortvalue_from_shape_and_type([1, 1, config["vocab_size"]],
+                                                       np.float32, "cpu", 0)
+    ints = {i.name: np.int32 if i.type == "tensor(int32)" else np.int64
+            for i in session.get_inputs()}
+
+    def run(ids: list[int], new_tokens: int) -> tuple[float, float]:
+        binding = session.io_binding()
+        for layer in range(layers):
+            for kind in ("key", "value"):
+                cache = ort.OrtValue.ortvalue_from_numpy(
+                    np.zeros((1, heads, len(ids) + new_tokens, size), np.float32))
+                binding.bind_ortvalue_input(f"past_key_values.{layer}.{kind}", cache)
+                binding.bind_ortvalue_output(f"present.{layer}.{kind}", cache)
+        started = time.perf_counter()
+        binding.bind_cpu_input("input_ids", np.asarray([ids], dtype=ints["input_ids"]))
+        binding.bind_cpu_input("attention_mask",
+                               np.ones((1, len(ids)), dtype=ints["attention_mask"]))
+        binding.bind_output("logits", "cpu")
+        session.run_with_iobinding(binding)
+        token = int(binding.get_outputs()[0].numpy()[0, -1].argmax())
+        prefill = time.perf_counter() - started
+        binding.bind_ortvalue_output("logits", logits)
+        started = time.perf_counter()
+        for step in range(1, new_tokens):
+            binding.bind_cpu_input("input_ids", np.array([[token]], dtype=ints["input_ids"]))
+            binding.bind_cpu_input("attention_mask", np.ones(
+                (1, len(ids) + step), dtype=ints["attention_mask"]))
+            session.run_with_iobinding(binding)
+            token = int(logits.numpy()[0, -1].argmax())
+        return (time.perf_counter() - started) / max(new_tokens - 1, 1), prefill
 
     return run
 

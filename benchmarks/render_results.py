@@ -489,6 +489,13 @@ def cost_section(latency_head: str, scoring_head: str, load_head: str) -> list[s
                   "(`benchmarks/results/runtime_ab.md`; each arm in a process of its own, "
                   "alternated; the ratio's distribution-free 95% interval):", "",
                   *md_tables("runtime_ab.md")[0], ""]
+        split = md_tables("runtime_ab.md")[1:]
+        if split:
+            lines += ["Where the difference lies, from a third arm in the same rounds: a bare "
+                      "ONNX Runtime loop on the same folder (greedy argmax and nothing else). "
+                      "calm's runtime over it is calm's own per-step work; it over genai's "
+                      "generator is the Python API's process against genai's:", "",
+                      *split[0], ""]
     lines += [f"Scoring speed of `calm fit`/`calm eval` with the torch model and with its "
               f"engine folder as `--model` (`benchmarks/results/scoring.md`, produced by "
               f"{scoring_head}):", "", *md_tables("scoring.md")[0], "",

@@ -6,9 +6,11 @@ per-step decode time of each, paired by round, with the power to read a few perc
 
 The engine is ``calm-export``'s default fp32 graph (onnxruntime-genai's builder graph with the
 calibration in its head), built as benchmarks/engines.py builds it (and cached with its
-builds); onnxruntime-genai runs a copy of the folder. Each round runs both, in alternating
+builds); onnxruntime-genai runs a copy of the folder. Each round runs three arms in rotated
 order, each in a process of its own (benchmarks/engines.py's worker: loaded, warmed up with
-one short call, then a 64-token prompt and ``--new-tokens`` greedy tokens on 1 thread), and
+one short call, then a 64-token prompt and ``--new-tokens`` greedy tokens on 1 thread): calm's
+runtime, genai's generator, and a bare ONNX Runtime loop on the same folder (:data:`BARE`),
+which splits the difference into calm's own per-step work and the process's. The verdict
 divides calm's decode ms/step by genai's. The host's own drift between processes (±10% on
 one arm here) is larger than the difference being judged, so the verdict rests on many
 rounds: the median ratio with a distribution-free 95% interval (order statistics of the
@@ -32,6 +34,11 @@ from _common import command_line, git_commit
 HERE = Path(__file__).resolve().parent
 STEM = "runtime_ab"
 ARM, AGAINST = "calm fp32", "calm fp32 run by genai"
+#: the third arm: a bare ONNX Runtime loop on the same folder (benchmarks/engines.py's
+#: ``_ort_runner``), which splits calm's runtime's cost from the process's
+BARE = "bare onnxruntime loop"
+#: the pairs reported beside the verdict: (numerator, denominator)
+PAIRS = ((ARM, BARE), (BARE, AGAINST))
 
 
 def median_interval(values: list[float], level: float = 0.95) -> list[float]:
@@ -65,13 +72,15 @@ def main(argv=None) -> int:
     folder, work = engines.model_and_work(args.model)
     build = engines.build_all(folder, args.model, work, only={ARM})[ARM]
     copy = engines._genai_copies({AGAINST: {**build, "runner": "genai"}})[AGAINST]
-    times: dict[str, list[float]] = {ARM: [], AGAINST: []}
+    arms = (ARM, AGAINST, BARE)
+    times: dict[str, list[float]] = {name: [] for name in arms}
     load_before = os.getloadavg()
     for r in range(args.rounds):
-        for name in ((ARM, AGAINST) if r % 2 == 0 else (AGAINST, ARM)):
+        for name in arms[r % 3:] + arms[:r % 3]:
             [(decode, _)] = engines._measured(name, build, folder,
                                               copy if name == AGAINST else None,
-                                              [(64, args.new_tokens)])
+                                              [(64, args.new_tokens)],
+                                              runner="ort" if name == BARE else None)
             times[name].append(decode)
         print(f"round {r + 1}/{args.rounds}: " + ", ".join(
             f"{n} {v[-1] * 1e3:.1f} ms/step" for n, v in times.items()), flush=True)
@@ -85,6 +94,7 @@ def main(argv=None) -> int:
                "ratio_median": statistics.median(ratios),
                "ratio_interval": median_interval(ratios),
                "calm_faster_rounds": sum(x < 1 for x in ratios),
+               "pairs": [_pair(times, a, b) for a, b in PAIRS],
                "load": {"before": [round(x, 2) for x in load_before],
                         "after": [round(x, 2) for x in os.getloadavg()]}}
     result = json.loads(path.read_text()) if path.is_file() else {}
@@ -95,6 +105,13 @@ def main(argv=None) -> int:
     (out / f"{STEM}.md").write_text(render(result))
     print(render(result))
     return 0
+
+
+def _pair(times: dict, arm: str, against: str) -> dict:
+    ratios = [a / b for a, b in zip(times[arm], times[against], strict=True)]
+    return {"arm": arm, "against": against, "ratio_median": statistics.median(ratios),
+            "ratio_interval": median_interval(ratios),
+            "below_one": sum(x < 1 for x in ratios)}
 
 
 def render(result: dict) -> str:
@@ -113,6 +130,24 @@ def render(result: dict) -> str:
             f"{statistics.median(s['ms_per_step'][s['against']]):.1f} | "
             f"{s['ratio_median']:.3f} | {low:.3f}-{high:.3f} | "
             f"{s['calm_faster_rounds']} of {s['rounds']} |")
+    split = [(model, s) for model, s in result["models"].items() if s.get("pairs")]
+    if split:
+        lines += ["", f"Where the difference lies: a third arm, {BARE} (ONNX Runtime's Python "
+                  "API on the same folder and session options, the KV cache read and written "
+                  "in place, greedy argmax and nothing else), in the same rotated rounds. "
+                  "calm's runtime over it is what calm's own per-step work costs (the "
+                  "vocabulary's probabilities, the confidence, the text); it over genai's is "
+                  "what the Python API's process costs against onnxruntime-genai's.", "",
+                  "| model | arm | against | ms/step | ratio | 95% interval | rounds below 1 |",
+                  "|---|---|---|---|---|---|---|"]
+        for model, s in split:
+            for p in s["pairs"]:
+                low, high = p["ratio_interval"]
+                lines.append(
+                    f"| {model} | {p['arm']} | {p['against']} | "
+                    f"{statistics.median(s['ms_per_step'][p['arm']]):.1f} | "
+                    f"{p['ratio_median']:.3f} | {low:.3f}-{high:.3f} | "
+                    f"{p['below_one']} of {s['rounds']} |")
     return "\n".join(lines) + "\n"
 
 
