@@ -493,8 +493,9 @@ def cost_section(latency_head: str, scoring_head: str, load_head: str) -> list[s
         if split:
             lines += ["Where the difference lies, from a third arm in the same rounds: a bare "
                       "ONNX Runtime loop on the same folder (greedy argmax and nothing else). "
-                      "calm's runtime over it is calm's own per-step work; it over genai's "
-                      "generator is the Python API's process against genai's:", "",
+                      "calm's runtime over it is what calm adds on the same API (its "
+                      "per-step work and what its loading leaves the process with); it over "
+                      "genai's generator is the Python API's process against genai's:", "",
                       *split[0], ""]
     lines += [f"Scoring speed of `calm fit`/`calm eval` with the torch model and with its "
               f"engine folder as `--model` (`benchmarks/results/scoring.md`, produced by "

@@ -135,9 +135,10 @@ def render(result: dict) -> str:
         lines += ["", f"Where the difference lies: a third arm, {BARE} (ONNX Runtime's Python "
                   "API on the same folder and session options, the KV cache read and written "
                   "in place, greedy argmax and nothing else), in the same rotated rounds. "
-                  "calm's runtime over it is what calm's own per-step work costs (the "
-                  "vocabulary's probabilities, the confidence, the text); it over genai's is "
-                  "what the Python API's process costs against onnxruntime-genai's.", "",
+                  "calm's runtime over it is what calm adds on the same API: its per-step work "
+                  "(the vocabulary's probabilities, the confidence, the text) and whatever its "
+                  "loading leaves the process with; it over genai's is the Python API's "
+                  "process against onnxruntime-genai's.", "",
                   "| model | arm | against | ms/step | ratio | 95% interval | rounds below 1 |",
                   "|---|---|---|---|---|---|---|"]
         for model, s in split:
