@@ -675,7 +675,8 @@ def _ort_runner(path: Path, threads: int):
     nothing else: the session as calm's runtime opens it, one KV buffer per layer read and
     written in place through IO binding (as onnxruntime-genai's shared buffer), the logits
     bound to one buffer, greedy argmax. What any Python runtime on this session pays per
-    step, without calm's probabilities, confidences and text."""
+    step, without calm's probabilities, confidences and text. ``run.tokens``: the tokens
+    its last call chose (to check it against calm's greedy tokens)."""
     import onnxruntime as ort
 
     config = json.loads((path / "genai_config.json").read_text())["model"]
@@ -695,6 +696,7 @@ def _ort_runner(path: Path, threads: int):
 
     def run(ids: list[int], new_tokens: int) -> tuple[float, float]:
         binding = session.io_binding()
+        binding.bind_output("logits", "cpu")  # first: the prompt's logits are output 0
         for layer in range(layers):
             for kind in ("key", "value"):
                 cache = ort.OrtValue.ortvalue_from_numpy(
@@ -705,10 +707,10 @@ def _ort_runner(path: Path, threads: int):
         binding.bind_cpu_input("input_ids", np.asarray([ids], dtype=ints["input_ids"]))
         binding.bind_cpu_input("attention_mask",
                                np.ones((1, len(ids)), dtype=ints["attention_mask"]))
-        binding.bind_output("logits", "cpu")
         session.run_with_iobinding(binding)
         token = int(binding.get_outputs()[0].numpy()[0, -1].argmax())
         prefill = time.perf_counter() - started
+        run.tokens = [token]
         binding.bind_ortvalue_output("logits", logits)
         started = time.perf_counter()
         for step in range(1, new_tokens):
@@ -717,6 +719,7 @@ def _ort_runner(path: Path, threads: int):
                 (1, len(ids) + step), dtype=ints["attention_mask"]))
             session.run_with_iobinding(binding)
             token = int(logits.numpy()[0, -1].argmax())
+            run.tokens.append(token)
         return (time.perf_counter() - started) / max(new_tokens - 1, 1), prefill
 
     return run

@@ -179,3 +179,26 @@ def test_the_table_gives_the_bytes_read_per_token_and_their_rate(engines):
     assert "| MB read/token | GB/s |" in text
     assert "| 30 | 600 | 537.9 | 16.9 |" in text
     assert "| 30 | 600 | - | - |" in text
+
+
+def test_the_bare_onnxruntime_loop_decodes_calms_greedy_tokens(engines, runtime_engine):
+    """runtime_ab's third arm times a real decode: on the builder's graph it chooses the
+    tokens calm's runtime chooses greedily, call after call."""
+    from calm_runtime import CalibratedLM
+    from calm_runtime.inference.generation import DecodeSettings, GenerationRun
+    from calm_runtime.inference.sampling import SamplingParams
+
+    lm = CalibratedLM.load(runtime_engine[2], backend="onnxruntime", threads=1)
+    assert lm.manifest.packed
+    prompt = lm.encode_prompt("Question: What is the capital of France?\nAnswer:")
+    settings = DecodeSettings(max_new_tokens=(8,), sampling=SamplingParams(), stop=(),
+                              top_alternatives=0, eos_ids=frozenset())
+    run = GenerationRun(lm.backend, lm.tokenizer, [prompt], settings)
+    for _ in run:
+        pass
+    (calm,) = run.results
+    bare = engines._ort_runner(Path(runtime_engine[2]), 1)
+    for _ in range(2):  # fresh buffers each call
+        decode, prefill = bare(list(prompt), 8)
+        assert bare.tokens == list(calm.token_ids)
+        assert decode > 0 and prefill > 0
