@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -25,6 +26,19 @@ def rewrite_generated_block(readme: str | Path, start: str, end: str, block: str
     _, tail = rest.split(end, 1)
     path.write_text(head + start + "\n" + block + "\n" + end + tail)
     return True
+
+
+def write_model_section(out: Path, stem: str, model: str, section: dict, render) -> str:
+    """Add (or replace) ``model``'s section of ``out/stem.json``, rewrite ``out/stem.md``
+    with ``render`` and return that text: the results of benchmarks run once per model."""
+    path = Path(out) / f"{stem}.json"
+    models = (json.loads(path.read_text()) if path.is_file() else {}).get("models", {})
+    models[model] = section
+    result = {"models": models}
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    text = render(result)
+    (Path(out) / f"{stem}.md").write_text(text)
+    return text
 
 
 def git_commit() -> str:

@@ -73,7 +73,7 @@ from pathlib import Path
 import _engine_quality
 import _llama_cpp
 import numpy as np
-from _common import command_line, git_commit
+from _common import command_line, git_commit, write_model_section
 
 HERE = Path(__file__).resolve().parent
 STEM = "engines"
@@ -248,13 +248,7 @@ def main(argv=None) -> int:
                "long_context": {"new_tokens": LONG_NEW_TOKENS, "decode_ms": long_rows,
                                 "growth": {n: statistics.median(g) for n, g in growth.items()}},
                "targets": targets}
-    result = json.loads(path.read_text()) if path.is_file() else {}
-    models = result.get("models", {})
-    models[args.model] = section
-    result = {"models": models}
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    (out / f"{STEM}.md").write_text(render(result))
-    print(render(result))
+    print(write_model_section(out, STEM, args.model, section, render))
     return 0
 
 

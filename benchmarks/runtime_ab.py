@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 import engines
-from _common import command_line, git_commit
+from _common import command_line, git_commit, write_model_section
 
 HERE = Path(__file__).resolve().parent
 STEM = "runtime_ab"
@@ -97,13 +97,7 @@ def main(argv=None) -> int:
                "pairs": [_pair(times, a, b) for a, b in PAIRS],
                "load": {"before": [round(x, 2) for x in load_before],
                         "after": [round(x, 2) for x in os.getloadavg()]}}
-    result = json.loads(path.read_text()) if path.is_file() else {}
-    models = result.get("models", {})
-    models[args.model] = section
-    result = {"models": models}
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    (out / f"{STEM}.md").write_text(render(result))
-    print(render(result))
+    print(write_model_section(out, STEM, args.model, section, render))
     return 0
 
 

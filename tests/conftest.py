@@ -459,3 +459,35 @@ def calm_serve_process(engine, *options: str, name: str = "served"):
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+# ------------------------------------------------------------------ benchmark scripts
+#: benchmarks/ is not a package: a test imports a script with that folder on sys.path
+BENCHMARKS = os.path.join(os.path.dirname(_HERE), "benchmarks")
+
+
+@contextlib.contextmanager
+def _benchmark_scripts(*names: str):
+    """``benchmarks/NAME.py`` for each name, imported (one module, or a dict of them by name
+    when several are asked for); afterwards ``benchmarks/`` leaves ``sys.path`` and every
+    script imported meanwhile (those the named ones import too) leaves ``sys.modules``, so
+    the next test imports them afresh."""
+    import importlib
+
+    before = set(sys.modules)
+    sys.path.insert(0, BENCHMARKS)
+    try:
+        modules = {name: importlib.import_module(name) for name in names}
+        yield modules[names[0]] if len(names) == 1 else modules
+    finally:
+        sys.path.remove(BENCHMARKS)
+        for name in set(sys.modules) - before:
+            origin = getattr(sys.modules[name], "__file__", None) or ""
+            if os.path.dirname(os.path.realpath(origin)) == os.path.realpath(BENCHMARKS):
+                sys.modules.pop(name, None)
+
+
+@pytest.fixture(scope="session")
+def benchmark_scripts():
+    """A context manager: ``with benchmark_scripts("engines") as engines: ...``."""
+    return _benchmark_scripts

@@ -5,9 +5,7 @@ CalmConfig default cannot change what an arm runs (an arm that relied on the def
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,13 +23,9 @@ DEFAULTS = {f.name: LEGACY_SETTINGS.get(f.name, f.default) for f in dataclasses.
 
 
 @pytest.fixture(scope="module")
-def scripts():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        yield {name: importlib.import_module(name)
-               for name in ("calm_replication", "calm_decisive")}
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+def scripts(benchmark_scripts):
+    with benchmark_scripts("calm_replication", "calm_decisive") as modules:
+        yield modules
 
 
 def test_replication_arms_pin_every_setting_at_the_recorded_value(scripts):

@@ -3,25 +3,17 @@ test, the paired bootstrap, the verdict rule written before the runs, and the re
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
 
 @pytest.fixture(scope="module")
-def bench():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        yield importlib.import_module("calm_decisive")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+def bench(benchmark_scripts):
+    with benchmark_scripts("calm_decisive") as module:
+        yield module
 
 
 def _questions(n, accuracy, confidence, seed):

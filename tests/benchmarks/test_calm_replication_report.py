@@ -3,9 +3,7 @@ of the default arm and the generated README block, on synthetic per-direction re
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,12 +13,9 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 @pytest.fixture(scope="module")
-def bench():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        yield importlib.import_module("calm_replication")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+def bench(benchmark_scripts):
+    with benchmark_scripts("calm_replication") as module:
+        yield module
 
 
 def _probs(accuracy: float, confidence: float, n: int = 200, seed: int = 0):

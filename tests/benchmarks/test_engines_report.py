@@ -2,24 +2,15 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
 
 @pytest.fixture()
-def engines():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import engines as module
-
+def engines(benchmark_scripts):
+    with benchmark_scripts("engines") as module:
         yield module
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-        sys.modules.pop("engines", None)
 
 
 def _section(model: str, calm_ms: float) -> dict:
@@ -80,20 +71,14 @@ def test_the_quality_and_server_tables(engines):
             "llama-server (Q4_1 GGUF) | 0.80 (0.80-0.80) | yes |") in text
 
 
-def test_llama_cpp_binaries_are_named_when_missing(tmp_path):
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import _llama_cpp
-
+def test_llama_cpp_binaries_are_named_when_missing(benchmark_scripts, tmp_path):
+    with benchmark_scripts("_llama_cpp") as llama_cpp:
         with pytest.raises(SystemExit, match="no llama-bench there"):
-            _llama_cpp.binaries(tmp_path)
+            llama_cpp.binaries(tmp_path)
         for name in ("llama-bench", "llama-server"):
             (tmp_path / "bin").mkdir(exist_ok=True)
             (tmp_path / "bin" / name).write_text("")
-        assert _llama_cpp.binaries(tmp_path)["server"] == tmp_path / "bin" / "llama-server"
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-        sys.modules.pop("_llama_cpp", None)
+        assert llama_cpp.binaries(tmp_path)["server"] == tmp_path / "bin" / "llama-server"
 
 
 def test_the_agreement_beside_llama_cpp_and_the_operator_profile(engines):

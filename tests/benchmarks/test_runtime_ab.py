@@ -2,25 +2,13 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 @pytest.fixture()
-def runtime_ab():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import runtime_ab as module
-
+def runtime_ab(benchmark_scripts):
+    with benchmark_scripts("runtime_ab") as module:
         yield module
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-        for name in ("runtime_ab", "engines"):
-            sys.modules.pop(name, None)
 
 
 def test_the_median_interval_is_the_order_statistics_of_its_coverage(runtime_ab):

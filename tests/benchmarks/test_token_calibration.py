@@ -5,7 +5,6 @@ every fitted temperature, and counts that say what the fit used."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,27 +14,16 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 @pytest.fixture()
-def common():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import _common as module
-
+def common(benchmark_scripts):
+    with benchmark_scripts("_common") as module:
         yield module
-    finally:
-        sys.path.remove(str(BENCHMARKS))
 
 
 @pytest.fixture()
-def bench(common):
+def bench(common, benchmark_scripts):
     pytest.importorskip("torch")
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import token_calibration as module
-
+    with benchmark_scripts("token_calibration") as module:
         yield module
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-        sys.modules.pop("token_calibration", None)
 
 
 def test_cluster_resamples_draw_whole_clusters(common):
