@@ -29,8 +29,9 @@ def rewrite_generated_block(readme: str | Path, start: str, end: str, block: str
 
 
 def write_model_section(out: Path, stem: str, model: str, section: dict, render) -> str:
-    """Add (or replace) ``model``'s section of ``out/stem.json``, rewrite ``out/stem.md``
-    with ``render`` and return that text: the results of benchmarks run once per model."""
+    """Add (or replace) ``model``'s section of the JSON results named ``stem`` in the folder
+    ``out``, rewrite their Markdown beside them with ``render`` and return that text: the
+    results of the benchmarks run once per model."""
     path = Path(out) / f"{stem}.json"
     models = (json.loads(path.read_text()) if path.is_file() else {}).get("models", {})
     models[model] = section
