@@ -62,7 +62,7 @@ def test_two_processes_match_one(tiny_llama_tied, tmp_path):
         command += [f"--{key.replace('_', '-')}", str(value)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT_S,
                           check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, done.stderr[-8000:]
 
     with pytest.MonkeyPatch.context() as patch:  # restores the caller's CALM_CACHE
         patch.setenv("CALM_CACHE", env["CALM_CACHE"])
@@ -86,3 +86,60 @@ def test_two_processes_match_one(tiny_llama_tied, tmp_path):
     for key in ("f", "g", "q", "lam"):
         a, b = ddp.metrics["training"]["last"][key], single.history[-1][key]
         assert a == pytest.approx(b, rel=1e-4, abs=1e-6), key
+
+
+def _late_looker(rank: int, port: int, folder: str, failures) -> None:
+    """One rank of a gloo group of two: rank 0 writes the final checkpoint, rank 1 looks as
+    late as it can (once the checkpoint is on disk, or after 3 s where rank 0 waits for
+    its word first): the order that once left the ranks' barriers paired wrongly."""
+    import time
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from calm_training.calm import checkpoint
+    from calm_training.calm.model import Ranks
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE="2")
+    ranks = Ranks("cpu")
+    state = Path(folder) / "step-000003" / "state.json"
+
+    def save(trainer, where):
+        where.mkdir(parents=True)
+        (where / "state.json").write_text("{}")
+
+    checkpoint.save_checkpoint = save  # this process's own copy of the module
+    trainer = SimpleNamespace(checkpoint_dir=Path(folder), step=3, dist=ranks,
+                              made_final_checkpoint=None)
+    try:
+        if rank == 1:
+            deadline = time.monotonic() + 3
+            while not state.is_file() and time.monotonic() < deadline:
+                time.sleep(0.01)
+        checkpoint.final_checkpoint(trainer)
+        # every rank made it and took the same barriers: one more pairs up, then a sum
+        ranks.barrier()
+        total = ranks.reduce(torch.ones(1)) * 2
+        if trainer.made_final_checkpoint is None or float(total) != 2.0:
+            failures.put(f"rank {rank}: {trainer.made_final_checkpoint} {float(total)}")
+    finally:
+        ranks.close()
+
+
+def test_the_final_checkpoint_is_rank_0s_decision(tmp_path):
+    """Rank 1 finding the checkpoint rank 0 has just written still takes rank 0's barrier."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    failures = context.Queue()
+    port = _free_port()
+    workers = [context.Process(target=_late_looker, args=(rank, port, str(tmp_path), failures))
+               for rank in (0, 1)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(TIMEOUT_S / 2)
+    for worker in workers:
+        worker.kill()  # a rank left waiting on a barrier nobody pairs
+    assert [w.exitcode for w in workers] == [0, 0]
+    assert failures.empty(), failures.get()

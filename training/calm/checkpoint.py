@@ -114,7 +114,9 @@ def final_checkpoint(trainer) -> Path | None:
     if trainer.checkpoint_dir is None:
         return None
     folder = trainer.checkpoint_dir / f"step-{trainer.step:06d}"
-    if not (folder / "state.json").is_file():
+    # rank 0 looks and says: a rank that looked after rank 0 wrote it would skip the
+    # barrier below and leave the ranks' barriers paired wrongly
+    if not trainer.dist.rank0s((folder / "state.json").is_file()):
         if trainer.dist.rank == 0:
             save_checkpoint(trainer, folder)
         trainer.dist.barrier()

@@ -332,15 +332,16 @@ def _peft_key(name: str) -> str:
 
 
 class Ranks:
-    """Rank, world size and the mean-over-ranks reduction (identity in one process)."""
+    """Rank, world size, the mean-over-ranks reduction and rank 0's word (identity in one
+    process)."""
 
-    def __init__(self, device_type: str) -> None:
+    def __init__(self, device) -> None:
         import torch.distributed as dist
 
-        self.dist, self.owned = dist, False
+        self.dist, self.owned, self.device = dist, False, torch.device(device)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world > 1 and not dist.is_initialized():
-            dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+            dist.init_process_group(backend="nccl" if self.device.type == "cuda" else "gloo")
             self.owned = True
         active = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if active else 0
@@ -355,6 +356,16 @@ class Ranks:
     def barrier(self) -> None:
         if self.world > 1:
             self.dist.barrier()
+
+    def rank0s(self, flag: bool) -> bool:
+        """Rank 0's ``flag`` on every rank: a decision that gates a collective (a barrier)
+        must be one decision, not each rank's own look at a file another rank may be
+        writing."""
+        if self.world == 1:
+            return bool(flag)
+        value = torch.tensor([1.0 if flag else 0.0], device=self.device)
+        self.dist.broadcast(value, src=0)
+        return bool(value.item())
 
     def close(self) -> None:
         if self.owned:

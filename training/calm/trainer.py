@@ -99,7 +99,7 @@ def train_calm(config: CalmConfig, out: str | os.PathLike | None, *, resume: boo
     from calm_training.calm.model import Ranks, pick_device
 
     device = pick_device(config)
-    dist = Ranks(device.type)
+    dist = Ranks(device)
     try:
         return _Trainer(config, device, dist, checkpoint_dir).run(out, resume, overwrite,
                                                                   progress)
