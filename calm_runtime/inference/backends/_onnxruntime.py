@@ -406,21 +406,21 @@ class PackedOnnxRuntimeBackend(OnnxRuntimeBackend):
             return (logits[:, -1:] if last_only else logits), state
         mask, real = self._packed.step_inputs(state, attention_mask, position_ids, seq)
         state = self._packed.grown(state, mask.shape[1])
-        binding, logits_value = state.step if state.step is not None else (None, None)
-        if binding is None or logits_value.shape() != [batch, seq, self._vocab]:
+        binding = state.step
+        if binding is None:
             binding = self._session.io_binding()
             for name, present, value in zip(self._past_names, self._outputs[1:],
                                             state.values, strict=True):
                 binding.bind_ortvalue_input(name, value)  # read and written in place
                 binding.bind_ortvalue_output(present, value)
-            logits_value = self._ort.OrtValue.ortvalue_from_shape_and_type(
-                [batch, seq, self._vocab], np.float32, "cpu", 0)
-            binding.bind_ortvalue_output("logits", logits_value)
-            state.step = (binding, logits_value)
+            state.step = binding
+        # each step's logits land in an array of their own, which the caller keeps: no copy
+        logits = np.empty((batch, seq, self._vocab), np.float32)
+        binding.bind_output("logits", "cpu", 0, np.float32, list(logits.shape),
+                            logits.ctypes.data)
         binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids))
         binding.bind_cpu_input("attention_mask", mask)
         self._session.run_with_iobinding(binding)
-        logits = np.array(logits_value.numpy())  # a copy: the next step writes that buffer
         if last_only:
             logits = logits[:, -1:]
         return logits, self._packed.advance(state, real, seq)

@@ -36,6 +36,15 @@ __all__ = ["PackedCache", "PackedState", "pack_rows", "unpack_logits"]
 _HEADROOM = 128
 
 
+_AFTER_PADDING = ("a packed engine's rows take padding only after their last real token; "
+                  "this call feeds a real token after padding")
+_NOT_NEXT_SLOT = ("a packed engine places each new token at its row's next cache slot; the "
+                  "position_ids of this call differ from those slots")
+#: ``real`` of one row's one real token (advance keeps the row's padded flag as it is)
+_ONE_REAL = np.ones((1, 1), dtype=bool)
+_ONE_REAL.setflags(write=False)
+
+
 @dataclass
 class PackedState:
     """One call's cache: ``[B, kv_heads, capacity, head_dim]`` buffers (host numpy arrays
@@ -46,9 +55,9 @@ class PackedState:
     values: list  # the OrtValues bound as both past and present
     lengths: np.ndarray  # int64 [B]
     padded: np.ndarray  # bool [B]
-    #: a one-token step's IO binding with these buffers bound, and its logits OrtValue
-    #: (reused by the next steps: only the token ids and the mask are bound again)
-    step: tuple | None = None
+    #: a one-token step's IO binding with these buffers bound (reused by the next steps:
+    #: only the token ids, the mask and the logits' array are bound again)
+    step: object | None = None
 
     @property
     def capacity(self) -> int:
@@ -160,14 +169,21 @@ class PackedCache:
         """The mask the graph needs for ``seq`` new tokens per row (each row's used slots +
         ``seq``), after checking that the caller's positions are those slots; returns
         ``(mask, real)`` with ``real`` the caller's real tokens ``[B, seq]``."""
+        if attention_mask.shape[0] == 1 and seq == 1 and attention_mask[0, -1] != 0:
+            # one row's decode step, the latency path: the same checks on scalars (numpy's
+            # per-call cost is a decode step's cost here)
+            length = int(state.lengths[0])
+            if state.padded[0]:
+                raise ValueError(_AFTER_PADDING)
+            if int(position_ids[0, -1]) != length:
+                raise ValueError(_NOT_NEXT_SLOT)
+            return np.ones((1, length + 1), np.int64), _ONE_REAL
         real = attention_mask[:, -seq:] != 0
         if np.any(real[:, 1:] & ~real[:, :-1]) or np.any(state.padded & real.any(axis=1)):
-            raise ValueError("a packed engine's rows take padding only after their last real "
-                             "token; this call feeds a real token after padding")
+            raise ValueError(_AFTER_PADDING)
         slots = state.lengths[:, None] + np.arange(seq)[None, :]
         if np.any(real & (position_ids != slots)):
-            raise ValueError("a packed engine places each new token at its row's next cache "
-                             "slot; the position_ids of this call differ from those slots")
+            raise ValueError(_NOT_NEXT_SLOT)
         total = state.lengths + seq
         width = int(total.max())
         mask = (np.arange(width)[None, :] < total[:, None]).astype(np.int64)
@@ -177,8 +193,8 @@ class PackedCache:
     def advance(state: PackedState, real: np.ndarray, seq: int) -> PackedState:
         """The state after a pass: the same buffers (written in place beyond the old
         lengths, so ``state`` itself stays valid), each row ``seq`` slots longer."""
-        return PackedState(state.arrays, state.values, state.lengths + seq,
-                           state.padded | ~real.all(axis=1), state.step)
+        padded = state.padded if real is _ONE_REAL else state.padded | ~real.all(axis=1)
+        return PackedState(state.arrays, state.values, state.lengths + seq, padded, state.step)
 
 
 def unpack_logits(logits: np.ndarray, columns: list[np.ndarray], seq: int) -> np.ndarray:
