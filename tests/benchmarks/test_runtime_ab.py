@@ -56,3 +56,9 @@ def test_the_third_arm_splits_the_difference(runtime_ab):
     # a section measured before the third arm has no split
     del section["pairs"]
     assert "Where the difference lies" not in runtime_ab.render({"models": {"smol": section}})
+
+
+def test_huge_pages_join_the_callers_tunables(runtime_ab):
+    assert runtime_ab.huge_page_tunables(None) == "glibc.malloc.hugetlb=1"
+    assert (runtime_ab.huge_page_tunables("glibc.malloc.arena_max=2:glibc.malloc.hugetlb=0")
+            == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1")
