@@ -98,7 +98,7 @@ def main(argv=None) -> int:
     section = {"command": command_line("runtime_ab.py", argv), "commit": git_commit(),
                "created": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                "model": args.model, "rounds": args.rounds, "new_tokens": args.new_tokens,
-               "threads": 1, "arm": ARM, "against": AGAINST,
+               "threads": 1, "huge_pages": args.huge_pages, "arm": ARM, "against": AGAINST,
                "ms_per_step": {n: [round(v * 1e3, 3) for v in vs] for n, vs in times.items()},
                "ratios": [round(x, 4) for x in ratios],
                "ratio_median": statistics.median(ratios),
@@ -107,7 +107,6 @@ def main(argv=None) -> int:
                "pairs": [_pair(times, a, b) for a, b in PAIRS],
                "load": {"before": [round(x, 2) for x in load_before],
                         "after": [round(x, 2) for x in os.getloadavg()]}}
-    section["huge_pages"] = args.huge_pages
     key = f"{args.model} (huge pages)" if args.huge_pages else args.model
     print(write_model_section(out, STEM, key, section, render))
     return 0
