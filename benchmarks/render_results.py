@@ -497,6 +497,19 @@ def cost_section(latency_head: str, scoring_head: str, load_head: str) -> list[s
                       "per-step work and what its loading leaves the process with); it over "
                       "genai's generator is the Python API's process against genai's:", "",
                       *split[0], ""]
+    if (RESULTS / "int4_minima.md").is_file():
+        text = (RESULTS / "int4_minima.md").read_text()
+        for model in text.split("\n## ")[1:]:
+            name, body = model.split("\n", 1)
+            head = next(line for line in body.splitlines() if line.startswith("`"))
+            tables = split_tables(body.splitlines())
+            lines += [f"What carrying {name}'s block minima exactly costs its int4 engine "
+                      "(`benchmarks/results/int4_minima.md`): " + head, "",
+                      "The bound is the same graph with every minimum term taken out (wrong "
+                      "outputs; the step a kernel taking the minima inside its int8 pass "
+                      "would reach); ratio over llama.cpp's in the same round:", "",
+                      *tables[0], "", "One MatMulNBits of the engine's shape, microseconds "
+                      "per call by its zero points:", "", *tables[1], ""]
     lines += [f"Scoring speed of `calm fit`/`calm eval` with the torch model and with its "
               f"engine folder as `--model` (`benchmarks/results/scoring.md`, produced by "
               f"{scoring_head}):", "", *md_tables("scoring.md")[0], "",

@@ -45,9 +45,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Blocks", "CarriedNode", "carry_gguf_blocks", "decode_tensor", "SUPPORTED"]
+__all__ = ["Blocks", "CarriedNode", "carry_gguf_blocks", "decode_tensor", "SUPPORTED",
+           "MINIMUM_ADD"]
 
 logger = logging.getLogger(__name__)
+
+#: the name's suffix of the Add that puts a carried node's block-minimum term ``S M`` on its
+#: MatMulNBits' output (inputs: that output, the term); benchmarks/int4_minima.py finds them so
+#: by it
+MINIMUM_ADD = "/gguf_add_minima"
 
 #: GGUF type -> (weights per block, MatMulNBits bits, the offset that centres an unsigned
 #: q where the type has a block minimum; types without one store signed values already)
@@ -469,7 +475,7 @@ def carry_gguf_blocks(model, reader) -> list[CarriedNode]:
             new_nodes += [helper.make_node("MatMul", [block_sums[key], m_name], [m_out],
                                            name=f"{tag}/gguf_minima"),
                           helper.make_node("Add", [main_out, m_out], [out],
-                                           name=f"{tag}/gguf_add_minima")]
+                                           name=tag + MINIMUM_ADD)]
             extra.append(f"{tag}/gguf_minima")
         users[weight_name] -= 1
         if users[weight_name] == 0:

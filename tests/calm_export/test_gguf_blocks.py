@@ -243,3 +243,28 @@ def test_block_minima_are_added_exactly_whether_or_not_the_inputs_rank_is_known(
     (got,) = _run(model, x)
     want = x @ q41.T
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_taking_the_minima_out_leaves_each_carried_nodes_own_product(reader, monkeypatch,
+                                                                     benchmark_scripts):
+    """benchmarks/int4_minima.py's bound: the graph without its block-minimum terms computes
+    ``x (scale k)`` for a node with minima (Q4_1) and is unchanged for one without (Q8_0),
+    and what it takes out is the term's nodes and minima."""
+    monkeypatch.setattr(gguf_blocks, "ACCURACY_LEVEL", 0)
+    with_min, without = values_of(reader, "Q4_1.weight"), values_of(reader, "Q8_0.weight")
+    model = _graph([with_min, with_min[::-1], without])  # two nodes share the input's sums
+    carry_gguf_blocks(model, reader)
+    blocks, _ = decode_tensor(next(t for t in reader.tensors if t.name == "Q4_1.weight"))
+    own = (blocks.scale[..., None] * blocks.k).reshape(ROWS, COLS)
+    with benchmark_scripts("int4_minima") as int4_minima:
+        bound, counts = int4_minima.without_minima(model)
+    assert counts["nodes"] == {"Add": 2, "MatMul": 2, "ReduceSum": 1, "Reshape": 1}
+    assert counts["minima_bytes"] == 2 * ROWS * (COLS // 32) * 4
+    assert [n.op_type for n in bound.graph.node if n.op_type != "Cast"] == ["MatMulNBits"] * 3
+    onnx.checker.check_model(bound)
+    x = np.random.default_rng(5).standard_normal((1, 3, COLS)).astype(np.float32)
+    for w, got in zip([own, own[::-1], without], _run(bound, x), strict=True):
+        want = x @ w.T
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    # and the minima were what the exported graph added: x W differs from x (scale k)
+    assert np.abs(x @ with_min.T - x @ own.T).max() > 1e-3
