@@ -398,18 +398,25 @@ def build_all(folder: Path, spec: str, work: Path, skip: set = frozenset(),
     return done
 
 
+def model_gguf(model: str, work: Path) -> Path:
+    """The model's own GGUF file, copied once into its work folder (``work/source.gguf``)."""
+    from calm_export.gguf_file import source_gguf
+
+    source = work / "source.gguf"
+    if not source.is_file():
+        with source_gguf(model, work) as path:
+            shutil.copy2(path, source)
+    return source
+
+
 def _llama_builds(args, work: Path) -> dict:
     """llama.cpp's arms: the model's own GGUF and calm's calibrated GGUF of it (a scalar
     temperature adapter; the speed does not depend on its value)."""
-    from calm_export.gguf_file import source_gguf
     from calm_runtime.data.models import model_identity, resolve_model
     from calm_runtime.formats.artifact import CalibrationAdapter
 
     tools = _llama_cpp.binaries(args.llama_cpp)
-    source = work / "source.gguf"
-    if not source.is_file():
-        with source_gguf(args.model, work) as path:
-            shutil.copy2(path, source)
+    source = model_gguf(args.model, work)
     calibrated = work / "calibrated.gguf"
     if not calibrated.is_file():
         identity = model_identity(resolve_model(args.model), name=str(args.model))

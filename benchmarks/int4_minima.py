@@ -11,9 +11,10 @@ dequantising path (the single-node table below), so the term costs nodes and byt
 Arms, each in a process of its own per round, rotated (benchmarks/engines.py's bare ONNX
 Runtime loop for the two graphs, ``llama-bench`` for the GGUF): the int4 engine as
 ``calm-export --quantize int4`` writes it; the same graph with every minimum term taken out
-(a bound, not an engine: its outputs are wrong, it is the step an int8 kernel that took the
-minima inside its own pass would reach); and llama.cpp on the same GGUF (with ``--llama-cpp
-DIR``). Decode ms per token over ``--new-tokens`` greedy tokens after a 64-token prompt, on
+(a bound, not an engine: its outputs are wrong, and it reads no minima, so an int8 kernel
+that took the minima inside its own pass could come near it but not beat it); and llama.cpp
+on the same GGUF (with ``--llama-cpp DIR``). Decode ms per token over ``--new-tokens``
+greedy tokens after a 64-token prompt, on
 each of ``--threads``. A model whose carried blocks have no minima has nothing to take out
 (gemma-3-270m's Q4_K_M tensors are stored as Q5_0, Q8_0 and Q6_K, none with a minimum).
 Each run adds (or replaces) its model's section of ``results/int4_minima.{json,md}``,
@@ -34,6 +35,7 @@ import _llama_cpp
 import engines
 import numpy as np
 import onnx
+import onnxruntime
 from _common import command_line, git_commit, write_model_section
 
 from calm_export.gguf_blocks import MINIMUM_ADD
@@ -53,11 +55,20 @@ def without_minima(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict]:
     adds = {n.name: n for n in graph.node if n.name.endswith(MINIMUM_ADD)}
     if not adds:
         return model, {"nodes": {}, "minima_bytes": 0}
+    if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+           for n in graph.node for a in n.attribute):
+        raise ValueError("the graph has subgraphs (If, Loop, Scan): the minima are taken out "
+                         "of flat graphs only")
     producer = {o: n for n in graph.node for o in n.output}
+    readers: dict[str, int] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers[name] = readers.get(name, 0) + 1
     for add in adds.values():
         source = producer[add.input[0]]
-        if source.op_type != "MatMulNBits":
-            raise ValueError(f"{add.name} does not add to a MatMulNBits output")
+        if source.op_type != "MatMulNBits" or readers[add.input[0]] != 1:
+            raise ValueError(f"{add.name} does not add to a MatMulNBits output that only it "
+                             "reads")
         source.output[0] = add.output[0]
     nodes = [n for n in graph.node if n.name not in adds]
     wanted = {o.name for o in graph.output}
@@ -108,7 +119,6 @@ def zero_point_timings(k: int, n: int, block: int = 32, calls: int = 300) -> dic
     thread) of ``k`` inputs and ``n`` outputs: without zero points (calm's carried form),
     with 4-bit integer zero points, and with float zero points (a block minimum's exact
     form). Median of five timings of ``calls`` calls each."""
-    import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(0)
@@ -135,9 +145,9 @@ def zero_point_timings(k: int, n: int, block: int = 32, calls: int = 300) -> dic
             [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [1, n])], inits)
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
                                                         helper.make_opsetid("com.microsoft", 1)])
-        options = ort.SessionOptions()
+        options = onnxruntime.SessionOptions()
         options.intra_op_num_threads, options.inter_op_num_threads = 1, 1
-        session = ort.InferenceSession(model.SerializeToString(), options,
+        session = onnxruntime.InferenceSession(model.SerializeToString(), options,
                                        providers=["CPUExecutionProvider"])
         for _ in range(20):
             session.run(None, x)
@@ -193,12 +203,7 @@ def main(argv=None) -> int:
     arms = {EXPORTED: build, BOUND: {"path": str(work / "calm-int4-no-minima")}}
     llama = None
     if args.llama_cpp:
-        from calm_export.gguf_file import source_gguf
-
-        source = work / "source.gguf"
-        if not source.is_file():
-            with source_gguf(args.model, work) as path:
-                shutil.copy2(path, source)
+        source = engines.model_gguf(args.model, work)
         llama = (f"llama.cpp {engines._dominant_type(source)} GGUF", source,
                  _llama_cpp.binaries(args.llama_cpp)["bench"])
     names = [*arms, *([llama[0]] if llama else [])]
@@ -227,7 +232,7 @@ def main(argv=None) -> int:
     section = {"command": command_line("int4_minima.py", argv), "commit": git_commit(),
                "created": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                "model": args.model, "rounds": args.rounds, "new_tokens": args.new_tokens,
-               "removed_nodes": counts["nodes"],
+               "onnxruntime": onnxruntime.__version__, "removed_nodes": counts["nodes"],
                "minima_mb": round(counts["minima_bytes"] / 1e6, 2),
                "runs": per_threads,
                "single_node": ({"K": shape[0], "N": shape[1],
@@ -241,19 +246,21 @@ def main(argv=None) -> int:
 def render(result: dict) -> str:
     lines = ["# What the exact block minima cost calm's int4 engine", "",
              "Generated by `benchmarks/int4_minima.py` (one run per model, commands below); "
-             "do not edit by hand. Decode ms per token (64 greedy tokens after a 64-token "
-             "prompt, batch 1), each arm in a process of its own per round, rotated; ratio = "
-             "the arm's time over the reference arm's in the same round (median, min-max): "
-             "llama.cpp's where it ran, else the exported engine's. The bound is the "
-             "exported graph with every block-minimum term taken out: its outputs are wrong, "
-             "it is what a kernel taking the minima in its own pass would reach.", ""]
+             "do not edit by hand. Decode ms per token after a 64-token prompt (batch 1; "
+             "the two ONNX graphs in a bare ONNX Runtime loop), each arm in a process of its "
+             "own per round, rotated; ratio = the arm's time over the reference arm's in the "
+             "same round (median, min-max): llama.cpp's where it ran, else the exported "
+             "engine's. The bound is the exported graph with every block-minimum term taken "
+             "out: its outputs are wrong and it reads no minima, so a kernel taking the "
+             "minima inside its own pass could come near it but not beat it.", ""]
     for model, s in result["models"].items():
         removed = ", ".join(f"{n} {t}" for t, n in sorted(s["removed_nodes"].items()))
         lines += [f"## {model}", "",
                   f"`{s['command']}` at commit {s['commit']} on {s['created']}: "
-                  f"{s['rounds']} rounds. Taken out per decode step: {removed} nodes and "
-                  f"{s['minima_mb']:.1f} MB of float32 minima. Reference arm: "
-                  f"{s['runs'][0]['against']}.", "",
+                  f"{s['rounds']} rounds of {s['new_tokens']} tokens, onnxruntime "
+                  f"{s.get('onnxruntime', '(not recorded)')}. Taken out per decode step: "
+                  f"{removed} nodes and {s['minima_mb']:.1f} MB of float32 minima. Reference "
+                  f"arm: {s['runs'][0]['against']}.", "",
                   "| threads | arm | ms/token | ratio | min-max |", "|---|---|---|---|---|"]
         for run in s["runs"]:
             for name, values in run["ms_per_token"].items():

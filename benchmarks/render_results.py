@@ -506,8 +506,9 @@ def cost_section(latency_head: str, scoring_head: str, load_head: str) -> list[s
             lines += [f"What carrying {name}'s block minima exactly costs its int4 engine "
                       "(`benchmarks/results/int4_minima.md`): " + head, "",
                       "The bound is the same graph with every minimum term taken out (wrong "
-                      "outputs; the step a kernel taking the minima inside its int8 pass "
-                      "would reach); ratio over llama.cpp's in the same round:", "",
+                      "outputs, no minima read: a kernel taking the minima inside its int8 "
+                      "pass could come near it, not beat it); ratio over the reference arm's "
+                      "in the same round:", "",
                       *tables[0], "", "One MatMulNBits of the engine's shape, microseconds "
                       "per call by its zero points:", "", *tables[1], ""]
     lines += [f"Scoring speed of `calm fit`/`calm eval` with the torch model and with its "

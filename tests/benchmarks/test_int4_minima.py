@@ -19,6 +19,7 @@ def test_the_report_names_command_commit_what_was_taken_out_and_the_ratios(int4_
              for name, v in times.items()}
     section = {"command": "python benchmarks/int4_minima.py --model smol --rounds 3",
                "commit": "abc1234", "created": "2026-12-04 06:00 UTC", "rounds": 3,
+               "new_tokens": 64, "onnxruntime": "1.32.0",
                "removed_nodes": {"Add": 150, "MatMul": 150, "ReduceSum": 121, "Reshape": 121},
                "minima_mb": 16.9,
                "runs": [{"threads": 1, "ms_per_token": times, "against": llama,
@@ -26,7 +27,8 @@ def test_the_report_names_command_commit_what_was_taken_out_and_the_ratios(int4_
                "single_node": {"K": 576, "N": 1536,
                                "us": {"none": 26.0, "integer": 26.5, "float": 1430.0}}}
     text = int4_minima.render({"models": {"smol": section}})
-    assert "`python benchmarks/int4_minima.py --model smol --rounds 3` at commit abc1234" in text
+    assert ("`python benchmarks/int4_minima.py --model smol --rounds 3` at commit abc1234 on "
+            "2026-12-04 06:00 UTC: 3 rounds of 64 tokens, onnxruntime 1.32.0.") in text
     assert ("150 Add, 150 MatMul, 121 ReduceSum, 121 Reshape nodes and 16.9 MB of float32 "
             "minima. Reference arm: llama.cpp Q4_1 GGUF.") in text
     assert f"| 1 | {bound} | 9.50 | 0.750 | 0.500-1.500 |" in text

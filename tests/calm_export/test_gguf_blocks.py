@@ -268,3 +268,18 @@ def test_taking_the_minima_out_leaves_each_carried_nodes_own_product(reader, mon
         assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
     # and the minima were what the exported graph added: x W differs from x (scale k)
     assert np.abs(x @ with_min.T - x @ own.T).max() > 1e-3
+
+
+def test_the_minima_are_not_taken_out_where_another_node_reads_the_product(reader, monkeypatch,
+                                                                       benchmark_scripts):
+    """A carried node's own product read by a node besides the minimum's Add would lose its
+    producer: the bound refuses such a graph."""
+    monkeypatch.setattr(gguf_blocks, "ACCURACY_LEVEL", 0)
+    model = _graph([values_of(reader, "Q4_1.weight")])
+    carry_gguf_blocks(model, reader)
+    add = next(n for n in model.graph.node if n.name.endswith(gguf_blocks.MINIMUM_ADD))
+    model.graph.node.append(helper.make_node("Identity", [add.input[0]], ["Z"]))
+    model.graph.output.append(helper.make_tensor_value_info("Z", TensorProto.FLOAT, None))
+    with benchmark_scripts("int4_minima") as int4_minima, \
+            pytest.raises(ValueError, match="that only it reads"):
+        int4_minima.without_minima(model)
