@@ -39,11 +39,11 @@ import onnxruntime
 from _common import command_line, git_commit, write_model_section
 
 from calm_export.gguf_blocks import MINIMUM_ADD
+from calm_export.graphs.calm_graph import ONNX_FILE
 
 HERE = Path(__file__).resolve().parent
 STEM = "int4_minima"
 EXPORTED, BOUND = "calm int4", "calm int4, minima taken out (a bound)"
-ONNX_FILE = "model.onnx"
 
 
 def without_minima(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict]:
@@ -95,10 +95,10 @@ def without_minima(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict]:
     return model, {"nodes": removed, "minima_bytes": minima}
 
 
-def bound_folder(engine: Path, out: Path) -> dict:
-    """``out``: a copy of the engine folder whose graph has the minima taken out (the weights'
-    file linked, not copied, where the file system allows). Returns :func:`without_minima`'s
-    counts."""
+def bound_folder(engine: Path, model: onnx.ModelProto, out: Path) -> dict:
+    """``out``: a copy of the engine folder with ``model`` (its graph, loaded without the
+    weights; changed in place) less its minima (the weights' file linked, not copied, where
+    the file system allows). Returns :func:`without_minima`'s counts."""
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     for path in engine.iterdir():
@@ -108,7 +108,6 @@ def bound_folder(engine: Path, out: Path) -> dict:
             os.link(path, out / path.name)
         except OSError:
             shutil.copy2(path, out / path.name)
-    model = onnx.load(str(engine / ONNX_FILE), load_external_data=False)
     model, counts = without_minima(model)
     onnx.save(model, str(out / ONNX_FILE))
     return counts
@@ -196,7 +195,7 @@ def main(argv=None) -> int:
     engine = Path(build["path"])
     model = onnx.load(str(engine / ONNX_FILE), load_external_data=False)
     shape = _first_minimum_node(model)
-    counts = bound_folder(engine, work / "calm-int4-no-minima")
+    counts = bound_folder(engine, model, work / "calm-int4-no-minima")
     if not counts["nodes"]:
         raise SystemExit(f"{args.model}'s int4 engine carries no block minima: nothing to "
                          "take out (the module's docstring says which GGUF types have them)")
