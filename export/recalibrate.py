@@ -111,7 +111,8 @@ def head_constants(model) -> list[str]:
     """Names of the initializers that scale the logits linearly when multiplied by a factor.
 
     Walks back from ``logits`` through Cast/Identity: an ``Add`` with one constant (the
-    bias), then a ``MatMul`` with a constant weight, a ``MatMulNBits`` (its block scales)
+    bias), then a ``MatMul`` with a constant weight (read directly or through a Transpose,
+    which a scale passes through unchanged), a ``MatMulNBits`` (its block scales)
     or a ``Mul`` with one constant (the tied-scale layout). Raises :class:`ConfigError`
     when the head has another form (e.g. a dynamically quantised head).
     """
@@ -130,8 +131,11 @@ def head_constants(model) -> list[str]:
             node = producers.get(other[0])
         else:
             node = None
-    if node is not None and node.op_type == "MatMul" and node.input[1] in constants:
-        targets.append(node.input[1])
+    weight = node.input[1] if node is not None and node.op_type == "MatMul" else ""
+    while weight in producers and producers[weight].op_type in ("Transpose", "Identity"):
+        weight = producers[weight].input[0]  # a weight laid out by the exporter (scales alike)
+    if weight in constants:
+        targets.append(weight)
     elif node is not None and node.op_type == "MatMulNBits" and node.input[2] in constants:
         targets.append(node.input[2])
     elif node is not None and node.op_type == "Mul" and sum(i in constants

@@ -23,9 +23,9 @@ from torch import nn
 from calm_runtime.errors import CalmError
 from calm_runtime.formats.engine import engine_io_names
 
-__all__ = ["DecoderShape", "KVCacheDecoder", "OnnxExportError", "LOGITS_TO_KEEP",
+__all__ = ["DecoderShape", "KVCacheDecoder", "LMHead", "OnnxExportError", "LOGITS_TO_KEEP",
            "add_logits_to_keep", "append_logits_affine", "decoder_shape", "export_onnx",
-           "graph_opset"]
+           "find_lm_head", "graph_opset"]
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +148,73 @@ def export_onnx(model: nn.Module, shape: DecoderShape, directory: Path, *, opset
                           "check that transformers supports torch.export for this architecture")
 
 
+@dataclass(frozen=True)
+class LMHead:
+    """Where the LM head sits in a graph (:func:`find_lm_head`)."""
+
+    #: the MatMul or Gemm that projects the hidden states onto the vocabulary
+    node: object
+    #: the initializer holding the head's weight (read directly or through weight-only ops)
+    weight: str
+    #: every value from the head's output to ``logits`` (their shapes hold the vocabulary)
+    chain: frozenset
+
+
+#: ops that only re-lay a constant weight out (a tied head reads the embedding through one)
+_WEIGHT_ONLY = {"Transpose", "Cast", "Identity"}
+
+
+def find_lm_head(graph, vocab_size: int) -> LMHead | None:
+    """The LM head of ``graph``, found by structure, not by node names or one exporter's
+    layout: walking back from ``logits`` through elementwise ops (each with exactly one input
+    that depends on the graph's inputs), the first MatMul/Gemm whose first input is that
+    dependent value and whose second is a constant computed from one initializer with a
+    ``vocab_size`` dimension (directly, or through Transpose/Cast/Identity, as a tied head's
+    embedding is read). None when the graph has no such node."""
+    producer = {out: node for node in graph.node for out in node.output}
+    initializers = {init.name: init for init in graph.initializer}
+    inputs = {value.name for value in graph.input}
+
+    def source(name: str, steps: int = 8):
+        """The initializer a constant ``name`` is laid out from, or None."""
+        while steps > 0:
+            if name in initializers and name not in inputs:
+                return initializers[name]
+            node = producer.get(name)
+            if node is None or node.op_type not in _WEIGHT_ONLY or len(node.input) != 1:
+                return None
+            name, steps = node.input[0], steps - 1
+        return None
+
+    def constant(name: str) -> bool:
+        if name in inputs:
+            return False
+        if name in initializers or not name:
+            return True
+        node = producer.get(name)
+        return node is not None and (node.op_type == "Constant" or source(name) is not None)
+
+    name, chain = "logits", set()
+    for _ in range(len(graph.node)):
+        node = producer.get(name)
+        if node is None:
+            return None
+        chain.update(node.output)
+        if node.op_type in ("MatMul", "Gemm") and len(node.input) >= 2 \
+                and not constant(node.input[0]):
+            weight = source(node.input[1])
+            if weight is not None and vocab_size in weight.dims:
+                return LMHead(node=node, weight=weight.name, chain=frozenset(chain))
+            return None
+        if node.op_type not in _ELEMENTWISE:
+            return None
+        dynamic = [i for i in node.input if not constant(i)]
+        if len(dynamic) != 1:
+            return None
+        name = dynamic[0]
+    return None
+
+
 def add_logits_to_keep(path: Path, vocab_size: int) -> None:
     """Give the graph an optional input ``logits_to_keep`` (int64 ``[1]``, default 0).
 
@@ -163,23 +230,12 @@ def add_logits_to_keep(path: Path, vocab_size: int) -> None:
 
     model = onnx.load(str(path), load_external_data=False)
     graph = model.graph
-    producer = {out: node for node in graph.node for out in node.output}
-    weights = {init.name: init for init in graph.initializer}
-    head, name, chain = None, "logits", set()
-    while name in producer:
-        node = producer[name]
-        chain.update(node.output)
-        if node.op_type in ("MatMul", "Gemm") and any(
-                i in weights and vocab_size in weights[i].dims for i in node.input[1:2]):
-            head = node
-            break
-        if node.op_type not in _ELEMENTWISE:
-            break
-        name = next((i for i in node.input if i not in weights), "")
-    if head is None:
-        raise OnnxExportError(f"cannot find the LM head (a MatMul by a [*, {vocab_size}] weight "
-                              "followed by elementwise ops only) in the exported graph; "
-                              "report the model type")
+    found = find_lm_head(graph, vocab_size)
+    if found is None:
+        raise OnnxExportError(f"cannot find the LM head (a MatMul of the hidden states by a "
+                              f"constant [*, {vocab_size}] weight, followed by elementwise ops "
+                              "only) in the exported graph; report the model type")
+    head, chain = found.node, found.chain
     hidden = head.input[0]
     kept = f"{hidden}_kept"
     start, ends, axes = (f"{LOGITS_TO_KEEP}_start", f"{LOGITS_TO_KEEP}_ends",
