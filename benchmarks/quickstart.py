@@ -30,6 +30,9 @@ from _common import command_line, git_commit
 
 HERE = Path(__file__).resolve().parent
 STEM = "quickstart"
+#: the job's stages, each named by the start of the line it prints when it ends
+STAGES = (("install and fit DACA", "1. fit:"), ("compare the methods", "   wrote "),
+          ("export the engine", "2. export:"), ("generate", "3. runtime"))
 
 
 def main(argv=None) -> int:
@@ -61,14 +64,25 @@ def main(argv=None) -> int:
         load_before = os.getloadavg()
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         started = time.time()
-        done = subprocess.run([*job, "--out-dir", str(Path(tmp) / "calm-out"), "-q"],
-                              cwd=tmp, env=env, capture_output=True, text=True)
+        lines, stages = [], []
+        errors = Path(tmp) / "stderr.txt"  # a file: a full pipe would stall the child
+        with errors.open("w") as sink, subprocess.Popen(
+                [*job, "--out-dir", str(Path(tmp) / "calm-out"), "-q"], cwd=tmp,
+                env={**env, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE, stderr=sink,
+                text=True) as done:
+            for line in done.stdout:  # each stage's line is printed as the stage ends
+                lines.append(line)
+                stage = next((name for name, start in STAGES if line.startswith(start)), None)
+                if stage and stage not in (s["stage"] for s in stages):
+                    stages.append({"stage": stage, "ended_s": round(time.time() - started, 1)})
         wall = time.time() - started
+        stderr = errors.read_text()
+        stages.append({"stage": "score the engine", "ended_s": round(wall, 1)})
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         load_after = os.getloadavg()
-    stdout = done.stdout.replace(tmp, "TMP")
+    stdout = "".join(lines).replace(tmp, "TMP")
     if done.returncode:
-        sys.stderr.write(done.stderr)
+        sys.stderr.write(stderr)
         print(f"calm quickstart failed with exit code {done.returncode}", file=sys.stderr)
         return 1
     result = {"command": command_line("quickstart.py", argv), "commit": git_commit(),
@@ -77,12 +91,22 @@ def main(argv=None) -> int:
               "cpu_s": round((after.ru_utime - before.ru_utime)
                              + (after.ru_stime - before.ru_stime), 1),
               "machine": _machine(), "load_before": [round(x, 2) for x in load_before],
-              "load_after": [round(x, 2) for x in load_after], "stdout": stdout}
+              "load_after": [round(x, 2) for x in load_after],
+              "stages": _durations(stages), "stdout": stdout}
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{STEM}.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / f"{STEM}.md").write_text(render(result))
     print(render(result))
     return 0
+
+
+def _durations(stages: list[dict]) -> list[dict]:
+    """Each stage's own seconds from the times its closing lines appeared."""
+    previous, out = 0.0, []
+    for stage in stages:
+        out.append({**stage, "seconds": round(stage["ended_s"] - previous, 1)})
+        previous = stage["ended_s"]
+    return out
 
 
 def _machine() -> dict:
@@ -123,8 +147,21 @@ def render(result: dict) -> str:
         f"({result['cpu_s']} s) | {result['load_before'][0]} / {result['load_after'][0]} |", "",
         "A load average above the core count means other work shared the machine: the wall "
         "time is then longer than on an idle machine; the CPU time is the job's own.", "",
+        *_stage_table(result.get("stages") or []),
         "What it printed (stdout; TMP: the temporary folder):", "",
         "```text", result["stdout"].rstrip(), "```", ""])
+
+
+def _stage_table(stages: list[dict]) -> list[str]:
+    if not stages:
+        return []
+    total = sum(s["seconds"] for s in stages) or 1.0
+    longest = max(stages, key=lambda s: s["seconds"])
+    return ["| stage | wall time | share |", "|---|---|---|",
+            *(f"| {s['stage']} | {minutes(s['seconds'])} | {s['seconds'] / total:.0%} |"
+              for s in stages), "",
+            f"The stage that dominates: {longest['stage']} "
+            f"({longest['seconds'] / total:.0%} of the wall time).", ""]
 
 
 if __name__ == "__main__":

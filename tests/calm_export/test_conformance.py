@@ -145,6 +145,34 @@ def test_export_passes_validation_and_records_the_post_head_op(case):
                              "Cohere": "scale"}.get(case.family.name, "none")
 
 
+@pytest.mark.parametrize("graph", ["fused", "standard"])
+def test_calms_own_graph_exports_every_family(case, graph):
+    """calm's own graph (what the README's main command exports when onnxruntime-genai is not
+    installed) for every family, with the head found in the graph by its structure: it
+    passes the export's validation and equals the reference past the sliding window, and
+    its prefill keeps only the positions asked for (the head's Slice is in place)."""
+    out = case.root / f"own-{graph}"
+    result = export_engine(case.model_dir, out, adapter=case.adapter_dir,
+                           config=ExportConfig(graph=graph, progress=False))
+    manifest = json.loads((result.path / "calm_engine.json").read_text())
+    assert manifest["validation"]["passed"], manifest["validation"]
+    kind = manifest["export"]["graph"]["kind"]
+    assert kind == "standard" if graph == "standard" else kind in ("ort-fused", "standard")
+    ids = case.tokenizer(LONG_PROMPT)["input_ids"]
+    session = ort.InferenceSession(str(result.path / "model.onnx"),
+                                   providers=["CPUExecutionProvider"])
+    empty = np.zeros((1, manifest["model"]["num_kv_heads"], 0,
+                      manifest["model"]["head_dim"]), np.float32)
+    feed = {"input_ids": np.array([ids]), "attention_mask": np.ones((1, len(ids)), np.int64),
+            "position_ids": np.arange(len(ids))[None], "logits_to_keep": np.array([1])}
+    feed.update({i.name: empty for i in session.get_inputs()
+                 if i.name.startswith("past_key_values")})
+    logits = session.run(["logits"], feed)[0][0]
+    assert logits.shape[0] == 1  # only the last position was projected
+    np.testing.assert_allclose(logits[-1], _reference_logits(case, ids)[-1], atol=LOGIT_ATOL,
+                               rtol=0)
+
+
 def test_engine_prefill_equals_the_reference_past_the_window(case):
     from calm_runtime.formats.engine import engine_io_names
 
