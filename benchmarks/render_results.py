@@ -626,7 +626,7 @@ def readme_block() -> str:
 
 
 def quickstart_block() -> str:
-    """What ``calm quickstart --limit N`` printed and how long it took, from
+    """What ``calm quickstart`` printed and how long it took, stage by stage, from
     results/quickstart.json (benchmarks/quickstart.py)."""
     run = load("quickstart.json")
     machine = run["machine"]
@@ -635,17 +635,29 @@ def quickstart_block() -> str:
         if line.strip().startswith("wrote ") or (not line.strip() and keep and not keep[-1]):
             continue  # the report paths, and the blank line they leave twice
         keep.append(line)
-    minutes = f"{int(run['wall_s'] // 60)} min {int(round(run['wall_s'] % 60)):02d} s"
-    cpu = f"{int(run['cpu_s'] // 60)} min {int(round(run['cpu_s'] % 60)):02d} s"
+    def clock(seconds: float) -> str:
+        return f"{int(seconds // 60)} min {int(round(seconds % 60)):02d} s"
+
+    limited = "--limit" in run["job"]
+    shared = run["load_before"][0] >= 0.5 or run["load_after"][0] > machine["cores"]
+    stages = run.get("stages") or []
+    longest = max(stages, key=lambda s: s["seconds"]) if stages else None
     return "\n".join([
-        f"`{run['job']}` (the first N questions: quicker, noisier) took {minutes} wall and "
-        f"{cpu} of CPU time on a {machine['cores']}-core {machine['system']} machine "
-        f"({machine['cpu']}, {machine['memory_gib']} GiB) shared with other jobs (load "
-        f"average {run['load_before'][0]} at the start), from an empty score cache with the "
-        "models installed; measured by `python benchmarks/quickstart.py`, whose result file "
-        "`benchmarks/results/quickstart.md` has the whole output. The full job scores every "
-        "question and was not timed. It printed (paths as with the default `--out-dir`, "
-        "report paths left out):", "",
+        f"`{run['job']}`"
+        + (" (the first N questions: quicker, noisier)" if limited else
+           " (every ARC-Easy question: the README's main command)")
+        + f" took {clock(run['wall_s'])} wall and {clock(run['cpu_s'])} of CPU time on a "
+        f"{machine['cores']}-core {machine['system']} machine ({machine['cpu']}, "
+        f"{machine['memory_gib']} GiB)"
+        + (f" shared with other jobs (load average {run['load_before'][0]} at the start, "
+           f"{run['load_after'][0]} at the end)" if shared else
+           f" (load average {run['load_before'][0]} at the start)")
+        + ", from an empty score cache with the models installed"
+        + (f"; {longest['stage']} took the most ({clock(longest['seconds'])}, "
+           f"{longest['seconds'] / run['wall_s']:.0%})" if longest else "")
+        + "; measured by `" + run["command"] + "`, whose result file "
+        "`benchmarks/results/quickstart.md` has each stage's time and the whole output. It "
+        "printed (paths as with the default `--out-dir`, report paths left out):", "",
         "```text", *keep, "```"])
 
 

@@ -30,6 +30,11 @@ def test_two_commands_match_ci():
     assert "torch==2.13.0" in main_job and "torch==2.13.0" in tests and "torch==2.13.0" in ci
     extras = re.search(r'-e "\.\[([^\]]+)\]"', tests).group(1)
     assert f'-e ".[{extras}]"' in ci, "CI must install the extras the README's test command does"
+    main_extras = re.search(r'-e "\.\[([^\]]+)\]"', main_job).group(1)
+    assert f'-e ".[{main_extras}]"' in ci, \
+        "CI must install exactly the extras of the README's main command (and run it there)"
+    assert ci.index(f'-e ".[{main_extras}]"') < ci.index("calm quickstart") \
+        < ci.index(f'-e ".[{extras}]"'), "the quickstart runs before the test extras arrive"
     assert "pytest -q" in ci
 
 

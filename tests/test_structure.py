@@ -485,7 +485,7 @@ def test_the_architecture_page_names_every_module_and_no_module_that_is_not():
 ROOM_ORDER = {
     "calm_runtime": ["calm_runtime", "calm_runtime.formats", "calm_runtime.data",
                      "calm_runtime.inference", "calm_runtime.measure", "calm_runtime.server",
-                     "calm_runtime.cli"],
+                     "calm_runtime.integrations", "calm_runtime.cli"],
     "calm_training": ["calm_training.scoring", "calm_training.posthoc", "calm_training.methods",
                       "calm_training.calm", "calm_training"],
     "calm_export": ["calm_export.graphs", "calm_export"],

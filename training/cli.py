@@ -313,6 +313,17 @@ def _quickstart(args) -> int:
     return 0
 
 
+def _graph_line(graph: dict) -> str:
+    """Which graph the engine holds and, where it is not onnxruntime-genai's builder graph
+    (the one that decodes fastest, docs/results.md), why not and how to get it."""
+    kind = graph.get("kind", "unknown")
+    if kind == "genai-builder":
+        return "graph: onnxruntime-genai's builder graph with the calibration in its head"
+    reason = graph.get("builder_not_used")
+    return (f"graph: calm's own ({kind})"
+            + (f"; not the builder graph, which decodes faster: {reason}" if reason else ""))
+
+
 def _quickstart_engine(args, config, adapter_dir: Path, engine_dir: Path, daca_row) -> None:
     """Export the calibrated engine and use it from calm_runtime, torch-free."""
     from calm_export import ExportConfig, export_engine
@@ -324,7 +335,8 @@ def _quickstart_engine(args, config, adapter_dir: Path, engine_dir: Path, daca_r
                            config=ExportConfig(overwrite=True, progress=show_progress(args)))
     size_mb = sum(result.file_sizes.values()) / 1e6
     print(f"2. export: {engine_dir} ({size_mb:.0f} MB, max |logit diff| vs reference "
-          f"{result.manifest.validation['max_abs_diff']:.2g}, {result.seconds['total']:.0f} s)\n")
+          f"{result.manifest.validation['max_abs_diff']:.2g}, {result.seconds['total']:.0f} s)\n"
+          f"   {_graph_line(result.manifest.export.get('graph') or {})}\n")
     lm = CalibratedLM.load(engine_dir, backend="onnxruntime", threads=args.threads)
     prompt = "Question: What gas do plants absorb from the air?\nAnswer:"
     out = lm.generate(prompt, max_new_tokens=12, stop="\n")
