@@ -428,6 +428,18 @@ def loopback_server(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
 
 
 @contextlib.contextmanager
+def stop_process(process, timeout: float = 60) -> None:
+    """Terminate a server process the test started; kill it if it outlives ``timeout``."""
+    import subprocess
+
+    process.terminate()
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 def calm_serve_process(engine, *options: str, name: str = "served"):
     """A real ``calm serve`` process for ``engine`` on a free loopback port; yields
     ``(base_url, process)`` (``base_url`` ends in ``/v1``) and stops it afterwards."""

@@ -26,6 +26,8 @@ import pytest
 
 pytest.importorskip("gguf")
 
+from conftest import stop_process  # noqa: E402
+
 LLAMA_SERVER = os.environ.get("CALM_LLAMA_SERVER") or shutil.which("llama-server")
 MODEL = "smollm2-135m-instruct"
 TEMPERATURE = 2.5
@@ -75,12 +77,7 @@ def llama_server(model_path, log_path):
             time.sleep(0.5)
         yield url
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process, timeout=30)
 
 
 def top_logprobs(url: str, prompt: str = PROMPT, n: int = 20) -> dict[str, float]:

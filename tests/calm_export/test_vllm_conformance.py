@@ -34,6 +34,8 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from conftest import stop_process  # noqa: E402
+
 VLLM = os.environ.get("CALM_VLLM")
 pytestmark = [pytest.mark.real_model,
               pytest.mark.skipif(not VLLM, reason="vLLM is not installed (a venv of its own "
@@ -162,12 +164,7 @@ def vllm_server(model, *options, env=None):
 
 
 def stop(process):
-    process.terminate()
-    try:
-        process.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+    stop_process(process)
     process.log.close()
 
 
