@@ -427,7 +427,6 @@ def loopback_server(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
         httpd.server_close()
 
 
-@contextlib.contextmanager
 def stop_process(process, timeout: float = 60) -> None:
     """Terminate a server process the test started; kill it if it outlives ``timeout``."""
     import subprocess
@@ -440,6 +439,7 @@ def stop_process(process, timeout: float = 60) -> None:
         process.wait()
 
 
+@contextlib.contextmanager
 def calm_serve_process(engine, *options: str, name: str = "served"):
     """A real ``calm serve`` process for ``engine`` on a free loopback port; yields
     ``(base_url, process)`` (``base_url`` ends in ``/v1``) and stops it afterwards."""
