@@ -1,7 +1,9 @@
 """The exception hierarchy: one root, a few documented subclasses.
 
 Every message says what was wrong (with the value) and what to do about it, on one line.
-CLIs catch :class:`CalmError` only and print ``ErrorName: message``.
+CLIs catch :class:`CalmError` only and print ``ErrorName: message`` through :func:`one_line`,
+so that a file name or a server's text inside a message can neither break the line nor
+drive the terminal.
 """
 
 from __future__ import annotations
@@ -17,7 +19,17 @@ __all__ = [
     "FitError",
     "ExportValidationError",
     "BackendUnavailableError",
+    "one_line",
 ]
+
+
+def one_line(text: str) -> str:
+    """``text`` with every character that is not printable (line breaks, tabs, terminal
+    escape sequences and other control characters, invisible format and direction
+    characters) written as ``repr`` writes it (``\\n``, ``\\x1b``, ``\\u202e``)."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 class CalmError(Exception):

@@ -17,7 +17,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterable, Sequence
 
-from calm_runtime.errors import BackendUnavailableError, CalmError
+from calm_runtime.errors import BackendUnavailableError, CalmError, one_line
 from calm_runtime.extras import install_hint, missing, missing_extra_message
 
 __all__ = ["DATA_ARGUMENTS", "EXIT_SIGINT", "EXIT_SIGTERM", "MODEL_ARGUMENTS", "Terminated",
@@ -260,15 +260,17 @@ def configure_logging(verbose: bool, quiet: bool) -> None:
 
 def run_command(call: Callable[[], int]) -> int:
     """Run a command's handler: the install step's and the library's errors as one line on
-    stderr and exit 1, interrupts as 130/143 (the outputs in progress removed)."""
+    stderr (control characters escaped: :func:`~calm_runtime.errors.one_line`) and exit 1,
+    interrupts as 130/143 (the outputs in progress removed)."""
     try:
         with signals_as_exceptions():
             return int(call() or 0)
     except CalmError as exc:
-        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        print(one_line(f"{type(exc).__name__}: {exc}"), file=sys.stderr)
         return 1
     except KeyboardInterrupt as exc:
         return report_interrupt(exc)
     except OSError as exc:  # the file system refused (disk full, permissions): one line too
-        print(f"{type(exc).__name__}: {exc}; nothing was left half-written", file=sys.stderr)
+        print(one_line(f"{type(exc).__name__}: {exc}; nothing was left half-written"),
+              file=sys.stderr)
         return 1

@@ -67,6 +67,10 @@ def server(tmp_path, monkeypatch):
                 return self.send_json(200, {"choices": [{"text": " A"}]})
             if action == "unknown-model":
                 return self.send_json(404, {"error": {"message": "model not found"}})
+            if action == "capped":  # vLLM started with --max-logprobs 5
+                return self.send_json(400, {"error": {"message": (
+                    "Requested sample logprobs of 20, which is greater than max allowed: 5"),
+                    "type": "BadRequestError", "param": "logprobs", "code": 400}})
             if action == "echo-refused":
                 return self.send_json(400, {"error": {"message": "echo is not supported"}})
             if action == "echo-ignored":  # a completion's logprobs, after the prompt
@@ -123,7 +127,10 @@ def test_retry_budget_then_one_line_error_and_the_cache_keeps_the_rest(server):
 
 @pytest.mark.parametrize(("action", "words"), [
     ("garbage", "not JSON"), ("no-logprobs", "carries no logprobs"),
-    ("unknown-model", r"HTTP 404 \(model not found\)")])
+    ("unknown-model", r"HTTP 404 \(model not found\)"),
+    ("capped", r"HTTP 400 \(Requested sample logprobs of 20.*max allowed: 5\); the server "
+     r"returns at most 5 log-probabilities per token and calm asks for 20; start it with "
+     r"--max-logprobs 20 \(vLLM\) or more")])
 def test_protocol_faults_are_one_line_errors(server, action, words):
     url, script = server
     script.plan = [action]

@@ -148,3 +148,52 @@ def test_a_key_with_a_line_break_is_one_line(monkeypatch):
     with pytest.raises(ConfigError, match="OPENAI_API_KEY holds spaces or control") as info:
         endpoint.request("GET", "/models")
     assert SECRET not in str(info.value)
+
+
+# ------------------------------------------------------------------ terminal control in messages
+CONTROL = "x\x1b[2J\x1b]0;owned\x07y\nz\u202ew\u2028v"
+
+
+def _one_clean_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert not any(c in lines[0] for c in "\x1b\x07\r\u202e\u2028"), lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("where", ["data", "adapter"])
+def test_a_file_name_with_terminal_control_is_one_escaped_line(where, tmp_path, capsys):
+    from calm_runtime.cli.main import main
+    from calm_runtime.data.sets import MultipleChoiceRecord, write_jsonl
+
+    data = str(write_jsonl(tmp_path / "mc.jsonl",
+                           [MultipleChoiceRecord("q?", ("yes", "no"), 0)]))
+    named = str(tmp_path / CONTROL)
+    argv = (["--data", named + ".jsonl"] if where == "data"
+            else ["--data", data, "--part", "all", "--adapter", named])
+    rc = main(["-q", "score", "http://127.0.0.1:9/v1", *argv, "--out", str(tmp_path / "r")])
+    line = _one_clean_line(capsys.readouterr().err)
+    assert rc == 1 and "x\\x1b[2J\\x1b]0;owned\\x07y\\nz\\u202ew\\u2028v" in line, line
+
+
+@pytest.mark.parametrize("error", [ConfigError(f"bad {CONTROL}"),
+                                   FileNotFoundError(2, "No such file", CONTROL)])
+def test_the_error_printer_writes_one_escaped_line(error, capsys):
+    from calm_runtime.cli.common import run_command
+
+    def fail():
+        raise error
+
+    assert run_command(fail) == 1
+    assert "\\x1b[2J" in _one_clean_line(capsys.readouterr().err)
+
+
+def test_server_text_with_line_breaks_stays_one_line():
+    class Evil(JSONHandler):
+        def do_POST(self):
+            self.send_json(400, {"error": {"message": f"bad {CONTROL} request"}})
+
+    with loopback_server(Evil) as url:
+        with pytest.raises(remote.RemoteError) as info:
+            remote.Endpoint(url, "m", retries=0).request("POST", "/completions", {})
+    assert "\\nz" in _one_clean_line(str(info.value))

@@ -103,7 +103,7 @@ def _by_hand(temperature: float) -> tuple[np.ndarray, np.ndarray]:
 def test_letter_score_of_a_url_matches_the_scripted_logprobs(server, data, tmp_path, capsys,
                                                              monkeypatch):
     url, seen = server
-    monkeypatch.setenv("TEST_KEY", "sk-test")
+    monkeypatch.setenv("TEST_KEY", "sk-test-0123456789")
     out = tmp_path / "r.json"
     assert _score(url, data, out, "--api-key-env", "TEST_KEY", "--concurrency", "2") == 0
     printed = capsys.readouterr().out
@@ -125,7 +125,7 @@ def test_letter_score_of_a_url_matches_the_scripted_logprobs(server, data, tmp_p
     assert report["floored"] == 1 and report["adapter"] is None
     assert "1 of 6 questions with an option letter at the floor" in printed
     assert f"| served model | {acc:.3f} | {ece:.3f} |" in printed
-    assert set(seen["auth"]) == {"Bearer sk-test"}  # the key from the variable only
+    assert set(seen["auth"]) == {"Bearer sk-test-0123456789"}  # the key from the variable only
     assert all(path.startswith("/v1/") for path in seen["paths"])
 
 

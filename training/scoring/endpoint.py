@@ -16,6 +16,7 @@ import http.client
 import json
 import os
 import random
+import re
 import socket
 import threading
 import time
@@ -24,8 +25,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from calm_runtime.data.models import DEFAULT_API_KEY_ENV, is_endpoint  # noqa: F401 - re-exported
-from calm_runtime.errors import CalmError, ConfigError
-from calm_training.scoring.redaction import REDACTED, redact  # noqa: F401 - re-exported
+from calm_runtime.errors import CalmError, ConfigError, one_line
+from calm_training.scoring.redaction import (  # noqa: F401 - re-exported
+    MIN_KEY_LENGTH,
+    REDACTED,
+    redact,
+    redact_fields,
+)
 
 __all__ = ["DEFAULT_MAX_RETRIES", "DEFAULT_TIMEOUT", "Endpoint", "MAX_RETRIES", "MAX_TIMEOUT",
            "RemoteError",
@@ -43,6 +49,18 @@ DEFAULT_MAX_RETRIES = 4
 MAX_TIMEOUT = 86400.0
 #: the most ``--max-retries`` taken
 MAX_RETRIES = 100
+
+
+def _fix(message: str | None) -> str:
+    """What to do about a refused request: a server setting the message names, else the
+    usual suspects."""
+    found = re.search(r"(?:prompt |sample )?logprobs of (\d+), which is greater than max "
+                      r"allowed: (\d+)", message or "")
+    if found:  # vLLM's cap on returned log-probabilities (default 20)
+        return (f"the server returns at most {found.group(2)} log-probabilities per token and "
+                f"calm asks for {found.group(1)}; start it with --max-logprobs "
+                f"{found.group(1)} (vLLM) or more")
+    return "check the model name, the key and the request settings"
 
 
 class RemoteError(CalmError):
@@ -90,6 +108,14 @@ class Endpoint:
         if key and (not key.isprintable() or key != key.strip()):
             raise ConfigError(f"the environment variable {self.api_key_env} holds spaces or "
                               "control characters (a line break?); set it to the key alone")
+        if key and len(key) < MIN_KEY_LENGTH:
+            raise ConfigError(f"the environment variable {self.api_key_env} holds a key of "
+                              f"{len(key)} character{'s' if len(key) != 1 else ''}: a key this "
+                              "short cannot be kept out of output (calm removes it from "
+                              "everything a server sends back, and so short a string occurs "
+                              f"in answers by chance); give the server a key of at least "
+                              f"{MIN_KEY_LENGTH} characters, or leave {self.api_key_env} "
+                              "empty for a server that takes none")
         return key or None
 
     def request(self, method: str, path: str, body: dict | None = None, *,
@@ -149,9 +175,8 @@ class Endpoint:
                         refused is not None and refused(status, last_message)):
                     last = f"HTTP {status}{detail}"
                     continue
-                raise RemoteError(f"{shown} answered HTTP {status}{detail}; check the model "
-                                  "name, the key and the request settings", status=status,
-                                  detail=last_message)
+                raise RemoteError(f"{shown} answered HTTP {status}{detail}; "
+                                  f"{_fix(last_message)}", status=status, detail=last_message)
             try:
                 payload = json.loads(raw)
             except (ValueError, RecursionError):
@@ -285,9 +310,9 @@ def redact_url(url: str) -> str:
 
 
 def printable(text: str) -> str:
-    """``text`` with control characters (terminal escape sequences) escaped."""
-    return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" if ord(c) < 256
-                   else f"\\u{ord(c):04x}" for c in text)
+    """``text`` with control characters (terminal escape sequences, line breaks) escaped as
+    ``repr`` escapes them: :func:`calm_runtime.errors.one_line`."""
+    return one_line(text)
 
 
 def _error_message(raw: bytes, said: Callable[[str], str]) -> str | None:
@@ -301,24 +326,44 @@ def _error_message(raw: bytes, said: Callable[[str], str]) -> str | None:
 
 
 def _redacted(payload, key: str | None):
-    """``payload`` with :func:`redact` applied to each of its strings (keys included; the
-    value of an ``authorization`` key whole); unchanged, and not walked, when its JSON text
-    holds nothing :func:`redact` would change."""
-    text = json.dumps(payload, ensure_ascii=False)
-    if (not key or ('"' not in key and "\\" not in key)) and redact(text, key) == text:
+    """``payload`` with :func:`redact_fields` applied to its strings (keys included) in the
+    order they come, so that a key spread over consecutive fields goes too, and the value of
+    an ``authorization`` key whole."""
+    strings: list[str] = []
+    stack = [payload]
+    while stack:  # iterative: an answer nested as deep as the JSON decoder goes
+        value = stack.pop()
+        if isinstance(value, str):
+            strings.append(value)
+        elif isinstance(value, dict):
+            for k, v in reversed(value.items()):
+                stack += [v, k]
+        elif isinstance(value, list):
+            stack += reversed(value)
+    shown = redact_fields(strings, key)
+    if shown == strings and not any(k.lower().endswith("authorization") for k in strings):
         return payload
+    replaced = iter(shown)
 
     def walk(value):
         if isinstance(value, str):
-            return redact(value, key)
+            return next(replaced)
         if isinstance(value, dict):
-            return {redact(k, key): REDACTED if isinstance(v, str) and k.lower().endswith(
-                "authorization") else walk(v) for k, v in value.items()}
+            out = {}
+            for k, v in value.items():
+                name, inner = next(replaced), walk(v)
+                out[name] = (REDACTED if isinstance(v, str) and k.lower().endswith(
+                    "authorization") else inner)
+            return out
         if isinstance(value, list):
             return [walk(v) for v in value]
         return value
 
-    return walk(payload)
+    try:
+        return walk(payload)
+    except RecursionError:
+        raise RemoteError("the answer is nested too deeply to read; is this an "
+                          "OpenAI-compatible API?") from None
 
 
 def check_deadline(timeout, retries) -> None:
