@@ -4,6 +4,8 @@ A checkpoint is a folder ``step-NNNNNN`` holding ``tensors.safetensors`` (LoRA t
 ``theta/NAME``, α ``alpha/NAME``, the optimizer state flattened to ``optim/INDEX/KEY``, the
 torch RNG state ``rng/torch``) and ``state.json`` (format, step, settings, LoRA tensor
 names, the optimizer's non-tensor state, the training history). No pickle anywhere.
+``--resume`` checks a checkpoint as a whole before restoring any of it
+(:mod:`calm_training.calm.checkpoint_check`).
 """
 
 from __future__ import annotations
@@ -15,23 +17,27 @@ from pathlib import Path
 
 import torch
 
-from calm_runtime.errors import ArtifactError, ConfigError
 from calm_runtime.files import atomic_directory
+from calm_training.calm.checkpoint_check import (
+    CHECKPOINT_FORMAT,
+    RESUMABLE_CHANGES,
+    read_checkpoint,
+    step_number,
+)
 
 __all__ = ["CHECKPOINT_FORMAT", "RESUMABLE_CHANGES", "drop_final_checkpoint",
            "final_checkpoint", "latest_checkpoint", "save_checkpoint", "load_checkpoint"]
-
-CHECKPOINT_FORMAT = 1
-#: settings that may change between a checkpoint and its resumption
-RESUMABLE_CHANGES = ("steps", "checkpoint_every", "device")
 
 
 def latest_checkpoint(folder: str | os.PathLike) -> Path | None:
     """The newest complete ``step-NNNNNN`` checkpoint in ``folder``, or None."""
     root = Path(folder)
-    found = sorted(p for p in root.glob("step-*") if (p / "state.json").is_file()) \
+    # a state.json of any kind marks a checkpoint (one that is not a regular file is then
+    # refused in one line by the loader, not skipped for an older checkpoint)
+    found = sorted((step_number(p), p) for p in root.glob("step-*")
+                   if step_number(p) is not None and os.path.lexists(p / "state.json")) \
         if root.is_dir() else []
-    return found[-1] if found else None
+    return found[-1][1] if found else None
 
 
 def save_checkpoint(trainer, target: Path, keep: int = 2) -> None:
@@ -57,54 +63,32 @@ def save_checkpoint(trainer, target: Path, keep: int = 2) -> None:
     with atomic_directory(target, overwrite=True) as staging:
         save_file(tensors, str(staging / "tensors.safetensors"))
         (staging / "state.json").write_text(json.dumps(payload, indent=1) + "\n")
-    old = sorted(p for p in target.parent.glob("step-*") if p != target and p.name < target.name)
-    for stale in old[:max(len(old) - (keep - 1), 0)]:
+    mine = step_number(target)
+    old = sorted((step_number(p), p) for p in target.parent.glob("step-*")
+                 if p != target and step_number(p) is not None and mine is not None
+                 and step_number(p) < mine)
+    for _, stale in old[:max(len(old) - (keep - 1), 0)]:
         shutil.rmtree(stale, ignore_errors=True)
 
 
 def load_checkpoint(trainer, folder: Path) -> None:
-    """Restore a :func:`save_checkpoint` folder into ``trainer`` (settings must match)."""
-    from safetensors.torch import load_file
-
-    try:
-        payload = json.loads((folder / "state.json").read_text())
-        tensors = load_file(str(folder / "tensors.safetensors"))
-    except (OSError, ValueError) as exc:
-        raise ArtifactError(f"checkpoint {folder} is unreadable ({exc}); delete it to resume "
-                            "from an earlier one") from None
-    if payload.get("format") != CHECKPOINT_FORMAT:
-        raise ArtifactError(f"checkpoint {folder} has format {payload.get('format')!r}, not "
-                            f"{CHECKPOINT_FORMAT}; resume with the calm version that wrote it")
-    now, then = trainer.config.to_dict(), payload["config"]
-    changed = sorted(k for k in set(now) | set(then)
-                     if k not in RESUMABLE_CHANGES and now.get(k) != then.get(k))
-    if changed:
-        raise ConfigError(f"cannot resume from {folder}: settings differ in "
-                          + ", ".join(f"{k} ({then.get(k)!r} -> {now.get(k)!r})" for k in changed)
-                          + "; use the original settings")
+    """Restore a :func:`save_checkpoint` folder into ``trainer``: the whole checkpoint is
+    read and checked against the model, optimizer and settings being resumed first
+    (:func:`~calm_training.calm.checkpoint_check.read_checkpoint`, one line on anything that
+    does not match), and only then is any state restored."""
+    checked = read_checkpoint(trainer, folder)
     m = trainer.model
-    if payload["theta_names"] != m.names:
-        raise ArtifactError(f"checkpoint {folder} holds other LoRA tensors than this model; "
-                            "resume with the same model and LoRA settings")
     with torch.no_grad():
-        for n, p in zip(m.names, m.theta, strict=True):
-            p.copy_(tensors[f"theta/{n}"])
-        for n, a in zip(m.alpha_names, m.alpha, strict=True):
-            a.copy_(tensors[f"alpha/{n}"])
-    trainer.step = int(payload["step"])  # which optimizer is active depends on the step
-    state: dict = {}
-    for key, value in tensors.items():
-        if key.startswith("optim/"):
-            _, index, name = key.split("/", 2)
-            state.setdefault(int(index), {})[name] = value
-    for key, value in payload["optimizer_scalars"].items():
-        index, name = key.split("/", 1)
-        state.setdefault(int(index), {})[name] = value
-    groups = trainer.optimizer.state_dict()["param_groups"]
-    trainer.optimizer.load_state_dict({"state": state, "param_groups": groups})
-    torch.set_rng_state(tensors["rng/torch"])
-    trainer.step = int(payload["step"])
-    trainer.history = list(payload["history"])
+        for p, value in zip(m.theta, checked.theta, strict=True):
+            p.copy_(value)
+        for a, value in zip(m.alpha, checked.alpha, strict=True):
+            a.copy_(value)
+    groups = checked.optimizer.state_dict()["param_groups"]
+    checked.optimizer.load_state_dict({"state": checked.optimizer_state,
+                                       "param_groups": groups})
+    torch.set_rng_state(checked.rng)
+    trainer.step = checked.step  # which optimizer is active depends on the step
+    trainer.history = checked.history
 
 
 def final_checkpoint(trainer) -> Path | None:

@@ -32,6 +32,8 @@ from calm_training.posthoc.option_fit import (
     Prepared,
     apply_fit,
     check_finite_temperature,
+    check_score_spread,
+    check_usable_temperature,
     cloze_token_fit,
     prepare,
     rescored,
@@ -197,8 +199,9 @@ class FitMethod:
                           n_calibration=int(cal.size))
         prep = prepare(plan, need_reference=self.needs_reference, progress=progress)
         before = prep.polm
+        check_score_spread(plan, prep)
         fit = self.fit_prepared(prep)
-        check_finite_temperature(fit)
+        check_usable_temperature(fit, plan, prep)
         token_temperature = record = None
         if not plan.mode.token_level and plan.score_logs:  # no token distributions there
             record = {"fitted": False, "reason": "the scores come from lm-eval logs, which "
@@ -214,7 +217,7 @@ class FitMethod:
                 prep = rescored(plan, prep, base.temperature * token_temperature,
                                 progress=progress)
                 fit = self.fit_prepared(prep)
-                check_finite_temperature(fit)
+                check_usable_temperature(fit, plan, prep)
         cal_metrics = {}
         labels = prep.calibration_labels()
         if labels is not None:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from calm_runtime.calibration import TEMPERATURE_RANGE
 from calm_runtime.errors import DataError, FitError
 from calm_runtime.measure import metrics
 from calm_runtime.modes import option_probabilities
@@ -23,8 +24,9 @@ from calm_runtime.temperature import TemperatureFit
 from calm_training.posthoc.fit_report import Metrics, add_selective, served_floor
 from calm_training.posthoc.plan import FitPlan
 
-__all__ = ["Prepared", "apply_fit", "check_finite_temperature", "cloze_token_fit",
-           "metric_row", "prepare", "require_labels", "rescored"]
+__all__ = ["Prepared", "apply_fit", "check_finite_temperature", "check_score_spread",
+           "check_usable_temperature", "cloze_token_fit", "metric_row", "prepare",
+           "require_labels", "rescored"]
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +126,50 @@ def check_finite_temperature(fit) -> None:
         raise FitError(f"the {fit.method} fit put the optimum at an infinite temperature on "
                        f"{fit.n_used} items (uniform probabilities fit best: the scores carry no "
                        "signal there); use more or other data; nothing was written")
+
+
+def _spread(scores: np.ndarray) -> np.ndarray:
+    """Per row of ``scores`` [N, K], the largest minus the smallest finite score."""
+    finite = np.where(np.isfinite(scores), scores, np.nan)
+    with np.errstate(invalid="ignore"):
+        return np.nan_to_num(np.nanmax(finite, axis=1) - np.nanmin(finite, axis=1))
+
+
+def _where_scores(plan: FitPlan) -> str:
+    return ("the lm-eval log's filtered_resps (each option's log-likelihood)"
+            if plan.score_logs else "how the options were scored (mode, variant, model)")
+
+
+def check_score_spread(plan: FitPlan, prep: Prepared) -> None:
+    """A :class:`FitError`, before fitting, when the model's scores do not differ between
+    the options of any calibration question: no temperature changes such scores."""
+    spread = _spread(prep.polm[prep.cal])
+    if spread.size and not (spread > 0).any():
+        raise FitError(f"the model's option scores are the same for every option of all "
+                       f"{spread.size} calibration questions, so no temperature can be fitted "
+                       f"to them; check {_where_scores(plan)}; nothing was written")
+
+
+def check_usable_temperature(fit, plan: FitPlan, prep: Prepared) -> None:
+    """:func:`check_finite_temperature`, and a :class:`FitError` naming the scores' spread
+    when a temperature fit ends outside the range an adapter holds
+    (:data:`~calm_runtime.calibration.TEMPERATURE_RANGE`): that is what the data gives, not
+    something fitting again can change."""
+    check_finite_temperature(fit)
+    low, high = TEMPERATURE_RANGE
+    if not isinstance(fit, TemperatureFit) or low <= fit.temperature <= high:
+        return
+    model = float(np.median(_spread(prep.polm[prep.cal])))
+    spread = f"the model's option scores differ by a median of {model:.3g} between a question's "
+    spread += "options"
+    if prep.plm is not None:
+        spread += f" (the reference's by {float(np.median(_spread(prep.plm[prep.cal]))):.3g})"
+    bound = f" (at the {fit.at_bound.replace('_', ' ')} bound)" if fit.at_bound else ""
+    raise FitError(f"the {fit.method} fit put the answer temperature at "
+                   f"{fit.temperature:.3g}{bound}, outside the [{low:g}, {high:g}] an adapter "
+                   f"holds: on the {fit.n_used} questions it fitted, {spread}, a scale no "
+                   f"usable temperature maps to confidences; check {_where_scores(plan)}; "
+                   "nothing was written")
 
 
 def cloze_token_fit(method, plan: FitPlan, prep: Prepared, *, progress: bool):
