@@ -40,7 +40,8 @@ def _hf(post: str, bias: bool) -> str:
 
 
 def _graph(family) -> str:
-    """The graph ``calm-export --graph auto`` gives the family's tiny test model."""
+    """The graph ``calm-export --graph auto`` gives the family's tiny test model with the
+    ``genai`` extra installed (the table must not depend on the environment rendering it)."""
     import transformers
 
     from calm_export.config import ExportConfig
@@ -48,7 +49,7 @@ def _graph(family) -> str:
 
     config = getattr(transformers, family.config_class)(**family.tiny_config())
     reason = BUILDER.unsupported_because(ExportConfig(progress=False), config)
-    if reason is None:
+    if reason is None or reason.startswith("onnxruntime-genai is not installed"):
         return "onnxruntime-genai builder"
     return "calm's own (" + ("sliding window" if family.model_type == "mistral"
                              else "not built by the builder") + ")"
