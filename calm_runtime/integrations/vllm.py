@@ -29,7 +29,6 @@ import logging
 import os
 from pathlib import Path
 
-from calm_runtime.calibration import apply_calibration
 from calm_runtime.errors import ConfigError
 from calm_runtime.formats.artifact import CalibrationAdapter
 
@@ -111,7 +110,6 @@ class CalibrationLogitsProcessor(LogitsProcessor):
             raise ConfigError(f"{DEFAULT_ENV}={default!r} is not one of {ADAPTERS_ENV}'s "
                               f"adapters {sorted(self.adapters)}")
         self.rows: dict[int, str] = {}  # persistent-batch index -> adapter name
-        self._vectors: dict[tuple, tuple] = {}  # (name, device) -> (tau, shift) tensors
         logger.info("calm calibration adapters: %s", ", ".join(
             f"{n} (T={a.temperature:.4g})" for n, a in self.adapters.items()) or "none")
 
@@ -145,21 +143,6 @@ class CalibrationLogitsProcessor(LogitsProcessor):
                 by_adapter.setdefault(name, []).append(index)
         for name, indices in by_adapter.items():
             rows = torch.tensor(sorted(indices), device=logits.device)
-            calibrated = self._calibrate(name, logits[rows].float())
+            calibrated = self.adapters[name].calibrate(logits[rows].float())
             logits[rows] = calibrated.to(logits.dtype)
         return logits
-
-    def _calibrate(self, name: str, logits: torch.Tensor) -> torch.Tensor:
-        """The adapter's formula, its vectors moved to the logits' device once."""
-        adapter = self.adapters[name]
-        if adapter.base_model.served is not None:
-            return adapter.calibrate(logits)
-        key = (name, logits.device)
-        if key not in self._vectors:
-            self._vectors[key] = tuple(torch.as_tensor(v, device=logits.device,
-                                                       dtype=torch.float32)
-                                       for v in (adapter.tau, adapter.shift))
-        tau, shift = self._vectors[key]
-        return apply_calibration(logits, tau, shift, adapter.temperature,
-                                 center=adapter.centered)
-
