@@ -130,13 +130,13 @@ COMMON = {"steps": 40, "warm_start_steps": 20, "warm_start_lr": 1e-3, "batch_siz
           "cft_scale": 1e-3, "cft_bins": 10,
           # settings added after the first runs, at the behaviour those runs had
           "inner_optimizer": "sgd", "alpha_logits": "raw", "upper": "entropy",
-          "reference": None, "alpha_holdout": 0.0, "daca": False}
+          "reference": None, "holdout": 0.0, "daca": False}
 #: calibration-aware fine-tuning (the paper's training-time baseline; docs/methods.md): the
 #: plain fine-tuning recipe of this project (Adam at the warm start's rate, every step, no α)
 #: on its loss (1 − w)·CE + w·c·L_cal with the published trainer's c and bins
 CFT = {"method": "cft", "optimizer": "adam", "outer_lr": 1e-3, "warm_start_steps": 0}
 ROUND2 = {"method": "bilevel", "upper_params": "alpha", "inner_optimizer": "adam",
-          "inner_steps": 3, "inner_lr": 1e-3, "alpha_logits": "centered", "alpha_holdout": 0.2}
+          "inner_steps": 3, "inner_lr": 1e-3, "alpha_logits": "centered", "holdout": 0.2}
 ARMS = {
     "calm-bome-all": {"method": "bilevel", "upper_params": "all"},
     "calm-bome-alpha": {"method": "bilevel", "upper_params": "alpha"},
@@ -170,7 +170,7 @@ CALM_TRAIN = {"method": "bilevel", "mode": "cloze", "steps": 200, "batch_size": 
               "warm_start_lr": 1e-3, "entropy": "options", "cloze_variant": "mean",
               "upper_params": "alpha", "alpha_tokens": "all", "alpha_l2": 0.0,
               "alpha_logits": "centered", "upper": "entropy", "reference": None, "daca": True,
-              "alpha_holdout": 0.2, "freeze_alpha": False, "cft_weight": 0.5,
+              "holdout": 0.2, "freeze_alpha": False, "cft_weight": 0.5,
               "cft_scale": 1e-3, "cft_bins": 10, "q_window": 10, "beta": 1.0, "lora_rank": 8,
               "lora_alpha": 16.0, "max_length": 256, "calibration_positions": "options"}
 ARMS["calm-train"] = CALM_TRAIN
@@ -544,7 +544,7 @@ def run_one(args, arm: str, seed: int, gate: dict, default: str | None) -> dict:
         alphas = {"alpha": (tau, shift)}
         if not settings.get("freeze_alpha") and settings["method"] not in THETA_ONLY:
             alphas["no-alpha"] = (None, None)
-            if settings.get("alpha_holdout"):  # what α did before the gate decided
+            if settings.get("holdout"):  # what α did before the gate decided
                 alphas["trained-alpha"] = trained
         daca_fit = adapter.method.get("daca") or {}
         if daca_fit.get("fitted"):  # the adapter as written: α and DACA's T (head, answers)

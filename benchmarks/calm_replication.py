@@ -85,7 +85,7 @@ COMMON = {"batch_size": 8, "calibration_batch_size": 8, "lora_rank": 8, "lora_al
           "freeze_alpha": False, "cft_weight": 0.5, "cft_scale": 1e-3, "cft_bins": 10,
           # settings added later, at the behaviour these runs had (calm.config.LEGACY_SETTINGS)
           "inner_optimizer": "sgd", "alpha_logits": "raw", "upper": "entropy",
-          "reference": None, "alpha_holdout": 0.0, "daca": False}
+          "reference": None, "holdout": 0.0, "daca": False}
 SGD = {"method": "bilevel", "optimizer": "sgd", "momentum": 0.9, "outer_lr": 0.1,
        "alpha_lr": 0.02, "calibration_positions": "answer"}
 ARMS = {

@@ -40,16 +40,18 @@ temperature, so that the adapter it writes is calibrated (docs/methods.md sectio
 What it writes, in one adapter that calm-export fuses in one step:
   LoRA       the fine-tune (cross-entropy on --train)
   tau/shift  learned on --calibration so that the model's answers are less over-confident
-             (the option entropy, or with --upper daca a pre-trained reference's
-             confidence); kept only if they lower the NLL of held-out training questions
-             (--alpha-holdout) by more than that measurement's noise and cost at most 3
-             points of their accuracy, else the identity, and the adapter says why
+             (by default the entropy of the option distribution with an alpha-only upper
+             gradient: an arm of the method; --as-specified gives docs/methods.md's form)
   T          a DACA temperature of the trained model against the model before the LoRA
-             (or --reference), fitted on --calibration without labels; --no-daca skips it
+             (whatever it is: an instruct model stays one) or --reference, fitted on
+             --calibration without labels; it keeps every answer (cloze: a temperature on
+             the option scores; letter: on the letters' logits); --no-daca skips it
 
-The last lines say what each part did on the held-out training questions (accuracy, ECE,
-NLL of the model alone, with the LoRA, with tau/shift, with T). What the defaults do on
-real data, in and out of domain: docs/results.md.
+tau/shift and T are each kept only if, on half of the training questions held out of
+training (--holdout), they lower the NLL by more than its paired 95% interval and the
+interval of their accuracy change stays above -3 points; else dropped, and the adapter and
+the last lines say why. The last lines read each part on the other half of the hold-out.
+What the defaults do on real data, in and out of domain: docs/results.md.
 """
 
 
@@ -99,8 +101,6 @@ def register_train(sub) -> None:
              "training objective can still fall: what keeps tau/shift from hurting it)"),
             ("inner-lr", float, "step size of those steps (default: 0.001 with adam, 0.01 "
              "with sgd)"),
-            ("alpha-holdout", float, "share of the training questions held out to measure "
-             "tau/shift's own effect before writing (0: none, written as trained)"),
             ("outer-lr", float, "learning rate of the LoRA (default: 0.1 with sgd, 0.001 "
              "with adam)"),
             ("alpha-lr", float, "learning rate of tau/shift (default: 0.02 with sgd, 0.005 "
@@ -125,6 +125,12 @@ def register_train(sub) -> None:
         name = flag.replace("-", "_")
         shown = "" if "(default" in text else f" (default {d[name].default})"
         t.add_argument(f"--{flag}", type=kind, default=d[name].default, help=text + shown)
+    t.add_argument("--holdout", type=_count_or_share, default=d["holdout"].default,
+                   metavar="N|SHARE",
+                   help="training questions held out of training for the gate of tau/shift "
+                        "and T: a count (at most half of the training questions) or a share "
+                        "in (0, 1); half decide, half report (0: none, everything written "
+                        f"ungated) (default {d['holdout'].default})")
     t.add_argument("--outer-optimizer", "--optimizer", dest="optimizer",
                    default=d["optimizer"].default, choices=OPTIMIZERS,
                    help="outer update: sgd (plain SGD; with --momentum 0, the step whose "
@@ -139,13 +145,16 @@ def register_train(sub) -> None:
                    help="what tau divides: centered (logits minus their vocabulary mean) or "
                         f"raw logits (default {d['alpha_logits'].default})")
     t.add_argument("--upper", default=d["upper"].default, choices=UPPER_OBJECTIVES,
-                   help="upper objective: entropy (the paper's) or daca (KL to --reference "
-                        "where the two models agree; calm's extension) "
+                   help="upper objective: entropy (-H; of the option distribution with "
+                        "--entropy options, over the vocabulary with --entropy vocab, the "
+                        "paper's) or daca (KL to --reference where the two models agree; "
+                        "calm's extension) "
                         f"(default {d['upper'].default})")
     t.add_argument("--reference",
                    help="reference model (the same forms as --model) of --upper daca and "
                         "of the DACA temperature fitted after training (default: the model "
-                        "itself, before the LoRA)")
+                        "itself before the LoRA, pre-trained or not; a pre-trained model is "
+                        "DACA's premise)")
     t.add_argument("--no-daca", dest="daca", action="store_false",
                    help="write the adapter without the DACA temperature that is otherwise "
                         "fitted after training against --reference on the calibration set")
@@ -153,17 +162,23 @@ def register_train(sub) -> None:
                    help="start the LoRA from this peft folder or calm adapter (same rank and "
                         "targets)")
     t.add_argument("--entropy", default=d["entropy"].default, choices=["options", "vocab"],
-                   help="upper objective: entropy of the K-option distribution the evaluation "
-                        "reads (options) or of the full next-token distribution at the "
-                        f"answer positions (vocab) (default {d['entropy'].default})")
+                   help="the entropy of --upper entropy: of the K-option distribution the "
+                        "evaluation reads (options, calm's reading) or of the full next-token "
+                        "distribution at the answer positions (vocab, docs/methods.md's -H) "
+                        f"(default {d['entropy'].default})")
     t.add_argument("--cloze-variant", default=d["cloze_variant"].default,
                    choices=CLOZE_VARIANTS,
                    help="cloze score variant of the options entropy (default "
                         f"{d['cloze_variant'].default}, as calm fit/eval)")
     t.add_argument("--upper-params", default=d["upper_params"].default, choices=UPPER_PARAMS,
-                   help="what f's gradient moves: all (LoRA and tau/shift) or alpha "
-                        "(tau/shift only; the LoRA then moves through lambda*grad q) "
+                   help="what f's gradient moves: all (LoRA and tau/shift: BOME as "
+                        "docs/methods.md specifies it) or alpha (tau/shift only, an arm: the "
+                        "LoRA then moves through lambda*grad q alone) "
                         f"(default {d['upper_params'].default})")
+    t.add_argument("--as-specified", action="store_true",
+                   help="the bilevel method as docs/methods.md specifies it: --upper-params "
+                        "all --entropy vocab (f's gradient on the LoRA too, -H over the "
+                        "vocabulary)")
     t.add_argument("--alpha-tokens", default=d["alpha_tokens"].default, choices=ALPHA_TOKENS,
                    help="train tau/shift on the whole vocabulary (all) or only on the tokens "
                         "of the options/answers in the training and calibration data "
@@ -188,6 +203,20 @@ def register_train(sub) -> None:
     t.set_defaults(handler=_train)
 
 
+def _count_or_share(text: str) -> int | float:
+    """``--holdout``: an integer count of questions, or a share in [0, 1)."""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither a count of questions nor a share in [0, 1)") from None
+    return value
+
+
 def _train(args) -> int:
     from calm_training.calm.trainer import CalmConfig, train_calm
 
@@ -195,6 +224,8 @@ def _train(args) -> int:
     values = {f: getattr(args, f) for f in names}
     values["lora_targets"] = tuple(x.strip() for x in args.lora_targets.split(",") if x.strip())
     values["train"], values["calibration"] = tuple(args.train), tuple(args.calibration)
+    if args.as_specified:
+        values["upper_params"], values["entropy"] = "all", "vocab"
     config = CalmConfig(**values)
     result = train_calm(config, args.out, resume=args.resume, overwrite=args.overwrite,
                         checkpoint_dir=args.checkpoint_dir, progress=show_progress(args))

@@ -25,7 +25,7 @@ def _config(model, data, **kw):
             "calibration": (f"{data}:unlabeled",), "batch_size": 2, "inner_steps": 2,
             "lora_rank": 4, "max_length": 64, "steps": 2,
             # the BOME paper's inner solver, α written as trained (the gate: test_alpha_gate)
-            "inner_optimizer": "sgd", "alpha_holdout": 0.0}
+            "inner_optimizer": "sgd", "holdout": 0.0}
     return CalmConfig(**{**base, **kw})
 
 

@@ -49,7 +49,7 @@ def test_two_processes_match_one(tiny_llama_tied, tmp_path):
     settings = {"steps": 3, "batch_size": 4, "inner_steps": 2, "lora_rank": 2,
                 "inner_lr": 0.02, "outer_lr": 1e-2, "max_length": 48,
                 # α written as trained: the comparison is of α (the gate: test_alpha_gate)
-                "alpha_holdout": 0.0}
+                "holdout": 0.0}
     env = {**os.environ, "CALM_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1",
            "TOKENIZERS_PARALLELISM": "false"}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",

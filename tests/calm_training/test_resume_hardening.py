@@ -33,7 +33,7 @@ def _train(model, data, out, checkpoints, steps, *extra) -> int:
                  "--checkpoint-every", "2", "--checkpoint-dir", str(checkpoints),
                  "--batch-size", "2", "--lora-rank", "2", "--inner-steps", "1",
                  "--max-length", "48", "--outer-optimizer", "adam", "--warm-start-steps", "1",
-                 "--alpha-holdout", "0", "--no-daca", *extra])
+                 "--holdout", "0", "--no-daca", *extra])
 
 
 @pytest.fixture(scope="module")

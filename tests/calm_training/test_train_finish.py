@@ -1,6 +1,7 @@
 """``calm train`` ends calibrated (calm_training.calm.finish): a DACA temperature of the
-trained model against the model before the LoRA, written into the same adapter with what each
-part did on the held-out training questions; ``calm-export`` fuses all of it in one step."""
+trained model against the model before the LoRA that keeps every answer, gated on the
+hold-out like α, written into the same adapter with what each part did on the hold-out's
+reporting half; ``calm-export`` fuses all of it in one step."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def _config(model, data, **kw):
     return CalmConfig(**{"model": str(model), "train": (f"{data}:train",),
                          "calibration": (f"{data}:unlabeled",), "steps": 2,
                          "warm_start_steps": 1, "batch_size": 2, "lora_rank": 4,
-                         "max_length": 64, "alpha_holdout": 0.3, **kw})
+                         "max_length": 64, "holdout": 0.3, **kw})
 
 
 @pytest.fixture(scope="module")
@@ -34,32 +35,94 @@ def trained(tiny_llama_tied, mixed_mc_file, tmp_path_factory):
     return config, train_calm(config, out, progress=False)
 
 
-def test_the_adapter_carries_a_daca_temperature_against_the_base(trained):
+@pytest.fixture(scope="module")
+def ungated(tiny_llama_tied, mixed_mc_file, tmp_path_factory):
+    """``--holdout 0``: T written as fitted (no hold-out to gate it on)."""
+    out = tmp_path_factory.mktemp("finish") / "ungated"
+    config = _config(tiny_llama_tied, mixed_mc_file, holdout=0)
+    return config, train_calm(config, out, progress=False)
+
+
+def test_the_temperature_is_fitted_against_the_base_and_gated(trained):
     config, result = trained
     adapter = CalibrationAdapter.from_pretrained(result.out)
     record = adapter.method["daca"]
     assert record["fitted"], record
-    assert adapter.kind == "calm+daca"
     assert record["reference"] == "the model before the LoRA"
     assert record["reference_identity"]["name"] == adapter.base_model.name
     fit = record["fit"]
     assert fit["method"] == "daca" and 0 < fit["agreement_rate"] <= 1
     n_cal = len(calm_data.load_records(config.calibration, labeled=False)[0])
     assert fit["n"] == record["n_questions"] <= n_cal  # the unlabeled calibration set
-    # cloze: the option temperature is the answer temperature; a head temperature when the
-    # answer positions carry a signal (the token-level fit records why not, otherwise)
-    assert adapter.answer_temperature == pytest.approx(fit["temperature"])
-    assert adapter.temperature == pytest.approx(record["temperature"])
-    assert record["token_fit"] is not None
-    # the training's own record stays: settings, the gate
+    gate = record["gate"]
+    assert gate["part"] == "T" and gate["n"] == adapter.metrics["holdout_parts"]["deciding"]
+    assert record["kept"] == gate["kept"]
+    assert (adapter.kind == "calm+daca") == gate["kept"]
+    assert (adapter.answer_temperature is not None) == gate["kept"]
+    # a temperature on option scores changes no answer: its accuracy interval is [0, 0]
+    assert gate["accuracy_change_interval"] == [0.0, 0.0]
     assert adapter.method["name"] == "calm" and "alpha_gate" in adapter.method
-    assert result.daca == {**record}
+    assert result.daca == record
 
 
-def test_the_temperature_is_the_fit_of_the_written_lora_and_alpha(trained, tmp_path):
+def test_cloze_keeps_the_answers_and_reports_the_token_temperature_apart(ungated):
+    """Cloze: T is the answer temperature on the trained model's own scores, the head keeps
+    temperature 1, and the token-level temperature is fitted and reported, with the answers
+    a head temperature would have changed."""
+    _, result = ungated
+    adapter = CalibrationAdapter.from_pretrained(result.out)
+    record = adapter.method["daca"]
+    assert record["kept"] and "ungated" in record["gate"]["reason"]
+    assert adapter.kind == "calm+daca"
+    assert adapter.answer_temperature == pytest.approx(record["fit"]["temperature"])
+    assert adapter.temperature == 1.0
+    assert record["token_fit"]["fitted"] and record["token_fit"]["in_head"] is False
+    assert record["token_temperature"] == record["token_fit"]["temperature"] != 1.0
+    assert record["keeps_answers"] is True
+    lines = finish_module.part_lines(record, None)
+    assert any("not in the head" in line for line in lines)
+
+
+@pytest.mark.parametrize(("mode", "variant"), [("cloze", "mean"), ("cloze", "sum"),
+                                               ("cloze", "char"), ("letter", None)])
+def test_the_written_adapter_changes_no_answer_of_the_trained_model(
+        mode, variant, tiny_llama_tied, mixed_mc_file, tmp_path):
+    """Every mode and cloze variant: the adapter as written (LoRA, α, T) predicts the same
+    option as the trained model without T on every question, calibration and test parts."""
+    kw = {"mode": mode, "holdout": 0}
+    if variant:
+        kw["cloze_variant"] = variant
+    else:  # the letter prompt lists every option
+        kw["max_length"] = 192
+    config = _config(tiny_llama_tied, mixed_mc_file, **kw)
+    result = train_calm(config, tmp_path / "a", progress=False)
+    adapter = CalibrationAdapter.from_pretrained(result.out)
+    written = result.out
+    if mode == "letter" and not adapter.method["daca"]["kept"]:
+        # the tiny random model's letters seldom agree with its own base on 6 questions:
+        # letter mode's T is a head temperature, written as the fit would write it
+        assert "agree" in adapter.method["daca"]["reason"]
+        adapter = dataclasses.replace(adapter, temperature=1.7, created_at=None)
+        adapter.save_pretrained(tmp_path / "written")
+        written = tmp_path / "written"
+    else:
+        assert adapter.method["daca"]["kept"], adapter.method["daca"]
+    without_t = dataclasses.replace(adapter, temperature=1.0, answer_temperature=None,
+                                    created_at=None)
+    without_t.save_pretrained(tmp_path / "without")
+    records = calm_data.load_records((f"{mixed_mc_file}:all",), labeled=True)[0]
+    read = finish_module.measure_parts(config, records, {"written": written,
+                                                         "trained": tmp_path / "without"},
+                                       progress=False)["parts"]
+    assert read["written"]["prediction"] == read["trained"]["prediction"]
+    # and T did change the probabilities
+    assert read["written"]["confidence"] != read["trained"]["confidence"]
+
+
+def test_the_temperature_is_the_fit_of_the_written_lora_and_alpha(ungated, tmp_path):
     """Refitting on the adapter without its T gives the same T: the fit reads what the
     runtime reads (the LoRA merged, α in the head), nothing else."""
-    config, result = trained
+    config, result = ungated
     adapter = CalibrationAdapter.from_pretrained(result.out)
     before = dataclasses.replace(adapter, temperature=1.0, answer_temperature=None,
                                  created_at=None)
@@ -71,31 +134,35 @@ def test_the_temperature_is_the_fit_of_the_written_lora_and_alpha(trained, tmp_p
     assert again.temperature == pytest.approx(adapter.temperature, rel=1e-6)
 
 
-def test_each_part_is_read_on_the_hold_out(trained):
+def test_each_part_is_read_on_the_reporting_half(trained):
     _, result = trained
     adapter = CalibrationAdapter.from_pretrained(result.out)
     parts = adapter.metrics["holdout_parts"]
     gate = adapter.method["alpha_gate"]
-    assert parts["n"] == gate["share"]["n"] == gate["holdout"]["n"]
+    assert parts["n"] == gate["holdout"]["n"] == parts["deciding"] + parts["reporting"]
+    assert parts["deciding"] == gate["share"]["n"] == gate["holdout"]["deciding"]
+    assert parts["read_on"] == "reporting"
     assert list(parts["parts"]) == list(finish_module.PART_NAMES)
     for row in parts["parts"].values():
         assert 0 <= row["accuracy"] <= 1 and 0 <= row["ece"] <= 1 and row["nll"] > 0
-        assert len(row["questions"]["correct"]) == parts["n"]
+    for q in parts["questions"].values():
+        assert len(q["correct"]) == parts["n"]
     # with the identity written, "lora" and "lora+alpha" are the same reading
     if not gate["kept"]:
         assert parts["parts"]["lora"]["nll"] == pytest.approx(parts["parts"]["lora+alpha"]["nll"])
     lines = finish_module.part_lines(result.daca, parts)
     assert lines[0].startswith("  DACA against the model before the LoRA")
+    assert any(line.strip().startswith(("T kept", "T dropped")) for line in lines)
     assert [line.split()[0] for line in lines[-4:]] == list(finish_module.PART_NAMES)
 
 
-def test_export_fuses_lora_alpha_and_t_in_one_step(trained, tiny_llama_tied, tmp_path):
+def test_export_fuses_lora_alpha_and_t_in_one_step(ungated, tiny_llama_tied, tmp_path):
     pytest.importorskip("onnxruntime")
     from calm_export.config import ExportConfig
     from calm_export.pipeline import export_engine
     from calm_runtime.formats.engine import EngineManifest
 
-    _, result = trained
+    _, result = ungated
     adapter = CalibrationAdapter.from_pretrained(result.out)
     engine = export_engine(tiny_llama_tied, tmp_path / "engine", adapter=result.out,
                            config=ExportConfig(progress=False, graph="fused"))
@@ -111,7 +178,7 @@ def test_no_daca_and_a_failed_fit_keep_the_trained_adapter(tiny_llama_tied, mc_f
     config = _config(tiny_llama_tied, mc_file, daca=False)
     train_calm(config, tmp_path / "plain", progress=False)
     plain = CalibrationAdapter.from_pretrained(tmp_path / "plain")
-    assert plain.method["daca"] == {"fitted": False, "reason": "--no-daca"}
+    assert plain.method["daca"] == {"fitted": False, "reason": "--no-daca", "kept": False}
     assert plain.temperature == 1.0 and plain.answer_temperature is None
     assert plain.kind == "calm"
 

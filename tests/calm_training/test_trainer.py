@@ -26,7 +26,7 @@ def _config(model, data, **kw):
             "lora_rank": 4, "max_length": 64, "optimizer": "adam", "warm_start_steps": 0,
             # the BOME paper's inner solver, α written as trained (the gate: test_alpha_gate),
             # no temperature after training (test_train_finish)
-            "inner_optimizer": "sgd", "alpha_holdout": 0.0, "daca": False}
+            "inner_optimizer": "sgd", "holdout": 0.0, "daca": False}
     return CalmConfig(**{**base, **kw})
 
 

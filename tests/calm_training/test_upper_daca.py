@@ -49,7 +49,7 @@ def test_daca_upper_trains_against_a_reference(tiny_llama_tied, mc_file):
     config = CalmConfig(model=str(tiny_llama_tied), train=(f"{mc_file}:train",),
                         calibration=(f"{mc_file}:unlabeled",), steps=3, warm_start_steps=1,
                         batch_size=2, lora_rank=4, max_length=64, upper="daca",
-                        reference=str(tiny_llama_tied), alpha_holdout=0.0)
+                        reference=str(tiny_llama_tied), holdout=0.0)
     result = train_calm(config, None, progress=False)
     f = [row["f"] for row in result.history if row["phase"] == "bilevel"]
     assert len(f) == 2 and all(v >= 0 for v in f)  # a (masked) KL, not a negative entropy

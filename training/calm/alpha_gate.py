@@ -1,34 +1,21 @@
-"""α's own effect, measured before a CALM adapter is written (docs/methods.md §4).
+"""α's own effect on the hold-out's deciding half, measured before a ``calm train`` adapter
+is written (docs/methods.md §4); :mod:`calm_training.calm.gate` decides from it.
 
-The trained θ is read on training questions held out of training
-(``CalmConfig.alpha_holdout``) twice: with the learned α and with α at the identity. What α
-does there is measured with measures that see a reordering as well as a softening —
+The trained θ is read on training questions held out of training twice: with the learned α
+and with α at the identity, with measures that see a reordering as well as a softening —
 option NLL and accuracy (the questions have labels), answers whose prediction changes
 (``flips``) and whose correctness changes, total variation and KL between the two option
-distributions, and the change of mean option entropy. :func:`decide` keeps α only when it
-lowers the held-out NLL by more than the half-width of the paired 95% interval of that
-change (:data:`NLL_Z`) and the held-out accuracy does not fall by more than
-:data:`ACCURACY_MARGIN`; otherwise the adapter carries the identity and says why. The
-per-question arrays the decision read are kept with it (``share["questions"]``).
+distributions, and the change of mean option entropy — kept per question
+(``share["questions"]``) for the gate's paired intervals. Open-QA hold-outs have no options:
+the per-answer NLL of their tokens.
 """
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 
-__all__ = ["ACCURACY_MARGIN", "NLL_Z", "measure_alpha_share", "measure_answer_nll",
-           "option_share", "decide"]
-
-#: the held-out accuracy α may cost and still be written (3 points: the margin the
-#: benchmarks' "accuracy kept" verdicts use)
-ACCURACY_MARGIN = 0.03
-#: the normal quantile of the paired interval of α's held-out NLL change (95%, two-sided):
-#: an improvement smaller than the interval's half-width is within the noise of the
-#: hold-out and is not written
-NLL_Z = 1.96
-
+__all__ = ["measure_alpha_share", "measure_answer_nll", "option_share"]
 
 def measure_alpha_share(model, examples, pad_id: int, batch_size: int) -> dict:
     """Option measures of ``model``'s α on labeled option ``examples`` (the hold-out;
@@ -56,9 +43,9 @@ def measure_alpha_share(model, examples, pad_id: int, batch_size: int) -> dict:
 
 
 def measure_answer_nll(model, examples, pad_id: int, batch_size: int) -> dict:
-    """Open-QA hold-outs (no options to compare): the mean NLL of the answers' tokens
-    (the lower level's cross-entropy, ``calm_data.encode_training`` examples) with α and
-    without it."""
+    """Open-QA hold-outs (no options to compare): the NLL of each answer's tokens (its mean
+    per token; the lower level's cross-entropy, ``calm_data.encode_training`` examples) with
+    α and without it."""
     import torch
 
     from calm_training.calm import data as calm_data
@@ -66,15 +53,18 @@ def measure_answer_nll(model, examples, pad_id: int, batch_size: int) -> dict:
     theta = [t.detach() for t in model.theta]
     alpha = [a.detach() for a in model.alpha]
     identity = [a.new_zeros(a.shape) for a in alpha]
-    totals = {"alpha": 0.0, "without": 0.0}
+    per = {"alpha": [], "without": []}
     with torch.no_grad():
-        for start in range(0, len(examples), batch_size):
-            chunk = examples[start:start + batch_size]
-            batch = calm_data.collate(chunk, len(examples), pad_id).to(model.theta[0].device)
+        for example in examples:  # one at a time: each answer's own mean token NLL
+            batch = calm_data.collate([example], 1, pad_id).to(model.theta[0].device)
             for key, a in (("alpha", alpha), ("without", identity)):
-                totals[key] += float(model.loss(theta, a, batch, "ce"))
-    return {"n": len(examples), "nll_alpha": totals["alpha"], "nll_without": totals["without"],
-            "nll_change": totals["alpha"] - totals["without"], "measured_on": "answer tokens"}
+                per[key].append(float(model.loss(theta, a, batch, "ce")))
+    nll_a, nll_b = np.asarray(per["alpha"]), np.asarray(per["without"])
+    return {"n": len(examples), "nll_alpha": float(nll_a.mean()),
+            "nll_without": float(nll_b.mean()), "nll_change": float((nll_a - nll_b).mean()),
+            "measured_on": "answer tokens",
+            "questions": {"nll_alpha": np.round(nll_a, 6).tolist(),
+                          "nll_without": np.round(nll_b, 6).tolist()}}
 
 
 def option_share(logp_alpha: np.ndarray, logp_base: np.ndarray, labels: np.ndarray) -> dict:
@@ -94,12 +84,7 @@ def option_share(logp_alpha: np.ndarray, logp_base: np.ndarray, labels: np.ndarr
 
     per_a, per_b = -logp_alpha[rows, labels], -logp_base[rows, labels]
     nll_a, nll_b = float(per_a.mean()), float(per_b.mean())
-    diff = per_a - per_b
-    # None: no interval (one question, or an infinite NLL)
-    half = (float(NLL_Z * diff.std(ddof=1) / math.sqrt(n)) if n > 1 and np.isfinite(diff).all()
-            else None)
     return {"n": int(n), "nll_alpha": nll_a, "nll_without": nll_b, "nll_change": nll_a - nll_b,
-            "nll_change_half_width": half,
             "questions": {"nll_alpha": np.round(per_a, 6).tolist(),
                           "nll_without": np.round(per_b, 6).tolist(),
                           "correct_alpha": right_a.astype(int).tolist(),
@@ -110,39 +95,3 @@ def option_share(logp_alpha: np.ndarray, logp_base: np.ndarray, labels: np.ndarr
             "total_variation": float(0.5 * np.abs(p_a - p_b).sum(1).mean()),
             "kl_without_to_alpha": float(kl.mean()),
             "entropy_change": entropy(p_a, logp_alpha) - entropy(p_b, logp_base)}
-
-
-def decide(share: dict | None) -> tuple[bool, str]:
-    """``(keep α, why)``: α is kept only when it lowers the held-out option NLL by more than
-    its paired interval's half-width and costs at most :data:`ACCURACY_MARGIN` of held-out
-    accuracy (an open-QA hold-out, which has no per-question options: when it lowers the
-    answers' NLL)."""
-    if share is None:
-        return True, "no hold-out (alpha_holdout 0): α written as trained, unmeasured"
-    change = share["nll_change"]
-    paired = "nll_change_half_width" in share  # option hold-outs; open QA has no pairs
-    half = share.get("nll_change_half_width")
-    interval = "" if half is None else f" ± {half:.4f}"
-    facts = (f"held-out NLL {share['nll_without']:.4f} -> {share['nll_alpha']:.4f} "
-             f"({change:+.4f}{interval}) on {share['n']} questions")
-    if "flips" in share:
-        facts += (f", {share['flips']} answers changed, accuracy "
-                  f"{share['accuracy_without']:.3f} -> {share['accuracy_alpha']:.3f}, "
-                  f"TV {share['total_variation']:.4f}")
-    else:
-        facts += f" ({share.get('measured_on', 'answer tokens')})"
-    lowers = math.isfinite(change) and change < 0
-    clears = lowers and (not paired or (half is not None and -change > half))
-    accuracy_drop = (share["accuracy_without"] - share["accuracy_alpha"]
-                     if "accuracy_alpha" in share else 0.0)
-    if clears and accuracy_drop <= ACCURACY_MARGIN:
-        return True, f"alpha kept: it lowers the {facts}"
-    if clears:
-        why = f"it costs more than {ACCURACY_MARGIN:.2f} of held-out accuracy"
-    elif lowers and half is None:
-        why = "its held-out NLL gain has no interval (fewer than 2 questions or an infinite NLL)"
-    elif lowers:
-        why = "its held-out NLL gain is within the paired 95% interval"
-    else:
-        why = "it does not lower the held-out NLL"
-    return False, f"alpha not written (identity instead): {why}: {facts}"

@@ -49,7 +49,7 @@ DEFAULT_LR = {"sgd": (0.1, 0.02), "adam": (1e-3, 5e-3)}
 #: settings added after runs were recorded, with the behaviour those runs had before the
 #: setting existed (a recorded run without the key ran with this value, not the default)
 LEGACY_SETTINGS = {"inner_optimizer": "sgd", "alpha_logits": "raw", "upper": "entropy",
-                   "reference": None, "alpha_holdout": 0.0, "daca": False}
+                   "reference": None, "holdout": 0.0, "daca": False}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,10 +109,12 @@ class CalmConfig:
         daca: after training, fit a DACA temperature of the trained model against
             ``reference`` on the calibration set, in ``mode``, and write it into the same
             adapter (calm_training.calm.finish); False: the adapter has no temperature.
-        alpha_holdout: share of the training questions held out of training to measure
-            α's own effect before the adapter is written (the trained θ with α against
-            without); an α that does not lower the held-out NLL is not written (the adapter
-            carries the identity and says why). 0: no hold-out, α written as trained.
+        holdout: training questions held out of training for the do-no-harm gate
+            (calm_training.calm.gate) of α and of T: a count (an integer; at most half of
+            the training questions are held out, and the run says when it cut the count) or
+            a share (a float in (0, 1)). The first half of the hold-out decides whether α and
+            T are written, the other half reports what each part did. 0: no hold-out, α and
+            T written as fitted, unmeasured.
         cft_weight: ``cft`` only: ``w`` in ``(1 − w)·CE + w·c·L_cal`` (calm_training.calm.cft).
         cft_scale: ``cft`` only: ``c``, the scale of the calibration term.
         cft_bins: ``cft`` only: equal-width confidence bins of ``L_cal``.
@@ -164,7 +166,7 @@ class CalmConfig:
     upper: str = "entropy"
     reference: str | None = None
     daca: bool = True
-    alpha_holdout: float = 0.2
+    holdout: int | float = 400
     freeze_alpha: bool = False
     cft_weight: float = 0.5
     cft_scale: float = 1e-3
@@ -267,11 +269,10 @@ class CalmConfig:
                             "options")
         if self.reference is not None and not isinstance(self.reference, str):
             object.__setattr__(self, "reference", os.fspath(self.reference))
-        if not (isinstance(self.alpha_holdout, (int, float))
-                and not isinstance(self.alpha_holdout, bool)
-                and 0 <= self.alpha_holdout < 1):
-            problems.append(f"alpha_holdout must be a number in [0, 1), got "
-                            f"{self.alpha_holdout!r}")
+        if not (_is_int(self.holdout, 0) or (isinstance(self.holdout, float)
+                                              and 0 <= self.holdout < 1)):
+            problems.append(f"holdout must be a count of questions (an integer >= 0) or a "
+                            f"share in [0, 1), got {self.holdout!r}")
         if self.momentum >= 1:
             problems.append(f"momentum must be < 1, got {self.momentum!r}")
         if problems:

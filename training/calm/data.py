@@ -113,17 +113,30 @@ TRAIN_SPLIT_FRACTION = 0.5
 TRAIN_SPLIT_SEED = 1
 """Seed of that split (distinct from the calibration/test split's seed 0)."""
 HOLDOUT_SEED = 2
-"""Seed of the α hold-out drawn from the training records (``CalmConfig.alpha_holdout``);
+"""Seed of the α hold-out drawn from the training records (``CalmConfig.holdout``);
 fixed, so every run and seed on the same data holds out the same questions."""
 
 
-def holdout_split(records: Sequence[Record], fraction: float) -> tuple[list[Record], list[Record]]:
-    """``(held_out, kept)``: about ``fraction`` of ``records`` (at least 1) held out of
-    training to measure α's own effect (:data:`HOLDOUT_SEED`)."""
+def holdout_size(n: int, holdout: int | float) -> int:
+    """How many of ``n`` training questions ``holdout`` (``CalmConfig.holdout``: a count, or a
+    share in (0, 1)) holds out: a count is cut to half of ``n``; a share is rounded, at least
+    1."""
+    if holdout == 0:
+        return 0
+    if isinstance(holdout, float):
+        return min(n - 1, max(1, round(holdout * n)))
+    return min(int(holdout), n // 2)
+
+
+def holdout_split(records: Sequence[Record], holdout: int | float
+                  ) -> tuple[list[Record], list[Record]]:
+    """``(held_out, kept)``: :func:`holdout_size` of ``records`` held out of training for the
+    gate of α and T (:data:`HOLDOUT_SEED`), both in file order."""
     if len(records) < 2:
-        raise ConfigError(f"alpha_holdout {fraction:g} needs at least 2 training records, got "
-                          f"{len(records)}; add training data or pass --alpha-holdout 0")
-    return split_records(records, fraction, HOLDOUT_SEED)
+        raise ConfigError(f"holdout {holdout:g} needs at least 2 training records, got "
+                          f"{len(records)}; add training data or pass --holdout 0")
+    size = holdout_size(len(records), holdout)
+    return split_records(records, size / len(records), HOLDOUT_SEED)
 
 
 # ---------------------------------------------------------------------------- records

@@ -136,26 +136,40 @@ class _Trainer:
                                                     limit=config.limit)
         encode = {"tokenizer": self.model.tokenizer, "mode": config.mode, "chat": chat,
                   "max_length": config.max_length}
-        # α's own effect is measured on training questions held out of training (alpha_gate);
-        # a method's α-frozen control (--freeze-alpha) holds out the same questions, so that
-        # the two train on the same data
+        # training questions held out of training for the gate of α and T (calm.gate): the
+        # first half decides, the other half reports; a method's α-frozen control
+        # (--freeze-alpha) holds out the same questions, so that the two train on the same
+        # data
         self.holdout_examples = None
         self.holdout_kind = None
         self.holdout_info = None
         self.holdout_records = None
         self.cal_records = cal
-        if not self.method.theta_only and config.alpha_holdout > 0:
-            held, train = calm_data.holdout_split(train, config.alpha_holdout)
+        gated = bool(self.model.alpha) or config.daca
+        if gated and config.holdout:
+            from calm_training.calm.gate import MIN_DECIDING, gate_halves
+
+            held, train = calm_data.holdout_split(train, config.holdout)
             self.holdout_records = held
+            deciding, reporting = gate_halves(len(held))
+            decide = [held[i] for i in deciding]
             if self.model.alpha and all(isinstance(r, MultipleChoiceRecord) for r in held):
                 self.holdout_examples = calm_data.encode_labeled_options(
-                    held, **encode, variant=config.cloze_variant)
+                    decide, **encode, variant=config.cloze_variant)
                 self.holdout_kind = "options"
             elif self.model.alpha:  # open QA: the answers' token NLL, no options to compare
-                self.holdout_examples = calm_data.encode_training(held, **encode)
+                self.holdout_examples = calm_data.encode_training(decide, **encode)
                 self.holdout_kind = "answers"
-            self.holdout_info = {"fraction": config.alpha_holdout, "n": len(held),
+            self.holdout_info = {"asked": config.holdout, "n": len(held),
+                                 "deciding": len(deciding), "reporting": len(reporting),
                                  "seed": calm_data.HOLDOUT_SEED, "n_train_left": len(train)}
+            if isinstance(config.holdout, int) and len(held) < config.holdout:
+                logger.warning("the gate's hold-out is %d of the %d training questions (half; "
+                               "%d asked): α and T are decided on %d of them%s", len(held),
+                               len(held) + len(train), config.holdout, len(deciding),
+                               "" if len(deciding) >= MIN_DECIDING else
+                               f", fewer than {MIN_DECIDING}: a weak gate; give more "
+                               "training data for one with power")
         # CFT reads every option of a training question; the other methods its answer only
         self.train_examples = (
             calm_data.encode_labeled_options(train, **encode, variant=config.cloze_variant)
@@ -367,9 +381,10 @@ class _Trainer:
                            alpha_gate=self.alpha_gate, daca=daca)
 
     def _alpha_gate(self) -> dict | None:
-        """Measure α's own effect on the hold-out and reset α to the identity unless it
-        lowers the held-out NLL (alpha_gate.decide); None for methods without α."""
-        from calm_training.calm.alpha_gate import decide, measure_alpha_share, measure_answer_nll
+        """Measure α's own effect on the hold-out's deciding half and reset α to the identity
+        unless the gate keeps it (calm.gate.decide_part); None for methods without α."""
+        from calm_training.calm.alpha_gate import measure_alpha_share, measure_answer_nll
+        from calm_training.calm.gate import decide_part
 
         if not self.model.alpha:
             return None
@@ -380,12 +395,24 @@ class _Trainer:
             measure = (measure_alpha_share if self.holdout_kind == "options"
                        else measure_answer_nll)
             share = measure(self.model, self.holdout_examples, self.pad, size)
-        keep, why = decide(share)
+        if share is None:
+            keep, why, decision = True, ("no hold-out (--holdout 0): α written as trained, "
+                                         "unmeasured"), None
+        else:
+            q = share["questions"]
+            correct = ((q["correct_alpha"], q["correct_without"])
+                       if "correct_alpha" in q else (None, None))
+            decision = decide_part("alpha", q["nll_alpha"], q["nll_without"], *correct)
+            keep, why = decision["kept"], decision["reason"]
+            if "flips" in share:
+                why += (f"; {share['flips']} answers changed, TV "
+                        f"{share['total_variation']:.4f}")
         if not keep:
             self.model.set_alpha(None, None)
         if self.dist.rank == 0:
             (logger.info if keep else logger.warning)("alpha gate: %s", why)
-        return {"kept": keep, "reason": why, "holdout": self.holdout_info, "share": share}
+        return {"kept": keep, "reason": why, "holdout": self.holdout_info, "share": share,
+                "decision": decision}
 
     def coupling(self) -> dict:
         """Whether BOME's coupling engaged (calm_training.calm.bilevel.coupling_summary)."""

@@ -187,9 +187,16 @@ class FitMethod:
             raise ConfigError("P(True) fits on top of another adapter are not supported yet; "
                               "fit without --adapter")
 
-    def fit(self, plan: FitPlan, *, progress: bool = True) -> Fitted:
+    def fit(self, plan: FitPlan, *, progress: bool = True, head_temperature: bool = True
+            ) -> Fitted:
         """Fit on the plan's calibration split: the option scores (cloze and letter) or
-        P(True)'s two-way logits."""
+        P(True)'s two-way logits.
+
+        Cloze mode with the token-level fit: ``head_temperature`` puts the token-level
+        temperature into the head and fits the answer temperature on the scores it gives
+        (a head temperature can change which option wins); ``False`` fits the answer
+        temperature on the model's own scores (the answers stay the model's) and records the
+        token-level temperature without writing it."""
         if not plan.mode.choice:  # P(True): the answers' judgements, computed once
             judged = plan.judgements(progress=progress)
             cal, _ = plan.split
@@ -212,7 +219,10 @@ class FitMethod:
                       "only (token confidences stay the model's own)"}
         elif not plan.mode.token_level:  # cloze: the token level first, then the options
             token_temperature, record = cloze_token_fit(self, plan, prep, progress=progress)
-            if token_temperature is not None:
+            if token_temperature is not None and not head_temperature:
+                record = {**record, "in_head": False}
+                token_temperature = None
+            elif token_temperature is not None:
                 base, _ = plan.base
                 prep = rescored(plan, prep, base.temperature * token_temperature,
                                 progress=progress)
