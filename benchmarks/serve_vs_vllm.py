@@ -73,7 +73,7 @@ class Server:
                 if self.process.poll() is not None or time.monotonic() - started > start_timeout:
                     self.stop()
                     raise SystemExit(f"{name} did not start (see {log}):\n"
-                                     + log.read_text()[-3000:])
+                                     + log.read_text()[-3000:]) from None
                 time.sleep(1)
         self.start_s = time.monotonic() - started
         self.url = base + "/v1"
@@ -135,7 +135,6 @@ def run_cell(server: Server, prompts: list[str], *, clients: int, max_tokens: in
 
 def export_engines(folder: Path, threads: int | None) -> dict[str, Path]:
     from calm_export import ExportConfig, export_engine
-
     from calm_runtime.data.models import install_model
 
     model = install_model(MODEL)

@@ -387,7 +387,7 @@ def _score_served(args, records) -> tuple[dict, str]:
 BENCHMARKS = ("calibration", "latency", "scoring", "calm_decisive", "calm_replication",
               "serve_load", "p_true", "threshold", "token_calibration", "engines", "int4_blocks",
               "quickstart", "served", "daca_regime", "lm_eval_logs", "runtime_ab",
-              "int4_minima", "serve_vs_vllm")
+              "int4_minima", "serve_vs_vllm", "calm_train_ood")
 
 
 def _add_bench(sub) -> None:

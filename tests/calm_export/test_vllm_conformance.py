@@ -148,7 +148,8 @@ def vllm_server(model, *options, env=None):
         port = s.getsockname()[1]
     log = open(Path(model).parent / f"vllm-{port}.log", "w")  # noqa: SIM115 - closed by stop
     command = [VLLM, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-               "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "512", "--enforce-eager",
+               "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+               "--max-model-len", "512", "--enforce-eager",
                "--max-logprobs", "20", "--served-model-name", "m", *options]
     process = subprocess.Popen(
         command, stdout=log, stderr=subprocess.STDOUT,

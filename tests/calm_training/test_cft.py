@@ -171,12 +171,12 @@ def test_cft_trains_a_lora_toward_the_bin_accuracies(tiny_llama_tied, mc_file, t
     config = CalmConfig(model=str(tiny_llama_tied), train=(f"{mc_file}:train",),
                         calibration=(f"{mc_file}:unlabeled",), method="cft", batch_size=6,
                         steps=8, outer_lr=1e-2, cft_weight=1.0, cft_scale=1.0, lora_rank=4,
-                        max_length=64)
+                        max_length=64, holdout=0)
     assert config.optimizer == "adam" and config.warm_steps == 0
     result = train_calm(config, tmp_path / "cft", progress=False)
     loaded = CalibrationAdapter.from_pretrained(tmp_path / "cft")
-    fitted = loaded.method["daca"]["fitted"]  # calm train's temperature, when one fits
-    assert loaded.kind == ("cft+daca" if fitted else "cft") and loaded.lora_path is not None
+    kept = loaded.method["daca"]["kept"]  # calm train's temperature, when one fits
+    assert loaded.kind == ("cft+daca" if kept else "cft") and loaded.lora_path is not None
     assert (loaded.tau == 1).all() and (loaded.shift == 0).all() and result.model.alpha == []
     assert sum(loaded.method["cft_bins"]["count"]) == 6  # the whole training split
     calibration = [row["cft_l_cal"] for row in result.history]

@@ -162,8 +162,8 @@ def test_cli_trains_plain_lora(tiny_llama_tied, mc_file, tmp_path, capsys):
     assert rc == 0, capsys.readouterr().err
     loaded = CalibrationAdapter.from_pretrained(out)
     # a DACA temperature against the model before the LoRA, when one can be fitted
-    fitted = loaded.method["daca"]["fitted"]
-    assert loaded.kind == ("lora+daca" if fitted else "lora")
+    kept = loaded.method["daca"]["kept"]
+    assert loaded.kind == ("lora+daca" if kept else "lora")
     assert (loaded.tau == 1).all() and (loaded.shift == 0).all()
     assert json.loads((loaded.lora_path / "adapter_config.json").read_text())["r"] == 2
     assert "wrote" in capsys.readouterr().out

@@ -12,7 +12,6 @@ the per-answer NLL of their tokens.
 
 from __future__ import annotations
 
-
 import numpy as np
 
 __all__ = ["measure_alpha_share", "measure_answer_nll", "option_share"]

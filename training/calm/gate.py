@@ -18,12 +18,18 @@ such: its interval is wide and it keeps a part only when the part's effect is la
 
 from __future__ import annotations
 
+import logging
 import math
 
 import numpy as np
 
-__all__ = ["ACCURACY_MARGIN", "CONFIDENCE", "MIN_DECIDING", "HALVES_SEED", "paired_interval", "t_quantile",
-           "decide_part", "gate_halves"]
+from calm_runtime.data.sets import MultipleChoiceRecord
+from calm_training.calm import data as calm_data
+
+__all__ = ["ACCURACY_MARGIN", "CONFIDENCE", "HALVES_SEED", "MIN_DECIDING", "decide_part",
+           "gate_halves", "held_out", "paired_interval", "t_quantile"]
+
+logger = logging.getLogger(__name__)
 
 #: the accuracy a part may cost (the lower end of its paired 95% interval) and still be kept:
 #: 3 points, the margin the benchmarks' "accuracy kept" verdicts use
@@ -177,3 +183,36 @@ def decide_part(name: str, nll_with, nll_without, correct_with=None,
     if record["weak"]:
         why += f" (fewer than {MIN_DECIDING} deciding questions: a weak gate)"
     return {**record, "kept": bool(clears and accuracy_ok), "reason": why}
+
+
+def held_out(config, train: list, has_alpha: bool, encode: dict) -> tuple[tuple, list]:
+    """The gate's hold-out of ``calm train`` and the training records left:
+    ``((records, deciding examples, kind, info), train)``. ``kind`` is ``"options"``
+    (multiple choice) or ``"answers"`` (open QA); the examples, encoded with ``encode`` for α's
+    measurement, are the deciding half's. Nothing is held out when there is no part to gate
+    (no α and no T) or ``config.holdout`` is 0. A method's α-frozen control
+    (``--freeze-alpha``) holds out the same questions, so that the two train on the same
+    data."""
+    if not ((has_alpha or config.daca) and config.holdout):
+        return (None, None, None, None), train
+    held, train = calm_data.holdout_split(train, config.holdout)
+    deciding, reporting = gate_halves(len(held))
+    decide = [held[i] for i in deciding]
+    examples = kind = None
+    if has_alpha and all(isinstance(r, MultipleChoiceRecord) for r in held):
+        examples = calm_data.encode_labeled_options(decide, **encode,
+                                                    variant=config.cloze_variant)
+        kind = "options"
+    elif has_alpha:  # open QA: the answers' token NLL, no options to compare
+        examples, kind = calm_data.encode_training(decide, **encode), "answers"
+    info = {"asked": config.holdout, "n": len(held), "deciding": len(deciding),
+            "reporting": len(reporting), "seed": calm_data.HOLDOUT_SEED,
+            "n_train_left": len(train)}
+    if isinstance(config.holdout, int) and len(held) < config.holdout:
+        logger.warning("the gate's hold-out is %d of the %d training questions (half; %d "
+                       "asked): α and T are decided on %d of them%s", len(held),
+                       len(held) + len(train), config.holdout, len(deciding),
+                       "" if len(deciding) >= MIN_DECIDING else
+                       f", fewer than {MIN_DECIDING}: a weak gate; give more training data "
+                       "for one with power")
+    return (held, examples, kind, info), train

@@ -38,7 +38,6 @@ from pathlib import Path
 import numpy as np
 
 from calm_runtime import modes
-from calm_runtime.data.sets import MultipleChoiceRecord
 from calm_runtime.errors import ConfigError, FitError
 from calm_runtime.formats.artifact import CalibrationAdapter
 from calm_training.calm import data as calm_data
@@ -51,6 +50,7 @@ from calm_training.calm.config import (  # noqa: F401 - re-exported: the trainer
     UPPER_PARAMS,
     CalmConfig,
 )
+from calm_training.calm.gate import held_out
 from calm_training.methods import upper_objective
 
 __all__ = ["METHODS", "OPTIMIZERS", "PHI_MODES", "UPPER_PARAMS", "ALPHA_TOKENS", "CalmConfig",
@@ -136,40 +136,10 @@ class _Trainer:
                                                     limit=config.limit)
         encode = {"tokenizer": self.model.tokenizer, "mode": config.mode, "chat": chat,
                   "max_length": config.max_length}
-        # training questions held out of training for the gate of α and T (calm.gate): the
-        # first half decides, the other half reports; a method's α-frozen control
-        # (--freeze-alpha) holds out the same questions, so that the two train on the same
-        # data
-        self.holdout_examples = None
-        self.holdout_kind = None
-        self.holdout_info = None
-        self.holdout_records = None
+        # training questions held out of training for the gate of α and T (calm.gate)
         self.cal_records = cal
-        gated = bool(self.model.alpha) or config.daca
-        if gated and config.holdout:
-            from calm_training.calm.gate import MIN_DECIDING, gate_halves
-
-            held, train = calm_data.holdout_split(train, config.holdout)
-            self.holdout_records = held
-            deciding, reporting = gate_halves(len(held))
-            decide = [held[i] for i in deciding]
-            if self.model.alpha and all(isinstance(r, MultipleChoiceRecord) for r in held):
-                self.holdout_examples = calm_data.encode_labeled_options(
-                    decide, **encode, variant=config.cloze_variant)
-                self.holdout_kind = "options"
-            elif self.model.alpha:  # open QA: the answers' token NLL, no options to compare
-                self.holdout_examples = calm_data.encode_training(decide, **encode)
-                self.holdout_kind = "answers"
-            self.holdout_info = {"asked": config.holdout, "n": len(held),
-                                 "deciding": len(deciding), "reporting": len(reporting),
-                                 "seed": calm_data.HOLDOUT_SEED, "n_train_left": len(train)}
-            if isinstance(config.holdout, int) and len(held) < config.holdout:
-                logger.warning("the gate's hold-out is %d of the %d training questions (half; "
-                               "%d asked): α and T are decided on %d of them%s", len(held),
-                               len(held) + len(train), config.holdout, len(deciding),
-                               "" if len(deciding) >= MIN_DECIDING else
-                               f", fewer than {MIN_DECIDING}: a weak gate; give more "
-                               "training data for one with power")
+        held, train = held_out(config, train, bool(self.model.alpha), encode)
+        self.holdout_records, self.holdout_examples, self.holdout_kind, self.holdout_info = held
         # CFT reads every option of a training question; the other methods its answer only
         self.train_examples = (
             calm_data.encode_labeled_options(train, **encode, variant=config.cloze_variant)
