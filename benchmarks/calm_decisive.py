@@ -159,10 +159,11 @@ ARMS = {
     # questions): θ trained without α, against which α's share is read a second way
     "calm-centred-frozen": {**ROUND2, "freeze_alpha": True},
 }
-#: the third round: what `calm train` hands users, run as they run it — every CalmConfig
-#: default, pinned here (tests/benchmarks/test_arms_pinned.py fails when a default moves away
-#: from it): 200 steps, α on the whole vocabulary at the SGD default α rate, the entropy
-#: upper objective, the gate, and the DACA temperature against the model before the LoRA
+#: the third round: what `calm train` handed users when it ran (commit c87ea82), every
+#: setting pinned: 200 steps, α on the whole vocabulary at the SGD default α rate, the entropy
+#: upper objective, α's gate on a 20% hold-out, and the DACA temperature against the model
+#: before the LoRA, then ungated and in the head. Today's defaults (a 400-question hold-out
+#: gating α and T, T on the option scores) are read by benchmarks/calm_train_ood.py
 CALM_TRAIN = {"method": "bilevel", "mode": "cloze", "steps": 200, "batch_size": 8,
               "calibration_batch_size": None, "inner_steps": 3, "inner_lr": None,
               "inner_optimizer": "adam", "outer_lr": None, "alpha_lr": None, "optimizer": None,

@@ -1,0 +1,62 @@
+"""benchmarks/calm_train_ood.py's statistics on made-up parts: the regime is the sets where
+the LoRA is more over-confident than vanilla, the claims read only those sets, and the
+verdicts follow their intervals."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+
+def _reading(rng, n, accuracy, confidence):
+    correct = (rng.random(n) < accuracy).astype(int)
+    conf = np.clip(rng.normal(confidence, 0.05, n), 0.26, 1.0)
+    return {"conf": conf.round(6).tolist(), "correct": correct.tolist(),
+            "nll": (-np.log(conf)).round(6).tolist()}
+
+
+def _parts(bench, rng, n=300):
+    # "arc-easy": the LoRA is over-confident there (vanilla is not); "piqa": neither is
+    sets_v, seeds = {}, {}
+    for s in ("arc-easy", "piqa"):
+        sets_v[s] = {"k": 4, "in_domain": False, "readings": {
+            "vanilla": _reading(rng, n, 0.6, 0.6), "vanilla+ts": _reading(rng, n, 0.6, 0.6)}}
+    for seed in bench.SEEDS:
+        sets = {}
+        for s in ("arc-easy", "piqa"):
+            over = 0.9 if s == "arc-easy" else 0.6
+            shipped = 0.62 if s == "arc-easy" else 0.6
+            sets[s] = {"k": 4, "in_domain": False, "readings": {
+                "lora": _reading(rng, n, 0.6, over), "lora+ts": _reading(rng, n, 0.6, 0.65),
+                "shipped": _reading(rng, n, 0.6, shipped)}}
+        seeds[seed] = {"sets": sets, "alpha_gate": {"reason": "alpha dropped"},
+                       "temperature": {}, "temperature_gate": "T kept"}
+    return {"vanilla": {"sets": sets_v}, "seeds": seeds}
+
+
+def test_the_regime_and_the_claims_follow_the_data(benchmark_scripts):
+    with benchmark_scripts("calm_train_ood") as bench:
+        payload = bench.build(_parts(bench, np.random.default_rng(0)), n_boot=200)
+        assert payload["regime"]["arc-easy"]["in_regime"]
+        assert not payload["regime"]["piqa"]["in_regime"]
+        assert payload["regime_sets"] == ["arc-easy"]
+        claims = {(c["metric"], c["b"]): c for c in payload["claims"]}
+        assert claims[("ece", "lora")]["verdict"] == "holds"  # 0.9 -> 0.62 at accuracy 0.6
+        assert claims[("ece", "lora")]["delta"] < -0.2
+        assert claims[("accuracy", "vanilla")]["verdict"] == "holds"  # same accuracy
+        for c in payload["claims"]:
+            lo, hi = c["ci"]
+            assert lo <= c["delta"] <= hi and c["detects"] > 0 and c["n"] == 300
+            assert c["seeds"] == len(bench.SEEDS)
+        text = bench.render({**payload, "command": "c", "commit": "x", "run_commands": ["c"]})
+        assert "| arc-easy |" in text and "**holds**" in text
+
+
+@pytest.mark.parametrize(("metric", "lo", "hi", "expected"), [
+    ("ece", -0.05, -0.02, "holds"), ("ece", -0.005, 0.004, "refuted"),
+    ("ece", 0.001, 0.02, "refuted"), ("ece", -0.03, 0.01, "inconclusive"),
+    ("accuracy", -0.02, 0.01, "holds"), ("accuracy", -0.06, -0.04, "refuted"),
+    ("accuracy", -0.05, 0.0, "inconclusive")])
+def test_verdicts(benchmark_scripts, metric, lo, hi, expected):
+    with benchmark_scripts("calm_train_ood") as bench:
+        assert bench.verdict(metric, lo, hi) == expected
