@@ -334,7 +334,7 @@ def build(parts: dict, n_boot: int) -> dict:
     reference = None
     metric, a, b = REFERENCE_CLAIM
     have = [run for run in parts["seeds"].values()
-            if all(x in run["sets"][DOMAIN]["readings"] for x in (a, b))]
+            if all(x in entry["readings"] for entry in run["sets"].values() for x in (a, b))]
     if have and len(have) == len(parts["seeds"]):
         ood = [s for s in OOD if s in parts["vanilla"]["sets"]]
         d = paired_delta(sides(parts, a), sides(parts, b), ood, metric, a, b, n_boot)

@@ -28,8 +28,11 @@ def _parts(bench, rng, n=300):
             shipped = 0.62 if s == "arc-easy" else 0.6
             sets[s] = {"k": 4, "in_domain": False, "readings": {
                 "lora": _reading(rng, n, 0.6, over), "lora+ts": _reading(rng, n, 0.6, 0.65),
-                "shipped": _reading(rng, n, 0.6, shipped)}}
+                "shipped": _reading(rng, n, 0.6, shipped),
+                "T-base": _reading(rng, n, 0.6, 0.75),
+                "T-gemma-3-270m": _reading(rng, n, 0.6, 0.62)}}
         seeds[seed] = {"sets": sets, "alpha_gate": {"reason": "alpha dropped"},
+                       "references": {"base": {"answer_temperature": 1.1}},
                        "temperature": {}, "temperature_gate": "T kept"}
     return {"vanilla": {"sets": sets_v}, "seeds": seeds}
 
@@ -48,6 +51,9 @@ def test_the_regime_and_the_claims_follow_the_data(benchmark_scripts):
             lo, hi = c["ci"]
             assert lo <= c["delta"] <= hi and c["detects"] > 0 and c["n"] == 300
             assert c["seeds"] == len(bench.SEEDS)
+        # the pre-trained reference's T (0.62 at accuracy 0.6) against the base's (0.75)
+        assert payload["reference"]["verdict"] == "holds"
+        assert payload["reference"]["sets"] == ["arc-easy", "piqa"]
         text = bench.render({**payload, "command": "c", "commit": "x", "run_commands": ["c"]})
         assert "| arc-easy |" in text and "**holds**" in text
 
