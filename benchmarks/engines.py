@@ -149,7 +149,7 @@ def main(argv=None) -> int:
     raw: dict[str, dict[str, list[float]]] = {n: {"decode": [], "prefill64": [],
                                                    "prefill512": []} for n in names}
     load_before = os.getloadavg()
-    copies = _genai_copies(builds)
+    copies = genai_copies(builds)
     for r in range(args.rounds):
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
@@ -159,7 +159,7 @@ def main(argv=None) -> int:
                 decode, prefill64, prefill512 = (times[k] for k in ("decode", "prefill64",
                                                                     "prefill512"))
             else:
-                (decode, prefill64), (_, prefill512) = _measured(
+                (decode, prefill64), (_, prefill512) = measure_engine(
                     name, builds[name], folder, copies.get(name),
                     [(64, args.new_tokens), (512, 1)])
             raw[name]["decode"].append(decode)
@@ -174,7 +174,7 @@ def main(argv=None) -> int:
     for r in range(args.long_rounds):
         order = long_arms[r % len(long_arms):] + long_arms[:r % len(long_arms)]
         for name in order:
-            measured = _measured(name, builds[name], folder, copies.get(name),
+            measured = measure_engine(name, builds[name], folder, copies.get(name),
                                  [(c, LONG_NEW_TOKENS) for c in LONG_CONTEXTS])
             for context, (decode, _) in zip(LONG_CONTEXTS, measured, strict=True):
                 long[name][context].append(decode)
@@ -189,14 +189,14 @@ def main(argv=None) -> int:
                "step_bytes": (gguf_step_bytes(built["gguf"]) if name in llama else
                               step_weight_bytes(built["path"]) if built.get("path") else None)}
         for metric in ("decode", "prefill64", "prefill512"):
-            row[metric] = _paired(raw[name][metric], raw[REFERENCE_ARM][metric])
+            row[metric] = paired(raw[name][metric], raw[REFERENCE_ARM][metric])
             row[metric]["median_ms"] = statistics.median(raw[name][metric]) * 1e3
         rows.append(row)
     targets = []
     pairs = TARGETS + tuple(("int4 decode vs llama.cpp", "calm int4", name, "decode")
                             for name in llama if "calibrated" not in name)
     for what, arm, against, metric in pairs:
-        pair = _paired(raw[arm][metric], raw[against][metric])
+        pair = paired(raw[arm][metric], raw[against][metric])
         targets.append({"target": what, "arm": arm, "against": against, **pair,
                         "met": pair["ratio_median"] <= 1.0})
     if two_threads:
@@ -207,7 +207,7 @@ def main(argv=None) -> int:
                  for n in long_arms}
     growth = {n: [a / b for a, b in zip(long[n][LONG_CONTEXTS[-1]], long[n][LONG_CONTEXTS[0]],
                                         strict=True)] for n in long_arms}
-    pair = _paired(growth["calm fp32"], growth["builder fp32"])
+    pair = paired(growth["calm fp32"], growth["builder fp32"])
     targets.append({"target": f"decode growth {LONG_CONTEXTS[0]} -> {LONG_CONTEXTS[-1]}",
                     "arm": "calm fp32", "against": "builder fp32", **pair,
                     "met": pair["ratio_median"] <= 1.0})
@@ -332,7 +332,7 @@ def gguf_step_bytes(path: Path) -> int:
                and (tied or t.name != "token_embd.weight"))
 
 
-def _paired(values: list[float], against: list[float]) -> dict:
+def paired(values: list[float], against: list[float]) -> dict:
     ratios = [a / b for a, b in zip(values, against, strict=True)]
     return {"ratio_median": statistics.median(ratios), "ratio_min": min(ratios),
             "ratio_max": max(ratios)}
@@ -428,7 +428,7 @@ def _llama_builds(args, work: Path) -> dict:
         subprocess.run(["calm-export", "--model", str(args.model), "--adapter",
                         str(work / "t1.5-adapter"), "--format", "gguf", "--out",
                         str(calibrated), "--quiet"], check=True, stdout=subprocess.DEVNULL)
-    entries = {f"llama.cpp {_dominant_type(source)} GGUF": source,
+    entries = {f"llama.cpp {dominant_type(source)} GGUF": source,
                "llama.cpp calibrated GGUF": calibrated}
     return {name: {"gguf": path, "bench": tools["bench"], "server": tools["server"],
                    "seconds": 0.0, "bytes": path.stat().st_size,
@@ -496,11 +496,11 @@ def _agreement(args, builds: dict, llama: dict, folder: Path, work: Path) -> dic
     print(f"top-1 agreement with fp32 on {same.size} positions: calm int4 "
           f"{mine['agreement']:.3f}, llama.cpp on the GGUF {theirs['agreement']:.3f}", flush=True)
     return {"text": "arc-easy:test questions and choices", "context": context,
-            "chunks": chunks, "calm int4": mine, f"llama.cpp {_dominant_type(source)} GGUF":
+            "chunks": chunks, "calm int4": mine, f"llama.cpp {dominant_type(source)} GGUF":
             theirs}
 
 
-def _dominant_type(path: Path) -> str:
+def dominant_type(path: Path) -> str:
     """The quantisation type most of a GGUF's matrices have (``Q4_1``)."""
     from collections import Counter
 
@@ -542,13 +542,13 @@ def _decode_on_threads(builds: dict, llama: dict, folder: Path, prompt: list[int
                 times[name].append(_llama_cpp.bench(entry["bench"], entry["gguf"], new_tokens,
                                                     threads=threads, prefill=())["decode"])
                 continue
-            times[name].append(_measured(name, builds[name], folder, None,
+            times[name].append(measure_engine(name, builds[name], folder, None,
                                          [(len(prompt), new_tokens)], threads=threads)[0][0])
         print(f"{threads}-thread round {r + 1}/{rounds}: " + ", ".join(
             f"{n} {v[-1] * 1e3:.1f} ms/token" for n, v in times.items()), flush=True)
     return {"threads": threads, "against": against,
             "decode_ms": {n: statistics.median(v) * 1e3 for n, v in times.items()},
-            "pair": _paired(times["calm int4"], times[against])}
+            "pair": paired(times["calm int4"], times[against])}
 
 
 def _server_targets(servers: dict) -> list[dict]:
@@ -572,7 +572,7 @@ def _server_targets(servers: dict) -> list[dict]:
 
 
 # ---------------------------------------------------------------------- running
-def _genai_copies(builds: dict) -> dict:
+def genai_copies(builds: dict) -> dict:
     """The engine folders onnxruntime-genai runs as copies (its thread settings are written
     into the copy's genai_config.json), made once per run."""
     copies = {}
@@ -585,7 +585,7 @@ def _genai_copies(builds: dict) -> dict:
     return copies
 
 
-def _measured(name: str, build: dict, folder: Path, copy: Path | None,
+def measure_engine(name: str, build: dict, folder: Path, copy: Path | None,
               calls: list[tuple[int, int]], threads: int = 1,
               runner: str | None = None) -> list[tuple[float, float]]:
     """(decode s/token, prefill s) of each (prompt tokens, new tokens) call, run by one arm
@@ -647,7 +647,7 @@ def _profile_worker(job: dict) -> dict:
 
 
 def _worker(job: dict):
-    """The child's side of :func:`_measured` and :func:`_op_profile`."""
+    """The child's side of :func:`measure_engine` and :func:`_op_profile`."""
     if job["runner"] == "profile":
         return _profile_worker(job)
     folder, path, threads = Path(job["folder"]), Path(job["path"]), job["threads"]

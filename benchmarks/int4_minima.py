@@ -203,7 +203,7 @@ def main(argv=None) -> int:
     llama = None
     if args.llama_cpp:
         source = engines.model_gguf(args.model, work)
-        llama = (f"llama.cpp {engines._dominant_type(source)} GGUF", source,
+        llama = (f"llama.cpp {engines.dominant_type(source)} GGUF", source,
                  _llama_cpp.binaries(args.llama_cpp)["bench"])
     names = [*arms, *([llama[0]] if llama else [])]
     load_before = os.getloadavg()
@@ -216,7 +216,7 @@ def main(argv=None) -> int:
                     decode = _llama_cpp.bench(llama[2], llama[1], args.new_tokens,
                                               threads=count, prefill=())["decode"]
                 else:
-                    [(decode, _)] = engines._measured(name, arms[name], folder, None,
+                    [(decode, _)] = engines.measure_engine(name, arms[name], folder, None,
                                                       [(64, args.new_tokens)], threads=count,
                                                       runner="ort")
                 times[name].append(decode)
@@ -227,7 +227,7 @@ def main(argv=None) -> int:
             "threads": count,
             "ms_per_token": {n: [round(v * 1e3, 3) for v in vs] for n, vs in times.items()},
             "against": against,
-            "pairs": {n: engines._paired(times[n], times[against]) for n in names}})
+            "pairs": {n: engines.paired(times[n], times[against]) for n in names}})
     section = {"command": command_line("int4_minima.py", argv), "commit": git_commit(),
                "created": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                "model": args.model, "rounds": args.rounds, "new_tokens": args.new_tokens,

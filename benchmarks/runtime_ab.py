@@ -81,13 +81,13 @@ def main(argv=None) -> int:
         os.environ["GLIBC_TUNABLES"] = huge_page_tunables(os.environ.get("GLIBC_TUNABLES"))
     folder, work = engines.model_and_work(args.model)
     build = engines.build_all(folder, args.model, work, only={ARM})[ARM]
-    copy = engines._genai_copies({AGAINST: {**build, "runner": "genai"}})[AGAINST]
+    copy = engines.genai_copies({AGAINST: {**build, "runner": "genai"}})[AGAINST]
     arms = (ARM, AGAINST, BARE)
     times: dict[str, list[float]] = {name: [] for name in arms}
     load_before = os.getloadavg()
     for r in range(args.rounds):
         for name in arms[r % 3:] + arms[:r % 3]:
-            [(decode, _)] = engines._measured(name, build, folder,
+            [(decode, _)] = engines.measure_engine(name, build, folder,
                                               copy if name == AGAINST else None,
                                               [(64, args.new_tokens)],
                                               runner="ort" if name == BARE else None)

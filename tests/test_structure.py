@@ -188,6 +188,28 @@ def test_no_module_is_over_the_size_limit():
     assert not over, f"modules over {MAX_MODULE_LINES} lines: {over}"
 
 
+def test_no_benchmark_reaches_into_another_ones_private_names():
+    """A benchmark uses what another benchmark module makes public (``from engines import
+    paired``, ``engines.paired``), never an underscore name of it."""
+    folder = ROOT / "benchmarks"
+    stems = {p.stem for p in folder.glob("*.py")}
+    found = []
+    for path in sorted(folder.glob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        imported = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                imported |= {a.asname or a.name for a in node.names if a.name in stems}
+            elif isinstance(node, ast.ImportFrom) and node.module in stems:
+                found += [f"{path.name}: from {node.module} import {a.name}"
+                          for a in node.names if a.name.startswith("_")]
+        found += [f"{path.name}: {node.value.id}.{node.attr}" for node in ast.walk(tree)
+                  if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                  and node.value.id in imported and node.attr.startswith("_")]
+    assert len(stems) > 10
+    assert not found, f"private names of other benchmarks: {found}"
+
+
 #: a fit's settings reach the functions that need them through the resolved plan; the walk
 #: of ``config`` (tests/structure_walk.py: the functions it, the plan built from it, or one of
 #: its fields is handed to, through every method a registry lookup can return) stays short

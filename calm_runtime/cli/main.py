@@ -384,10 +384,18 @@ def _score_served(args, records) -> tuple[dict, str]:
     return score_served(args, records)
 
 
-BENCHMARKS = ("calibration", "latency", "scoring", "calm_decisive", "calm_replication",
-              "serve_load", "p_true", "threshold", "token_calibration", "engines", "int4_blocks",
-              "quickstart", "served", "daca_regime", "lm_eval_logs", "runtime_ab",
-              "int4_minima", "serve_vs_vllm", "calm_train_ood")
+#: scripts of ``benchmarks/`` that are not benchmarks (besides ``_``-prefixed helpers)
+NOT_BENCHMARKS = frozenset({"render_results"})
+
+
+def benchmark_names() -> tuple[str, ...]:
+    """The benchmarks ``calm bench`` runs: the scripts of the checkout's ``benchmarks/``
+    folder (:func:`benchmarks_dir`), ``()`` where there is none (a wheel ships none)."""
+    folder = benchmarks_dir()
+    if folder is None:
+        return ()
+    return tuple(sorted(p.stem for p in folder.glob("*.py")
+                        if not p.stem.startswith("_") and p.stem not in NOT_BENCHMARKS))
 
 
 def _add_bench(sub) -> None:
@@ -401,7 +409,10 @@ def _add_bench(sub) -> None:
         "  calm bench serve_load --engine engines/daca\n"
         "  calm bench calm_replication --direction arc-easy",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("name", choices=BENCHMARKS)
+    names = benchmark_names()
+    p.add_argument("name", metavar="NAME", choices=names or None,
+                   help=("one of: " + ", ".join(names)) if names else
+                   "a script of benchmarks/ in a calm source checkout")
     p.add_argument("arguments", nargs=argparse.REMAINDER, help="passed to the benchmark")
     p.set_defaults(handler=_bench)
 

@@ -30,7 +30,7 @@ def _section(model: str, calm_ms: float) -> dict:
 
 
 def test_paired_ratios_are_per_round(engines):
-    pair = engines._paired([2.0, 3.0, 8.0], [1.0, 3.0, 4.0])
+    pair = engines.paired([2.0, 3.0, 8.0], [1.0, 3.0, 4.0])
     assert pair == {"ratio_median": 2.0, "ratio_min": 1.0, "ratio_max": 2.0}
 
 
