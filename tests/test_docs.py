@@ -186,13 +186,14 @@ def test_calm_block_lands_in_docs_results():
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
+        import _decisive_report as decisive_report
         import calm_decisive
         import render_results
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
-    assert (calm_decisive.README_START, calm_decisive.README_END) == (
-        render_results.CALM_START, render_results.CALM_END)
+    start, end = decisive_report.README_START, decisive_report.README_END
+    assert (start, end) == (render_results.CALM_START, render_results.CALM_END)
     assert Path(calm_decisive.parse_args([]).readme) == ROOT / "docs" / "results.md"
     results = (ROOT / "docs" / "results.md").read_text(encoding="utf-8")
-    assert calm_decisive.README_START in results and calm_decisive.README_END in results
-    assert calm_decisive.README_START not in (ROOT / "README.md").read_text(encoding="utf-8")
+    assert start in results and end in results
+    assert start not in (ROOT / "README.md").read_text(encoding="utf-8")

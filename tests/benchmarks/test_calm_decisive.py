@@ -12,8 +12,16 @@ import pytest
 
 @pytest.fixture(scope="module")
 def bench(benchmark_scripts):
-    with benchmark_scripts("calm_decisive") as module:
-        yield module
+    """The experiment's modules (design, statistics, report and the script) as one namespace:
+    each test reads a name wherever it lives."""
+    from types import SimpleNamespace
+
+    names = ("_decisive_design", "_decisive_stats", "_decisive_report", "calm_decisive")
+    with benchmark_scripts(*names) as modules:
+        merged = {}
+        for name in names:
+            merged |= {k: v for k, v in vars(modules[name]).items() if not k.startswith("__")}
+        yield SimpleNamespace(**merged)
 
 
 def _questions(n, accuracy, confidence, seed):
