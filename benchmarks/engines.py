@@ -74,29 +74,23 @@ import _engine_quality
 import _llama_cpp
 import numpy as np
 from _common import command_line, git_commit, write_model_section
+from _engines_design import (
+    AGREEMENT_CHUNKS,
+    AGREEMENT_CONTEXT,
+    HERE,
+    LONG_ARMS,
+    LONG_CONTEXTS,
+    LONG_NEW_TOKENS,
+    REFERENCE_ARM,
+    STEM,
+    TARGETS,
+)
+from _engines_report import render
+from _engines_weights import gguf_step_bytes, step_weight_bytes
+from _engines_worker import arm_prompts
 
-HERE = Path(__file__).resolve().parent
-STEM = "engines"
-REFERENCE_ARM = "calm fp32"
-LONG_CONTEXTS = (128, 1024, 2048)
-LONG_ARMS = ("calm fp32", "calm fp32 own graph", "builder fp32")
-LONG_NEW_TOKENS = 16
-#: top-1 agreement with fp32 beside llama.cpp's: chunks of this many tokens of ARC-Easy's test
-#: questions, every position of a chunk's second half but its last (llama-perplexity's)
-AGREEMENT_CONTEXT, AGREEMENT_CHUNKS = 128, 48
-#: (what, arm, against, metric): calm must be at most 1.00x
-TARGETS = (("fp32 decode", "calm fp32", "builder fp32", "decode"),
-           ("int4 decode", "calm int4", "builder int4", "decode"),
-           ("fp32 decode, both run by genai", "calm fp32 run by genai", "builder fp32",
-            "decode"),
-           ("int4 decode, both run by genai", "calm int4 run by genai", "builder int4",
-            "decode"),
-           ("fp32 decode, calm's runtime vs genai's on the same graph", "calm fp32",
-            "calm fp32 run by genai", "decode"),
-           ("int4 decode, calm's runtime vs genai's on the same graph", "calm int4",
-            "calm int4 run by genai", "decode"),
-           ("prefill 64", "calm fp32", "builder fp32 pruned head", "prefill64"),
-           ("prefill 512", "calm fp32", "builder fp32 pruned head", "prefill512"))
+#: the child side of every measurement (a process per arm and round)
+WORKER = HERE / "_engines_worker.py"
 
 
 def main(argv=None) -> int:
@@ -119,12 +113,7 @@ def main(argv=None) -> int:
     parser.add_argument("--skip", action="append", default=[], metavar="ARM",
                         help="leave an arm out (repeatable), e.g. 'calm fp32 own graph'")
     parser.add_argument("--render", action="store_true")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)  # one arm's measurement (JSON)
     args = parser.parse_args(argv)
-    if args.worker:
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-        print(json.dumps(_worker(json.loads(args.worker))))
-        return 0
     logging.basicConfig(level=logging.WARNING)
     out = HERE / "results"
     path = out / f"{STEM}.json"
@@ -144,7 +133,7 @@ def main(argv=None) -> int:
     for name in ("calm fp32", "calm int4"):  # the same graphs run by onnxruntime-genai
         if name in builds:
             builds[f"{name} run by genai"] = {**builds[name], "runner": "genai"}
-    prompts = _prompts(folder)
+    prompts = arm_prompts(folder)
     names = [n for n in builds if n not in llama] + list(llama)
     raw: dict[str, dict[str, list[float]]] = {n: {"decode": [], "prefill64": [],
                                                    "prefill512": []} for n in names}
@@ -272,64 +261,6 @@ def _quantized(builds: dict) -> dict:
                                "positions": facts["drift"]["positions"],
                                "gguf_bytes": blocks.get("gguf_bytes")}
     return found
-
-
-#: operators whose constant inputs are the weights a decode step streams through (an
-#: embedding's Gather reads one row per token and is left out)
-MATRIX_OPS = {"MatMul", "Gemm", "MatMulNBits", "FusedMatMul", "MatMulInteger",
-              "MatMulIntegerToFloat", "DynamicQuantizeMatMul"}
-
-
-def step_weight_bytes(folder: Path) -> int | None:
-    """Bytes of weights one decode step of the engine in ``folder`` reads, as ONNX Runtime
-    holds them: every constant input of a matrix product (MatMulNBits' codes, scales and
-    zero points, the block minima's MatMul, fp32 weights), a float16 constant that a Cast
-    feeds in counted at float32 (ONNX Runtime folds the Cast at load). None where the folder
-    has no ``model.onnx``. A lower bound on the traffic: ONNX Runtime's packed layouts may
-    add to it, the KV cache and activations are not counted."""
-    import onnx
-    from onnx import helper
-
-    path = Path(folder) / "model.onnx"
-    if not path.is_file():
-        return None
-    graph = onnx.load(str(path), load_external_data=False).graph
-    inits = {i.name: i for i in graph.initializer}
-
-    def size(name: str, itemsize: int | None = None) -> int:
-        init = inits[name]
-        count = int(np.prod(init.dims)) if init.dims else 1
-        return count * (itemsize or helper.tensor_dtype_to_np_dtype(init.data_type).itemsize)
-
-    cast = {n.output[0]: (n.input[0], helper.tensor_dtype_to_np_dtype(
-        next(a.i for a in n.attribute if a.name == "to")).itemsize)
-        for n in graph.node if n.op_type == "Cast" and n.input[0] in inits}
-    seen, total = set(), 0
-    for node in graph.node:
-        if node.op_type not in MATRIX_OPS:
-            continue
-        for name in node.input:
-            if name in seen:
-                continue
-            seen.add(name)
-            if name in inits:
-                total += size(name)
-            elif name in cast:
-                total += size(*cast[name])
-    return total
-
-
-def gguf_step_bytes(path: Path) -> int:
-    """Bytes of weights one decode step of llama.cpp on the GGUF at ``path`` reads: every
-    matrix's blocks as stored, the token embedding only where it is also the head (no
-    ``output.weight``)."""
-    import gguf
-
-    tensors = gguf.GGUFReader(str(path)).tensors
-    tied = not any(t.name == "output.weight" for t in tensors)
-    return sum(int(t.n_bytes) for t in tensors
-               if len([d for d in t.shape if d > 1]) >= 2
-               and (tied or t.name != "token_embd.weight"))
 
 
 def paired(values: list[float], against: list[float]) -> dict:
@@ -596,12 +527,12 @@ def measure_engine(name: str, build: dict, folder: Path, copy: Path | None,
     memory moved the speed of the very same graph by 3% between two sessions of one process,
     and by 6-15% when other arms had been loaded in it before, so no arm inherits another's
     process state and each round draws the placement anew. ``runner`` names the runner
-    where the arm's name does not imply it (``"ort"``: :func:`_ort_runner`)."""
+    where the arm's name does not imply it (``"ort"``: :func:`ort_runner`)."""
     job = {"name": name, "path": str(copy or build["path"]), "folder": str(folder),
            "runner": runner or ("genai" if copy or name.startswith("builder") else
                                 "calm" if name.startswith("calm") else "transformers"),
            "calls": calls, "threads": threads}
-    done = subprocess.run([sys.executable, __file__, "--worker", json.dumps(job)], check=True,
+    done = subprocess.run([sys.executable, str(WORKER), json.dumps(job)], check=True,
                           stdout=subprocess.PIPE, text=True)
     return [tuple(x) for x in json.loads(done.stdout.strip().splitlines()[-1])]
 
@@ -613,327 +544,9 @@ def _op_profile(build: dict, folder: Path, new_tokens: int) -> dict:
     nodes read larger than they run."""
     job = {"path": build["path"], "folder": str(folder), "runner": "profile",
            "calls": [[64, new_tokens]], "threads": 1}
-    done = subprocess.run([sys.executable, __file__, "--worker", json.dumps(job)], check=True,
+    done = subprocess.run([sys.executable, str(WORKER), json.dumps(job)], check=True,
                           stdout=subprocess.PIPE, text=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def _profile_worker(job: dict) -> dict:
-    from collections import Counter
-
-    from calm_runtime.inference.lm import CalibratedLM
-
-    folder, work = Path(job["folder"]), Path(job["path"]).parent
-    lm = CalibratedLM.load(job["path"], threads=1, session_options={
-        "enable_profiling": True, "profile_file_prefix": str(work / "ort-profile")})
-    [(context, new_tokens)] = job["calls"]
-    lm.generate(lm.tokenizer.decode(_prompts(folder)[context], skip_special_tokens=False),
-                new_tokens)
-    trace = Path(lm.backend._session.end_profiling())
-    events = json.loads(trace.read_text())
-    trace.unlink()
-    runs = [e for e in events if e.get("cat") == "Session" and e["name"] == "model_run"]
-    prompt_end = runs[0]["ts"] + runs[0]["dur"]  # the prompt's pass is not a decode step
-    time_, calls = Counter(), Counter()
-    for e in events:
-        if (e.get("cat") == "Node" and e["name"].endswith("_kernel_time")
-                and e["ts"] > prompt_end):
-            time_[e["args"]["op_name"]] += e["dur"]
-            calls[e["args"]["op_name"]] += 1
-    steps = len(runs) - 1
-    out = {op: [t / steps, calls[op] / steps] for op, t in time_.most_common()}
-    out["(model_run)"] = [statistics.median(r["dur"] for r in runs[1:]), 1.0]
-    return out
-
-
-def _worker(job: dict):
-    """The child's side of :func:`measure_engine` and :func:`_op_profile`."""
-    if job["runner"] == "profile":
-        return _profile_worker(job)
-    folder, path, threads = Path(job["folder"]), Path(job["path"]), job["threads"]
-    run = {"genai": _genai_runner, "calm": _calm_runner, "ort": _ort_runner,
-           "transformers": _transformers_runner}[job["runner"]](
-               folder if job["runner"] == "transformers" else path, threads)
-    prompts = _prompts(folder)
-    run(prompts[64], 2)
-    return [run(prompts[context], new_tokens) for context, new_tokens in job["calls"]]
-
-
-def _calm_runner(path: Path, threads: int):
-    from calm_runtime.inference.lm import CalibratedLM
-
-    lm = CalibratedLM.load(path, threads=threads)
-
-    def run(ids: list[int], new_tokens: int) -> tuple[float, float]:
-        out = lm.generate(lm.tokenizer.decode(ids, skip_special_tokens=False), new_tokens)
-        return out.timing.per_token_s, out.timing.prefill_s
-
-    return run
-
-
-def _ort_runner(path: Path, threads: int):
-    """A bare decode loop on a builder-graph engine folder with ONNX Runtime's Python API and
-    nothing else: the session as calm's runtime opens it, one KV buffer per layer read and
-    written in place through IO binding (as onnxruntime-genai's shared buffer), the logits
-    bound to one buffer, greedy argmax. What any Python runtime on this session pays per
-    step, without calm's probabilities, confidences and text. ``run.tokens``: the tokens
-    its last call chose (to check it against calm's greedy tokens)."""
-    import onnxruntime as ort
-
-    config = json.loads((path / "genai_config.json").read_text())["model"]
-    decoder = config["decoder"]
-    layers, heads, size = (decoder["num_hidden_layers"], decoder["num_key_value_heads"],
-                           decoder["head_size"])
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
-    session = ort.InferenceSession(str(path / "model.onnx"), options,
-                                   providers=["CPUExecutionProvider"])
-    logits = ort.OrtValue.ortvalue_from_shape_and_type([1, 1, config["vocab_size"]],
-                                                       np.float32, "cpu", 0)
-    ints = {i.name: np.int32 if i.type == "tensor(int32)" else np.int64
-            for i in session.get_inputs()}
-
-    def run(ids: list[int], new_tokens: int) -> tuple[float, float]:
-        binding = session.io_binding()
-        binding.bind_output("logits", "cpu")  # first: the prompt's logits are output 0
-        for layer in range(layers):
-            for kind in ("key", "value"):
-                cache = ort.OrtValue.ortvalue_from_numpy(
-                    np.zeros((1, heads, len(ids) + new_tokens, size), np.float32))
-                binding.bind_ortvalue_input(f"past_key_values.{layer}.{kind}", cache)
-                binding.bind_ortvalue_output(f"present.{layer}.{kind}", cache)
-        started = time.perf_counter()
-        binding.bind_cpu_input("input_ids", np.asarray([ids], dtype=ints["input_ids"]))
-        binding.bind_cpu_input("attention_mask",
-                               np.ones((1, len(ids)), dtype=ints["attention_mask"]))
-        session.run_with_iobinding(binding)
-        token = int(binding.get_outputs()[0].numpy()[0, -1].argmax())
-        prefill = time.perf_counter() - started
-        run.tokens = [token]
-        binding.bind_ortvalue_output("logits", logits)
-        started = time.perf_counter()
-        for step in range(1, new_tokens):
-            binding.bind_cpu_input("input_ids", np.array([[token]], dtype=ints["input_ids"]))
-            binding.bind_cpu_input("attention_mask", np.ones(
-                (1, len(ids) + step), dtype=ints["attention_mask"]))
-            session.run_with_iobinding(binding)
-            token = int(logits.numpy()[0, -1].argmax())
-            run.tokens.append(token)
-        return (time.perf_counter() - started) / max(new_tokens - 1, 1), prefill
-
-    return run
-
-
-def _genai_runner(path: Path, threads: int):
-    import onnxruntime_genai as og
-
-    config_path = path / "genai_config.json"
-    config = json.loads(config_path.read_text())
-    session = config["model"]["decoder"].setdefault("session_options", {})
-    session["intra_op_num_threads"] = threads
-    session["inter_op_num_threads"] = 1
-    config_path.write_text(json.dumps(config, indent=2))
-    model = og.Model(str(path))
-    # a windowed KV cache (the builder's sliding-window layers) must hold the whole window
-    window = (config["model"]["decoder"].get("sliding_window") or {}).get("window_size", 0)
-
-    def run(ids: list[int], new_tokens: int) -> tuple[float, float]:
-        params = og.GeneratorParams(model)
-        params.set_search_options(max_length=max(len(ids) + new_tokens, window),
-                                  do_sample=False)
-        generator = og.Generator(model, params)
-        # append_tokens runs the prompt's pass; the first generate_next_token only picks
-        # the first token from its logits (no pass), every later one runs the previous
-        # token's pass and picks: so the prefill, as calm's, ends with the first token, and
-        # each decode step is one pass and one token
-        started = time.perf_counter()
-        generator.append_tokens(np.asarray([ids], dtype=np.int32))
-        generator.generate_next_token()
-        prefill = time.perf_counter() - started
-        steps = 0
-        started = time.perf_counter()
-        while not generator.is_done() and steps < new_tokens - 1:
-            generator.generate_next_token()
-            steps += 1
-        decode = (time.perf_counter() - started) / max(steps, 1)
-        return decode, prefill
-
-    return run
-
-
-def _transformers_runner(folder: Path, threads: int):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-
-    def run(ids: list[int], new_tokens: int) -> tuple[float, float]:
-        x = torch.tensor([ids])
-        with torch.inference_mode():
-            started = time.perf_counter()
-            model(input_ids=x, use_cache=True, logits_to_keep=1)
-            prefill = time.perf_counter() - started
-            started = time.perf_counter()
-            model.generate(x, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                           do_sample=False)
-            total = time.perf_counter() - started
-        return max(total - prefill, 0.0) / max(new_tokens - 1, 1), prefill
-
-    return run
-
-
-def _prompts(folder: Path) -> dict[int, list[int]]:
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    text = ("The history of science is the study of the development of science and scientific "
-            "knowledge, including both the natural and social sciences. ") * 256
-    ids = tok.encode(text, add_special_tokens=False).ids
-    return {n: ids[:n] for n in (64, 512, *LONG_CONTEXTS)}
-
-
-# ---------------------------------------------------------------------- report
-def render(result: dict) -> str:
-    lines = ["# Engines: calm beside onnxruntime-genai's builder", "",
-             "Generated by `benchmarks/engines.py` (one run per model, commands below); do "
-             "not edit by hand. 1 thread, batch 1, arm order rotated each round; ratio = the "
-             "arm's time / calm fp32's in the same round (median, min-max), ms = median."]
-    for model, section in result["models"].items():
-        lines += _render_model(model, section)
-    return "\n".join(lines) + "\n"
-
-
-def _render_model(model: str, result: dict) -> list[str]:
-    lines = ["", f"## {model}", "",
-             f"`{result['command']}` at commit {result['commit']} on {result['created']}: "
-             f"{result['rounds']} rounds; decode: {result['new_tokens']} greedy tokens after a "
-             "64-token prompt.", "",
-             "| arm | graph | decode ratio | decode ms/token | prefill 64 ratio | prefill 512 "
-             "ratio | prefill 512 ms | build s | MB | MB read/token | GB/s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for row in result["rows"]:
-        graph = (row.get("graph") or {}).get("kind", "builder" if "builder" in row["arm"]
-                                                  else "-")
-        d, p64, p512 = row["decode"], row["prefill64"], row["prefill512"]
-        lines.append(
-            f"| {row['arm']} | {graph} | {_ratio(d)} | {d['median_ms']:.1f} | {_ratio(p64)} | "
-            f"{_ratio(p512)} | {p512['median_ms']:.0f} | {row['build_seconds']:.0f} | "
-            f"{row['bytes'] / 1e6:.0f} | {_streamed(row)} |")
-    lines += ["", "MB read/token: the weights one decode step reads, as the runtime holds them "
-              "(ONNX Runtime: every constant input of a matrix product, float16 scales at the "
-              "float32 it casts them to; llama.cpp: the GGUF's matrices as stored, the "
-              "embedding only where it is the head); GB/s = those MB over the decode ms. A "
-              "decode step that streams its weights from memory runs at the machine's "
-              "bandwidth, so where two engines read at the same GB/s their time is in the "
-              "ratio of their MB."]
-    long = result["long_context"]
-    contexts = list(next(iter(long["decode_ms"].values())))
-    lines += ["", f"Long context ({result['long_rounds']} rounds): decode ms/token over "
-              f"{long['new_tokens']} tokens after a prompt of N tokens; growth = "
-              f"ms at {contexts[-1]} / ms at {contexts[0]} (median of the rounds' ratios).", "",
-              "| arm | " + " | ".join(f"{c} tokens" for c in contexts) + " | growth |",
-              "|---|" + "---|" * (len(contexts) + 1)]
-    for arm, values in long["decode_ms"].items():
-        lines.append(f"| {arm} | " + " | ".join(f"{values[c]:.1f}" for c in contexts)
-                     + f" | {long['growth'][arm]:.2f} |")
-    two = result.get("two_threads")
-    if two:
-        lines += ["", f"Decode on {two['threads']} threads ({result['rounds']} alternated "
-                  "rounds, ms/token, median): " + ", ".join(
-                      f"{n} {ms:.1f}" for n, ms in two["decode_ms"].items()) + "."]
-    lines += ["", "Targets (calm / the builder, paired by round; met when at most 1.00x, the "
-              "export time at most 2x):", "", "| target | calm arm | against | ratio | met |",
-              "|---|---|---|---|---|"]
-    for target in result["targets"]:
-        lines.append(f"| {target['target']} | {target['arm']} | {target['against']} | "
-                     f"{_ratio(target)} | {'yes' if target['met'] else 'no'} |")
-    if result.get("quantized"):
-        lines += ["", "What `calm-export` measured for each quantised engine (its manifest: "
-                  "top-1 agreement with the fp32 graph at every position of its drift prompts; "
-                  "the weights' size, and the GGUF's where the engine carries its blocks):", "",
-                  "| arm | precision | top-1 agreement | positions | weights MB | GGUF MB | "
-                  "weights / GGUF |", "|---|---|---|---|---|---|---|"]
-        for arm, q in result["quantized"].items():
-            gguf, size = q.get("gguf_bytes"), q["bytes"]
-            against = f"{gguf / 1e6:.1f} | {size / gguf:.2f}x" if gguf else "- | -"
-            lines.append(f"| {arm} | {q['precision']} | {q['top1_agreement']:.3f} | "
-                         f"{q['positions']} | {size / 1e6:.1f} | {against} |")
-    profile = result.get("op_profile")
-    if profile:
-        names = list(profile)
-        ops = sorted({op for p in profile.values() for op in p if op != "(model_run)"},
-                     key=lambda op: -max(p.get(op, [0])[0] for p in profile.values()))
-        lines += ["", "Where a decode step goes, by operator (ONNX Runtime's profiler, 1 thread, "
-                  "the steps after the prompt's pass; microseconds per step and nodes per step. "
-                  "The profiler adds its own cost to every node, so the total reads above the "
-                  "unprofiled step):", "",
-                  "| operator | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
-        for op in ["(model_run)", *ops[:12]]:
-            cells = []
-            for name in names:
-                us, n = profile[name].get(op, [0.0, 0.0])
-                cells.append(f"{us:.0f}" if op == "(model_run)" else
-                             f"{us:.0f} ({n:.0f})" if n else "-")
-            lines.append(f"| {op} | " + " | ".join(cells) + " |")
-    agreement = result.get("agreement")
-    if agreement:
-        lines += ["", f"Top-1 agreement with the float32 model on the same text and positions "
-                  f"({agreement['chunks']} chunks of {agreement['context']} tokens of "
-                  f"{agreement['text']}, every position of a chunk's second half but its last; "
-                  "calm int4 against calm fp32, whose weights are the GGUF's dequantised; "
-                  "llama.cpp on the GGUF against the GGUF requantised to F32 by llama-quantize, "
-                  "llama-perplexity's KL-divergence mode, 2 threads; 95% Wilson intervals):", "",
-                  "| engine | top-1 agreement | interval | positions |", "|---|---|---|---|"]
-        for name, m in agreement.items():
-            if isinstance(m, dict):
-                low, high = m["interval"]
-                lines.append(f"| {name} | {m['agreement']:.3f} | {low:.3f}-{high:.3f} | "
-                             f"{m['positions']} |")
-    if result.get("scores"):
-        lines += ["", f"What the precision costs on {result['score_data']} (cloze, `calm score`'s "
-                  "metrics through each engine, calm's runtime) and at every position of six "
-                  "prompts (top-1 agreement and mean total variation against calm fp32; "
-                  "benchmarks/_engine_quality.py says how the derived engines are made):", "",
-                  "| engine | accuracy | ECE | NLL | top-1 agreement | mean TV |",
-                  "|---|---|---|---|---|---|"]
-        for name, m in result["scores"].items():
-            agree = m.get("top1_agreement", (m.get("drift") or {}).get("greedy_agreement"))
-            tv = m.get("mean_total_variation",
-                       (m.get("drift") or {}).get("mean_total_variation"))
-            lines.append(f"| {name} | {m['accuracy']:.3f} | {m['ece']:.3f} | {m['nll']:.3f} | "
-                         f"{'-' if agree is None else f'{agree:.3f}'} | "
-                         f"{'-' if tv is None else f'{tv:.4f}'} |")
-    if result.get("servers"):
-        lines += ["", "Servers on the same workloads (greedy completions of exactly N tokens "
-                  "with `ignore_eos`, ARC-Easy questions as prompts, 2 threads; C concurrent "
-                  "clients; benchmarks/_llama_cpp.py):", "",
-                  "| server | clients | tokens each | requests | generated tokens | seconds | "
-                  "requests/s | tokens/s |", "|---|---|---|---|---|---|---|---|"]
-        for name, runs in result["servers"].items():
-            for m in runs:
-                lines.append(f"| {name} | {m['clients']} | {m['max_tokens']} | "
-                             f"{m['requests']} | {m['tokens']} | {m['seconds']:.1f} | "
-                             f"{m['requests'] / m['seconds']:.2f} | "
-                             f"{m['tokens_per_s']:.1f} |")
-    if result.get("load"):
-        lines += ["", f"Load average (1, 5, 15 min) before the timed rounds "
-                  f"{result['load']['before']}, after the servers {result['load']['after']}."]
-    return lines
-
-
-def _streamed(row: dict) -> str:
-    """``MB | GB/s`` of a row's weights read per decode step (``- | -`` where unknown)."""
-    step = row.get("step_bytes")
-    if not step:
-        return "- | -"
-    return f"{step / 1e6:.1f} | {step / 1e6 / row['decode']['median_ms']:.1f}"
-
-
-def _ratio(m: dict) -> str:
-    return f"{m['ratio_median']:.2f} ({m['ratio_min']:.2f}-{m['ratio_max']:.2f})"
 
 
 if __name__ == "__main__":

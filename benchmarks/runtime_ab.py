@@ -36,7 +36,7 @@ HERE = Path(__file__).resolve().parent
 STEM = "runtime_ab"
 ARM, AGAINST = "calm fp32", "calm fp32 run by genai"
 #: the third arm: a bare ONNX Runtime loop on the same folder (benchmarks/engines.py's
-#: ``_ort_runner``), which splits calm's runtime's cost from the process's
+#: ``ort_runner`` of _engines_worker), which splits calm's runtime's cost from the process's
 BARE = "bare onnxruntime loop"
 #: the pairs reported beside the verdict: (numerator, denominator)
 PAIRS = ((ARM, BARE), (BARE, AGAINST))

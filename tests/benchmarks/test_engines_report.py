@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -182,7 +183,8 @@ def test_the_bare_onnxruntime_loop_decodes_calms_greedy_tokens(engines, runtime_
     for _ in run:
         pass
     (calm,) = run.results
-    bare = engines._ort_runner(Path(runtime_engine[2]), 1)
+    worker = sys.modules["_engines_worker"]  # imported by engines (the fixture's)
+    bare = worker.ort_runner(Path(runtime_engine[2]), 1)
     for _ in range(2):  # fresh buffers each call
         decode, prefill = bare(list(prompt), 8)
         assert bare.tokens == list(calm.token_ids)
