@@ -188,6 +188,19 @@ def test_no_module_is_over_the_size_limit():
     assert not over, f"modules over {MAX_MODULE_LINES} lines: {over}"
 
 
+#: the longest a benchmark script or helper may grow: split by what its parts do (design,
+#: runs, statistics, report), as calm_decisive and engines are
+MAX_BENCHMARK_LINES = 600
+
+
+def test_no_benchmark_file_is_over_its_size_limit():
+    sizes = {p.name: len(p.read_text(encoding="utf-8").splitlines())
+             for p in (ROOT / "benchmarks").glob("*.py")}
+    assert len(sizes) > 10
+    over = {name: n for name, n in sizes.items() if n > MAX_BENCHMARK_LINES}
+    assert not over, f"benchmark files over {MAX_BENCHMARK_LINES} lines: {over}"
+
+
 def test_no_benchmark_reaches_into_another_ones_private_names():
     """A benchmark uses what another benchmark module makes public (``from engines import
     paired``, ``engines.paired``), never an underscore name of it."""
