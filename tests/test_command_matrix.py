@@ -170,8 +170,8 @@ def test_train(mode, name, data, models, tmp_path, capsys):
     out = tmp_path / "trained"
     code = _run(["-q", "train", "--model", str(models[0]), "--train", f"{spec}:train",
                  "--calibration", f"{spec}:unlabeled", "--mode", mode, "--steps", "2",
-                 "--warm-start-steps", "1", "--batch-size", "2", "--lora-rank", "2",
-                 "--max-length", str(CONTEXT), "--limit", "12", "--out", str(out)], capsys)
+                 "--set", "warm_start_steps=1", "--batch-size", "2", "--lora-rank", "2",
+                 "--max-length", str(CONTEXT), "--set", "limit=12", "--out", str(out)], capsys)
     if code == 0:  # a finished training is written, whatever its data
         assert (out / "calm_adapter.json").is_file() and (out / "lora").is_dir()
 

@@ -69,9 +69,9 @@ def test_two_step_calm_train_records_alpha_and_ships_it_only_if_it_helps(install
 
     out = tmp_path / "calm"
     assert main(["train", "--model", MODEL, "--train", "arc-easy:train", "--calibration",
-                 "arc-easy:unlabeled", "--limit", "24", "--steps", "2",
-                 "--warm-start-steps", "1", "--batch-size", "4", "--max-length", "128",
-                 "--alpha-tokens", "options", "--out", str(out), "-q"]) == 0
+                 "arc-easy:unlabeled", "--set", "limit=24", "--steps", "2",
+                 "--set", "warm_start_steps=1", "--batch-size", "4", "--max-length", "128",
+                 "--set", "alpha_tokens=options", "--out", str(out), "-q"]) == 0
     adapter = CalibrationAdapter.from_pretrained(out)
     gate = adapter.method["alpha_gate"]
     # 400 asked, at most half of the 24 training questions: 12, 6 of them decide

@@ -9,7 +9,6 @@ import argparse
 
 from calm_runtime.cli.common import show_progress
 from calm_runtime.data.models import MODEL_FORMS
-from calm_runtime.modes import CHOICE_MODES, CLOZE_VARIANTS
 
 __all__ = ["register_train"]
 
@@ -21,11 +20,14 @@ TRAIN_EPILOG = """data parts (disjoint from the test part that `calm eval` score
 examples:
   calm train --model smollm2-135m-instruct --train arc-easy:train \\
       --calibration sciq:unlabeled --out adapters/calm-smollm2
-  calm train --model smollm2-135m-instruct --train arc-easy:train \
+  calm train --model smollm2-135m-instruct --train arc-easy:train \\
       --calibration sciq:unlabeled --method lora --out adapters/lora-smollm2  # plain LoRA
-  calm train --model smollm2-135m-instruct --train arc-easy:train \
+  calm train --model smollm2-135m-instruct --train arc-easy:train \\
       --calibration sciq:unlabeled --method cft --out adapters/cft-smollm2  # the baseline
-  torchrun --nproc_per_node 2 -m calm_runtime.cli.main train --model smollm2-135m-instruct \
+  calm train --model smollm2-135m-instruct --train arc-easy:train \\
+      --calibration sciq:unlabeled --set inner_steps=5 --set alpha_tokens=options \\
+      --out adapters/calm-tuned   # any other setting (calm train --help-settings)
+  torchrun --nproc_per_node 2 -m calm_runtime.cli.main train --model smollm2-135m-instruct \\
       --train arc-easy:train --calibration sciq:unlabeled --out adapters/calm-ddp
   calm fit daca --model smollm2-135m-instruct --reference gemma-3-270m --data arc-easy \\
       --adapter adapters/calm-smollm2 --out adapters/calm-daca   # compose with DACA
@@ -56,16 +58,7 @@ What the defaults do on real data, in and out of domain: docs/results.md.
 
 
 def register_train(sub) -> None:
-    from calm_training.calm.config import (
-        ALPHA_LOGITS,
-        ALPHA_TOKENS,
-        INNER_OPTIMIZERS,
-        METHODS,
-        OPTIMIZERS,
-        UPPER_OBJECTIVES,
-        UPPER_PARAMS,
-        CalmConfig,
-    )
+    from calm_training.calm.config import CalmConfig
 
     d = CalmConfig.__dataclass_fields__
     t = sub.add_parser("train", help="CALM: train LoRA + per-token calibration (bilevel)",
@@ -77,130 +70,110 @@ def register_train(sub) -> None:
     t.add_argument("--calibration", action="append", required=True, metavar="SPEC",
                    help="unlabeled calibration data (repeatable), e.g. sciq:unlabeled")
     t.add_argument("--out", required=True, help="adapter directory to write")
-    t.add_argument("--method", default=d["method"].default, choices=METHODS,
-                   help="bilevel (CALM, the default); ablations: regularization (min g + beta "
-                        "f, no constraint), iterate-theta (alternate a LoRA step on g and a "
-                        "step of LoRA and tau/shift on f: no coupling, theta path kept), "
-                        "iterate-alpha (alternate a LoRA step on g and a tau/shift step on f: "
-                        "no coupling, alpha only), scalar (one learned temperature); "
-                        "lora = plain LoRA fine-tuning without calibration; cft = calibration-"
-                        "aware fine-tuning, the training-time baseline (docs/methods.md)")
-    t.add_argument("--mode", default=d["mode"].default, choices=list(CHOICE_MODES),
-                   help="multiple choice: CE on the option text (cloze) or its letter")
+    for f in settings("option"):  # one option per field, from the field
+        shown = "" if "(default" in f.metadata["help"] else f" (default {f.default})"
+        t.add_argument(flag_of(f), dest=f.name, type=value_type(f), default=f.default,
+                       choices=f.metadata["choices"], help=f.metadata["help"] + shown)
     chat = t.add_mutually_exclusive_group()
     chat.add_argument("--chat", dest="chat", action="store_true", default=None,
-                      help="letter mode: apply the chat template")
+                      help=d["chat"].metadata["help"])
     chat.add_argument("--no-chat", dest="chat", action="store_false")
-    for flag, kind, text in (
-            ("steps", int, "training steps"),
-            ("batch-size", int, "training questions per step (over all processes)"),
-            ("calibration-batch-size", int, "questions per step from --calibration "
-             "(default: --batch-size)"),
-            ("grad-accumulation", int, "micro-batches per rank and step"),
-            ("inner-steps", int, "gradient steps on a copy of the LoRA per step (how far the "
-             "training objective can still fall: what keeps tau/shift from hurting it)"),
-            ("inner-lr", float, "step size of those steps (default: 0.001 with adam, 0.01 "
-             "with sgd)"),
-            ("outer-lr", float, "learning rate of the LoRA (default: 0.1 with sgd, 0.001 "
-             "with adam)"),
-            ("alpha-lr", float, "learning rate of tau/shift (default: 0.02 with sgd, 0.005 "
-             "with adam)"),
-            ("momentum", float, "SGD momentum (0 is BOME's step; momentum voids its "
-             "guarantee)"),
-            ("eta", float, "how strongly each step keeps the LoRA at its best training "
-             "loss while tau/shift move (larger: closer)"),
-            ("warm-start-steps", int, "the first N of --steps are plain LoRA steps (Adam, "
-             "tau/shift fixed at identity) (default: half of --steps)"),
-            ("warm-start-lr", float, "Adam learning rate of the warm start"),
-            ("alpha-l2", float, "weight of a penalty that keeps tau near 1 and shift near 0"),
-            ("q-window", int, "warn when the training loss's distance from its best grew "
-             "over the last N steps"),
-            ("beta", float, "regularization ablation: weight of the calibration objective"),
-            ("cft-weight", float, "cft: w of (1-w)*CE + w*scale*L_cal"),
-            ("cft-scale", float, "cft: scale of L_cal"), ("cft-bins", int, "cft: L_cal's bins"),
-            ("lora-rank", int, "LoRA rank"), ("lora-alpha", float, "LoRA alpha"),
-            ("max-length", int, "longest sequence in tokens"), ("seed", int, "seed"),
-            ("limit", int, "use only the first N records of each data spec (default: all)"),
-            ("checkpoint-every", int, "checkpoint every N steps (0: never)")):
-        name = flag.replace("-", "_")
-        shown = "" if "(default" in text else f" (default {d[name].default})"
-        t.add_argument(f"--{flag}", type=kind, default=d[name].default, help=text + shown)
     t.add_argument("--holdout", type=_count_or_share, default=d["holdout"].default,
                    metavar="N|SHARE",
-                   help="training questions held out of training for the gate of tau/shift "
-                        "and T: a count (at most half of the training questions) or a share "
-                        "in (0, 1); half decide, half report (0: none, everything written "
-                        f"ungated) (default {d['holdout'].default})")
-    t.add_argument("--outer-optimizer", "--optimizer", dest="optimizer",
-                   default=d["optimizer"].default, choices=OPTIMIZERS,
-                   help="outer update: sgd (plain SGD; with --momentum 0, the step whose "
-                        "decrease of q BOME guarantees) or adam (rescales the step per "
-                        "coordinate; no such guarantee) (default sgd; adam for --method lora)")
-    t.add_argument("--inner-optimizer", default=d["inner_optimizer"].default,
-                   choices=INNER_OPTIMIZERS,
-                   help="inner solver of the LoRA copy: adam (a fresh Adam each outer step; "
-                        "moves the copy enough for the coupling to engage) or sgd (the BOME "
-                        f"paper's) (default {d['inner_optimizer'].default})")
-    t.add_argument("--alpha-logits", default=d["alpha_logits"].default, choices=ALPHA_LOGITS,
-                   help="what tau divides: centered (logits minus their vocabulary mean) or "
-                        f"raw logits (default {d['alpha_logits'].default})")
-    t.add_argument("--upper", default=d["upper"].default, choices=UPPER_OBJECTIVES,
-                   help="upper objective: entropy (-H; of the option distribution with "
-                        "--entropy options, over the vocabulary with --entropy vocab, the "
-                        "paper's) or daca (KL to --reference where the two models agree; "
-                        "calm's extension) "
-                        f"(default {d['upper'].default})")
-    t.add_argument("--reference",
-                   help="reference model (the same forms as --model) of --upper daca and "
-                        "of the DACA temperature fitted after training (default: the model "
-                        "itself before the LoRA, pre-trained or not; a pre-trained model is "
-                        "DACA's premise)")
+                   help=f"{d['holdout'].metadata['help']} (default {d['holdout'].default})")
     t.add_argument("--no-daca", dest="daca", action="store_false",
                    help="write the adapter without the DACA temperature that is otherwise "
                         "fitted after training against --reference on the calibration set")
-    t.add_argument("--init-lora", metavar="DIR",
-                   help="start the LoRA from this peft folder or calm adapter (same rank and "
-                        "targets)")
-    t.add_argument("--entropy", default=d["entropy"].default, choices=["options", "vocab"],
-                   help="the entropy of --upper entropy: of the K-option distribution the "
-                        "evaluation reads (options, calm's reading) or of the full next-token "
-                        "distribution at the answer positions (vocab, docs/methods.md's -H) "
-                        f"(default {d['entropy'].default})")
-    t.add_argument("--cloze-variant", default=d["cloze_variant"].default,
-                   choices=CLOZE_VARIANTS,
-                   help="cloze score variant of the options entropy (default "
-                        f"{d['cloze_variant'].default}, as calm fit/eval)")
-    t.add_argument("--upper-params", default=d["upper_params"].default, choices=UPPER_PARAMS,
-                   help="what f's gradient moves: all (LoRA and tau/shift: BOME as "
-                        "docs/methods.md specifies it) or alpha (tau/shift only, an arm: the "
-                        "LoRA then moves through lambda*grad q alone) "
-                        f"(default {d['upper_params'].default})")
     t.add_argument("--as-specified", action="store_true",
-                   help="the bilevel method as docs/methods.md specifies it: --upper-params "
-                        "all --entropy vocab (f's gradient on the LoRA too, -H over the "
-                        "vocabulary)")
-    t.add_argument("--alpha-tokens", default=d["alpha_tokens"].default, choices=ALPHA_TOKENS,
-                   help="train tau/shift on the whole vocabulary (all) or only on the tokens "
-                        "of the options/answers in the training and calibration data "
-                        f"(options; identity elsewhere) (default {d['alpha_tokens'].default})")
-    t.add_argument("--freeze-alpha", action="store_true",
-                   help="keep tau/shift at the identity and run the method's schedule with "
-                        "the LoRA alone: the matched control of a CALM run (adapter kind lora)")
-    t.add_argument("--calibration-positions", default=d["calibration_positions"].default,
-                   choices=["options", "answer"],
-                   help="cloze: entropy at every option-token position (options) or only "
-                        "where the answer starts (answer, K times cheaper)")
-    t.add_argument("--phi", default=d["phi"].default, choices=["grad", "value"],
-                   help="phi = eta*|grad q|^2 (grad) or eta*q (value) (default grad)")
-    t.add_argument("--lora-targets", default="",
-                   help="comma-separated module names to adapt (default: the model's attention "
-                        "projections: q_proj,k_proj,v_proj,o_proj; qkv_proj,o_proj for Phi-3; "
-                        "query_key_value,dense for GPT-NeoX)")
-    t.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
-    t.add_argument("--checkpoint-dir", help="default: OUT.checkpoints")
+                   help="the bilevel method as docs/methods.md specifies it: --set "
+                        "upper_params=all --set entropy=vocab (f's gradient on the LoRA too, "
+                        "-H over the vocabulary)")
+    t.add_argument("--set", dest="settings", action="append", default=[], metavar="NAME=VALUE",
+                   type=_setting_pair,
+                   help="any other setting, repeatable (tuning and ablations: inner steps, "
+                        "learning rates, warm start, the upper objective, alpha's tokens, "
+                        "CFT's weights, checkpoints...); --help-settings lists them")
+    t.add_argument("--help-settings", action=_ListSettings, nargs=0,
+                   help="list every --set NAME with its default and what it does, and exit")
+    t.add_argument("--checkpoint-dir", help="where checkpoints go (--set checkpoint_every=N) "
+                   "and --resume finds them (default: OUT.checkpoints)")
     t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
     t.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     t.set_defaults(handler=_train)
+
+
+def settings(flag: str) -> list:
+    """The :class:`CalmConfig` fields ``calm train`` offers as ``flag`` (``"option"`` or
+    ``"set"``; ``calm_training.calm.config._setting``)."""
+    import dataclasses
+
+    from calm_training.calm.config import CalmConfig
+
+    return [f for f in dataclasses.fields(CalmConfig) if f.metadata.get("flag") == flag]
+
+
+def flag_of(f) -> str:
+    return "--" + f.name.replace("_", "-")
+
+
+def value_type(f):
+    """The Python type a field's text is read as (its annotation without ``None``)."""
+    kinds = [k.strip() for k in str(f.type).split("|")]
+    for name, kind in (("int", int), ("float", float), ("bool", _boolean)):
+        if name in kinds:
+            return kind
+    return str
+
+
+def _boolean(text: str) -> bool:
+    if text.lower() in ("true", "1", "yes"):
+        return True
+    if text.lower() in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r} is not true or false")
+
+
+def _setting_pair(text: str) -> tuple[str, object]:
+    """``--set NAME=VALUE``: the setting and its value read as the field's type (``none`` for
+    an optional setting's default; a comma list for lora_targets)."""
+    name, sep, value = text.partition("=")
+    fields = {f.name: f for f in settings("set")}
+    if not sep or name.strip() not in fields:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not NAME=VALUE with NAME one of {', '.join(fields)} "
+            "(calm train --help-settings)")
+    f = fields[name.strip()]
+    value = value.strip()
+    if value.lower() == "none" and "None" in str(f.type):
+        return f.name, None
+    if f.name == "lora_targets":
+        return f.name, tuple(x.strip() for x in value.split(",") if x.strip())
+    try:
+        converted = value_type(f)(value)
+    except (ValueError, argparse.ArgumentTypeError):
+        raise argparse.ArgumentTypeError(
+            f"{f.name}={value!r}: expected {value_type(f).__name__.strip('_')}") from None
+    choices = f.metadata["choices"]
+    if choices is not None and converted not in choices:
+        raise argparse.ArgumentTypeError(f"{f.name}={value!r}: choose from "
+                                         f"{', '.join(choices)}")
+    return f.name, converted
+
+
+def settings_text() -> str:
+    lines = ["settings (calm train --set NAME=VALUE, repeatable):"]
+    for f in settings("set"):
+        default = f.default if f.default != () else "(the model's attention projections)"
+        choices = f" {{{','.join(f.metadata['choices'])}}}" if f.metadata["choices"] else ""
+        lines.append(f"  {f.name}{choices} (default {default})")
+        lines.append(f"      {f.metadata['help']}")
+    return "\n".join(lines)
+
+
+class _ListSettings(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(settings_text())
+        parser.exit()
 
 
 def _count_or_share(text: str) -> int | float:
@@ -222,8 +195,8 @@ def _train(args) -> int:
 
     names = [f for f in CalmConfig.__dataclass_fields__ if hasattr(args, f)]
     values = {f: getattr(args, f) for f in names}
-    values["lora_targets"] = tuple(x.strip() for x in args.lora_targets.split(",") if x.strip())
     values["train"], values["calibration"] = tuple(args.train), tuple(args.calibration)
+    values.update(dict(args.settings))
     if args.as_specified:
         values["upper_params"], values["entropy"] = "all", "vocab"
     config = CalmConfig(**values)

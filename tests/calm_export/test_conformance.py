@@ -288,7 +288,7 @@ def test_fit_daca_and_train_run_on_the_family(case, capsys):
     out = case.root / "calm"
     rc = calm_main(["-q", "train", "--model", str(case.model_dir), "--train", f"{data}:train",
                     "--calibration", f"{data}:unlabeled", "--out", str(out), "--steps", "2",
-                    "--batch-size", "2", "--lora-rank", "2", "--warm-start-steps", "1",
+                    "--batch-size", "2", "--lora-rank", "2", "--set", "warm_start_steps=1",
                     "--holdout", "0"])  # α as trained (the gate: test_alpha_gate.py)
     assert rc == 0, capsys.readouterr().err
     trained = CalibrationAdapter.from_pretrained(out)

@@ -96,7 +96,7 @@ def test_cli_last_line_says_what_the_gate_decided(tiny_llama_tied, mc_file, tmp_
 
     code = main(["train", "--model", str(tiny_llama_tied), "--train", f"{mc_file}:train",
                  "--calibration", f"{mc_file}:unlabeled", "--out", str(tmp_path / "b"),
-                 "--steps", "2", "--warm-start-steps", "1", "--batch-size", "2",
+                 "--steps", "2", "--set", "warm_start_steps=1", "--batch-size", "2",
                  "--lora-rank", "4", "--max-length", "64", "--quiet"])
     assert code == 0
     lines = capsys.readouterr().out.strip().splitlines()

@@ -57,9 +57,9 @@ def test_two_processes_match_one(tiny_llama_tied, tmp_path):
                str(_free_port()), "-m", "calm_runtime.cli.main", "-q", "train",
                "--model", str(tiny_llama_tied), "--train", f"{data}:train",
                "--calibration", f"{data}:unlabeled", "--out", str(tmp_path / "ddp"),
-               "--lora-targets", "q_proj,v_proj", "--device", "cpu"]
+               "--set", "lora_targets=q_proj,v_proj", "--set", "device=cpu"]
     for key, value in settings.items():
-        command += [f"--{key.replace('_', '-')}", str(value)]
+        command += ["--set", f"{key}={value}"]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT_S,
                           check=False)
     assert done.returncode == 0, done.stderr[-8000:]

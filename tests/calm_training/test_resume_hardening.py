@@ -30,9 +30,9 @@ STEP = "step-000002"
 def _train(model, data, out, checkpoints, steps, *extra) -> int:
     return main(["-q", "train", "--model", str(model), "--train", f"{data}:train",
                  "--calibration", f"{data}:unlabeled", "--out", str(out), "--steps", str(steps),
-                 "--checkpoint-every", "2", "--checkpoint-dir", str(checkpoints),
-                 "--batch-size", "2", "--lora-rank", "2", "--inner-steps", "1",
-                 "--max-length", "48", "--outer-optimizer", "adam", "--warm-start-steps", "1",
+                 "--set", "checkpoint_every=2", "--checkpoint-dir", str(checkpoints),
+                 "--batch-size", "2", "--lora-rank", "2", "--set", "inner_steps=1",
+                 "--max-length", "48", "--set", "optimizer=adam", "--set", "warm_start_steps=1",
                  "--holdout", "0", "--no-daca", *extra])
 
 

@@ -158,7 +158,7 @@ def test_cli_trains_plain_lora(tiny_llama_tied, mc_file, tmp_path, capsys):
     rc = main(["-q", "train", "--model", str(tiny_llama_tied), "--train", f"{mc_file}:train",
                "--calibration", f"{mc_file}:unlabeled", "--out", str(out), "--method", "lora",
                "--steps", "2", "--batch-size", "2", "--lora-rank", "2",
-               "--lora-targets", "q_proj,v_proj"])
+               "--set", "lora_targets=q_proj,v_proj"])
     assert rc == 0, capsys.readouterr().err
     loaded = CalibrationAdapter.from_pretrained(out)
     # a DACA temperature against the model before the LoRA, when one can be fitted

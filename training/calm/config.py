@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from calm_runtime.errors import ConfigError
 from calm_runtime.modes import CHOICE_MODES, CLOZE_VARIANTS, DEFAULT_CLOZE_VARIANT
@@ -50,6 +50,21 @@ DEFAULT_LR = {"sgd": (0.1, 0.02), "adam": (1e-3, 5e-3)}
 #: setting existed (a recorded run without the key ran with this value, not the default)
 LEGACY_SETTINGS = {"inner_optimizer": "sgd", "alpha_logits": "raw", "upper": "entropy",
                    "reference": None, "holdout": 0.0, "daca": False}
+
+
+_REQUIRED = object()
+
+
+def _setting(default=_REQUIRED, help: str = "", *, flag: str = "option", choices=None):
+    """A :class:`CalmConfig` field with what ``calm train`` makes of it
+    (``calm_training.train_cli``): ``flag`` is ``"option"`` (an option of its own, shown by
+    ``--help``), ``"set"`` (an ablation or tuning knob, given as ``--set NAME=VALUE`` and
+    listed by ``--help-settings``) or ``"command"`` (an option the command declares itself);
+    ``help`` is its one help line, ``choices`` its allowed values."""
+    metadata = {"help": help, "flag": flag, "choices": choices}
+    if default is _REQUIRED:
+        return field(metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -135,55 +150,109 @@ class CalmConfig:
         device: ``cpu``, ``cuda``, ``cuda:N`` (default: ``cuda:LOCAL_RANK`` when available).
     """
 
-    model: str
-    train: tuple[str, ...]
-    calibration: tuple[str, ...]
-    method: str = "bilevel"
-    mode: str = "cloze"
-    chat: bool | None = None
-    steps: int = 200
-    batch_size: int = 8
-    calibration_batch_size: int | None = None
-    grad_accumulation: int = 1
-    inner_steps: int = 3
-    inner_lr: float | None = None
-    inner_optimizer: str = "adam"
-    outer_lr: float | None = None
-    alpha_lr: float | None = None
-    optimizer: str | None = None
-    momentum: float = 0.0
-    phi: str = "grad"
-    eta: float = 0.5
-    warm_start_steps: int | None = None
-    warm_start_lr: float = 1e-3
-    init_lora: str | None = None
-    entropy: str = "options"
-    cloze_variant: str = DEFAULT_CLOZE_VARIANT
-    upper_params: str = "alpha"
-    alpha_tokens: str = "all"
-    alpha_l2: float = 0.0
-    alpha_logits: str = "centered"
-    upper: str = "entropy"
-    reference: str | None = None
-    daca: bool = True
-    holdout: int | float = 400
-    freeze_alpha: bool = False
-    cft_weight: float = 0.5
-    cft_scale: float = 1e-3
-    cft_bins: int = 10
-    q_window: int = 10
-    beta: float = 1.0
-    lora_rank: int = 8
-    lora_alpha: float = 16.0
+    model: str = _setting(help="the model to fine-tune", flag="command")
+    train: tuple[str, ...] = _setting(help="labeled training data specs", flag="command")
+    calibration: tuple[str, ...] = _setting(help="unlabeled calibration data specs",
+                                            flag="command")
+    method: str = _setting(
+        "bilevel", "bilevel (CALM, the default); ablations: regularization (min g + beta f, no "
+        "constraint), iterate-theta (alternate a LoRA step on g and a step of LoRA and tau/shift "
+        "on f), iterate-alpha (alternate a LoRA step on g and a tau/shift step on f), scalar "
+        "(one learned temperature); lora = plain LoRA fine-tuning without calibration; cft = "
+        "calibration-aware fine-tuning, the training-time baseline", choices=METHODS)
+    mode: str = _setting("cloze", "multiple choice: CE on the option text (cloze) or its letter",
+                         choices=CHOICE_MODES)
+    chat: bool | None = _setting(None, "letter mode: apply the chat template (default: when the "
+                                 "tokenizer has one)", flag="command")
+    steps: int = _setting(200, "training steps")
+    batch_size: int = _setting(8, "training questions per step (over all processes)")
+    calibration_batch_size: int | None = _setting(
+        None, "questions per step from the calibration data (default: batch_size)",
+        flag="set")
+    grad_accumulation: int = _setting(1, "micro-batches per rank and step", flag="set")
+    inner_steps: int = _setting(
+        3, "gradient steps on a copy of the LoRA per step (how far the training objective can "
+        "still fall: what keeps tau/shift from hurting it)", flag="set")
+    inner_lr: float | None = _setting(
+        None, "step size of those steps (default: 0.001 with adam, 0.01 with sgd)", flag="set")
+    inner_optimizer: str = _setting(
+        "adam", "inner solver of the LoRA copy: adam (a fresh Adam each outer step) or sgd (the "
+        "BOME paper's)", choices=INNER_OPTIMIZERS, flag="set")
+    outer_lr: float | None = _setting(
+        None, "learning rate of the LoRA (default: 0.1 with sgd, 0.001 with adam)", flag="set")
+    alpha_lr: float | None = _setting(
+        None, "learning rate of tau/shift (default: 0.02 with sgd, 0.005 with adam)", flag="set")
+    optimizer: str | None = _setting(
+        None, "outer update: sgd (with momentum 0 the step whose decrease of q BOME guarantees) "
+        "or adam (default sgd; adam for method lora)", choices=OPTIMIZERS, flag="set")
+    momentum: float = _setting(0.0, "SGD momentum (0 is BOME's step)", flag="set")
+    phi: str = _setting("grad", "phi = eta*|grad q|^2 (grad) or eta*q (value)",
+                        choices=PHI_MODES, flag="set")
+    eta: float = _setting(0.5, "how strongly each step keeps the LoRA at its best training "
+                          "loss while tau/shift move", flag="set")
+    warm_start_steps: int | None = _setting(
+        None, "the first N steps are plain LoRA steps (Adam, tau/shift at the identity) "
+        "(default: half of steps)", flag="set")
+    warm_start_lr: float = _setting(1e-3, "Adam learning rate of the warm start", flag="set")
+    init_lora: str | None = _setting(
+        None, "start the LoRA from this peft folder or calm adapter (same rank and targets)",
+        flag="set")
+    entropy: str = _setting(
+        "options", "the entropy of upper entropy: of the K-option distribution (options, calm's "
+        "reading) or over the vocabulary at the answer positions (vocab, the specified -H)",
+        choices=("options", "vocab"), flag="set")
+    cloze_variant: str = _setting(DEFAULT_CLOZE_VARIANT, "cloze score variant of the options "
+                                  "entropy", choices=CLOZE_VARIANTS, flag="set")
+    upper_params: str = _setting(
+        "alpha", "what f's gradient moves: all (LoRA and tau/shift: the specified BOME) or alpha "
+        "(tau/shift only, an arm)", choices=UPPER_PARAMS, flag="set")
+    alpha_tokens: str = _setting(
+        "all", "tau/shift over the whole vocabulary (all) or only the tokens of the options and "
+        "answers in the data (options)", choices=ALPHA_TOKENS, flag="set")
+    alpha_l2: float = _setting(0.0, "weight of a penalty that keeps tau near 1 and shift near 0",
+                               flag="set")
+    alpha_logits: str = _setting("centered", "what tau divides: centered (logits minus their "
+                                 "vocabulary mean) or raw logits", choices=ALPHA_LOGITS,
+                                 flag="set")
+    upper: str = _setting(
+        "entropy", "upper objective: entropy (-H) or daca (KL to the reference where the two "
+        "models agree; calm's extension)", choices=UPPER_OBJECTIVES, flag="set")
+    reference: str | None = _setting(
+        None, "reference model of the DACA temperature fitted after training (and of upper "
+        "daca) (default: the model itself before the LoRA, pre-trained or not; a pre-trained "
+        "model is DACA's premise)")
+    daca: bool = _setting(True, "fit the DACA temperature after training", flag="command")
+    holdout: int | float = _setting(
+        400, "training questions held out of training for the gate of tau/shift and T: a count "
+        "(at most half of the training questions) or a share in (0, 1); half decide, half "
+        "report (0: none, everything written ungated)", flag="command")
+    freeze_alpha: bool = _setting(
+        False, "keep tau/shift at the identity and run the method's schedule with the LoRA "
+        "alone: the matched control of a CALM run", flag="set")
+    cft_weight: float = _setting(0.5, "cft: w of (1-w)*CE + w*scale*L_cal", flag="set")
+    cft_scale: float = _setting(1e-3, "cft: scale of L_cal", flag="set")
+    cft_bins: int = _setting(10, "cft: L_cal's bins", flag="set")
+    q_window: int = _setting(10, "warn when the training loss's distance from its best grew "
+                             "over the last N steps", flag="set")
+    beta: float = _setting(1.0, "regularization ablation: weight of the calibration objective",
+                           flag="set")
+    lora_rank: int = _setting(8, "LoRA rank")
+    lora_alpha: float = _setting(16.0, "LoRA alpha", flag="set")
     #: empty: the model's attention projections (q/k/v/o_proj, Phi-3's qkv_proj/o_proj,
     #: GPT-NeoX's query_key_value/dense; _calm_model.default_lora_targets)
-    lora_targets: tuple[str, ...] = ()
-    max_length: int = 256
-    calibration_positions: str = "options"
-    seed: int = 0
-    limit: int | None = None
-    checkpoint_every: int = 0
-    device: str | None = None
+    lora_targets: tuple[str, ...] = _setting(
+        (), "comma-separated module names to adapt (default: the model's attention "
+        "projections)", flag="set")
+    max_length: int = _setting(256, "longest sequence in tokens")
+    calibration_positions: str = _setting(
+        "options", "cloze: entropy at every option-token position (options) or only where the "
+        "answer starts (answer)", choices=("options", "answer"), flag="set")
+    seed: int = _setting(0, "seed of the LoRA initialisation and the batch order")
+    limit: int | None = _setting(None, "use only the first N records of each data spec "
+                                 "(default: all)", flag="set")
+    checkpoint_every: int = _setting(0, "checkpoint every N steps (0: never)", flag="set")
+    device: str | None = _setting(None, "cpu, cuda or cuda:N (default: cuda when available)",
+                                  flag="set")
 
     #: added to ‖∇q‖² in λ's denominator: keeps λ finite when θ is at the inner optimum
     LAMBDA_EPSILON = 1e-12
