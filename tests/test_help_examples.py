@@ -160,3 +160,29 @@ def test_docs_name_no_folder_of_the_machine_that_made_them():
     for page in [*PAGES, *results]:
         found = MACHINE_PATH.findall(page.read_text())
         assert not found, (str(page.relative_to(ROOT)), found[:3])
+
+
+@pytest.mark.parametrize("method", ["daca", "naive", "daca-vector", "ts", "ts-vector",
+                                    "threshold"])
+def test_calm_fit_method_help_lists_only_what_the_method_uses(method, capsys):
+    """`calm fit METHOD --help`: the reference's options only for label-free methods, the
+    abstention flags only for threshold, the token-level fit's only where there is one, the
+    P(True) template only where P(True) is fitted; no old option names."""
+    pytest.importorskip("torch")
+    from calm_runtime.cli.main import main
+    from calm_training.methods import fit_method
+
+    with pytest.raises(SystemExit):
+        main(["fit", method, "--help"])
+    text = capsys.readouterr().out
+    from calm_training.methods import ADAPTER_METHODS
+
+    assert set(ADAPTER_METHODS) == {"daca", "naive", "daca-vector", "ts", "ts-vector",
+                                    "threshold"}
+    m = fit_method(method)
+    assert ("--reference " in text) == m.needs_reference
+    assert ("--reference-scores" in text) == m.needs_reference
+    assert ("--risk" in text) == m.abstention
+    assert ("--no-token-fit" in text) == m.token_level
+    assert ("--template" in text) == m.p_true
+    assert "--split" not in text

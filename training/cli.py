@@ -11,10 +11,10 @@ import logging
 from pathlib import Path
 
 from calm_runtime import modes
-from calm_runtime.cli.common import add_endpoint_limits, deprecated_alias, show_progress
+from calm_runtime.cli.common import add_endpoint_limits, show_progress
 from calm_runtime.data.models import MODEL_FORMS
 from calm_runtime.errors import BackendUnavailableError
-from calm_runtime.modes import CLOZE_VARIANTS
+from calm_runtime.modes import CHOICE_MODES, CLOZE_VARIANTS
 from calm_training.posthoc.fit_config import ALL_MODES, FitConfig
 from calm_training.train_cli import register_train
 
@@ -25,13 +25,16 @@ _FIT = {f.name: f.default for f in dataclasses.fields(FitConfig)}
 
 logger = logging.getLogger(__name__)
 
-FIT_EPILOG = """examples:
-  calm fit threshold --model smollm2-135m-instruct --adapter adapters/daca-smollm2 \\
-      --data arc-easy --risk 0.3 --out adapters/daca-abstain
-  calm fit daca --model smollm2-135m-instruct --reference gemma-3-270m --data arc-easy \\
-      --mode cloze --out adapters/daca-smollm2
-  calm fit ts --model smollm2-135m-instruct --data arc-easy --mode letter --out adapters/ts
-"""
+FIT_EXAMPLES = {
+    "threshold": "calm fit threshold --model smollm2-135m-instruct --adapter "
+                 "adapters/daca-smollm2 \\\n      --data arc-easy --risk 0.3 --out "
+                 "adapters/daca-abstain",
+    "daca": "calm fit daca --model smollm2-135m-instruct --reference gemma-3-270m --data "
+            "arc-easy \\\n      --mode cloze --out adapters/daca-smollm2",
+    "ts": "calm fit ts --model smollm2-135m-instruct --data arc-easy --mode letter --out "
+          "adapters/ts",
+}
+FIT_EPILOG = "examples:\n" + "".join(f"  {e}\n" for e in FIT_EXAMPLES.values())
 EVAL_EPILOG = """examples:
   calm eval --model smollm2-135m-instruct --adapter adapters/daca-smollm2 --data arc-easy
   calm eval --model smollm2-135m-instruct --reference gemma-3-270m --data sciq --compare
@@ -40,24 +43,30 @@ EVAL_EPILOG = """examples:
 
 def register(sub) -> None:
     from calm_training.fit import DEFAULT_VARIANT
-    from calm_training.methods import ADAPTER_METHODS, add_fit_arguments
+    from calm_training.methods import ADAPTER_METHODS, add_fit_arguments, fit_method
 
     fit = sub.add_parser("fit", help="fit a post-hoc calibration adapter", epilog=FIT_EPILOG,
                          description="Score the model (and, for the label-free methods, a "
                          "reference) on a calibration split of --data, fit METHOD there and "
                          "write a calibration adapter that calm-export fuses into an engine "
-                         "(docs/methods.md sections 1-3).",
+                         "(docs/methods.md sections 1-3). `calm fit METHOD --help` lists what "
+                         "METHOD uses.",
                          formatter_class=argparse.RawDescriptionHelpFormatter)
-    fit.add_argument("method", choices=list(ADAPTER_METHODS),
-                     help="daca/naive/daca-vector are label-free (need --reference); "
-                          "ts/ts-vector use the labels of the calibration split; threshold "
-                          "picks an abstention threshold for --adapter (see --risk)")
-    _add_common(fit, DEFAULT_VARIANT)
-    fit.add_argument("--adapter", help="fit on top of this adapter (e.g. a CALM adapter)")
-    add_fit_arguments(fit)  # the flags a method family declares for itself (--risk, ...)
-    fit.add_argument("--out", required=True, help="adapter directory to write")
-    fit.add_argument("--overwrite", action="store_true", help="replace an existing --out")
-    fit.set_defaults(handler=_fit)
+    methods = fit.add_subparsers(dest="method", metavar="METHOD", required=True)
+    for name in ADAPTER_METHODS:
+        method = fit_method(name)
+        example = FIT_EXAMPLES.get(name)
+        p = methods.add_parser(name, help=FIT_HELP.get(name, name),
+                               epilog=f"example:\n  {example}\n" if example else None,
+                               description=FIT_HELP.get(name),
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+        _add_common(p, DEFAULT_VARIANT, reference=method.needs_reference,
+                    p_true=method.p_true)
+        p.add_argument("--adapter", help="fit on top of this adapter (e.g. a CALM adapter)")
+        add_fit_arguments(p, method)  # the flags a method family declares for it
+        p.add_argument("--out", required=True, help="adapter directory to write")
+        p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+        p.set_defaults(handler=_fit)
 
     ev = sub.add_parser("eval", help="vanilla vs calibrated metrics on the test split",
                         description="Metrics (accuracy, ECE with its interval, MCE, AECE, "
@@ -99,12 +108,27 @@ def register(sub) -> None:
     register_train(sub)
 
 
-def _add_common(p, default_variant: str | None) -> None:
+#: what each method of ``calm fit`` is, in its help
+FIT_HELP = {
+    "daca": "label-free: a temperature fitted against a pre-trained --reference on the "
+            "questions where the two models agree",
+    "naive": "label-free: DACA without its agreement mask (the baseline DACA must beat)",
+    "daca-vector": "label-free: DACA's masked objective with a weight and a bias per option",
+    "ts": "labeled temperature scaling on the calibration split",
+    "ts-vector": "labeled vector scaling on the calibration split",
+    "threshold": "an abstention threshold for --adapter with a selective-risk bound (--risk)",
+    "platt": "labeled Platt scaling of P(True) (p_true mode)",
+}
+
+
+def _add_common(p, default_variant: str | None, *, reference: bool = True,
+                p_true: bool = True) -> None:
     p.add_argument("--model", required=True, help=f"model to calibrate: {MODEL_FORMS}; also "
                    "an engine folder (calm-export; scored with ONNX Runtime) or the http(s) base "
                    "URL of an OpenAI-compatible API (.../v1)")
-    p.add_argument("--reference", help="pre-trained reference model (label-free methods); "
-                   "the same kinds of spec")
+    if reference:
+        p.add_argument("--reference", help="pre-trained reference model (label-free methods); "
+                       "the same kinds of spec")
     p.add_argument("--data", help="data set name or .jsonl file (not with --model-scores: "
                    "the log holds the questions)")
     p.add_argument("--model-scores", metavar="lm-eval:PATH",
@@ -112,26 +136,29 @@ def _add_common(p, default_variant: str | None) -> None:
                         "lm_eval --log_samples wrote for a multiple_choice task instead of "
                         "running the model (--model then only names it: its identity, and its "
                         "tokenizer for --variant mean)")
-    p.add_argument("--reference-scores", metavar="lm-eval:PATH",
-                   help="the same for --reference (label-free methods with --model-scores)")
-    p.add_argument("--mode", default=_FIT["mode"], choices=list(ALL_MODES),
-                   help="cloze/letter: multiple choice; p_true: open QA judged by P(True)")
-    p.add_argument("--template", default=_FIT["p_true_template"], dest="p_true_template",
-                   help="P(True) template name (p_true mode): kadavath or yes-no")
+    if reference:
+        p.add_argument("--reference-scores", metavar="lm-eval:PATH",
+                       help="the same for --reference (label-free methods with --model-scores)")
+    p.add_argument("--mode", default=_FIT["mode"],
+                   choices=list(ALL_MODES) if p_true else list(CHOICE_MODES),
+                   help="cloze/letter: multiple choice"
+                        + ("; p_true: open QA judged by P(True)" if p_true else ""))
+    if p_true:
+        p.add_argument("--template", default=_FIT["p_true_template"], dest="p_true_template",
+                       help="P(True) template name (p_true mode): kadavath or yes-no")
     p.add_argument("--variant", default=default_variant, choices=CLOZE_VARIANTS,
                    help="cloze option score: summed, per-token mean or per-character "
                         "log-probability (default "
                         + (default_variant or "the --adapter's recorded one, else "
                            f"{_FIT['variant']}; another one than it records is refused")
                         + ")")
-    p.add_argument("--reference-variant", choices=CLOZE_VARIANTS,
-                   help="the reference model's cloze score (default: --variant)")
+    if reference:
+        p.add_argument("--reference-variant", choices=CLOZE_VARIANTS,
+                       help="the reference model's cloze score (default: --variant)")
     p.add_argument("--calibration-fraction", type=float, default=_FIT["calibration_fraction"],
                    metavar="FRACTION",
                    help="share of the data used for fitting; the rest is the test part "
                         f"(default {_FIT['calibration_fraction']})")
-    p.add_argument("--split", dest="calibration_fraction", type=float, help=argparse.SUPPRESS,
-                   action=deprecated_alias("--calibration-fraction"))
     p.add_argument("--seed", type=int, default=_FIT["seed"], help="seed of the split")
     p.add_argument("--bins", type=int, default=_FIT["n_bins"], help="bins of ECE/MCE/AECE")
     p.add_argument("--limit", type=int, help="use only the first N records of the set, before "
@@ -139,7 +166,8 @@ def _add_common(p, default_variant: str | None) -> None:
     p.add_argument("--batch-size", type=int, default=_FIT["batch_size"])
     p.add_argument("--model-name", help="served model name when --model is an http(s) "
                    "endpoint (default: the one model it lists)")
-    p.add_argument("--reference-name", help="the same for --reference")
+    if reference:
+        p.add_argument("--reference-name", help="the same for --reference")
     p.add_argument("--api-key-env", default=_FIT["api_key_env"], metavar="VAR",
                    help="environment variable holding the endpoints' API key (never on the "
                         f"command line; default {_FIT['api_key_env']})")
@@ -163,16 +191,19 @@ def _config(args):
 
         raise ConfigError("--data is required (a named set or a .jsonl file), unless "
                           "--model-scores lm-eval:PATH gives the questions and their scores")
-    return FitConfig(model=args.model, reference=args.reference,
-                     data=args.data or args.model_scores,
-                     model_scores=args.model_scores, reference_scores=args.reference_scores,
+    return FitConfig(model=args.model, reference=getattr(args, "reference", None),
+                     data=args.data or args.model_scores, model_scores=args.model_scores,
+                     reference_scores=getattr(args, "reference_scores", None),
                      mode=args.mode, variant=args.variant or _FIT["variant"],
-                     reference_variant=args.reference_variant, seed=args.seed, n_bins=args.bins,
+                     reference_variant=getattr(args, "reference_variant", None),
+                     seed=args.seed, n_bins=args.bins,
                      calibration_fraction=args.calibration_fraction, chat=args.chat,
                      adapter=getattr(args, "adapter", None), batch_size=args.batch_size,
-                     limit=args.limit, p_true_template=args.p_true_template,
+                     limit=args.limit,
+                     p_true_template=getattr(args, "p_true_template", _FIT["p_true_template"]),
                      max_length=args.max_length, model_name=args.model_name,
-                     reference_name=args.reference_name, api_key_env=args.api_key_env,
+                     reference_name=getattr(args, "reference_name", None),
+                     api_key_env=args.api_key_env,
                      concurrency=args.concurrency, timeout=args.timeout,
                      max_retries=args.max_retries)
 

@@ -21,7 +21,7 @@ from calm_runtime.errors import BackendUnavailableError, CalmError, one_line
 from calm_runtime.extras import install_hint, missing, missing_extra_message
 
 __all__ = ["DATA_ARGUMENTS", "EXIT_SIGINT", "EXIT_SIGTERM", "MODEL_ARGUMENTS", "Terminated",
-           "add_endpoint_limits", "configure_logging", "deprecated_alias", "entry_point",
+           "add_endpoint_limits", "configure_logging", "entry_point",
            "flags_anywhere", "install_named", "install_named_arguments", "load_commands",
            "missing_extra_message", "no_abbreviations", "register_missing", "report_interrupt",
            "run_command", "show_progress", "signals_as_exceptions"]
@@ -30,18 +30,6 @@ __all__ = ["DATA_ARGUMENTS", "EXIT_SIGINT", "EXIT_SIGTERM", "MODEL_ARGUMENTS", "
 COMMANDS_GROUP = "calm.commands"
 #: ``calm``'s commands that the training and export packages provide, by extra
 EXTRA_COMMANDS = {"train": ("fit", "eval", "train", "quickstart"), "export": ("export",)}
-
-
-def deprecated_alias(replacement: str) -> type[argparse.Action]:
-    """An argparse action for an old option name: it stores the value and logs a warning."""
-
-    class _Alias(argparse.Action):
-        def __call__(self, parser, namespace, values, option_string=None):
-            logging.getLogger("calm").warning("%s is deprecated and will be removed; use %s",
-                                              option_string, replacement)
-            setattr(namespace, self.dest, values)
-
-    return _Alias
 
 
 def add_endpoint_limits(p: argparse.ArgumentParser, timeout: float, max_retries: int) -> None:

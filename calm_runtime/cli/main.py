@@ -28,7 +28,6 @@ from calm_runtime.cli.common import (  # noqa: F401 - re-exported: calm's comman
     Terminated,
     add_endpoint_limits,
     configure_logging,
-    deprecated_alias,
     entry_point,
     flags_anywhere,
     install_named,
@@ -305,8 +304,6 @@ def _add_score(sub) -> None:
     p.add_argument("--part", default="test", choices=DATA_PARTS,
                    help="part of the data: the calibration or test part of the fixed split "
                         "calm fit/eval use, or all (default test; NAME:PART in --data wins)")
-    p.add_argument("--split", dest="part", choices=DATA_PARTS, help=argparse.SUPPRESS,
-                   action=deprecated_alias("--part"))
     p.add_argument("--mode", default="cloze", choices=list(CHOICE_MODES),
                    help="multiple choice: score option texts (cloze) or option letters")
     p.add_argument("--variant", choices=CLOZE_VARIANTS,

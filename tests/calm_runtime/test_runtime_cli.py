@@ -82,7 +82,7 @@ def test_score_open_qa_with_p_true(runtime_engine, lm, tmp_path, capsys):
     assert "| P(True) |" in capsys.readouterr().out
 
 
-def test_score_and_generate_errors_are_one_line(runtime_engine, tmp_path, capsys, caplog):
+def test_score_and_generate_errors_are_one_line(runtime_engine, tmp_path, capsys):
     assert main(["generate", str(tmp_path / "missing"), "hi"]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("ArtifactError: ") and "\n" not in err
@@ -93,11 +93,6 @@ def test_score_and_generate_errors_are_one_line(runtime_engine, tmp_path, capsys
     assert main(["score", str(runtime_engine[2]), "--data", str(unlabeled), "--part",
                  "all"]) == 1
     assert capsys.readouterr().err.strip().startswith("DataError: 2 of 2 records have no answer")
-    # the old name of --part still works, with a deprecation warning
-    assert main(["score", str(runtime_engine[2]), "--data", str(unlabeled), "--split",
-                 "all"]) == 1
-    assert "DataError: 2 of 2 records have no answer" in capsys.readouterr().err
-    assert "--split is deprecated and will be removed; use --part" in caplog.text
 
 
 @pytest.mark.parametrize("sub", ["generate", "score"])

@@ -244,8 +244,10 @@ def test_the_flags_reach_the_endpoint_and_their_defaults_are_one():
     parser = build_parser()
     commands = next(a for a in parser._actions
                     if isinstance(a, argparse._SubParsersAction)).choices
-    for command in ("score", "fit", "eval"):
-        text = commands[command].format_help()
+    fit = next(a for a in commands["fit"]._actions
+               if isinstance(a, argparse._SubParsersAction)).choices
+    for parser in (commands["score"], fit["daca"], fit["ts"], commands["eval"]):
+        text = parser.format_help()
         assert "--timeout SECONDS" in text and "--max-retries N" in text
         assert "the worst case of a request (default 120)" in " ".join(text.split())
 

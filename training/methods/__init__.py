@@ -58,16 +58,25 @@ ADAPTER_METHODS = tuple(m.name for m in _FIT if m.writes_adapter)
 _FLAGS = (threshold_home, fit_method_home)
 
 
-def add_fit_arguments(parser) -> None:
-    """Add to ``calm fit``'s ``parser`` the flags the method families declare for themselves."""
+def add_fit_arguments(parser, method: FitMethod) -> None:
+    """Add to ``calm fit METHOD``'s ``parser`` the flags the method families declare for
+    ``method`` (``applies``): the abstention threshold's for ``threshold``, the token-level
+    fit's for the temperature methods."""
     for home in _FLAGS:
-        home.add_arguments(parser)
+        if home.applies(method):
+            home.add_arguments(parser)
 
 
 def fit_settings(args) -> dict:
     """The :class:`~calm_training.posthoc.fit_config.FitConfig` settings those flags set, read
-    from the parsed ``args``."""
-    return {name: getattr(args, name) for home in _FLAGS for name in home.SETTINGS}
+    from the parsed ``args`` (their defaults where the method has no such flag)."""
+    import dataclasses
+
+    from calm_training.posthoc.fit_config import FitConfig
+
+    defaults = {f.name: f.default for f in dataclasses.fields(FitConfig)}
+    return {name: getattr(args, name, defaults[name]) for home in _FLAGS
+            for name in home.SETTINGS}
 
 
 def fit_method(name: str) -> FitMethod:

@@ -304,6 +304,11 @@ def _kind(base: CalibrationAdapter, name: str) -> str:
     return name if base.kind == "identity" else f"{base.kind}+{name}"
 
 
+def applies(method) -> bool:
+    """Whether ``calm fit METHOD`` takes these flags: methods with a token-level fit."""
+    return method.token_level
+
+
 def add_arguments(parser) -> None:
     """``calm fit``'s flag of the token-level fit (cloze mode)."""
     parser.add_argument("--no-token-fit", dest="token_fit", action="store_false",

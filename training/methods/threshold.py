@@ -184,6 +184,11 @@ class ThresholdMethod(FitMethod):
 THRESHOLD = ThresholdMethod("threshold", needs_labels=True, choice=False)
 
 
+def applies(method) -> bool:
+    """Whether ``calm fit METHOD`` takes these flags: the abstention threshold's."""
+    return method.abstention
+
+
 def add_arguments(parser) -> None:
     """``calm fit``'s flags of the abstention threshold (defaults: FitConfig's)."""
     parser.add_argument("--risk", type=float, default=FitConfig.risk,
