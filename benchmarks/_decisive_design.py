@@ -16,7 +16,7 @@ from _common import portable
 from calm_runtime.data.sets import load_dataset, split_records
 from calm_runtime.measure import metrics
 from calm_training.calm import data as calm_data
-from calm_training.calm.trainer import CalmConfig
+from calm_training.calm.config import CalmConfig
 
 HERE = Path(__file__).resolve().parent
 logger = logging.getLogger("calm_decisive")

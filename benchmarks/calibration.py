@@ -28,15 +28,12 @@ from pathlib import Path
 
 from _common import command_line, git_commit
 
-from calm_runtime.cli.main import install_named
+from calm_runtime.cli.common import install_named
 from calm_runtime.data.prompts import CHOICE_MODES
-from calm_training.fit import (
-    FitConfig,
-    compare_methods,
-    format_selective_table,
-    format_table,
-)
+from calm_training.fit import compare_methods
 from calm_training.posthoc.evaluate import write_report
+from calm_training.posthoc.fit_config import FitConfig
+from calm_training.posthoc.fit_report import format_selective_table, format_table
 
 HERE = Path(__file__).resolve().parent
 MC_METHODS = ("vanilla", "naive", "daca", "daca-vector", "ts", "ts-vector")

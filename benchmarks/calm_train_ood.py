@@ -50,13 +50,14 @@ from pathlib import Path
 import numpy as np
 from _common import command_line, git_commit, portable
 
-from calm_runtime.cli.main import install_named
+from calm_runtime.cli.common import install_named
 from calm_runtime.data.sets import load_dataset, split_records
 from calm_runtime.formats.artifact import CalibrationAdapter
 from calm_runtime.measure import metrics
 from calm_runtime.temperature import fit_temperature_scaling
 from calm_training.calm import data as calm_data
-from calm_training.calm.trainer import CalmConfig, train_calm
+from calm_training.calm.config import CalmConfig
+from calm_training.calm.trainer import train_calm
 from calm_training.fit import option_probabilities
 
 HERE = Path(__file__).resolve().parent

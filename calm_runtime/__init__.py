@@ -23,7 +23,8 @@ from calm_runtime.errors import (
     ModelSourceError,
     SchemaVersionError,
 )
-from calm_runtime.formats.artifact import CalibrationAdapter, ModelIdentity, tokenizer_sha256
+from calm_runtime.formats.artifact import CalibrationAdapter, ModelIdentity
+from calm_runtime.formats.tokenizer_file import tokenizer_sha256
 from calm_runtime.inference.backends import OnnxRuntimeBackend, TensorRTBackend, TorchBackend
 from calm_runtime.inference.lm import CalibratedLM
 from calm_runtime.inference.results import Alternative, Choice, Generation, Timing, Token

@@ -58,8 +58,8 @@ from calm_runtime.formats.artifact import (
     TENSORS_NAME,
     CalibrationAdapter,
     ModelIdentity,
-    tokenizer_sha256,
 )
+from calm_runtime.formats.tokenizer_file import tokenizer_sha256
 from calm_runtime.paths import cache_dir
 
 from .config import ExportConfig

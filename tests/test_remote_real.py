@@ -104,7 +104,8 @@ def test_daca_through_served_models_equals_the_local_path(served, questions, tmp
                                                           monkeypatch):
     from calm_runtime import CalibrationAdapter
     from calm_runtime.errors import FitError
-    from calm_training.fit import FitConfig, compare_methods, fit_adapter
+    from calm_training.fit import compare_methods, fit_adapter
+    from calm_training.posthoc.fit_config import FitConfig
 
     monkeypatch.setenv("CALM_CACHE", os.environ.get("CALM_CACHE", str(tmp_path / "cache")))
     urls, smol, tiny = served

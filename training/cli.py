@@ -42,8 +42,8 @@ EVAL_EPILOG = """examples:
 
 
 def register(sub) -> None:
-    from calm_training.fit import DEFAULT_VARIANT
     from calm_training.methods import ADAPTER_METHODS, add_fit_arguments, fit_method
+    from calm_training.posthoc.fit_config import DEFAULT_VARIANT
 
     fit = sub.add_parser("fit", help="fit a post-hoc calibration adapter", epilog=FIT_EPILOG,
                          description="Score the model (and, for the label-free methods, a "
@@ -184,7 +184,7 @@ def _add_common(p, default_variant: str | None, *, reference: bool = True,
 
 
 def _config(args):
-    from calm_training.fit import FitConfig
+    from calm_training.posthoc.fit_config import FitConfig
 
     if args.data is None and args.model_scores is None:
         from calm_runtime.errors import ConfigError
@@ -269,9 +269,10 @@ def _fit_line(fit: dict) -> str:
 
 def _eval(args) -> int:
     from calm_runtime.errors import ConfigError
-    from calm_training.fit import compare_methods, format_selective_table, format_table
+    from calm_training.fit import compare_methods
     from calm_training.methods import compared_methods
     from calm_training.posthoc.evaluate import evaluate_adapter, write_report
+    from calm_training.posthoc.fit_report import format_selective_table, format_table
 
     config = _config(args)
     if args.eval_adapter and args.variant is None:  # the one the adapter records
@@ -303,14 +304,10 @@ def _quickstart(args) -> int:
     from calm_runtime.data.models import install_model
     from calm_runtime.data.sets import install_dataset
     from calm_runtime.extras import install_hint, missing
-    from calm_training.fit import (
-        DEFAULT_VARIANT,
-        FitConfig,
-        compare_methods,
-        fit_adapter,
-        format_table,
-    )
+    from calm_training.fit import compare_methods, fit_adapter
     from calm_training.posthoc.evaluate import write_report
+    from calm_training.posthoc.fit_config import DEFAULT_VARIANT, FitConfig
+    from calm_training.posthoc.fit_report import format_table
 
     needed = ("plot",) if args.no_engine else ("export", "plot")
     absent = [extra for extra in needed if missing(extra)]

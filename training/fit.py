@@ -19,7 +19,7 @@ from calm_runtime.files import check_creatable
 from calm_runtime.formats.artifact import CalibrationAdapter
 from calm_runtime.measure import metrics
 from calm_runtime.modes import option_probabilities
-from calm_training.methods import (  # noqa: F401 - the method lists stay importable from here
+from calm_training.methods import (
     LABEL_FREE,
     METHODS,
     compared_methods,
@@ -28,17 +28,13 @@ from calm_training.methods import (  # noqa: F401 - the method lists stay import
     option_method,
     p_true_method,
 )
-from calm_training.posthoc.fit_config import (  # noqa: F401 - FitConfig and the names stay importable from here
-    ALL_MODES,
+from calm_training.posthoc.fit_config import (
     DEFAULT_VARIANT,
     FitConfig,
 )
-from calm_training.posthoc.fit_report import (  # noqa: F401 - the tables stay importable from here
-    Metrics,
-    add_selective,
+from calm_training.posthoc.fit_report import (
     format_selective_table,
     format_table,
-    served_floor,
 )
 from calm_training.posthoc.option_fit import apply_fit, metric_row, prepare
 from calm_training.posthoc.plan import FitPlan

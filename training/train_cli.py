@@ -191,7 +191,8 @@ def _count_or_share(text: str) -> int | float:
 
 
 def _train(args) -> int:
-    from calm_training.calm.trainer import CalmConfig, train_calm
+    from calm_training.calm.config import CalmConfig
+    from calm_training.calm.trainer import train_calm
 
     names = [f for f in CalmConfig.__dataclass_fields__ if hasattr(args, f)]
     values = {f: getattr(args, f) for f in names}

@@ -19,25 +19,17 @@ import sys
 from collections.abc import Sequence
 
 from calm_runtime._version import __version__
-from calm_runtime.cli.common import (  # noqa: F401 - re-exported: calm's command-line API
+from calm_runtime.cli.common import (
     COMMANDS_GROUP,
-    DATA_ARGUMENTS,
-    EXIT_SIGINT,
-    EXIT_SIGTERM,
-    MODEL_ARGUMENTS,
-    Terminated,
     add_endpoint_limits,
     configure_logging,
     entry_point,
     flags_anywhere,
-    install_named,
     install_named_arguments,
     load_commands,
     missing_extra_message,
     no_abbreviations,
-    report_interrupt,
     run_command,
-    signals_as_exceptions,
 )
 from calm_runtime.cli.serve import add_serve
 from calm_runtime.data.models import DEFAULT_API_KEY_ENV, MODEL_FORMS

@@ -36,8 +36,9 @@ from calm_runtime.errors import (
     ModelSourceError,
 )
 from calm_runtime.files import atomic_directory, install_lock, sha256_file, show_name
-from calm_runtime.formats.artifact import ModelIdentity, tokenizer_sha256
+from calm_runtime.formats.artifact import ModelIdentity
 from calm_runtime.formats.model_config import check_model_config
+from calm_runtime.formats.tokenizer_file import tokenizer_sha256
 from calm_runtime.paths import cache_dir
 
 __all__ = [

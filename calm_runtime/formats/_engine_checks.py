@@ -229,7 +229,7 @@ def _check_export(section: dict, where: str) -> None:
     """The open export section; what the runtime reads from it is checked as strictly as
     the adapter: ``genai_config`` (a hashed file), ``choice_mode``, ``cloze_variant`` and
     ``abstention`` (a threshold in [0, 1], never silently dropped)."""
-    from calm_runtime.formats.artifact import check_abstention
+    from calm_runtime.formats._adapter_checks import check_abstention
 
     for key, allowed in (("choice_mode", CHOICE_MODES),
                          ("cloze_variant", CLOZE_VARIANTS)):

@@ -45,7 +45,7 @@ from calm_runtime.files import (
     show,
     show_name,
 )
-from calm_runtime.formats._adapter_checks import (  # noqa: F401 - check_abstention is part of the artifact's API
+from calm_runtime.formats._adapter_checks import (
     MAX_VOCAB_SIZE,
     check_abstention,
     check_range,
@@ -64,8 +64,7 @@ from calm_runtime.formats.manifest import (
     sha256_hex,
     write_json,
 )
-from calm_runtime.formats.tokenizer_file import (  # noqa: F401 - part of the artifact's API
-    MAX_TOKENIZER_BYTES,
+from calm_runtime.formats.tokenizer_file import (
     tokenizer_sha256,
 )
 from calm_runtime.modes import MODES

@@ -36,8 +36,7 @@ from typing import Any
 
 from calm_runtime.errors import ArtifactError
 from calm_runtime.files import is_dir, is_file, resolve_inside, sha256_file, show, show_name
-from calm_runtime.formats._engine_checks import (  # noqa: F401 - engine_io_names and the limit are public here
-    MODEL_NUMBER_LIMIT,
+from calm_runtime.formats._engine_checks import (
     check_sections,
     engine_io_names,
     non_empty_text,

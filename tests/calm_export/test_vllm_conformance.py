@@ -102,7 +102,8 @@ def parts(tmp_path_factory):
     from calm_runtime.data.models import install_model
     from calm_runtime.data.sets import install_dataset
     from calm_runtime.formats.artifact import CalibrationAdapter
-    from calm_training.fit import FitConfig, fit_adapter
+    from calm_training.fit import fit_adapter
+    from calm_training.posthoc.fit_config import FitConfig
 
     root = tmp_path_factory.mktemp("vllm")
     model = install_model(MODEL)
@@ -303,7 +304,8 @@ class TestLogitsProcessor:
         """vLLM as the calibration source: the model scored through the server (cloze from
         the prompt's log-probabilities, letters from the answer's), the reference locally;
         the temperature equals the all-local fit's on the same questions."""
-        from calm_training.fit import FitConfig, fit_adapter
+        from calm_training.fit import fit_adapter
+        from calm_training.posthoc.fit_config import FitConfig
 
         monkeypatch.setenv("CALM_CACHE", str(tmp_path / "cache"))  # no cached answers
         fits = {}

@@ -35,8 +35,8 @@ from calm_runtime.formats.artifact import (
     TENSORS_NAME,
     CalibrationAdapter,
     ModelIdentity,
-    tokenizer_sha256,
 )
+from calm_runtime.formats.tokenizer_file import tokenizer_sha256
 
 VOCAB = 16
 HIDDEN = 6

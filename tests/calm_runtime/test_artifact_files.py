@@ -11,12 +11,8 @@ import numpy as np
 import pytest
 
 from calm_runtime.errors import ArtifactError
-from calm_runtime.formats.artifact import (
-    MAX_TOKENIZER_BYTES,
-    CalibrationAdapter,
-    ModelIdentity,
-    tokenizer_sha256,
-)
+from calm_runtime.formats.artifact import CalibrationAdapter, ModelIdentity
+from calm_runtime.formats.tokenizer_file import MAX_TOKENIZER_BYTES, tokenizer_sha256
 
 
 def test_adapter_files_and_folders_get_the_umask_modes(tmp_path):

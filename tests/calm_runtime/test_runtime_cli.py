@@ -121,7 +121,7 @@ def test_sigterm_during_an_import_is_delivered_after_it(tmp_path, monkeypatch):
     import importlib
     import time
 
-    from calm_runtime.cli.main import Terminated, signals_as_exceptions
+    from calm_runtime.cli.common import Terminated, signals_as_exceptions
 
     (tmp_path / "calm_sigterm_probe.py").write_text(
         "import os, signal, time\n"

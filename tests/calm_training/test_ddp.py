@@ -20,7 +20,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 
 from calm_runtime.formats.artifact import CalibrationAdapter  # noqa: E402
-from calm_training.calm.trainer import CalmConfig, train_calm  # noqa: E402
+from calm_training.calm.config import CalmConfig  # noqa: E402
+from calm_training.calm.trainer import train_calm  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
                                 reason="torch.distributed is not available in this build")

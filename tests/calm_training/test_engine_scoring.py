@@ -13,7 +13,8 @@ pytest.importorskip("onnxruntime")
 from calm_runtime.data.prompts import p_true_template  # noqa: E402
 from calm_runtime.data.sets import MultipleChoiceRecord, OpenQARecord, write_jsonl  # noqa: E402
 from calm_runtime.errors import ConfigError  # noqa: E402
-from calm_training.fit import FitConfig, compare_methods, fit_adapter  # noqa: E402
+from calm_training.fit import compare_methods, fit_adapter  # noqa: E402
+from calm_training.posthoc.fit_config import FitConfig  # noqa: E402
 from calm_training.scoring.answers import generate_answers, score_p_true  # noqa: E402
 from calm_training.scoring.cache import cached_option_scores  # noqa: E402
 from calm_training.scoring.engine import (  # noqa: E402

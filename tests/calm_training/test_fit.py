@@ -19,8 +19,10 @@ from calm_runtime.errors import (  # noqa: E402
     ModelSourceError,
 )
 from calm_runtime.formats.artifact import CalibrationAdapter, ModelIdentity  # noqa: E402
-from calm_training.fit import FitConfig, compare_methods, fit_adapter, format_table  # noqa: E402
+from calm_training.fit import compare_methods, fit_adapter  # noqa: E402
 from calm_training.posthoc.evaluate import evaluate_adapter, write_report  # noqa: E402
+from calm_training.posthoc.fit_config import FitConfig  # noqa: E402
+from calm_training.posthoc.fit_report import format_table  # noqa: E402
 from calm_training.scoring import cache as score_cache  # noqa: E402
 
 
@@ -243,7 +245,7 @@ def test_reports_carry_selective_metrics_and_the_per_question_arrays(tiny_llama_
     """Every figure of a report can be recomputed from it; a risk-coverage plot sits next to
     the reliability diagram."""
     from calm_runtime.measure import metrics
-    from calm_training.fit import format_selective_table
+    from calm_training.posthoc.fit_report import format_selective_table
 
     config = _config(tiny_llama_tied, mc_file, mode="cloze")
     report = compare_methods(config, ("vanilla", "ts"), progress=False)

@@ -24,7 +24,8 @@ pytest.importorskip("torch")
 from conftest import write_mc_jsonl  # noqa: E402
 
 from calm_runtime.data.sets import load_dataset  # noqa: E402
-from calm_training.fit import FitConfig, compare_methods  # noqa: E402
+from calm_training.fit import compare_methods  # noqa: E402
+from calm_training.posthoc.fit_config import FitConfig  # noqa: E402
 from calm_training.scoring.lm_eval_logs import cloze_task, read_samples  # noqa: E402
 
 LM_EVAL = os.environ.get("CALM_LM_EVAL") or shutil.which("lm_eval")

@@ -17,7 +17,8 @@ from calm_runtime.data.prompts import cloze_context, cloze_continuation  # noqa:
 from calm_runtime.data.sets import load_dataset  # noqa: E402
 from calm_runtime.errors import CalmError, DataError  # noqa: E402
 from calm_runtime.formats.artifact import CalibrationAdapter  # noqa: E402
-from calm_training.fit import FitConfig, compare_methods, fit_adapter  # noqa: E402
+from calm_training.fit import compare_methods, fit_adapter  # noqa: E402
+from calm_training.posthoc.fit_config import FitConfig  # noqa: E402
 from calm_training.scoring.lm_eval_logs import read_samples  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("private_calm_cache")

@@ -30,9 +30,7 @@ def _option_scores(n=200, k=4, seed=0):
 
 
 def test_the_lists_are_the_registry_and_keep_their_order():
-    from calm_training.calm.config import THETA_ONLY  # benchmarks/calm_decisive.py reads it
-    from calm_training.fit import LABEL_FREE, METHODS, option_probabilities  # noqa: F401
-    from calm_training.methods import P_TRUE_METHODS
+    from calm_training.methods import LABEL_FREE, METHODS, P_TRUE_METHODS, THETA_ONLY
 
     assert METHODS == ("vanilla", "naive", "daca", "daca-vector", "ts", "ts-vector")
     assert LABEL_FREE == ("naive", "daca", "daca-vector")
@@ -141,7 +139,8 @@ def test_compare_lists_follow_the_mode_and_the_reference():
 
 
 def test_an_unknown_fit_method_is_one_error_line(tmp_path):
-    from calm_training.fit import FitConfig, fit_adapter
+    from calm_training.fit import fit_adapter
+    from calm_training.posthoc.fit_config import FitConfig
 
     for lookup in (methods.fit_method, methods.option_method, methods.p_true_method):
         with pytest.raises(ConfigError, match=r"^unknown (P\(True\) )?method 'nope'; choose "

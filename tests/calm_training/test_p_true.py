@@ -14,7 +14,8 @@ from calm_runtime.data.models import load_model_and_tokenizer  # noqa: E402
 from calm_runtime.data.prompts import p_true_template  # noqa: E402
 from calm_runtime.errors import DataError  # noqa: E402
 from calm_runtime.formats.artifact import CalibrationAdapter  # noqa: E402
-from calm_training.fit import FitConfig, compare_methods, fit_adapter  # noqa: E402
+from calm_training.fit import compare_methods, fit_adapter  # noqa: E402
+from calm_training.posthoc.fit_config import FitConfig  # noqa: E402
 from calm_training.posthoc.plan import FitPlan  # noqa: E402
 from calm_training.scoring import judgements  # noqa: E402
 from calm_training.scoring.answers import score_p_true  # noqa: E402

@@ -216,7 +216,8 @@ def test_served_letter_floor_is_reported_and_vector_scaling_is_not_fitted(server
     """A served model scored in letter mode: the report says how many questions had an
     option letter at the floor, and vector scaling (not shift-invariant, while an endpoint
     returns log-probabilities, not logits) is a reasoned row, not a fit."""
-    from calm_training.fit import FitConfig, compare_methods
+    from calm_training.fit import compare_methods
+    from calm_training.posthoc.fit_config import FitConfig
 
     url, _ = server
     data = tmp_path / "mc.jsonl"
@@ -228,7 +229,7 @@ def test_served_letter_floor_is_reported_and_vector_scaling_is_not_fitted(server
     assert report["served_floor"] == {"model": {"floored": 20, "n": 20, "share": 1.0}}
     assert "not fitted for a served model" in report["methods"]["ts-vector"]["error"]
     assert "error" not in report["methods"]["ts"], report["methods"]["ts"]
-    from calm_training.fit import format_table
+    from calm_training.posthoc.fit_report import format_table
 
     table = format_table(report)
     assert "served model: 20 of 20 questions with a token at the floor" in table

@@ -24,7 +24,7 @@ from calm_runtime.data.sets import MultipleChoiceRecord, write_jsonl
 from calm_runtime.errors import ConfigError
 from calm_training.scoring import endpoint as http_endpoint
 from calm_training.scoring import served as remote
-from calm_training.scoring.endpoint import REDACTED, redact
+from calm_training.scoring.redaction import REDACTED, redact
 
 SECRET = "sk-top-secret-123"
 OTHER = "sk-someone-else-456"  # a key that is not ours, echoed as "Bearer ..."

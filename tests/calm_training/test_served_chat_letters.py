@@ -21,7 +21,8 @@ from conftest import (  # noqa: E402
     write_mc_jsonl,
 )
 
-from calm_training.fit import FitConfig, fit_adapter  # noqa: E402
+from calm_training.fit import fit_adapter  # noqa: E402
+from calm_training.posthoc.fit_config import FitConfig  # noqa: E402
 
 
 def _letter_model(folder, seed: int):

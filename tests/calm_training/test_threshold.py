@@ -65,7 +65,8 @@ def test_fit_threshold_to_engine_to_choices(tiny_llama_tied, mc_file, tmp_path):
     from calm_export.pipeline import export_engine
     from calm_runtime import CalibratedLM
     from calm_runtime.data.sets import load_dataset
-    from calm_training.fit import FitConfig, fit_adapter
+    from calm_training.fit import fit_adapter
+    from calm_training.posthoc.fit_config import FitConfig
 
     config = FitConfig(model=str(tiny_llama_tied), data=str(mc_file), mode="cloze",
                        risk=0.99, risk_confidence=0.5, bootstrap=0)

@@ -76,7 +76,8 @@ pytest.importorskip("transformers")
 from conftest import write_mc_jsonl  # noqa: E402
 
 from calm_runtime.formats.artifact import CalibrationAdapter  # noqa: E402
-from calm_training.fit import FitConfig, fit_adapter  # noqa: E402
+from calm_training.fit import fit_adapter  # noqa: E402
+from calm_training.posthoc.fit_config import FitConfig  # noqa: E402
 from calm_training.posthoc.plan import FitPlan  # noqa: E402
 from calm_training.scoring import cache as score_cache  # noqa: E402
 

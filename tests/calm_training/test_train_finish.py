@@ -16,7 +16,8 @@ from calm_runtime.errors import FitError  # noqa: E402
 from calm_runtime.formats.artifact import CalibrationAdapter  # noqa: E402
 from calm_training.calm import data as calm_data  # noqa: E402
 from calm_training.calm import finish as finish_module  # noqa: E402
-from calm_training.calm.trainer import CalmConfig, train_calm  # noqa: E402
+from calm_training.calm.config import CalmConfig  # noqa: E402
+from calm_training.calm.trainer import train_calm  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("private_calm_cache")
 

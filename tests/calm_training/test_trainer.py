@@ -15,7 +15,8 @@ from calm_runtime.data.sets import load_dataset, split_indices  # noqa: E402
 from calm_runtime.errors import ConfigError, DataError  # noqa: E402
 from calm_runtime.formats.artifact import CalibrationAdapter  # noqa: E402
 from calm_training.calm import data as calm_data  # noqa: E402
-from calm_training.calm.trainer import CalmConfig, train_calm  # noqa: E402
+from calm_training.calm.config import CalmConfig  # noqa: E402
+from calm_training.calm.trainer import train_calm  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("private_calm_cache")
 
@@ -174,7 +175,8 @@ def test_cli_trains_plain_lora(tiny_llama_tied, mc_file, tmp_path, capsys):
 
 def test_calm_adapter_composes_with_a_post_hoc_fit(trained, tiny_llama_tied, tiny_llama_untied,
                                                   mc_file, tmp_path):
-    from calm_training.fit import FitConfig, fit_adapter
+    from calm_training.fit import fit_adapter
+    from calm_training.posthoc.fit_config import FitConfig
 
     config = FitConfig(model=str(tiny_llama_tied), reference=str(tiny_llama_untied),
                        data=str(mc_file), adapter=str(trained.out), bootstrap=0)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from calm_runtime.errors import ConfigError
 from calm_runtime.modes import CHOICE_MODES, CLOZE_VARIANTS, DEFAULT_CLOZE_VARIANT
 from calm_training.calm import data as calm_data
-from calm_training.methods import (  # noqa: F401 - the names stay importable from here
+from calm_training.methods import (
     KINDS,
     THETA_ONLY,
     TRAIN_METHODS,

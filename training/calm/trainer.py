@@ -41,9 +41,8 @@ from calm_runtime import modes
 from calm_runtime.errors import ConfigError, FitError
 from calm_runtime.formats.artifact import CalibrationAdapter
 from calm_training.calm import data as calm_data
-from calm_training.calm.config import (  # noqa: F401 - re-exported: the trainer's public names
+from calm_training.calm.config import (
     ALPHA_TOKENS,
-    DEFAULT_LR,
     METHODS,
     OPTIMIZERS,
     PHI_MODES,

@@ -24,9 +24,9 @@ import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from calm_runtime.data.models import DEFAULT_API_KEY_ENV, is_endpoint  # noqa: F401 - re-exported
+from calm_runtime.data.models import DEFAULT_API_KEY_ENV, is_endpoint
 from calm_runtime.errors import CalmError, ConfigError, one_line
-from calm_training.scoring.redaction import (  # noqa: F401 - re-exported
+from calm_training.scoring.redaction import (
     MIN_KEY_LENGTH,
     REDACTED,
     redact,

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from calm_runtime import modes
+from calm_runtime.data.models import is_endpoint
 from calm_runtime.data.prompts import (
     cloze_context,
     cloze_continuation,
@@ -57,7 +58,7 @@ from calm_runtime.data.sets import MultipleChoiceRecord
 from calm_runtime.errors import CalmError, ConfigError
 from calm_runtime.modes import PTrueTemplate
 from calm_runtime.paths import cache_dir
-from calm_training.scoring.answer_logprobs import (  # noqa: F401 - re-exported: the answers this module reads
+from calm_training.scoring.answer_logprobs import (
     TOP_LOGPROBS,
     NoPromptLogprobs,
     TokenLogprobs,
@@ -68,14 +69,11 @@ from calm_training.scoring.answer_logprobs import (  # noqa: F401 - re-exported:
     first_choice,
     top_alternatives,
 )
-from calm_training.scoring.endpoint import (  # noqa: F401 - re-exported: the endpoint API lives beside its scoring
-    MAX_RESPONSE_BYTES,
+from calm_training.scoring.endpoint import (
     Endpoint,
     RemoteError,
     abort_requests,
     connect,
-    is_endpoint,
-    printable,
     redact_url,
 )
 from calm_training.scoring.local import OptionScores

@@ -15,17 +15,11 @@ from functools import cached_property
 from pathlib import Path
 from typing import ClassVar
 
-from calm_runtime.data.models import DEFAULT_API_KEY_ENV
+from calm_runtime.data.models import DEFAULT_API_KEY_ENV, is_endpoint
 from calm_runtime.errors import ConfigError
 from calm_runtime.formats.artifact import ModelIdentity
 from calm_runtime.formats.engine import ENGINE_MANIFEST_NAME
-from calm_training.scoring.endpoint import (
-    DEFAULT_MAX_RETRIES,
-    DEFAULT_TIMEOUT,
-    Endpoint,
-    connect,
-    is_endpoint,
-)
+from calm_training.scoring.endpoint import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT, Endpoint, connect
 
 __all__ = ["ModelSource", "LocalModel", "EngineSource", "ServedModel", "resolve_source",
            "as_source", "is_engine"]
