@@ -54,7 +54,7 @@ from calm_runtime.inference.generation import (
     release,
 )
 from calm_runtime.inference.results import Alternative, Generation, PromptToken, Token
-from calm_runtime.inference.sampling import SamplingParams, raw_log_softmax
+from calm_runtime.inference.sampling import DecodeOptions, SamplingParams, raw_log_softmax
 from calm_runtime.inference.tokenization import EngineTokenizer
 from calm_runtime.modes import CHOICE_MODES, CLOZE_VARIANTS, DEFAULT_CLOZE_VARIANT
 
@@ -280,7 +280,7 @@ class CalibratedLM(Judging):
     def generation_run(self, encoded: Sequence[Sequence[int]],
                        max_new_tokens: int | Sequence[int], *,
                        cancelled: Callable[[int], bool] | None = None,
-                       **options) -> GenerationRun:
+                       decode: DecodeOptions | None = None, **options) -> GenerationRun:
         """One batched decode over already-encoded prompts, for callers that schedule rows
         themselves (e.g. ``calm serve``'s micro-batcher).
 
@@ -291,8 +291,15 @@ class CalibratedLM(Judging):
         prompts, each non-empty, of valid token ids, and shorter than the model's context.
         ``cancelled(row)`` is asked before every decode step for each unfinished row; a row
         it answers ``True`` for stops there (``finish_reason="cancelled"``) and frees its
-        place in the batch, the other rows decode on unchanged.
+        place in the batch, the other rows decode on unchanged. ``decode`` gives the
+        options as one :class:`~calm_runtime.inference.sampling.DecodeOptions` instead of
+        keywords.
         """
+        if decode is not None:
+            if options:
+                raise ConfigError(f"pass decode options either as decode= or as keywords, not "
+                                  f"both (got {', '.join(sorted(options))})")
+            options = decode.as_kwargs()
         encoded = [list(ids) for ids in encoded]
         if not encoded:
             raise ConfigError("no prompts given; pass at least one encoded prompt")

@@ -40,6 +40,35 @@ _SMALLEST = np.float32(np.finfo(np.float32).smallest_subnormal)
 
 
 @dataclass(frozen=True)
+class DecodeOptions:
+    """Everything one decode call takes besides its prompts and limits, as one value: what
+    ``calm serve`` makes of a request once at its edge and hands, unchanged, to the generation
+    loop (``CalibratedLM.generation_run(..., decode=...)``), and the keyword options of
+    ``CalibratedLM.generate``. Rows decode in one batch only when their options are equal
+    (:meth:`batch_key`)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    top_alternatives: int = 0
+    raw_logprobs: bool = False
+    ignore_eos: bool = False
+
+    def as_kwargs(self) -> dict:
+        """The options as ``generate``'s keyword arguments."""
+        return {f: getattr(self, f) for f in self.__dataclass_fields__}
+
+    def batch_key(self, row: object) -> tuple:
+        """What rows must share to decode together: every option, and a seeded sampled row
+        alone (``row``: its identity), so that its generator is its own."""
+        seeded = self.temperature > 0 and self.seed is not None
+        return (self.temperature, self.top_k, self.top_p, id(row) if seeded else None,
+                self.stop, self.top_alternatives, self.raw_logprobs, self.ignore_eos)
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How the next token is chosen; the reported confidence never depends on it.
 

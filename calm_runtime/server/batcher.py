@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from calm_runtime.errors import CalmError
 from calm_runtime.inference.results import Generation
+from calm_runtime.inference.sampling import DecodeOptions
 
 __all__ = ["Job", "JobResult", "MicroBatcher", "QueueFull", "ShuttingDown", "END"]
 
@@ -58,7 +59,7 @@ class Job:
 
     ids: list[int]
     max_new_tokens: int
-    options: dict  # generation_run's options: temperature, top_k, top_p, seed, stop, ...
+    options: DecodeOptions  # the request's, made once at the server's edge
     p_true_question: str | None = None
     stream: bool = False
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
@@ -75,12 +76,8 @@ class Job:
 
     @property
     def key(self) -> tuple:
-        o = self.options
-        seeded = o.get("temperature", 0) > 0 and o.get("seed") is not None
-        return (o.get("temperature", 0.0), o.get("top_k", 0), o.get("top_p", 1.0),
-                id(self) if seeded else None, tuple(o.get("stop", ())),
-                o.get("top_alternatives", 0), o.get("raw_logprobs", False),
-                o.get("ignore_eos", False))
+        """What rows must share to decode in one batch (DecodeOptions.batch_key)."""
+        return self.options.batch_key(self)
 
 
 class MicroBatcher:
@@ -189,7 +186,7 @@ class MicroBatcher:
             run = self.lm.generation_run([j.ids for j in batch],
                                          [j.max_new_tokens for j in batch],
                                          cancelled=lambda row: batch[row].cancelled,
-                                         **batch[0].options)
+                                         decode=batch[0].options)
             for row, token in run:
                 job = batch[row]
                 if job.tokens is not None:

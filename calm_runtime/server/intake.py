@@ -118,13 +118,6 @@ class Intake:
         if max_tokens is not None:
             self.max_tokens(max_tokens, self.config.default_max_tokens)
 
-    def options(self, req, *, top: int) -> dict:
-        return {"temperature": 1.0 if req.temperature is None else float(req.temperature),
-                "top_p": 1.0 if req.top_p is None else float(req.top_p),
-                "top_k": req.top_k or 0, "seed": req.seed, "stop": req.stops(),
-                "top_alternatives": top, "raw_logprobs": req.wants_raw,
-                "ignore_eos": bool(req.ignore_eos)}
-
     def check_raw(self, req, logprobs: bool) -> None:
         """Refuse ``calm.raw_logprobs`` without ``logprobs``, with constrained choices, or
         on an engine whose raw log-probabilities cannot be recovered (per-token

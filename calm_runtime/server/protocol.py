@@ -25,6 +25,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from calm_runtime.inference.results import Generation, Token
+from calm_runtime.inference.sampling import DecodeOptions
 
 __all__ = ["CompletionRequest", "ChatRequest", "ErrorResponse", "APIError", "FINISH_REASONS",
            "Usage", "AssistantMessage", "CompletionChoice", "ChatChoice", "CompletionResponse",
@@ -170,6 +171,16 @@ class _Common(_Strict):
     @property
     def wants_p_true(self) -> bool:
         return bool(self.calm and self.calm.p_true)
+
+    def to_decode_options(self, top: int) -> DecodeOptions:
+        """The decode options this request asks for, made once at the server's edge and
+        carried by the batcher's job to the generation loop (``top``: alternatives per
+        token)."""
+        return DecodeOptions(
+            temperature=1.0 if self.temperature is None else float(self.temperature),
+            top_p=1.0 if self.top_p is None else float(self.top_p), top_k=self.top_k or 0,
+            seed=self.seed, stop=self.stops(), top_alternatives=top,
+            raw_logprobs=self.wants_raw, ignore_eos=bool(self.ignore_eos))
 
     @property
     def wants_raw(self) -> bool:

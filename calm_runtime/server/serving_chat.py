@@ -62,7 +62,7 @@ async def serve_chat(served: Served, request: Request):
     if constrained is not None:
         return await writer.constrained([ids], [users[-1] if users else ""], constrained, req,
                                         CHAT, request)
-    job = Job(ids, limit, intake.options(req, top=top),
+    job = Job(ids, limit, req.to_decode_options(top=top),
               users[-1] if req.wants_p_true else None, stream=bool(req.stream))
     intake.submit([job])
     if req.stream:

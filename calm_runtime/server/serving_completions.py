@@ -60,7 +60,7 @@ async def serve_completions(served: Served, request: Request):
         return await writer.constrained(encoded, prompts, constrained, req, COMPLETION,
                                         request)
     limit = intake.max_tokens(req.max_tokens, served.server.config.default_max_tokens)
-    options = intake.options(req, top=req.logprobs or 0)
+    options = req.to_decode_options(top=req.logprobs or 0)
     encoded = await run_in_threadpool(intake.encode, prompts)
     jobs = [Job(ids, limit, options, p if req.wants_p_true else None, stream=bool(req.stream))
             for ids, p in zip(encoded, prompts, strict=True)]
