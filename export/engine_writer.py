@@ -11,14 +11,13 @@ from pathlib import Path
 from calm_runtime import __version__
 from calm_runtime.data.prompts import p_true_template
 from calm_runtime.files import sha256_bytes, sha256_file
-from calm_runtime.formats._engine_checks import engine_io_names
 from calm_runtime.formats.artifact import (
     MANIFEST_NAME,
     TENSORS_NAME,
     CalibrationAdapter,
     ModelIdentity,
 )
-from calm_runtime.formats.engine import EngineManifest
+from calm_runtime.formats.engine import EngineManifest, engine_io_names
 from calm_runtime.formats.manifest import write_json
 
 from .graphs.calm_graph import DecoderShape

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from calm_runtime.errors import BackendUnavailableError, ExportValidationError
-from calm_runtime.formats._engine_checks import engine_io_names
+from calm_runtime.formats.engine import engine_io_names
 
 from .graphs.calm_graph import DecoderShape
 

@@ -241,7 +241,7 @@ class _GraphFacts:
     def __init__(self, path: Path, shape) -> None:
         import onnx
 
-        from calm_runtime.formats._engine_checks import engine_io_names
+        from calm_runtime.formats.engine import engine_io_names
 
         graph = onnx.load(str(path), load_external_data=False).graph
         positions = any(i.name == "position_ids" for i in graph.input)

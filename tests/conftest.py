@@ -275,7 +275,7 @@ def synthetic_engine_manifest(root, *, adapter: dict | None = None, adapter_kind
     genai_config.json should be :func:`synthetic_onnx_graph` (naming the listed data files)
     and :func:`synthetic_genai_config`, which the loader checks."""
     from calm_runtime.files import sha256_file
-    from calm_runtime.formats._engine_checks import engine_io_names
+    from calm_runtime.formats.engine import engine_io_names
 
     inputs, outputs = engine_io_names(1)
     return {

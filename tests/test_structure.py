@@ -597,7 +597,7 @@ def test_the_server_imports_no_command_line_module():
 
 
 def test_the_server_never_compares_an_endpoint_by_name():
-    """Each endpoint's answers have their shape (serving_completions.py, serving_chat.py);
+    """Each endpoint's answers have their shape (completions.py, chat.py);
     the writer asks the shape, never ``kind == "chat"``."""
     where = {}
     for path in (ROOT / "calm_runtime" / "server").rglob("*.py"):

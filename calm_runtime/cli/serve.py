@@ -1,15 +1,18 @@
-"""``calm serve``'s command line: the parser, whose defaults come from
-:class:`~calm_runtime.server.config.ServeConfig`, and the handler that starts the server. It
-imports neither the serve extra nor torch until the command runs, so ``calm --help`` works
-without them."""
+"""``calm serve``'s command line, in one home: the parser, whose defaults come from
+:class:`~calm_runtime.server.config.ServeConfig`, the settings it makes of the arguments, and
+the handler that starts the server (uvicorn, or Ray Serve with ``--ray``). It imports neither
+the serve extra nor torch until the command runs, so ``calm --help`` works without them."""
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
+import os
+from dataclasses import fields
 
 from calm_runtime.cli.common import missing_extra_message
-from calm_runtime.errors import BackendUnavailableError
+from calm_runtime.errors import BackendUnavailableError, ConfigError
 
 __all__ = ["DefaultsHelpFormatter", "add_serve"]
 
@@ -99,10 +102,76 @@ def add_serve(sub) -> None:
     p.set_defaults(handler=_serve)
 
 
+logger = logging.getLogger(__name__)
+
+#: where ``--api-key KEY`` (vLLM's flag) is put for this process and its workers
+API_KEY_ENV = "CALM_SERVE_API_KEY"
+
+
+def config_from_args(args):
+    """The :class:`~calm_runtime.server.config.ServeConfig` the arguments ask for."""
+    from calm_runtime.server.config import ServeConfig
+
+    api_key = getattr(args, "api_key", None)
+    if api_key is not None:
+        if args.api_key_env is not None:
+            raise ConfigError("pass --api-key or --api-key-env, not both")
+        logger.warning("--api-key puts the key in the process list; --api-key-env VAR keeps "
+                       "it in the environment")
+        os.environ[API_KEY_ENV] = api_key
+        args.api_key_env = API_KEY_ENV
+    default_tokens = next(f.default for f in fields(ServeConfig) if f.name == "default_max_tokens")
+    return ServeConfig(
+        engine=str(args.engine), model_name=args.model_name, backend=args.backend,
+        threads=args.threads, max_batch_size=args.max_batch_size,
+        batch_window_ms=args.batch_window_ms, max_queue=args.max_queue,
+        request_timeout_s=args.request_timeout, max_tokens_limit=args.max_tokens_limit,
+        default_max_tokens=min(default_tokens, args.max_tokens_limit),
+        max_prompt_tokens=args.max_prompt_tokens, max_body_bytes=args.max_body_bytes,
+        max_prefill_tokens=args.max_prefill_tokens,
+        api_key_env=args.api_key_env,
+        allow_special_tokens=bool(getattr(args, "allow_special_tokens", False)))
+
+
 def _serve(args) -> int:
     try:
-        from calm_runtime.server.cli import serve
+        import uvicorn
+
+        from calm_runtime.server.app import CONFIG_ENV, create_app
     except ImportError as exc:
-        logging.getLogger(__name__).debug("serve extra missing: %s", exc)
+        logger.debug("serve extra missing: %s", exc)
         raise BackendUnavailableError(missing_extra_message("serve")) from None
-    return serve(args)
+    config = config_from_args(args)
+    config.api_key()  # an unset key variable fails here, before anything starts
+    if not 0 < args.port < 65536:
+        raise ConfigError(f"--port must be 1..65535, got {args.port}")
+    if args.workers < 1:
+        raise ConfigError(f"--workers must be >= 1, got {args.workers}")
+    if not _loopback(args.host) and config.api_key_env is None:
+        logger.warning("binding %s without --api-key-env: anyone who can reach this address "
+                       "can use the server", args.host)
+    if args.ray:
+        from calm_runtime.server.ray_serve import run_ray
+
+        run_ray(config, host=args.host, port=args.port, replicas=args.replicas,
+                replica_cpus=args.replica_cpus)
+        return 0
+    log_level = logging.getLogger().getEffectiveLevel()
+    options = dict(host=args.host, port=args.port, log_level=log_level,
+                   timeout_graceful_shutdown=int(config.request_timeout_s) + 5)
+    if args.workers == 1:
+        uvicorn.run(create_app(config), **options)
+    else:  # each worker process builds its own app (and engine) from the environment
+        os.environ[CONFIG_ENV] = config.to_json()
+        uvicorn.run("calm_runtime.server.app:app_from_environment", factory=True,
+                    workers=args.workers, **options)
+    return 0
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

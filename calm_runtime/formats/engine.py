@@ -37,6 +37,7 @@ from typing import Any
 from calm_runtime.errors import ArtifactError
 from calm_runtime.files import is_dir, is_file, resolve_inside, sha256_file, show, show_name
 from calm_runtime.formats._engine_checks import (
+    MODEL_NUMBER_LIMIT,
     check_sections,
     engine_io_names,
     non_empty_text,
@@ -50,6 +51,7 @@ __all__ = [
     "ENGINE_MANIFEST_NAME",
     "ENGINE_KINDS",
     "EngineManifest",
+    "MODEL_NUMBER_LIMIT",
     "engine_io_names",
 ]
 

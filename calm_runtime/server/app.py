@@ -51,12 +51,12 @@ from calm_runtime._version import __version__
 from calm_runtime.errors import CalmError, ConfigError
 from calm_runtime.inference.lm import CalibratedLM
 from calm_runtime.server.config import ServeConfig
+from calm_runtime.server.context import EndpointContext
 from calm_runtime.server.guard import Guard
 from calm_runtime.server.openapi import openapi_schema, template_tokens
 from calm_runtime.server.protocol import APIError
 from calm_runtime.server.routes import router
-from calm_runtime.server.served import Served
-from calm_runtime.server.serving import PROMPT_CHARS_PER_TOKEN, ServerState
+from calm_runtime.server.state import PROMPT_CHARS_PER_TOKEN, ServerState
 
 __all__ = ["create_app", "app_from_environment", "CONFIG_ENV", "PROMPT_CHARS_PER_TOKEN"]
 
@@ -92,7 +92,7 @@ def create_app(config: ServeConfig, lm: CalibratedLM | None = None) -> FastAPI:
     app = FastAPI(title="calm serve", version=__version__, lifespan=lifespan, docs_url=None,
                   redoc_url=None, openapi_url=None)
     app.state.calm = server
-    app.state.served = Served.of(server)
+    app.state.context = EndpointContext.of(server)
     app.add_middleware(Guard, server=server)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)

@@ -7,7 +7,7 @@ import time
 
 from calm_runtime.server.config import ServeConfig
 from calm_runtime.server.protocol import APIError
-from calm_runtime.server.serving import ServerState
+from calm_runtime.server.state import ServerState
 
 __all__ = ["CLIENT_CLOSED", "Guard", "too_large"]
 

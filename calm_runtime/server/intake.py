@@ -11,7 +11,7 @@ from calm_runtime.server.batcher import Job, QueueFull, ShuttingDown
 from calm_runtime.server.guard import too_large
 from calm_runtime.server.json_body import clip, json_object, validated
 from calm_runtime.server.protocol import APIError
-from calm_runtime.server.serving import ECHO_MAX_ENTRIES, PROMPT_CHARS_PER_TOKEN, ServerState
+from calm_runtime.server.state import ECHO_MAX_ENTRIES, PROMPT_CHARS_PER_TOKEN, ServerState
 
 __all__ = ["Intake"]
 

@@ -16,7 +16,7 @@ from calm_runtime.server.protocol import (
     CompletionRequest,
     CompletionResponse,
 )
-from calm_runtime.server.serving import ServerState
+from calm_runtime.server.state import ServerState
 
 __all__ = ["openapi_schema", "request_body", "template_tokens", "TOKENS_PER_CHAR",
            "CHAT_MESSAGES_DOCUMENTED"]

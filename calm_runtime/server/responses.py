@@ -34,7 +34,7 @@ from calm_runtime.server.protocol import (
     choice_extension,
     echo_logprobs,
 )
-from calm_runtime.server.serving import ServerState
+from calm_runtime.server.state import ServerState
 
 __all__ = ["EventStream", "ResponseShape", "ResponseWriter", "out_of_memory"]
 
@@ -88,7 +88,7 @@ class EventStream(StreamingResponse):
 class ResponseShape:
     """How one endpoint's answers look: OpenAI's completions or chat completions objects.
     The writer asks the shape, never the endpoint's name; each serving module
-    (serving_completions.py, serving_chat.py) defines its own on this base."""
+    (completions.py, chat.py) defines its own on this base."""
 
     #: the response id's prefix ("cmpl", "chatcmpl")
     id_prefix = ""

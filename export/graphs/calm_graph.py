@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from calm_runtime.errors import CalmError
-from calm_runtime.formats._engine_checks import engine_io_names
+from calm_runtime.formats.engine import engine_io_names
 
 __all__ = ["DecoderShape", "KVCacheDecoder", "LMHead", "OnnxExportError", "LOGITS_TO_KEEP",
            "add_logits_to_keep", "append_logits_affine", "decoder_shape", "export_onnx",

@@ -174,7 +174,7 @@ def test_calms_own_graph_exports_every_family(case, graph):
 
 
 def test_engine_prefill_equals_the_reference_past_the_window(case):
-    from calm_runtime.formats._engine_checks import engine_io_names
+    from calm_runtime.formats.engine import engine_io_names
 
     ids = case.tokenizer(LONG_PROMPT)["input_ids"]
     assert len(ids) > 2 * 8

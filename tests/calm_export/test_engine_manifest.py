@@ -15,8 +15,12 @@ from conftest import synthetic_genai_config, synthetic_onnx_graph
 
 from calm_runtime.errors import ArtifactError, SchemaVersionError
 from calm_runtime.files import sha256_file
-from calm_runtime.formats._engine_checks import engine_io_names
-from calm_runtime.formats.engine import ENGINE_MANIFEST_NAME, ENGINE_SCHEMA_VERSION, EngineManifest
+from calm_runtime.formats.engine import (
+    ENGINE_MANIFEST_NAME,
+    ENGINE_SCHEMA_VERSION,
+    EngineManifest,
+    engine_io_names,
+)
 
 SHA = "0" * 64
 

@@ -197,7 +197,7 @@ def test_weights_that_do_not_fit_the_config_are_one_line(tmp_path, tiny_llama_un
 
 
 def test_the_bounds_fit_inside_the_engine_manifests_own_limit():
-    from calm_runtime.formats._engine_checks import MODEL_NUMBER_LIMIT
+    from calm_runtime.formats.engine import MODEL_NUMBER_LIMIT
 
     for name in ("VOCAB_SIZE", "HIDDEN_SIZE", "INTERMEDIATE_SIZE", "LAYERS", "HEADS",
                  "HEAD_DIM", "CONTEXT"):

@@ -40,7 +40,7 @@ import numpy as np
 
 from calm_runtime.errors import ArtifactError, BackendUnavailableError, ConfigError
 from calm_runtime.extras import install_hint
-from calm_runtime.formats._engine_checks import engine_io_names
+from calm_runtime.formats.engine import engine_io_names
 from calm_runtime.inference.backends._base import Backend, BackendMemoryError, is_allocation_failure
 from calm_runtime.inference.backends._packed_kv import PackedCache, pack_rows, unpack_logits
 

@@ -19,7 +19,7 @@ import threading
 import numpy as np
 
 from calm_runtime.errors import ArtifactError, BackendUnavailableError, ConfigError
-from calm_runtime.formats._engine_checks import engine_io_names
+from calm_runtime.formats.engine import engine_io_names
 from calm_runtime.inference.backends._base import Backend, TorchStateMixin
 
 __all__ = ["TensorRTBackend"]

@@ -7,6 +7,7 @@ from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
 from calm_runtime.server.batcher import Job
+from calm_runtime.server.context import EndpointContext
 from calm_runtime.server.protocol import (
     CompletionChoice,
     CompletionRequest,
@@ -14,7 +15,6 @@ from calm_runtime.server.protocol import (
     completion_logprobs,
 )
 from calm_runtime.server.responses import EventStream, ResponseShape
-from calm_runtime.server.served import Served
 
 __all__ = ["COMPLETION", "serve_completions"]
 
@@ -45,9 +45,9 @@ class CompletionShape(ResponseShape):
 COMPLETION = CompletionShape()
 
 
-async def serve_completions(served: Served, request: Request):
-    intake, writer = served.intake, served.writer
-    served.server.authorize(request)
+async def serve_completions(context: EndpointContext, request: Request):
+    intake, writer = context.intake, context.writer
+    context.server.authorize(request)
     req = await intake.parse(request, CompletionRequest)
     prompts, _ = intake.completion_prompts(req)
     constrained = req.choices()
@@ -59,12 +59,12 @@ async def serve_completions(served: Served, request: Request):
         encoded = await run_in_threadpool(intake.encode, prompts)
         return await writer.constrained(encoded, prompts, constrained, req, COMPLETION,
                                         request)
-    limit = intake.max_tokens(req.max_tokens, served.server.config.default_max_tokens)
+    limit = intake.max_tokens(req.max_tokens, context.server.config.default_max_tokens)
     options = req.to_decode_options(top=req.logprobs or 0)
     encoded = await run_in_threadpool(intake.encode, prompts)
     jobs = [Job(ids, limit, options, p if req.wants_p_true else None, stream=bool(req.stream))
             for ids, p in zip(encoded, prompts, strict=True)]
     intake.submit(jobs)
     if req.stream:
-        return EventStream(served.server, jobs, writer.stream(jobs, req, COMPLETION))
+        return EventStream(context.server, jobs, writer.stream(jobs, req, COMPLETION))
     return await writer.complete(jobs, req, COMPLETION, request)

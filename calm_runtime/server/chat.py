@@ -7,6 +7,7 @@ from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
 from calm_runtime.server.batcher import Job
+from calm_runtime.server.context import EndpointContext
 from calm_runtime.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -15,7 +16,6 @@ from calm_runtime.server.protocol import (
     chat_logprobs,
 )
 from calm_runtime.server.responses import EventStream, ResponseShape
-from calm_runtime.server.served import Served
 
 __all__ = ["CHAT", "serve_chat"]
 
@@ -51,9 +51,9 @@ class ChatShape(ResponseShape):
 CHAT = ChatShape()
 
 
-async def serve_chat(served: Served, request: Request):
-    intake, writer = served.intake, served.writer
-    served.server.authorize(request)
+async def serve_chat(context: EndpointContext, request: Request):
+    intake, writer = context.intake, context.writer
+    context.server.authorize(request)
     req = await intake.parse(request, ChatRequest)
     messages, users, limit = intake.chat_messages(req)
     top = (req.top_logprobs or 0) if req.logprobs else 0
@@ -66,5 +66,5 @@ async def serve_chat(served: Served, request: Request):
               users[-1] if req.wants_p_true else None, stream=bool(req.stream))
     intake.submit([job])
     if req.stream:
-        return EventStream(served.server, [job], writer.stream([job], req, CHAT))
+        return EventStream(context.server, [job], writer.stream([job], req, CHAT))
     return await writer.complete([job], req, CHAT, request)
