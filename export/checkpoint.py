@@ -76,7 +76,7 @@ def _refuse_unfoldable(model, adapter: CalibrationAdapter, post: PostHead) -> No
     tau = np.asarray(adapter.tau)
     has_shift = bool(np.any(np.asarray(adapter.shift) != 0))
     model_type = getattr(model.config, "model_type", type(model).__name__)
-    if post.kind == "softcap":
+    if not post.linear:
         if has_shift or not bool(np.all(tau == tau[0])):
             raise IncompatibleModelError(
                 f"{model_type} soft-caps its logits ({post.describe()}): a transformers "
@@ -121,7 +121,7 @@ def fold_into_checkpoint(model, adapter: CalibrationAdapter, post: PostHead) -> 
               "centered": adapter.centered and not scalar_tau}
 
     _refuse_unfoldable(model, adapter, post)
-    if post.kind == "softcap":
+    if not post.linear:
         k = float(tau[0]) * float(adapter.temperature)
         with torch.no_grad():
             head.weight = torch.nn.Parameter((weight / k).contiguous(), requires_grad=False)
@@ -131,12 +131,12 @@ def fold_into_checkpoint(model, adapter: CalibrationAdapter, post: PostHead) -> 
         for config in model_configs(model):
             if hasattr(config, post.field):
                 setattr(config, post.field, cap)
-        folded["post_head_after"] = {"kind": "softcap", "value": cap, "field": post.field}
+        folded["post_head_after"] = {"kind": post.kind, "value": cap, "field": post.field}
         logger.info("folded 1/(tau T) = %.6g into the head and the soft cap (%g -> %g)",
                     1 / k, post.value, cap)
         return folded
 
-    multiplier = post.value if post.kind == "scale" else 1.0
+    multiplier = post.head_multiplier
     scaled_bias = None if bias is None else bias * multiplier
     new_weight, new_bias = fused_head(
         weight * multiplier, scaled_bias, torch.from_numpy(tau).to(weight.dtype),
@@ -148,11 +148,11 @@ def fold_into_checkpoint(model, adapter: CalibrationAdapter, post: PostHead) -> 
             head.bias = torch.nn.Parameter(new_bias.contiguous(), requires_grad=False)
     if has_shift:
         folded["shift"] = "head bias"
-    if post.kind == "scale":
+    if post.folded_away:
         from .heads import neutralise
 
         neutralise(model, post)
-        folded["post_head_after"] = {"kind": "scale", "value": 1.0, "field": post.field}
+        folded["post_head_after"] = {"kind": post.kind, "value": 1.0, "field": post.field}
     return folded
 
 

@@ -38,7 +38,7 @@ _PROBE_ATOL = 1e-4
 
 def neutralise(model, post: PostHead) -> None:
     """Set a ``scale`` transform to 1 in the model (its multiplier now lives in the head)."""
-    if post.kind != "scale":
+    if not post.folded_away:
         return
     for config in model_configs(model):
         if hasattr(config, post.field):
@@ -75,7 +75,7 @@ def check_post_head(model, post: PostHead, input_ids) -> None:
     expected = post.apply(captured["out"].float())
     diff = float((logits.float() - expected).abs().max())
     if not diff <= _PROBE_ATOL * max(1.0, float(expected.abs().max())):
-        known = "" if post.kind == "none" else f" besides {post.describe()}"
+        known = "" if post.identity else f" besides {post.describe()}"
         raise ExportValidationError(
             f"the {model_type} model transforms its logits after the LM head in a way "
             f"calm-export does not know{known} (max |logits - head output| {diff:.3g}); "

@@ -234,12 +234,11 @@ def _export(model_spec, out: Path, adapter_arg, config: ExportConfig,
                                   adapter_dir, post, cases, references, tolerance, scale,
                                   config, stages, started)
     affine = None
-    if post.kind == "softcap" or tied_scale:  # the calibration goes after the head
-        affine = fuse.logits_affine(adapter, shape.vocab_size,
-                                    1.0 if post.kind == "softcap" else post.value)
+    if not post.linear or tied_scale:  # the calibration goes after the head
+        affine = fuse.logits_affine(adapter, shape.vocab_size, post.head_multiplier)
         heads.neutralise(model, post)
         logger.info("%s: the calibration is applied after it, as elementwise ops",
-                    post.describe() if post.kind == "softcap" else "the tied head")
+                    "the tied head" if post.linear else post.describe())
     else:
         fuse.fuse_into_lm_head(model, adapter, layout=config.head_layout,
                                multiplier=post.value)

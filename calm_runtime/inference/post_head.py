@@ -26,6 +26,28 @@ class PostHead:
     #: "final_logit_softcapping"), or None.
     field: str | None = None
 
+    @property
+    def identity(self) -> bool:
+        """No op after the head."""
+        return self.kind == "none"
+
+    @property
+    def linear(self) -> bool:
+        """A multiplication (or nothing): it folds into the head's weights
+        (:attr:`head_multiplier`); a soft cap does not, and the calibration goes after it."""
+        return self.kind in ("none", "scale")
+
+    @property
+    def head_multiplier(self) -> float:
+        """What folding the op into the head multiplies it by (1 when there is nothing to fold
+        or it is not linear)."""
+        return self.value if self.kind == "scale" else 1.0
+
+    @property
+    def folded_away(self) -> bool:
+        """A multiplier the export moves into the head and sets to 1 in the model."""
+        return self.kind == "scale"
+
     def apply(self, logits):
         """``post(logits)`` for numpy arrays or torch tensors."""
         if self.kind == "scale":
