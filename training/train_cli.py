@@ -135,13 +135,14 @@ def _boolean(text: str) -> bool:
 
 def _setting_pair(text: str) -> tuple[str, object]:
     """``--set NAME=VALUE``: the setting and its value read as the field's type (``none`` for
-    an optional setting's default; a comma list for lora_targets)."""
+    an optional setting's default; a comma list for lora_targets). Every setting with an
+    option of its own is accepted too (``--set steps=3`` as ``--steps 3``)."""
     name, sep, value = text.partition("=")
-    fields = {f.name: f for f in settings("set")}
+    fields = {f.name: f for f in (*settings("set"), *settings("option"))}
     if not sep or name.strip() not in fields:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not NAME=VALUE with NAME one of {', '.join(fields)} "
-            "(calm train --help-settings)")
+            f"{text!r} is not NAME=VALUE with NAME a setting (calm train --help-settings) "
+            "or an option's name")
     f = fields[name.strip()]
     value = value.strip()
     if value.lower() == "none" and "None" in str(f.type):

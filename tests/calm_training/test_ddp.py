@@ -60,7 +60,8 @@ def test_two_processes_match_one(tiny_llama_tied, tmp_path):
                "--calibration", f"{data}:unlabeled", "--out", str(tmp_path / "ddp"),
                "--set", "lora_targets=q_proj,v_proj", "--set", "device=cpu"]
     for key, value in settings.items():
-        command += ["--set", f"{key}={value}"]
+        command += (["--holdout", str(value)] if key == "holdout"
+                    else ["--set", f"{key}={value}"])
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT_S,
                           check=False)
     assert done.returncode == 0, done.stderr[-8000:]
