@@ -14,7 +14,7 @@ from calm_runtime import modes
 from calm_runtime.cli.common import add_endpoint_limits, show_progress
 from calm_runtime.data.models import MODEL_FORMS
 from calm_runtime.errors import BackendUnavailableError
-from calm_runtime.modes import CHOICE_MODES, CLOZE_VARIANTS
+from calm_runtime.modes import CLOZE_VARIANTS
 from calm_training.posthoc.fit_config import ALL_MODES, FitConfig
 from calm_training.train_cli import register_train
 
@@ -139,10 +139,11 @@ def _add_common(p, default_variant: str | None, *, reference: bool = True,
     if reference:
         p.add_argument("--reference-scores", metavar="lm-eval:PATH",
                        help="the same for --reference (label-free methods with --model-scores)")
-    p.add_argument("--mode", default=_FIT["mode"],
-                   choices=list(ALL_MODES) if p_true else list(CHOICE_MODES),
+    # every mode is a choice, so that a method without a P(True) fit says so in one line
+    p.add_argument("--mode", default=_FIT["mode"], choices=list(ALL_MODES),
                    help="cloze/letter: multiple choice"
-                        + ("; p_true: open QA judged by P(True)" if p_true else ""))
+                        + ("; p_true: open QA judged by P(True)" if p_true else
+                           " (this method has no P(True) fit)"))
     if p_true:
         p.add_argument("--template", default=_FIT["p_true_template"], dest="p_true_template",
                        help="P(True) template name (p_true mode): kadavath or yes-no")
