@@ -1,5 +1,5 @@
 """CALM's solver options on a tiny random Llama: the options entropy (value and gradient),
-warm start, --init-lora, option-token α with its penalty, the option evaluator, the CLI."""
+warm start, init_lora, option-token α with its penalty, the option evaluator, the CLI."""
 
 from __future__ import annotations
 
@@ -133,7 +133,7 @@ def test_options_entropy_needs_options(tiny_llama_tied):
     from calm_runtime.data.sets import OpenQARecord
 
     tok = AutoTokenizer.from_pretrained(str(tiny_llama_tied))
-    with pytest.raises(DataError, match="--entropy vocab"):
+    with pytest.raises(DataError, match="--set entropy=vocab"):
         calm_data.encode_calibration([OpenQARecord(question="q?", answers=("a",))], tok,
                                      mode="cloze", chat=False, max_length=32, entropy="options")
 
@@ -177,10 +177,10 @@ def test_init_lora_loads_the_given_weights(tiny_llama_tied, mc_file, tmp_path,
     fresh = train_calm(_config(tiny_llama_tied, mc_file, steps=1), None, progress=False)
     assert started.history[0]["g"] < fresh.history[0]["g"]  # it starts from the trained θ
     other = tiny_lora_dir(tmp_path_factory, tiny_llama_tied)  # r=4 on q, v only
-    with pytest.raises(ConfigError, match="lora-targets"):
+    with pytest.raises(ConfigError, match="lora_targets"):
         train_calm(_config(tiny_llama_tied, mc_file, init_lora=str(other)), None,
                    progress=False)
-    with pytest.raises(ConfigError, match="init-lora"):
+    with pytest.raises(ConfigError, match="init_lora"):
         train_calm(_config(tiny_llama_tied, mc_file, init_lora=str(tmp_path)), None,
                    progress=False)
 
@@ -299,4 +299,4 @@ def test_q_growth_warns_once_per_window(caplog):
             fake.history.append(row)
             _Trainer._watch_q(fake, row)
     assert fake.q_warnings == 1  # checked at steps 6 (fell) and 9 (grew)
-    assert "q grew from" in caplog.text and "--outer-optimizer sgd" in caplog.text
+    assert "q grew from" in caplog.text and "--set optimizer=sgd" in caplog.text

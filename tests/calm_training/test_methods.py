@@ -202,8 +202,8 @@ def test_the_upper_objective_declares_its_reference():
     assert methods.upper_objective("entropy").loss("vocab") == "neg_entropy"
     assert methods.upper_objective("daca").loss("options") == "daca_kl"
     with pytest.raises(ConfigError, match="^upper daca needs a reference model; .*upper daca "
-                                          "compares option distributions; use --entropy "
-                                          "options; fix the training settings$"):
+                                          "compares option distributions; use --set "
+                                          "entropy=options; fix the training settings$"):
         _calm_config(upper="daca", entropy="vocab")
     assert _calm_config(upper="daca", reference="r").upper == "daca"
 

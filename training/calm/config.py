@@ -334,7 +334,7 @@ class CalmConfig:
             problems.append(f"upper {self.upper} needs a reference model; pass --reference (a "
                             "pre-trained model, e.g. the base of the model you train)")
         if upper is not None and upper.options_only and self.entropy != "options":
-            problems.append(f"upper {self.upper} compares option distributions; use --entropy "
+            problems.append(f"upper {self.upper} compares option distributions; use --set entropy="
                             "options")
         if self.reference is not None and not isinstance(self.reference, str):
             object.__setattr__(self, "reference", os.fspath(self.reference))

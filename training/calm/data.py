@@ -328,7 +328,7 @@ class Encoder:
                                              self.max_length, targets=True)
             if self.entropy == "options":
                 raise DataError("the options entropy needs multiple-choice calibration records "
-                                "and this one is open QA; use --entropy vocab")
+                                "and this one is open QA; use --set entropy=vocab")
             return _answer_position(context, self.max_length)
         raise DataError(f"cannot train on a {type(record).__name__}; use multiple-choice or "
                         "open-QA records")

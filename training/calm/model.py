@@ -65,7 +65,7 @@ def default_lora_targets(lm) -> list[str]:
             return chosen
     kind = getattr(lm.config, "model_type", type(lm).__name__)
     raise ConfigError(f"cannot tell the attention projections of a {kind} model; pass "
-                      "--lora-targets with its module names (e.g. q_proj,v_proj)")
+                      "--set lora_targets=NAMES with its module names (e.g. q_proj,v_proj)")
 
 
 class CalmModel:
@@ -87,7 +87,7 @@ class CalmModel:
                 self.peft = get_peft_model(lm, lora)
         except ValueError as exc:
             raise ConfigError(f"cannot attach LoRA to {config.model} ({exc}); check "
-                              "--lora-targets against the model's module names") from None
+                              "--set lora_targets=NAMES against the model's module names") from None
         self.peft.to(device).eval()
         self.lm = lm
         self.head = AnswerHead(lm)
@@ -133,7 +133,7 @@ class CalmModel:
 
         path = Path(folder) / "adapter_model.safetensors"
         if not path.is_file():
-            raise ConfigError(f"{folder} has no adapter_model.safetensors; point --init-lora "
+            raise ConfigError(f"{folder} has no adapter_model.safetensors; point --set init_lora="
                               "at a peft LoRA folder or a calm adapter with a lora/ folder")
         saved = load_file(str(path))
         mine = {}
@@ -141,7 +141,7 @@ class CalmModel:
             key = _peft_key(name)
             if key not in saved:
                 raise ConfigError(f"{folder} has no tensor {key}; its LoRA targets differ from "
-                                  "--lora-targets, use the same targets it was trained with")
+                                  "--set lora_targets, use the same targets it was trained with")
             if tuple(saved[key].shape) != tuple(param.shape):
                 raise ConfigError(f"{folder}: {key} has shape {tuple(saved[key].shape)}, this "
                                   f"model {tuple(param.shape)}; use the same --lora-rank")
@@ -149,7 +149,7 @@ class CalmModel:
         extra = sorted(set(saved) - set(mine))
         if extra:
             raise ConfigError(f"{folder} has {len(extra)} LoRA tensors this model lacks (e.g. "
-                              f"{extra[0]}); use the same --lora-targets it was trained with")
+                              f"{extra[0]}); use the same --set lora_targets it was trained with")
         with torch.no_grad():
             for name, param in zip(self.names, self.theta, strict=True):
                 param.copy_(mine[_peft_key(name)].to(param.dtype))

@@ -35,7 +35,7 @@ def reference_option_probs(reference: str, records: Sequence, *, mode: str, vari
     bad = sum(1 for r in records if not isinstance(r, MultipleChoiceRecord))
     if bad:
         raise ConfigError(f"the daca upper objective compares option distributions; {bad} "
-                          "calibration records are not multiple choice: use --upper entropy")
+                          "calibration records are not multiple choice: use --set upper=entropy")
     model, tokenizer, identity = load_model_and_tokenizer(reference)
     logger.info("scoring %d calibration questions with the reference %s", len(records),
                 identity.name)

@@ -275,9 +275,9 @@ class _Trainer:
         if last > before:
             self.q_warnings += 1
             logger.warning("step %d: q grew from %.3g to %.3g (mean over %d steps): the outer "
-                           "steps are leaving the lower-level optimum; use --outer-optimizer "
-                           "sgd, a smaller --outer-lr or a larger --eta", row["step"], before,
-                           last, n)
+                           "steps are leaving the lower-level optimum; use --set optimizer=sgd, "
+                           "a smaller --set outer_lr or a larger --set eta", row["step"],
+                           before, last, n)
 
     def run(self, out, resume: bool, overwrite: bool, progress: bool) -> TrainResult:
         from tqdm.auto import tqdm
@@ -306,7 +306,7 @@ class _Trainer:
                 if not warned:
                     warned = True
                     logger.warning("step %d: g(θ~) > g(θ) (q = %.3g < 0): the inner steps "
-                                   "increased g; lower --inner-lr (now %g)", row["step"],
+                                   "increased g; lower --set inner_lr (now %g)", row["step"],
                                    row["q"], cfg.inner_step_lr)
             bar.set_postfix_str(_log_line(row, short=True), refresh=False)
             bar.update(1)
@@ -465,10 +465,10 @@ def _lora_folder(path: str) -> Path:
     if (folder / "calm_adapter.json").is_file():
         lora = CalibrationAdapter.from_pretrained(folder).lora_path
         if lora is None:
-            raise ConfigError(f"--init-lora {path}: the adapter has no LoRA; give an adapter "
+            raise ConfigError(f"init_lora {path}: the adapter has no LoRA; give an adapter "
                               "trained with a LoRA (calm train) or a peft folder")
         return Path(lora)
-    raise ConfigError(f"--init-lora {path}: not a peft LoRA folder (no "
+    raise ConfigError(f"init_lora {path}: not a peft LoRA folder (no "
                       "adapter_model.safetensors) nor a calm adapter; check the path")
 
 
