@@ -13,7 +13,7 @@ docs/methods.md §4. The lower level ``g(θ, α)`` is minimised over ``θ``; the
    ``φ = η q`` (``phi="value"``); ``d = ∇f + λ∇q``.
 4. ``d`` is written into the parameters' ``.grad`` and the outer optimiser steps.
 
-With ``upper_theta=False`` (``--upper-params alpha``) ``∇_θ f`` is left out of ``∇f``: θ then
+With ``upper_theta=False`` (``--set upper_params=alpha``) ``∇_θ f`` is left out of ``∇f``: θ then
 moves only through ``λ∇_θ q``. Every step reports ``⟨d, ∇q⟩`` and ``cos(∇f, ∇q)``: with
 plain SGD the update ``u ← u − lr·d`` decreases ``q`` to first order exactly when
 ``⟨d, ∇q⟩ > 0``, which ``λ`` guarantees (``⟨d, ∇q⟩ ≥ φ``) whenever ``λ > 0`` — the property

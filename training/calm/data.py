@@ -377,7 +377,7 @@ def encode_labeled_options(records: Sequence[Record], tokenizer, *, mode: str, c
 def answer_token_ids(records: Sequence[Record], tokenizer, *, mode: str, chat: bool) -> set[int]:
     """Every token an answer can be read from: the tokens of every option text (cloze) or
     the option letters (letter) of multiple-choice records, and of every answer alias of
-    open-QA records — where ``--alpha-tokens options`` trains τ and l."""
+    open-QA records — where ``--set alpha_tokens=options`` trains τ and l."""
     encoder = Encoder(tokenizer, mode=mode, chat=chat, max_length=1 << 30)
     ids: set[int] = set()
     for record in records:

@@ -191,7 +191,7 @@ def held_out(config, train: list, has_alpha: bool, encode: dict) -> tuple[tuple,
     (multiple choice) or ``"answers"`` (open QA); the examples, encoded with ``encode`` for α's
     measurement, are the deciding half's. Nothing is held out when there is no part to gate
     (no α and no T) or ``config.holdout`` is 0. A method's α-frozen control
-    (``--freeze-alpha``) holds out the same questions, so that the two train on the same
+    (``--set freeze_alpha=true``) holds out the same questions, so that the two train on the same
     data."""
     if not ((has_alpha or config.daca) and config.holdout):
         return (None, None, None, None), train

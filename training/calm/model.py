@@ -101,7 +101,7 @@ class CalmModel:
         self.center = getattr(config, "alpha_logits", "raw") == "centered"
         # α's variables as the method declares them (calm_training.methods.TrainMethod):
         # none, one learned temperature, or (log_tau, shift) over the vocabulary;
-        # --freeze-alpha drops them (CalmConfig refuses it for scalar's one temperature)
+        # freeze_alpha drops them (CalmConfig refuses it for scalar's one temperature)
         names = train_method(config.method).alpha
         if getattr(config, "freeze_alpha", False):
             names = ()

@@ -457,7 +457,7 @@ class _Trainer:
 
 
 def _lora_folder(path: str) -> Path:
-    """A peft LoRA folder from ``--init-lora``: the folder itself or a calm adapter's
+    """A peft LoRA folder from ``--set init_lora``: the folder itself or a calm adapter's
     ``lora/``."""
     folder = Path(path)
     if (folder / "adapter_model.safetensors").is_file():

@@ -12,7 +12,7 @@ plan and :meth:`~calm_training.methods.fit_method.FitMethod.write` onto an adapt
 :class:`~calm_training.posthoc.fit_config.FitConfig` settings they set (``SETTINGS``).
 :data:`TRAIN_METHODS` maps a training method's name to its
 :class:`~calm_training.methods.train_method.TrainMethod` (``calm``'s bilevel method and its
-ablations, ``lora``, ``cft``); :data:`UPPER_SPECS` the upper objectives ``f`` (``--upper``).
+ablations, ``lora``, ``cft``); :data:`UPPER_SPECS` the upper objectives ``f`` (``--set upper``).
 The rest of calm_training asks these objects and never compares a method's name; the CLI's
 choices and the configs' validation are the names listed here.
 """

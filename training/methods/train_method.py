@@ -1,5 +1,5 @@
 """A training method of ``calm train`` (docs/methods.md §4) and an upper objective ``f``
-(``--upper``): what each learns, which outer step it takes and its objectives. torch-free
+(``--set upper``): what each learns, which outer step it takes and its objectives. torch-free
 (the steps themselves are :mod:`calm_training.calm.bilevel`'s, taken by its ``outer_step``)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ class TrainMethod:
     """One training method of ``calm train`` (docs/methods.md §4)."""
 
     name: str
-    #: the adapter kind it writes (``lora`` whatever the method with ``--freeze-alpha``)
+    #: the adapter kind it writes (``lora`` whatever the method with ``--set freeze_alpha=true``)
     kind: str
     #: α's variables: ``("log_tau", "shift")`` over the vocabulary, ``("log_temperature",)``
     #: one learned temperature, or none (θ alone: plain fine-tuning on its own loss)
@@ -61,12 +61,12 @@ class TrainMethod:
 
 @dataclass(frozen=True)
 class UpperObjective:
-    """One upper objective ``f`` of ``calm train`` (``--upper``)."""
+    """One upper objective ``f`` of ``calm train`` (``--set upper``)."""
 
     name: str
     #: fitted to a pre-trained reference model's option probabilities (``--reference``)
     needs_reference: bool = False
-    #: reads the K-option distribution, so only ``--entropy options``
+    #: reads the K-option distribution, so only ``--set entropy=options``
     options_only: bool = False
 
     def loss(self, entropy: str) -> str:

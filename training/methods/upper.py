@@ -1,4 +1,4 @@
-"""The upper objectives ``f`` of ``calm train`` (``--upper``): ``entropy``, the paper's
+"""The upper objectives ``f`` of ``calm train`` (``--set upper``): ``entropy``, the paper's
 negative entropy of the option distribution, and ``daca``, calm's extension: DACA's
 agreement-masked KL to a pre-trained reference."""
 
