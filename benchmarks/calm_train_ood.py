@@ -308,12 +308,24 @@ def regime(parts: dict, n_boot: int) -> dict:
     return out
 
 
+def identical(side_a: list[dict], side_b: list[dict], sets: list[str], a: str, b: str) -> bool:
+    """The two readings are the same numbers on every seed and set (nothing to compare: the
+    gate dropped what would tell them apart)."""
+    def same(qa: dict, qb: dict) -> bool:  # equal up to float rounding of the same math
+        return (qa["correct"] == qb["correct"]
+                and np.allclose(qa["conf"], qb["conf"], rtol=0, atol=1e-5))
+    return all(same(x[s]["readings"][a], y[s]["readings"][b])
+               for x, y in zip(side_a, side_b, strict=True) for s in sets)
+
+
 def claims(parts: dict, sets: list[str], n_boot: int) -> list[dict]:
     rows = []
     for metric, a, b in CLAIMS:
-        d = paired_delta(sides(parts, a), sides(parts, b), sets, metric, a, b, n_boot)
-        rows.append({"metric": metric, "a": a, "b": b, **d,
-                     "verdict": verdict(metric, *d["ci"])})
+        side_a, side_b = sides(parts, a), sides(parts, b)
+        d = paired_delta(side_a, side_b, sets, metric, a, b, n_boot)
+        said = ("n/a (identical readings)" if identical(side_a, side_b, sets, a, b)
+                else verdict(metric, *d["ci"]))
+        rows.append({"metric": metric, "a": a, "b": b, **d, "verdict": said})
     return rows
 
 
