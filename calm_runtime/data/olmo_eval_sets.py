@@ -42,6 +42,11 @@ __all__ = [
     "convert_hellaswag",
     "convert_openbookqa",
     "convert_piqa",
+    "convert_social_iqa",
+    "convert_commonsenseqa",
+    "convert_winogrande",
+    "convert_boolq",
+    "convert_copa",
     "sciq_answer_position",
 ]
 
@@ -245,6 +250,80 @@ def convert_piqa(folder: Path) -> list[dict[str, Any]]:
     return records
 
 
+def _label(folder: Path, i: int, value: Any, n: int, *, first: int) -> int:
+    """A row's answer label as an index: ``value`` counts from ``first`` among ``n`` options."""
+    text = str(value).strip()
+    if not text.isdigit() or not first <= int(text) < n + first:
+        raise DataError(f"{folder}: row {i} has label {value!r} for {n} options; the data "
+                        "folder is corrupt")
+    return int(text) - first
+
+
+def convert_social_iqa(folder: Path) -> list[dict[str, Any]]:
+    """Social IQa: ``question`` = ``"CONTEXT QUESTION"``, ``choices`` = answerA..C,
+    ``answer`` = ``label - 1`` (the folder counts from 1)."""
+    columns = ["context", "question", "answerA", "answerB", "answerC", "label"]
+    return [{"question": f"{row['context'].strip()} {row['question'].strip()}",
+             "choices": [row["answerA"], row["answerB"], row["answerC"]],
+             "answer": _label(folder, i, row["label"], 3, first=1),
+             "id": f"social_i_qa/{Path(folder).name}/{i}"}
+            for i, row in enumerate(read_arrow_folder(folder, columns))]
+
+
+def convert_commonsenseqa(folder: Path) -> list[dict[str, Any]]:
+    """CommonsenseQA: five choices keyed by label, as ARC stores them."""
+    return _convert_keyed(folder, "question")
+
+
+def convert_winogrande(folder: Path) -> list[dict[str, Any]]:
+    """Winogrande: ``question`` = the sentence with its blank written ``___``, ``choices`` =
+    ``[option1, option2]``, ``answer`` = ``answer - 1``. One context for both options (calm's
+    format scores option texts after one question), not the harness's partial scoring that
+    puts each option into the sentence."""
+    columns = ["sentence", "option1", "option2", "answer"]
+    return [{"question": row["sentence"].replace("_", "___", 1),
+             "choices": [row["option1"], row["option2"]],
+             "answer": _label(folder, i, row["answer"], 2, first=1),
+             "id": f"winogrande/{Path(folder).name}/{i}"}
+            for i, row in enumerate(read_arrow_folder(folder, columns))]
+
+
+def convert_boolq(folder: Path) -> list[dict[str, Any]]:
+    """BoolQ: ``question`` = ``"PASSAGE\nQUESTION?"``, ``choices`` = ``["no", "yes"]``,
+    ``answer`` = 1 for a true answer."""
+    records = []
+    for i, row in enumerate(read_arrow_folder(folder, ["question", "answer", "passage"])):
+        if not isinstance(row["answer"], bool):
+            raise DataError(f"{folder}: row {i} has answer {row['answer']!r}, not true or "
+                            "false; the data folder is corrupt")
+        question = row["question"].strip().rstrip("?")
+        records.append({"question": f"{row['passage'].strip()}\n{question[:1].upper()}"
+                                    f"{question[1:]}?",
+                        "choices": ["no", "yes"], "answer": int(row["answer"]),
+                        "id": f"boolq/{Path(folder).name}/{i}"})
+    return records
+
+
+#: COPA's question word: what the premise is asked about
+_COPA_ASKS = {"cause": "What was the cause?", "effect": "What happened as a result?"}
+
+
+def convert_copa(folder: Path) -> list[dict[str, Any]]:
+    """COPA: ``question`` = the premise and what it asks (its cause or its effect),
+    ``choices`` = ``[choice1, choice2]``, ``answer`` = label."""
+    records = []
+    for i, row in enumerate(read_arrow_folder(folder, ["premise", "choice1", "choice2",
+                                                       "question", "label"])):
+        if row["question"] not in _COPA_ASKS:
+            raise DataError(f"{folder}: row {i} asks {row['question']!r}, not 'cause' or "
+                            "'effect'; the data folder is corrupt")
+        records.append({"question": f"{row['premise'].strip()} {_COPA_ASKS[row['question']]}",
+                        "choices": [row["choice1"], row["choice2"]],
+                        "answer": _label(folder, i, row["label"], 2, first=0),
+                        "id": f"copa/{Path(folder).name}/{i}"})
+    return records
+
+
 @dataclass(frozen=True)
 class Source:
     """A named data set: its record kind and how to convert it from ``hf_datasets/``."""
@@ -279,6 +358,21 @@ SOURCES: dict[str, Source] = {
                _in("openbookqa/main/validation", convert_openbookqa)),
         Source("piqa", "multiple_choice", "PIQA, validation split (1,838 goals, two solutions)",
                _in("piqa/plain_text/validation", convert_piqa)),
+        Source("social-iqa", "multiple_choice",
+               "Social IQa, validation split (1,954 questions, three answers)",
+               _in("social_i_qa/none/validation", convert_social_iqa)),
+        Source("commonsenseqa", "multiple_choice",
+               "CommonsenseQA, validation split (1,221 questions, five choices)",
+               _in("tau/commonsense_qa/none/validation", convert_commonsenseqa)),
+        Source("winogrande", "multiple_choice",
+               "Winogrande XL, validation split (1,267 sentences, two options)",
+               _in("winogrande/winogrande_xl/validation", convert_winogrande)),
+        Source("boolq", "multiple_choice",
+               "BoolQ, validation split (3,270 passages, yes or no)",
+               _in("boolq/none/validation", convert_boolq)),
+        Source("copa", "multiple_choice",
+               "COPA (SuperGLUE), validation split (100 premises, two alternatives)",
+               _in("super_glue/copa/validation", convert_copa)),
         Source("triviaqa", "open_qa",
                "TriviaQA rc.wikipedia.nocontext, validation split (7,993 questions)",
                _in("trivia_qa/rc.wikipedia.nocontext/validation", convert_triviaqa)),

