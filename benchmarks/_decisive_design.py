@@ -15,8 +15,8 @@ from _common import portable
 
 from calm_runtime.data.sets import load_dataset, split_records
 from calm_runtime.measure import metrics
-from calm_training.calm import data as calm_data
-from calm_training.calm.config import CalmConfig
+from calm_training.methods import calm as calm_train
+from calm_training.methods.calm import CalmConfig
 
 HERE = Path(__file__).resolve().parent
 logger = logging.getLogger("calm_decisive")
@@ -136,8 +136,8 @@ def config_for(args, settings: dict, seed: int) -> CalmConfig:
 # ---------------------------------------------------------------------------- data
 def validation_records():
     """``sciq:unlabeled`` with its labels: TS fit, default choice, gate readings."""
-    return split_records(load_dataset(f"{DOMAIN}:calibration"), calm_data.TRAIN_SPLIT_FRACTION,
-                         calm_data.TRAIN_SPLIT_SEED)[1]
+    return split_records(load_dataset(f"{DOMAIN}:calibration"), calm_train.TRAIN_SPLIT_FRACTION,
+                         calm_train.TRAIN_SPLIT_SEED)[1]
 
 
 def eval_sets(limit: int | None = None) -> dict:
@@ -157,8 +157,7 @@ def make_evaluator(args, mode: str, model=None):
     empty LoRA of the arms' shape."""
     import torch
 
-    from calm_training.calm.model import CalmModel
-    from calm_training.calm.option_eval import OptionEvaluator
+    from calm_training.methods.calm import CalmModel, OptionEvaluator
     from calm_training.scoring.local import uses_chat_template
 
     if model is None:

@@ -125,9 +125,9 @@ from calm_runtime.errors import FitError
 from calm_runtime.formats.artifact import CalibrationAdapter
 from calm_runtime.measure import metrics
 from calm_runtime.temperature import fit_temperature_scaling
-from calm_training.calm.trainer import train_calm
 from calm_training.fit import option_probabilities
 from calm_training.methods import THETA_ONLY
+from calm_training.methods.calm import train_calm
 
 
 def cft_lr_probe(args, arm: str, lr: float, gate: dict) -> dict:

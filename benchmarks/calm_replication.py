@@ -64,10 +64,9 @@ from calm_runtime.data.sets import load_dataset, split_records
 from calm_runtime.formats.artifact import CalibrationAdapter
 from calm_runtime.measure import metrics
 from calm_runtime.temperature import fit_temperature_scaling
-from calm_training.calm import data as calm_data
-from calm_training.calm.config import CalmConfig
-from calm_training.calm.trainer import train_calm
 from calm_training.fit import option_probabilities
+from calm_training.methods import calm as calm_train
+from calm_training.methods.calm import CalmConfig, train_calm
 
 HERE = Path(__file__).resolve().parent
 SETS = ("arc-easy", "sciq", "arc-challenge", "mmlu")
@@ -138,13 +137,12 @@ def _four(records):
 
 def _labeled_unlabeled_half(name: str):
     """``NAME:unlabeled`` with its labels (the TS fit set; no arm trained on its labels)."""
-    return split_records(load_dataset(f"{name}:calibration"), calm_data.TRAIN_SPLIT_FRACTION,
-                         calm_data.TRAIN_SPLIT_SEED)[1]
+    return split_records(load_dataset(f"{name}:calibration"), calm_train.TRAIN_SPLIT_FRACTION,
+                         calm_train.TRAIN_SPLIT_SEED)[1]
 
 
 def _evaluator(args):
-    from calm_training.calm.model import CalmModel
-    from calm_training.calm.option_eval import OptionEvaluator
+    from calm_training.methods.calm import CalmModel, OptionEvaluator
 
     config = CalmConfig(model=args.model, train=("-",), calibration=("-",), method="bilevel",
                         lora_rank=COMMON["lora_rank"], lora_alpha=COMMON["lora_alpha"])
@@ -162,9 +160,9 @@ def _device():
 def _probe(args, direction: str, arm: str, **settings) -> dict:
     """Train ``arm`` for the warm start + ``--probe-steps`` bilevel steps with ``settings``;
     its option NLL on ``DIR:train`` (labels of the training split only) and its last q."""
-    from calm_training.calm.option_eval import OptionEvaluator
+    from calm_training.methods.calm import OptionEvaluator
 
-    train = _four(calm_data.resolve_records(f"{direction}:train"))
+    train = _four(calm_train.resolve_records(f"{direction}:train"))
     config = _config(args, direction, arm, steps=args.warm_start_steps + args.probe_steps,
                      **settings)
     result = train_calm(config, None, progress=False)

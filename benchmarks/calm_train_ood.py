@@ -62,10 +62,9 @@ from calm_runtime.errors import CalmError
 from calm_runtime.formats.artifact import MANIFEST_NAME, CalibrationAdapter
 from calm_runtime.measure import metrics
 from calm_runtime.temperature import fit_temperature_scaling
-from calm_training.calm import data as calm_data
-from calm_training.calm.config import CalmConfig
-from calm_training.calm.trainer import train_calm
 from calm_training.fit import option_probabilities
+from calm_training.methods import calm as calm_train
+from calm_training.methods.calm import CalmConfig, train_calm
 
 HERE = Path(__file__).resolve().parent
 logger = logging.getLogger("calm_train_ood")
@@ -114,8 +113,8 @@ def eval_sets(limit: int | None = None, only=None) -> dict:
 
 def validation() -> list:
     """``sciq:unlabeled`` with its labels: the temperature-scaling fits."""
-    return split_records(load_dataset(f"{DOMAIN}:calibration"), calm_data.TRAIN_SPLIT_FRACTION,
-                         calm_data.TRAIN_SPLIT_SEED)[1]
+    return split_records(load_dataset(f"{DOMAIN}:calibration"), calm_train.TRAIN_SPLIT_FRACTION,
+                         calm_train.TRAIN_SPLIT_SEED)[1]
 
 
 def per_question(probs: np.ndarray, labels: np.ndarray) -> dict:
@@ -139,8 +138,7 @@ def summary(q: dict) -> dict:
 def evaluator(batch_size: int):
     import torch
 
-    from calm_training.calm.model import CalmModel
-    from calm_training.calm.option_eval import OptionEvaluator
+    from calm_training.methods.calm import CalmModel, OptionEvaluator
 
     defaults = CalmConfig(model=MODEL, train=("-",), calibration=("-",))
     model = CalmModel(defaults, torch.device("cpu"))
@@ -260,9 +258,9 @@ def fit_references(config, adapter, out: Path) -> dict:
     import dataclasses
     import tempfile
 
-    from calm_training.calm.finish import fit_base_temperature
+    from calm_training.methods.calm import fit_base_temperature
 
-    records = calm_data.load_records(config.calibration, labeled=False)[0]
+    records = calm_train.load_records(config.calibration, labeled=False)[0]
     fits = {}
     with tempfile.TemporaryDirectory(prefix="calm-ood-") as tmp:
         without = dataclasses.replace(adapter, temperature=1.0, answer_temperature=None,

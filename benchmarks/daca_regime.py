@@ -50,8 +50,8 @@ from calm_runtime.errors import ConfigError, FitError
 from calm_runtime.formats.artifact import CalibrationAdapter
 from calm_runtime.measure import metrics
 from calm_runtime.temperature import TemperatureFit, fit_temperature_scaling
-from calm_training.calm.data import TRAIN_PART, TRAIN_SPLIT_FRACTION, TRAIN_SPLIT_SEED
 from calm_training.fit import apply_fit, option_probabilities
+from calm_training.methods.calm import TRAIN_PART, TRAIN_SPLIT_FRACTION, TRAIN_SPLIT_SEED
 from calm_training.methods.daca import fit_daca_temperature
 from calm_training.methods.vector import VectorFit, fit_daca_vector_scaling
 from calm_training.posthoc.fit_config import DEFAULT_VARIANT

@@ -49,8 +49,8 @@ from calm_runtime.data.models import load_model_and_tokenizer
 from calm_runtime.data.sets import load_dataset, split_records
 from calm_runtime.formats.artifact import CalibrationAdapter
 from calm_runtime.measure import metrics
-from calm_training.calm.data import TRAIN_SPLIT_FRACTION, TRAIN_SPLIT_SEED, UNLABELED_PART
 from calm_training.methods import fit_method
+from calm_training.methods.calm import TRAIN_SPLIT_FRACTION, TRAIN_SPLIT_SEED, UNLABELED_PART
 from calm_training.posthoc.fit_config import DEFAULT_VARIANT
 from calm_training.posthoc.token_fit import (
     answer_positions,

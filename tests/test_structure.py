@@ -248,7 +248,7 @@ def test_a_fit_resolves_its_config_once():
 
 @pytest.mark.parametrize("start", ["calm_export.pipeline:export_engine:config",
                                    "calm_runtime.server.routes:completions:request",
-                                   "calm_training.calm.trainer:train_calm:config"])
+                                   "calm_training.methods.calm.trainer:train_calm:config"])
 def test_an_export_a_training_and_a_completion_request_stay_within_the_room_bound(start):
     """The export's settings, a training's settings (into the trainer object that holds them)
     and a completion request walked as the fit's config is: at most MAX_FIT_WALK's rooms
@@ -408,7 +408,7 @@ def _private_attribute_reads(tree: ast.AST, modules: set[str]) -> list[str]:
 
 
 def test_no_private_attribute_is_read_across_modules():
-    """``from calm_training.calm import data as calm_data; calm_data._Encoder`` reads a
+    """``from calm_training.methods.calm import data as calm_data; calm_data._Encoder`` reads a
     private name as surely as ``from x import _name`` does."""
     modules, crossing = set(_modules()), []
     for folder in PACKAGES.values():
@@ -420,10 +420,10 @@ def test_no_private_attribute_is_read_across_modules():
 
 
 def test_the_attribute_check_finds_a_private_read():
-    tree = ast.parse("from calm_training.calm import data as calm_data\n"
+    tree = ast.parse("from calm_training.methods.calm import data as calm_data\n"
                      "import numpy as np\nx = calm_data._Encoder(np._pyx)\n")
-    found = _private_attribute_reads(tree, {"calm_training.calm.data"})
-    assert found == ["calm_training.calm.data._Encoder"]
+    found = _private_attribute_reads(tree, {"calm_training.methods.calm.data"})
+    assert found == ["calm_training.methods.calm.data._Encoder"]
 
 
 #: the scoring modes are decided by calm_runtime.modes.Mode; nothing compares their names
@@ -522,7 +522,7 @@ ROOM_ORDER = {
                      "calm_runtime.inference", "calm_runtime.measure", "calm_runtime.server",
                      "calm_runtime.integrations", "calm_runtime.cli"],
     "calm_training": ["calm_training.scoring", "calm_training.posthoc", "calm_training.methods",
-                      "calm_training.calm", "calm_training"],
+                      "calm_training"],
     "calm_export": ["calm_export.graphs", "calm_export"],
 }
 
@@ -606,3 +606,44 @@ def test_the_server_never_compares_an_endpoint_by_name():
         if hits:
             where[str(path.relative_to(ROOT))] = sorted(hits)
     assert not where, where
+
+
+#: the training methods' folder: its modules are its own (the package's names are the way in)
+CALM_FOLDER = "calm_training.methods.calm"
+
+
+def _benchmark_modules() -> dict[str, Path]:
+    return {f"benchmarks.{p.stem}": p for p in sorted((ROOT / "benchmarks").glob("*.py"))}
+
+
+def test_no_module_outside_the_training_methods_folder_imports_its_modules():
+    """calm_training/methods/calm/ is entered through its package's names (``from
+    calm_training.methods.calm import CalmConfig, train_calm``); the registry alone reads its
+    ``method`` module, which lists the methods. Benchmarks count too."""
+    modules = _modules()
+    inside = {name for name in modules if name.startswith(CALM_FOLDER + ".")}
+    found = []
+    for name, path in {**modules, **_benchmark_modules()}.items():
+        if name == CALM_FOLDER or name in inside:
+            continue
+        for target in _imports(name, path, modules):
+            if target in inside and (name, target) != ("calm_training.methods",
+                                                       f"{CALM_FOLDER}.method"):
+                found.append(f"{name} -> {target}")
+    assert not found, found
+    assert inside >= {f"{CALM_FOLDER}.{m}" for m in ("trainer", "bilevel", "config", "model",
+                                                     "gate", "finish", "cft", "method")}
+
+
+def test_every_training_method_lives_in_its_folder():
+    """Each training method's object is defined in calm_training/methods/calm/method.py; no
+    module of the registry's room beside the folder defines one."""
+    defined = []
+    for name, path in _modules().items():
+        if not name.startswith("calm_training.methods") or name.startswith(CALM_FOLDER + "."):
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        defined += [f"{name}:{node.lineno}" for node in ast.walk(tree)
+                    if isinstance(node, ast.Call) and getattr(node.func, "id", "") in
+                    ("TrainMethod", "UpperObjective")]
+    assert not defined, defined

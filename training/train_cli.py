@@ -58,7 +58,7 @@ What the defaults do on real data, in and out of domain: docs/results.md.
 
 
 def register_train(sub) -> None:
-    from calm_training.calm.config import CalmConfig
+    from calm_training.methods.calm import CalmConfig
 
     d = CalmConfig.__dataclass_fields__
     t = sub.add_parser("train", help="CALM: train LoRA + per-token calibration (bilevel)",
@@ -104,10 +104,10 @@ def register_train(sub) -> None:
 
 def settings(flag: str) -> list:
     """The :class:`CalmConfig` fields ``calm train`` offers as ``flag`` (``"option"`` or
-    ``"set"``; ``calm_training.calm.config._setting``)."""
+    ``"set"``; ``calm_training.methods.calm.config._setting``)."""
     import dataclasses
 
-    from calm_training.calm.config import CalmConfig
+    from calm_training.methods.calm import CalmConfig
 
     return [f for f in dataclasses.fields(CalmConfig) if f.metadata.get("flag") == flag]
 
@@ -192,8 +192,7 @@ def _count_or_share(text: str) -> int | float:
 
 
 def _train(args) -> int:
-    from calm_training.calm.config import CalmConfig
-    from calm_training.calm.trainer import train_calm
+    from calm_training.methods.calm import CalmConfig, train_calm
 
     names = [f for f in CalmConfig.__dataclass_fields__ if hasattr(args, f)]
     values = {f: getattr(args, f) for f in names}
@@ -218,7 +217,7 @@ def _train(args) -> int:
         if result.alpha_gate is not None:
             print(f"  {result.alpha_gate['reason']}")
         if result.daca is not None:
-            from calm_training.calm.finish import part_lines
+            from calm_training.methods.calm import part_lines
 
             for line in part_lines(result.daca, result.adapter.metrics.get("holdout_parts")):
                 print(line)

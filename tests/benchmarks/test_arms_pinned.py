@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from calm_training.calm.config import LEGACY_SETTINGS, CalmConfig
+from calm_training.methods.calm.config import LEGACY_SETTINGS, CalmConfig
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 #: what a run supplies (model, data, seed and the run's machinery), not an arm's setting

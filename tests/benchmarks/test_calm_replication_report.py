@@ -134,7 +134,7 @@ def test_add_merges_arms_into_a_direction(bench):
 def test_calm_train_defaults_are_the_committed_default_arm(bench):
     """``calm train``'s defaults are the settings of the arm the committed replication chose
     (its learning rate: the smallest the probes chose), and plain ``lora`` keeps Adam."""
-    from calm_training.calm.config import CalmConfig
+    from calm_training.methods.calm.config import CalmConfig
 
     result = json.loads((BENCHMARKS / "results" / "calm_replication.json").read_text())
     arm = result["default_method"]

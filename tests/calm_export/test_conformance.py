@@ -332,7 +332,7 @@ def test_hf_checkpoint_reloads_with_the_calibrated_logits(case):
 def test_training_computes_the_family_logits(case):
     """calm train's answer head (decoder, head, then the family's post-head op) gives the
     model's own logits: soft cap and logit scaling included."""
-    from calm_training.calm.model import AnswerHead
+    from calm_training.methods.calm.model import AnswerHead
 
     ids = torch.tensor([case.tokenizer(LONG_PROMPT)["input_ids"]])
     positions = torch.tensor([3, 10, ids.shape[1] - 1])

@@ -12,11 +12,11 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 
 from calm_runtime.formats.artifact import CalibrationAdapter  # noqa: E402
-from calm_training.calm import data as calm_data  # noqa: E402
-from calm_training.calm.alpha_gate import option_share  # noqa: E402
-from calm_training.calm.config import CalmConfig  # noqa: E402
-from calm_training.calm.gate import decide_part  # noqa: E402
-from calm_training.calm.trainer import train_calm  # noqa: E402
+from calm_training.methods.calm import data as calm_data  # noqa: E402
+from calm_training.methods.calm.alpha_gate import option_share  # noqa: E402
+from calm_training.methods.calm.config import CalmConfig  # noqa: E402
+from calm_training.methods.calm.gate import decide_part  # noqa: E402
+from calm_training.methods.calm.trainer import train_calm  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("private_calm_cache")
 

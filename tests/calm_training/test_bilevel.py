@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from calm_runtime.errors import ConfigError  # noqa: E402
-from calm_training.calm.bilevel import (  # noqa: E402
+from calm_training.methods.calm.bilevel import (  # noqa: E402
     BomeOptions,
     bome_step,
     descent_step,

@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from calm_runtime.data.sets import MultipleChoiceRecord  # noqa: E402
-from calm_training.calm import data as calm_data  # noqa: E402
+from calm_training.methods.calm import data as calm_data  # noqa: E402
 from calm_training.scoring import local as scoring  # noqa: E402
 
 

@@ -16,9 +16,9 @@ from conftest import tiny_lora_dir  # noqa: E402
 from calm_runtime.cli.main import main  # noqa: E402
 from calm_runtime.errors import ConfigError, DataError  # noqa: E402
 from calm_runtime.formats.artifact import CalibrationAdapter  # noqa: E402
-from calm_training.calm import data as calm_data  # noqa: E402
-from calm_training.calm.config import CalmConfig  # noqa: E402
-from calm_training.calm.trainer import train_calm  # noqa: E402
+from calm_training.methods.calm import data as calm_data  # noqa: E402
+from calm_training.methods.calm.config import CalmConfig  # noqa: E402
+from calm_training.methods.calm.trainer import train_calm  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("private_calm_cache")
 
@@ -35,7 +35,7 @@ def _config(model, data, **kw):
 @pytest.fixture(scope="module")
 def calm_model(tiny_llama_tied, mc_file):
     """A CalmModel with a nonzero LoRA and random α (so every gradient path is live)."""
-    from calm_training.calm.model import CalmModel
+    from calm_training.methods.calm.model import CalmModel
 
     torch.manual_seed(5)
     m = CalmModel(_config(tiny_llama_tied, mc_file), torch.device("cpu"))
@@ -164,8 +164,8 @@ def test_init_lora_loads_the_given_weights(tiny_llama_tied, mc_file, tmp_path,
                                            tmp_path_factory):
     source = train_calm(_config(tiny_llama_tied, mc_file, method="lora", steps=2,
                                 outer_lr=1e-2), tmp_path / "lora", progress=False)
-    from calm_training.calm.model import CalmModel
-    from calm_training.calm.trainer import _lora_folder
+    from calm_training.methods.calm.model import CalmModel
+    from calm_training.methods.calm.trainer import _lora_folder
 
     for given in (tmp_path / "lora", tmp_path / "lora" / "lora"):  # calm adapter or peft folder
         m = CalmModel(_config(tiny_llama_tied, mc_file), torch.device("cpu"))
@@ -220,8 +220,8 @@ def test_option_evaluator_equals_the_project_scorer(tiny_llama_tied, mc_file, tm
     LoRA-merged model with the adapter applied; θ = 0 is the base model."""
     from calm_runtime.data.models import load_model_and_tokenizer
     from calm_runtime.data.sets import load_dataset
-    from calm_training.calm.model import CalmModel
-    from calm_training.calm.option_eval import OptionEvaluator
+    from calm_training.methods.calm.model import CalmModel
+    from calm_training.methods.calm.option_eval import OptionEvaluator
     from calm_training.scoring.local import score_multiple_choice
 
     trained = train_calm(_config(tiny_llama_tied, mc_file, steps=2, outer_lr=5e-2),
@@ -256,7 +256,7 @@ def test_train_help_shows_what_a_user_chooses_and_every_setting_is_reachable(cap
     import dataclasses
 
     from calm_training import train_cli
-    from calm_training.calm.config import CalmConfig
+    from calm_training.methods.calm.config import CalmConfig
 
     with pytest.raises(SystemExit):
         main(["train", "--help"])
@@ -289,14 +289,15 @@ def test_train_help_shows_what_a_user_chooses_and_every_setting_is_reachable(cap
 def test_q_growth_warns_once_per_window(caplog):
     from types import SimpleNamespace
 
-    from calm_training.calm.trainer import _Trainer
+    from calm_training.methods.calm.trainer import _Trainer
 
-    fake = SimpleNamespace(config=SimpleNamespace(q_window=3), history=[], q_warnings=0)
+    fake = SimpleNamespace(config=SimpleNamespace(q_window=3), state=SimpleNamespace(history=[]),
+                           q_warnings=0)
     qs = [0.5, 0.4, 0.3, 0.2, 0.2, 0.1, 0.3, 0.4, 0.5]  # falls, then grows
-    with caplog.at_level("WARNING", logger="calm_training.calm.trainer"):
+    with caplog.at_level("WARNING", logger="calm_training.methods.calm.trainer"):
         for step, q in enumerate(qs, 1):
             row = {"step": step, "q": q}
-            fake.history.append(row)
+            fake.state.history.append(row)
             _Trainer._watch_q(fake, row)
     assert fake.q_warnings == 1  # checked at steps 6 (fell) and 9 (grew)
     assert "q grew from" in caplog.text and "--set optimizer=sgd" in caplog.text

@@ -1,5 +1,6 @@
-"""Calibration-aware fine-tuning (calm_training.calm.cft): the loss against the published formula,
-its cross-entropy against CALM's lower level, and a training run on a tiny random Llama."""
+"""Calibration-aware fine-tuning (calm_training.methods.calm.cft): the loss against the
+published formula, its cross-entropy against CALM's lower level, and a training run on a tiny
+random Llama."""
 
 from __future__ import annotations
 
@@ -14,10 +15,10 @@ pytest.importorskip("peft")
 from calm_runtime.cli.main import main  # noqa: E402
 from calm_runtime.errors import ConfigError, DataError  # noqa: E402
 from calm_runtime.formats.artifact import CalibrationAdapter  # noqa: E402
-from calm_training.calm import data as calm_data  # noqa: E402
-from calm_training.calm.cft import CftBins, cft_loss, estimate_bins, other_targets  # noqa: E402
-from calm_training.calm.config import CalmConfig  # noqa: E402
-from calm_training.calm.trainer import train_calm  # noqa: E402
+from calm_training.methods.calm import data as calm_data  # noqa: E402
+from calm_training.methods.calm.cft import CftBins, cft_loss, estimate_bins, other_targets  # noqa: E402
+from calm_training.methods.calm.config import CalmConfig  # noqa: E402
+from calm_training.methods.calm.trainer import train_calm  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("private_calm_cache")
 
@@ -144,7 +145,7 @@ def test_bin_estimates():
 @pytest.mark.parametrize("mode", ["cloze", "letter"])
 def test_the_cross_entropy_part_is_the_lower_level_cross_entropy(mode, tiny_llama_tied,
                                                                   mc_file):
-    from calm_training.calm.model import CalmModel, answer_ce
+    from calm_training.methods.calm.model import CalmModel, answer_ce
     from calm_training.scoring.local import padding_id
 
     config = CalmConfig(model=str(tiny_llama_tied), train=(f"{mc_file}:train",),

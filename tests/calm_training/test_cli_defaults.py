@@ -66,6 +66,6 @@ def test_fit_and_eval_defaults_are_fitconfig_fields(command, least):
 def test_train_defaults_are_calmconfig_fields():
     """The options of its own (the rest, --set NAME=VALUE, takes the field's default by
     construction: test_calm_options)."""
-    from calm_training.calm.config import CalmConfig
+    from calm_training.methods.calm.config import CalmConfig
 
     assert _checked("train", CalmConfig) >= 10

@@ -7,7 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from calm_training.calm.bilevel import BomeOptions, bome_step, objective_from_loss  # noqa: E402
+from calm_training.methods.calm.bilevel import BomeOptions, bome_step, objective_from_loss  # noqa: E402
 
 
 def _problem(scale: float = 1.0):

@@ -20,8 +20,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 
 from calm_runtime.formats.artifact import CalibrationAdapter  # noqa: E402
-from calm_training.calm.config import CalmConfig  # noqa: E402
-from calm_training.calm.trainer import train_calm  # noqa: E402
+from calm_training.methods.calm.config import CalmConfig  # noqa: E402
+from calm_training.methods.calm.trainer import train_calm  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
                                 reason="torch.distributed is not available in this build")
@@ -98,8 +98,8 @@ def _late_looker(rank: int, port: int, folder: str, failures) -> None:
     from pathlib import Path
     from types import SimpleNamespace
 
-    from calm_training.calm import checkpoint
-    from calm_training.calm.model import Ranks
+    from calm_training.methods.calm import checkpoint
+    from calm_training.methods.calm.model import Ranks
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE="2")

@@ -1,4 +1,4 @@
-"""The do-no-harm gate's rule (calm_training.calm.gate): a paired Student-t interval on the
+"""The do-no-harm gate's rule (calm_training.methods.calm.gate): a paired Student-t interval on the
 NLL change, a paired interval on the accuracy change, fixed halves of the hold-out."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from calm_training.calm.gate import (
+from calm_training.methods.calm.gate import (
     ACCURACY_MARGIN,
     MIN_DECIDING,
     decide_part,

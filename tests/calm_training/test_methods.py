@@ -158,15 +158,15 @@ def test_an_unknown_fit_method_is_one_error_line(tmp_path):
 
 # ---------------------------------------------------------------------------- calm train
 def _calm_config(**kw):
-    from calm_training.calm.config import CalmConfig
+    from calm_training.methods.calm.config import CalmConfig
 
     return CalmConfig(**{"model": "m", "train": ("x:train",), "calibration": ("x:unlabeled",),
                          "steps": 10, **kw})
 
 
 def test_the_training_lists_are_the_registry():
-    from calm_training.calm import config as calm_config
-    from calm_training.calm import trainer
+    from calm_training.methods.calm import config as calm_config
+    from calm_training.methods.calm import trainer
 
     assert calm_config.METHODS == trainer.METHODS == methods.TRAIN_METHOD_NAMES == TRAIN_NAMES
     assert calm_config.UPPER_OBJECTIVES == ("entropy", "daca")
@@ -222,15 +222,14 @@ def test_an_unknown_training_method_is_one_error_line():
 @pytest.mark.parametrize("name", TRAIN_NAMES)
 def test_each_method_takes_its_own_outer_step(name, monkeypatch):
     pytest.importorskip("torch")
-    from calm_training.calm import bilevel
+    from calm_training.methods.calm import bilevel
 
     calls = []
     for step in ("bome_step", "regularization_step", "iterate_step", "descent_step"):
         monkeypatch.setattr(bilevel, step, lambda *a, _step=step, **kw: calls.append(
             (_step, a[5:], kw)))
     method = methods.train_method(name)
-    bilevel.outer_step(method, "theta", "alpha", "g", "f", "opt", "options", beta=0.7,
-                       reduce="mean")
+    method.solver.step("theta", "alpha", "g", "f", "opt", "options", beta=0.7, reduce="mean")
     want = {"bilevel": ("bome_step", ("options",), {}),
             "scalar": ("bome_step", ("options",), {}),
             "regularization": ("regularization_step", (0.7,), {}),
@@ -246,7 +245,7 @@ def test_each_method_takes_its_own_outer_step(name, monkeypatch):
 def test_the_model_carries_the_alpha_its_method_declares(name, freeze, tiny_llama_tied):
     torch = pytest.importorskip("torch")
     pytest.importorskip("peft")
-    from calm_training.calm.model import CalmModel
+    from calm_training.methods.calm.model import CalmModel
 
     method = methods.train_method(name)
     config = _calm_config(model=str(tiny_llama_tied), method=name, freeze_alpha=freeze,

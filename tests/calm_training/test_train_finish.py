@@ -1,4 +1,4 @@
-"""``calm train`` ends calibrated (calm_training.calm.finish): a DACA temperature of the
+"""``calm train`` ends calibrated (calm_training.methods.calm.finish): a DACA temperature of the
 trained model against the model before the LoRA that keeps every answer, gated on the
 hold-out like α, written into the same adapter with what each part did on the hold-out's
 reporting half; ``calm-export`` fuses all of it in one step."""
@@ -14,10 +14,10 @@ pytest.importorskip("peft")
 
 from calm_runtime.errors import FitError  # noqa: E402
 from calm_runtime.formats.artifact import CalibrationAdapter  # noqa: E402
-from calm_training.calm import data as calm_data  # noqa: E402
-from calm_training.calm import finish as finish_module  # noqa: E402
-from calm_training.calm.config import CalmConfig  # noqa: E402
-from calm_training.calm.trainer import train_calm  # noqa: E402
+from calm_training.methods.calm import data as calm_data  # noqa: E402
+from calm_training.methods.calm import finish as finish_module  # noqa: E402
+from calm_training.methods.calm.config import CalmConfig  # noqa: E402
+from calm_training.methods.calm.trainer import train_calm  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("private_calm_cache")
 
@@ -198,7 +198,7 @@ def test_no_daca_and_a_failed_fit_keep_the_trained_adapter(tiny_llama_tied, mc_f
 
 def test_a_failing_measurement_keeps_the_finished_training_for_resume(
         tiny_llama_tied, mc_file, tmp_path, monkeypatch):
-    from calm_training.calm import trainer
+    from calm_training.methods.calm import trainer
 
     def broken(self):
         raise ValueError("all input arrays must have the same shape")

@@ -14,9 +14,9 @@ from calm_runtime.cli.main import main  # noqa: E402
 from calm_runtime.data.sets import load_dataset, split_indices  # noqa: E402
 from calm_runtime.errors import ConfigError, DataError  # noqa: E402
 from calm_runtime.formats.artifact import CalibrationAdapter  # noqa: E402
-from calm_training.calm import data as calm_data  # noqa: E402
-from calm_training.calm.config import CalmConfig  # noqa: E402
-from calm_training.calm.trainer import train_calm  # noqa: E402
+from calm_training.methods.calm import data as calm_data  # noqa: E402
+from calm_training.methods.calm.config import CalmConfig  # noqa: E402
+from calm_training.methods.calm.trainer import train_calm  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("private_calm_cache")
 
@@ -246,9 +246,9 @@ def test_upper_params_all_moves_theta_along_the_finite_difference_gradient_of_f(
     that of ``upper_params=alpha`` is ``−lr (∇_θ f + (λ_all − λ_alpha) ∇_θ g)``, and its ∇_θ f
     part matches central finite differences of f (the options entropy on calibration
     questions) along random directions — f's gradient reaches the LoRA."""
-    from calm_training.calm.bilevel import BomeOptions, bome_step
-    from calm_training.calm.model import Ranks
-    from calm_training.calm.trainer import _Trainer
+    from calm_training.methods.calm.bilevel import BomeOptions, bome_step
+    from calm_training.methods.calm.model import Ranks
+    from calm_training.methods.calm.trainer import _Trainer
 
     config = _config(tiny_llama_tied, mc_file, batch_size=6, steps=1, optimizer="sgd",
                      upper_params="all", calibration_positions="options")

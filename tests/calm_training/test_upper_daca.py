@@ -12,9 +12,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 
 from calm_runtime.errors import ConfigError  # noqa: E402
-from calm_training.calm.config import CalmConfig  # noqa: E402
-from calm_training.calm.model import masked_reference_kl  # noqa: E402
-from calm_training.calm.trainer import train_calm  # noqa: E402
+from calm_training.methods.calm.config import CalmConfig  # noqa: E402
+from calm_training.methods.calm.model import masked_reference_kl  # noqa: E402
+from calm_training.methods.calm.trainer import train_calm  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("private_calm_cache")
 

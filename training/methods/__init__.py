@@ -1,6 +1,8 @@
-"""The methods of ``calm fit`` / ``calm eval --compare`` and of ``calm train``: one module a
-method family, its home (its mathematics, the object that fits and writes it, its own flags
-and the settings they set), and this registry of them by name (docs/methods.md §3, §4).
+"""The methods of ``calm fit`` / ``calm eval --compare`` and of ``calm train``: one home a
+method family (a module for a post-hoc family: its mathematics, the object that fits and
+writes it, its own flags and the settings they set; the folder ``calm/`` for ``calm train``'s
+methods), and this registry of them by name (docs/methods.md §3, §4). ``vanilla`` is an
+entry here, not a home: it fits nothing.
 
 :data:`FIT_METHODS` maps a post-hoc method's name to its
 :class:`~calm_training.methods.fit_method.FitMethod` (``vanilla``, ``daca`` with ``naive``,
@@ -11,7 +13,7 @@ plan and :meth:`~calm_training.methods.fit_method.FitMethod.write` onto an adapt
 (``add_arguments``), and :func:`fit_settings` reads back the
 :class:`~calm_training.posthoc.fit_config.FitConfig` settings they set (``SETTINGS``).
 :data:`TRAIN_METHODS` maps a training method's name to its
-:class:`~calm_training.methods.train_method.TrainMethod` (``calm``'s bilevel method and its
+:class:`~calm_training.methods.calm.method.TrainMethod` (``calm``'s bilevel method and its
 ablations, ``lora``, ``cft``); :data:`UPPER_SPECS` the upper objectives ``f`` (``--set upper``).
 The rest of calm_training asks these objects and never compares a method's name; the CLI's
 choices and the configs' validation are the names listed here.
@@ -22,17 +24,24 @@ from __future__ import annotations
 from calm_runtime.errors import ConfigError
 from calm_training.methods import fit_method as fit_method_home
 from calm_training.methods import threshold as threshold_home
-from calm_training.methods.calm import BILEVEL, ITERATE_ALPHA, ITERATE_THETA, REGULARIZATION, SCALAR
-from calm_training.methods.cft import CFT
+from calm_training.methods.calm.method import (
+    BILEVEL,
+    CFT,
+    DACA_UPPER,
+    ENTROPY,
+    ITERATE_ALPHA,
+    ITERATE_THETA,
+    LORA,
+    REGULARIZATION,
+    SCALAR,
+    TrainMethod,
+    UpperObjective,
+)
 from calm_training.methods.daca import DACA, NAIVE
 from calm_training.methods.fit_method import FitMethod
-from calm_training.methods.lora import LORA
 from calm_training.methods.platt import PLATT
 from calm_training.methods.threshold import THRESHOLD
-from calm_training.methods.train_method import TrainMethod, UpperObjective
 from calm_training.methods.ts import TS
-from calm_training.methods.upper import DACA_UPPER, ENTROPY
-from calm_training.methods.vanilla import VANILLA
 from calm_training.methods.vector import DACA_VECTOR, TS_VECTOR
 
 __all__ = ["ADAPTER_METHODS", "FIT_METHODS", "FitMethod", "KINDS", "LABEL_FREE", "METHODS",
@@ -43,6 +52,9 @@ __all__ = ["ADAPTER_METHODS", "FIT_METHODS", "FitMethod", "KINDS", "LABEL_FREE",
 
 
 # ---------------------------------------------------------------------------- calm fit
+#: the uncalibrated baseline, compared in every mode and never written
+VANILLA = FitMethod("vanilla", p_true=True, writes_adapter=False,
+                    refusal="vanilla is the uncalibrated baseline")
 _FIT = (VANILLA, NAIVE, DACA, DACA_VECTOR, TS, TS_VECTOR, THRESHOLD, PLATT)
 FIT_METHODS: dict[str, FitMethod] = {m.name: m for m in _FIT}
 #: the methods compared in the multiple-choice modes (the label-free ones need a reference

@@ -24,7 +24,7 @@ import math
 import numpy as np
 
 from calm_runtime.data.sets import MultipleChoiceRecord
-from calm_training.calm import data as calm_data
+from calm_training.methods.calm import data as calm_data
 
 __all__ = ["ACCURACY_MARGIN", "CONFIDENCE", "HALVES_SEED", "MIN_DECIDING", "decide_part",
            "gate_halves", "held_out", "paired_interval", "t_quantile"]

@@ -1,5 +1,5 @@
 """α's own effect on the hold-out's deciding half, measured before a ``calm train`` adapter
-is written (docs/methods.md §4); :mod:`calm_training.calm.gate` decides from it.
+is written (docs/methods.md §4); :mod:`calm_training.methods.calm.gate` decides from it.
 
 The trained θ is read on training questions held out of training twice: with the learned α
 and with α at the identity, with measures that see a reordering as well as a softening —
@@ -21,8 +21,8 @@ def measure_alpha_share(model, examples, pad_id: int, batch_size: int) -> dict:
     ``calm_data.encode_labeled_options``): with α against the same θ without it."""
     import torch
 
-    from calm_training.calm import data as calm_data
-    from calm_training.calm.model import option_log_probs, stack_option_rows
+    from calm_training.methods.calm import data as calm_data
+    from calm_training.methods.calm.model import option_log_probs, stack_option_rows
 
     theta = [t.detach() for t in model.theta]
     alpha = [a.detach() for a in model.alpha]
@@ -47,7 +47,7 @@ def measure_answer_nll(model, examples, pad_id: int, batch_size: int) -> dict:
     α and without it."""
     import torch
 
-    from calm_training.calm import data as calm_data
+    from calm_training.methods.calm import data as calm_data
 
     theta = [t.detach() for t in model.theta]
     alpha = [a.detach() for a in model.alpha]

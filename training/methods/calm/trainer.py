@@ -2,7 +2,7 @@
 
 :func:`train_calm` loads the model, wraps it with a peft LoRA, and runs ``config.steps``
 outer steps of the chosen method (:data:`METHODS`) with the step functions of
-:mod:`calm_training.calm.bilevel`, then writes a calibration adapter of kind ``calm`` (or the
+:mod:`.bilevel`, then writes a calibration adapter of kind ``calm`` (or the
 ablation's kind): ``tau = exp(log_tau)``, ``shift = l``, ``temperature = 1``, the peft LoRA
 folder, provenance and the training curve.
 
@@ -40,8 +40,9 @@ import numpy as np
 from calm_runtime import modes
 from calm_runtime.errors import ConfigError, FitError
 from calm_runtime.formats.artifact import CalibrationAdapter
-from calm_training.calm import data as calm_data
-from calm_training.calm.config import (
+from calm_training.methods import upper_objective
+from calm_training.methods.calm import data as calm_data
+from calm_training.methods.calm.config import (
     ALPHA_TOKENS,
     METHODS,
     OPTIMIZERS,
@@ -49,8 +50,8 @@ from calm_training.calm.config import (
     UPPER_PARAMS,
     CalmConfig,
 )
-from calm_training.calm.gate import held_out
-from calm_training.methods import upper_objective
+from calm_training.methods.calm.gate import held_out
+from calm_training.methods.calm.state import TrainingState
 
 __all__ = ["METHODS", "OPTIMIZERS", "PHI_MODES", "UPPER_PARAMS", "ALPHA_TOKENS", "CalmConfig",
            "TrainResult", "train_calm", "latest_checkpoint"]
@@ -71,14 +72,14 @@ class TrainResult:
     trained_alpha: tuple | None = field(default=None, repr=False)
     #: the α gate's measures and decision (``method["alpha_gate"]`` of the adapter)
     alpha_gate: dict | None = None
-    #: the DACA temperature against the base (``method["daca"]``; calm_training.calm.finish)
+    #: the DACA temperature against the base (``method["daca"]``; calm_training.methods.calm.finish)
     daca: dict | None = None
 
 
 # ---------------------------------------------------------------------------- training
 def latest_checkpoint(folder: str | os.PathLike):
     """The newest checkpoint folder in ``folder`` (``<out>.checkpoints``), or None."""
-    from calm_training.calm.checkpoint import latest_checkpoint as latest
+    from calm_training.methods.calm.checkpoint import latest_checkpoint as latest
 
     return latest(folder)
 
@@ -95,7 +96,7 @@ def train_calm(config: CalmConfig, out: str | os.PathLike | None, *, resume: boo
         raise ConfigError(f"{out} already exists; choose another --out or pass --overwrite")
     if checkpoint_dir is None and out is not None:
         checkpoint_dir = Path(out).with_name(Path(out).name + ".checkpoints")
-    from calm_training.calm.model import Ranks, pick_device
+    from calm_training.methods.calm.model import Ranks, pick_device
 
     device = pick_device(config)
     dist = Ranks(device)
@@ -110,8 +111,8 @@ class _Trainer:
     def __init__(self, config: CalmConfig, device, dist, checkpoint_dir) -> None:
         import torch
 
-        from calm_training.calm.bilevel import BomeOptions
-        from calm_training.calm.model import CalmModel
+        from calm_training.methods.calm.bilevel import BomeOptions
+        from calm_training.methods.calm.model import CalmModel
         from calm_training.scoring.local import padding_id, uses_chat_template
 
         per_step = dist.world * config.grad_accumulation
@@ -125,7 +126,6 @@ class _Trainer:
         #: what the method and the upper objective decide (calm_training.methods)
         self.method = config.train_method
         self.upper = upper_objective(config.upper)
-        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.model = CalmModel(config, device)
         chat = (modes.mode(config.mode).chat_prompts
                 and uses_chat_template(self.model.tokenizer, config.chat))
@@ -147,7 +147,7 @@ class _Trainer:
             cal, **encode, positions=config.calibration_positions, entropy=config.entropy,
             variant=config.cloze_variant)
         if self.upper.needs_reference:
-            from calm_training.calm.reference import reference_option_probs, with_reference
+            from calm_training.methods.calm.reference import reference_option_probs, with_reference
 
             probs = reference_option_probs(config.reference, cal, mode=config.mode,
                                            variant=config.cloze_variant, chat=config.chat,
@@ -166,38 +166,27 @@ class _Trainer:
         groups = [{"params": self.model.theta, "lr": config.theta_lr}]
         if self.model.alpha:
             groups.append({"params": self.model.alpha, "lr": config.alpha_step_lr})
-        self.outer_optimizer = (torch.optim.Adam(groups) if config.optimizer == "adam" else
-                                torch.optim.SGD(groups, momentum=config.momentum))
-        self.warm_optimizer = (torch.optim.Adam(self.model.theta, lr=config.warm_start_lr)
-                               if config.warm_steps else None)
+        self.state = TrainingState(
+            config=config, model=self.model, dist=dist,
+            outer_optimizer=(torch.optim.Adam(groups) if config.optimizer == "adam" else
+                             torch.optim.SGD(groups, momentum=config.momentum)),
+            warm_optimizer=(torch.optim.Adam(self.model.theta, lr=config.warm_start_lr)
+                            if config.warm_steps else None),
+            checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir is not None else None)
         self.options = BomeOptions(inner_steps=config.inner_steps,
                                    inner_lr=config.inner_step_lr,
                                    inner_optimizer=config.inner_optimizer,
                                    eta=config.eta, phi=config.phi,
                                    epsilon=CalmConfig.LAMBDA_EPSILON,
                                    upper_theta=config.upper_params == "all")
-        self.history: list[dict] = []
-        #: the last step's checkpoint this run wrote before measuring (checkpoint.py)
-        self.made_final_checkpoint = None
-        self.step = 0
         self.q_warnings = 0
-        if config.checkpoint_every and self.checkpoint_dir is None:
+        if config.checkpoint_every and self.state.checkpoint_dir is None:
             logger.warning("checkpoint_every=%d but no checkpoint directory (no --out); no "
                            "checkpoints will be written", config.checkpoint_every)
 
-    @property
-    def warming(self) -> bool:
-        """Whether the next step is a warm-start (plain LoRA) step."""
-        return self.warm_optimizer is not None and self.step < self.config.warm_steps
-
-    @property
-    def optimizer(self):
-        """The optimizer of the next step (the warm start's, then the method's)."""
-        return self.warm_optimizer if self.warming else self.outer_optimizer
-
     def _batches(self, examples, batch_size: int, stream: int):
-        idx = calm_data.batch_indices(len(examples), batch_size, self.step, self.config.seed,
-                                      stream)[self.dist.rank::self.dist.world]
+        idx = calm_data.batch_indices(len(examples), batch_size, self.state.step,
+                                      self.config.seed, stream)[self.dist.rank::self.dist.world]
         return [calm_data.collate([examples[i] for i in chunk], len(idx), self.pad)
                 .to(self.device) for chunk in np.array_split(idx, self.config.grad_accumulation)]
 
@@ -205,8 +194,8 @@ class _Trainer:
         """Confidence-bin accuracies and sizes of the training split at the starting θ."""
         import torch
 
-        from calm_training.calm.cft import estimate_bins
-        from calm_training.calm.model import option_log_probs, stack_option_rows
+        from calm_training.methods.calm.cft import estimate_bins
+        from calm_training.methods.calm.model import option_log_probs, stack_option_rows
 
         # the micro-batch size of training: what fits in memory there fits here
         m = self.model
@@ -229,7 +218,7 @@ class _Trainer:
     def one_step(self) -> dict:
         import torch
 
-        from calm_training.calm.bilevel import descent_step, outer_step
+        from calm_training.methods.calm.bilevel import descent_step
 
         cfg, m = self.config, self.model
         m.cft_parts = {"ce": 0.0, "l_cal": 0.0}
@@ -238,7 +227,7 @@ class _Trainer:
         upper = m.objective(self._batches(self.cal_examples, cfg.cal_batch_size, 1),
                             self.upper.loss(cfg.entropy), alpha_l2=cfg.alpha_l2)
         reduce = self.dist.reduce
-        warming = self.warming
+        warming = self.state.warming
         phase = "warm-start" if warming else cfg.method
         g_identity = None  # g with α at the identity (comparable with plain LoRA's g)
         if m.alpha and not warming:
@@ -247,20 +236,21 @@ class _Trainer:
             value = value.reshape(1).to(device=m.theta[0].device, dtype=torch.float64)
             g_identity = float(reduce(value)[0])
         if warming:  # plain LoRA steps before the method's own
-            stats = descent_step(m.theta, m.alpha, lower, upper, self.optimizer, reduce=reduce)
+            stats = descent_step(m.theta, m.alpha, lower, upper, self.state.optimizer,
+                                 reduce=reduce)
         else:
-            stats = outer_step(self.method, m.theta, m.alpha, lower, upper, self.optimizer,
-                               self.options, beta=cfg.beta, reduce=reduce)
+            stats = self.method.solver.step(m.theta, m.alpha, lower, upper, self.state.optimizer,
+                                            self.options, beta=cfg.beta, reduce=reduce)
         if g_identity is None:
             g_identity = stats.g
-        self.step += 1
+        self.state.step += 1
         tau, shift = m.tau_shift()
         if self.cft:  # this rank's parts of g (the CE and L_cal of its share of the batch)
             stats = {**stats.to_dict(), "cft_ce": m.cft_parts["ce"],
                      "cft_l_cal": m.cft_parts["l_cal"]}
         else:
             stats = stats.to_dict()
-        return {"step": self.step, "phase": phase, **stats, "g_identity": g_identity,
+        return {"step": self.state.step, "phase": phase, **stats, "g_identity": g_identity,
                 "tau_min": float(tau.min()), "tau_max": float(tau.max()),
                 "tau_mean": float(tau.mean()), "shift_min": float(shift.min()),
                 "shift_max": float(shift.max()), "shift_mean": float(shift.mean())}
@@ -268,7 +258,7 @@ class _Trainer:
     def _watch_q(self, row: dict) -> None:
         """Warn when q grew: mean over the last ``q_window`` steps above the window before."""
         n = self.config.q_window
-        qs = [r["q"] for r in self.history if r.get("q") is not None]
+        qs = [r["q"] for r in self.state.history if r.get("q") is not None]
         if row.get("q") is None or len(qs) < 2 * n or len(qs) % n:
             return
         before, last = float(np.mean(qs[-2 * n:-n])), float(np.mean(qs[-n:]))
@@ -286,13 +276,14 @@ class _Trainer:
         if resume:
             self._load_latest()
         started = time.perf_counter()
-        bar = tqdm(total=cfg.steps, initial=self.step, desc=f"calm {cfg.method}", unit="step",
+        bar = tqdm(total=cfg.steps, initial=self.state.step, desc=f"calm {cfg.method}",
+                   unit="step",
                    disable=not progress or self.dist.rank != 0)
         warned = False
-        self.inner_increases = sum(1 for r in self.history if (r.get("q") or 0) < 0)
-        while self.step < cfg.steps:
+        self.inner_increases = sum(1 for r in self.state.history if (r.get("q") or 0) < 0)
+        while self.state.step < cfg.steps:
             row = self.one_step()
-            self.history.append(row)
+            self.state.history.append(row)
             for key in ("f", "g", "q", "lam", "tau_min", "tau_max", "shift_min", "shift_max"):
                 value = row[key]
                 if value is not None and not math.isfinite(value):
@@ -310,16 +301,16 @@ class _Trainer:
                                    row["q"], cfg.inner_step_lr)
             bar.set_postfix_str(_log_line(row, short=True), refresh=False)
             bar.update(1)
-            if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+            if cfg.checkpoint_every and self.state.step % cfg.checkpoint_every == 0:
                 self._save_checkpoint()
         bar.close()
         seconds = time.perf_counter() - started
         trained_alpha = self.model.tau_shift() if self.model.alpha else None
         # the finished training is checkpointed before anything measures it, so that a
         # measurement that fails loses nothing: `--resume` writes the adapter from there
-        from calm_training.calm.checkpoint import drop_final_checkpoint, final_checkpoint
+        from calm_training.methods.calm.checkpoint import drop_final_checkpoint, final_checkpoint
 
-        final = final_checkpoint(self) if out is not None else None
+        final = final_checkpoint(self.state) if out is not None else None
         try:
             self.alpha_gate = self._alpha_gate()
             adapter = self._adapter(seconds)
@@ -336,15 +327,15 @@ class _Trainer:
                 adapter.lora_path = Path(tmp)
                 adapter.save_pretrained(out, overwrite=overwrite)
             logger.info("wrote %s (kind %s) after %d steps in %.0f s", out, adapter.kind,
-                        self.step, seconds)
+                        self.state.step, seconds)
             # the training is on disk now; what follows only adds to it
-            from calm_training.calm.finish import finish
+            from calm_training.methods.calm.finish import finish
 
             adapter, daca = finish(cfg, Path(out), self.cal_records, self.holdout_records,
                                    progress=progress)
-            drop_final_checkpoint(self, final)
+            drop_final_checkpoint(self.state, final)
         self.dist.barrier()
-        return TrainResult(adapter=adapter, history=self.history,
+        return TrainResult(adapter=adapter, history=self.state.history,
                            out=Path(out) if out is not None else None, seconds=seconds,
                            model=self.model, trained_alpha=trained_alpha,
                            alpha_gate=self.alpha_gate, daca=daca)
@@ -352,8 +343,8 @@ class _Trainer:
     def _alpha_gate(self) -> dict | None:
         """Measure α's own effect on the hold-out's deciding half and reset α to the identity
         unless the gate keeps it (calm.gate.decide_part); None for methods without α."""
-        from calm_training.calm.alpha_gate import measure_alpha_share, measure_answer_nll
-        from calm_training.calm.gate import decide_part
+        from calm_training.methods.calm.alpha_gate import measure_alpha_share, measure_answer_nll
+        from calm_training.methods.calm.gate import decide_part
 
         if not self.model.alpha:
             return None
@@ -384,10 +375,10 @@ class _Trainer:
                 "decision": decision}
 
     def coupling(self) -> dict:
-        """Whether BOME's coupling engaged (calm_training.calm.bilevel.coupling_summary)."""
-        from calm_training.calm.bilevel import coupling_summary
+        """Whether BOME's coupling engaged (calm_training.methods.calm.bilevel.coupling_summary)."""
+        from calm_training.methods.calm.bilevel import coupling_summary
 
-        return coupling_summary(self.history, self.config.eta)
+        return coupling_summary(self.state.history, self.config.eta)
 
     # ------------------------------------------------------------------ artifact
     def _adapter(self, seconds: float) -> CalibrationAdapter:
@@ -403,10 +394,11 @@ class _Trainer:
                 "d_dot_grad_q", "cos_f_q", "grad_alpha_q_norm", "grad_alpha_f_norm",
                 "inner_move", "tau_min", "tau_max", "shift_min", "shift_max",
                 *(("cft_ce", "cft_l_cal") if self.cft else ()))
-        every = max(1, math.ceil(len(self.history) / 50))
-        curve = [{k: r.get(k) for k in keys} for r in self.history[::every]]
-        if self.history and curve[-1]["step"] != self.history[-1]["step"]:
-            curve.append({k: self.history[-1].get(k) for k in keys})
+        history = self.state.history
+        every = max(1, math.ceil(len(history) / 50))
+        curve = [{k: r.get(k) for k in keys} for r in history[::every]]
+        if history and curve[-1]["step"] != history[-1]["step"]:
+            curve.append({k: history[-1].get(k) for k in keys})
         centered = self.model.center and bool(self.model.alpha)
         return CalibrationAdapter(
             base_model=self.model.identity, tau=tau, shift=shift, temperature=1.0,
@@ -421,12 +413,12 @@ class _Trainer:
                                           else int(self.model.alpha_index.numel())),
                     **({"cft_bins": self.cft["bins"].to_dict()} if self.cft else {}),
                     **({"alpha_gate": self.alpha_gate} if self.alpha_gate else {})},
-            metrics={"training": {"steps": self.step, "seconds": round(seconds, 3),
+            metrics={"training": {"steps": self.state.step, "seconds": round(seconds, 3),
                                   "q_growth_warnings": self.q_warnings,
                                   "inner_increases": self.inner_increases,
                                   "coupling": self.coupling(),
-                                  "first": self.history[0] if self.history else None,
-                                  "last": self.history[-1] if self.history else None,
+                                  "first": history[0] if history else None,
+                                  "last": history[-1] if history else None,
                                   "curve": curve}},
             provenance={"model": self.model.identity.to_dict(), "model_spec": cfg.model,
                         "model_fingerprint": model_fingerprint(self.model.folder),
@@ -439,21 +431,23 @@ class _Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def _save_checkpoint(self) -> None:
-        from calm_training.calm.checkpoint import save_checkpoint
+        from calm_training.methods.calm.checkpoint import save_checkpoint
 
-        if self.dist.rank == 0 and self.checkpoint_dir is not None:
-            save_checkpoint(self, self.checkpoint_dir / f"step-{self.step:06d}")
+        state = self.state
+        if self.dist.rank == 0 and state.checkpoint_dir is not None:
+            save_checkpoint(state, state.checkpoint_dir / f"step-{state.step:06d}")
         self.dist.barrier()
 
     def _load_latest(self) -> None:
-        from calm_training.calm.checkpoint import latest_checkpoint, load_checkpoint
+        from calm_training.methods.calm.checkpoint import latest_checkpoint, load_checkpoint
 
-        folder = latest_checkpoint(self.checkpoint_dir) if self.checkpoint_dir else None
+        where = self.state.checkpoint_dir
+        folder = latest_checkpoint(where) if where else None
         if folder is None:
-            raise ConfigError(f"--resume: no checkpoint in {self.checkpoint_dir}; train without "
+            raise ConfigError(f"--resume: no checkpoint in {where}; train without "
                               "--resume or point --checkpoint-dir at the run's checkpoints")
-        load_checkpoint(self, folder)
-        logger.info("resumed from %s at step %d", folder, self.step)
+        load_checkpoint(self.state, folder)
+        logger.info("resumed from %s at step %d", folder, self.state.step)
 
 
 def _lora_folder(path: str) -> Path:

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 
 from calm_runtime.errors import ConfigError
 from calm_runtime.modes import CHOICE_MODES, CLOZE_VARIANTS, DEFAULT_CLOZE_VARIANT
-from calm_training.calm import data as calm_data
 from calm_training.methods import (
     KINDS,
     THETA_ONLY,
@@ -21,6 +20,7 @@ from calm_training.methods import (
     train_method,
 )
 from calm_training.methods import TRAIN_METHOD_NAMES as METHODS
+from calm_training.methods.calm import data as calm_data
 
 __all__ = ["METHODS", "THETA_ONLY", "OPTIMIZERS", "INNER_OPTIMIZERS", "PHI_MODES",
            "UPPER_PARAMS", "ALPHA_TOKENS", "ALPHA_LOGITS", "UPPER_OBJECTIVES", "DEFAULT_LR",
@@ -30,14 +30,14 @@ __all__ = ["METHODS", "THETA_ONLY", "OPTIMIZERS", "INNER_OPTIMIZERS", "PHI_MODES
 # KINDS (their adapter kinds) and UPPER_OBJECTIVES: calm_training.methods decides each
 
 OPTIMIZERS = ("adam", "sgd")
-#: the inner solver of BOME's θ~ (calm_training.calm.bilevel.INNER_OPTIMIZERS, torch-free here)
+#: the inner solver of BOME's θ~ (bilevel.INNER_OPTIMIZERS, torch-free here)
 INNER_OPTIMIZERS = ("sgd", "adam")
 #: inner step sizes when none is given: Adam's steps are about the rate per coordinate
 DEFAULT_INNER_LR = {"sgd": 0.01, "adam": 1e-3}
 #: what τ divides: the raw logits, or the logits centred on their vocabulary mean
 #: (docs/methods.md §1; the adapter records it)
 ALPHA_LOGITS = ("raw", "centered")
-PHI_MODES = ("grad", "value")  # the same as calm_training.calm.bilevel.PHI_MODES (torch-free here)
+PHI_MODES = ("grad", "value")  # the same as bilevel.PHI_MODES (torch-free here)
 UPPER_PARAMS = ("all", "alpha")
 ALPHA_TOKENS = ("all", "options")
 #: (LoRA, α) outer learning rates when none is given: plain SGD needs steps about a hundred
@@ -73,7 +73,7 @@ class CalmConfig:
 
     Attributes:
         model: the model to fine-tune (packaged name, folder or .gguf; ``resolve_model``).
-        train: labeled training data specs (``NAME:train``, see :mod:`calm_training.calm.data`).
+        train: labeled training data specs (``NAME:train``, see :mod:`.data`).
         calibration: unlabeled calibration data specs (``NAME:unlabeled``).
         method: one of :data:`METHODS`.
         mode: ``cloze`` (CE on the correct option's text) or ``letter`` (CE on its letter)
@@ -123,14 +123,14 @@ class CalmConfig:
             temperature's reference; ``upper="daca"`` needs one named).
         daca: after training, fit a DACA temperature of the trained model against
             ``reference`` on the calibration set, in ``mode``, and write it into the same
-            adapter (calm_training.calm.finish); False: the adapter has no temperature.
+            adapter (calm_training.methods.calm.finish); False: the adapter has no temperature.
         holdout: training questions held out of training for the do-no-harm gate
-            (calm_training.calm.gate) of α and of T: a count (an integer; at most half of
+            (calm_training.methods.calm.gate) of α and of T: a count (an integer; at most half of
             the training questions are held out, and the run says when it cut the count) or
             a share (a float in (0, 1)). The first half of the hold-out decides whether α and
             T are written, the other half reports what each part did. 0: no hold-out, α and
             T written as fitted, unmeasured.
-        cft_weight: ``cft`` only: ``w`` in ``(1 − w)·CE + w·c·L_cal`` (calm_training.calm.cft).
+        cft_weight: ``cft`` only: ``w`` in ``(1 − w)·CE + w·c·L_cal`` (:mod:`.cft`).
         cft_scale: ``cft`` only: ``c``, the scale of the calibration term.
         cft_bins: ``cft`` only: equal-width confidence bins of ``L_cal``.
         freeze_alpha: keep α at the identity (no α variables at all): the method's exact

@@ -5,7 +5,7 @@ A checkpoint is a folder ``step-NNNNNN`` holding ``tensors.safetensors`` (LoRA t
 torch RNG state ``rng/torch``) and ``state.json`` (format, step, settings, LoRA tensor
 names, the optimizer's non-tensor state, the training history). No pickle anywhere.
 ``--resume`` checks a checkpoint as a whole before restoring any of it
-(:mod:`calm_training.calm.checkpoint_check`).
+(:mod:`calm_training.methods.calm.checkpoint_check`).
 """
 
 from __future__ import annotations
@@ -14,16 +14,21 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from calm_runtime.files import atomic_directory
-from calm_training.calm.checkpoint_check import (
+from calm_training.methods.calm.checkpoint_check import (
     CHECKPOINT_FORMAT,
     RESUMABLE_CHANGES,
     read_checkpoint,
     step_number,
 )
+
+if TYPE_CHECKING:
+    from calm_training.methods.calm.state import TrainingState
+
 
 __all__ = ["CHECKPOINT_FORMAT", "RESUMABLE_CHANGES", "drop_final_checkpoint",
            "final_checkpoint", "latest_checkpoint", "save_checkpoint", "load_checkpoint"]
@@ -40,16 +45,16 @@ def latest_checkpoint(folder: str | os.PathLike) -> Path | None:
     return found[-1][1] if found else None
 
 
-def save_checkpoint(trainer, target: Path, keep: int = 2) -> None:
+def save_checkpoint(state: TrainingState, target: Path, keep: int = 2) -> None:
     """Write LoRA, α, optimizer state and RNG (safetensors) plus JSON state, atomically."""
     from safetensors.torch import save_file
 
-    m = trainer.model
+    m = state.model
     tensors = {f"theta/{n}": p.detach() for n, p in zip(m.names, m.theta, strict=True)}
     tensors.update({f"alpha/{n}": a.detach() for n, a in zip(m.alpha_names, m.alpha, strict=True)})
-    state = trainer.optimizer.state_dict()
+    optim = state.optimizer.state_dict()
     scalars = {}
-    for index, entry in state["state"].items():
+    for index, entry in optim["state"].items():
         for key, value in entry.items():
             if torch.is_tensor(value):
                 tensors[f"optim/{index}/{key}"] = value
@@ -57,9 +62,9 @@ def save_checkpoint(trainer, target: Path, keep: int = 2) -> None:
                 scalars[f"{index}/{key}"] = value
     tensors["rng/torch"] = torch.get_rng_state()
     tensors = {k: v.detach().cpu().clone().contiguous() for k, v in tensors.items()}
-    payload = {"format": CHECKPOINT_FORMAT, "step": trainer.step,
-               "config": trainer.config.to_dict(), "theta_names": m.names,
-               "optimizer_scalars": scalars, "history": trainer.history}
+    payload = {"format": CHECKPOINT_FORMAT, "step": state.step,
+               "config": state.config.to_dict(), "theta_names": m.names,
+               "optimizer_scalars": scalars, "history": state.history}
     with atomic_directory(target, overwrite=True) as staging:
         save_file(tensors, str(staging / "tensors.safetensors"))
         (staging / "state.json").write_text(json.dumps(payload, indent=1) + "\n")
@@ -71,13 +76,13 @@ def save_checkpoint(trainer, target: Path, keep: int = 2) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
-def load_checkpoint(trainer, folder: Path) -> None:
-    """Restore a :func:`save_checkpoint` folder into ``trainer``: the whole checkpoint is
+def load_checkpoint(state: TrainingState, folder: Path) -> None:
+    """Restore a :func:`save_checkpoint` folder into ``state``: the whole checkpoint is
     read and checked against the model, optimizer and settings being resumed first
-    (:func:`~calm_training.calm.checkpoint_check.read_checkpoint`, one line on anything that
+    (:func:`~calm_training.methods.calm.checkpoint_check.read_checkpoint`, one line on anything that
     does not match), and only then is any state restored."""
-    checked = read_checkpoint(trainer, folder)
-    m = trainer.model
+    checked = read_checkpoint(state, folder)
+    m = state.model
     with torch.no_grad():
         for p, value in zip(m.theta, checked.theta, strict=True):
             p.copy_(value)
@@ -87,34 +92,34 @@ def load_checkpoint(trainer, folder: Path) -> None:
     checked.optimizer.load_state_dict({"state": checked.optimizer_state,
                                        "param_groups": groups})
     torch.set_rng_state(checked.rng)
-    trainer.step = checked.step  # which optimizer is active depends on the step
-    trainer.history = checked.history
+    state.step = checked.step  # which optimizer is active depends on the step
+    state.history = checked.history
 
 
-def final_checkpoint(trainer) -> Path | None:
-    """The checkpoint of ``trainer``'s last step, written before the finished training is
-    measured (unless ``checkpoint_every`` already wrote it; then it is not the trainer's to
+def final_checkpoint(state: TrainingState) -> Path | None:
+    """The checkpoint of ``state``'s last step, written before the finished training is
+    measured (unless ``checkpoint_every`` already wrote it; then it is not this run's to
     remove); None without a checkpoint directory."""
-    if trainer.checkpoint_dir is None:
+    if state.checkpoint_dir is None:
         return None
-    folder = trainer.checkpoint_dir / f"step-{trainer.step:06d}"
+    folder = state.checkpoint_dir / f"step-{state.step:06d}"
     # rank 0 looks and says: a rank that looked after rank 0 wrote it would skip the
     # barrier below and leave the ranks' barriers paired wrongly
-    if not trainer.dist.rank0s((folder / "state.json").is_file()):
-        if trainer.dist.rank == 0:
-            save_checkpoint(trainer, folder)
-        trainer.dist.barrier()
-        trainer.made_final_checkpoint = folder
+    if not state.dist.rank0s((folder / "state.json").is_file()):
+        if state.dist.rank == 0:
+            save_checkpoint(state, folder)
+        state.dist.barrier()
+        state.made_final_checkpoint = folder
     return folder
 
 
-def drop_final_checkpoint(trainer, folder: Path | None) -> None:
+def drop_final_checkpoint(state: TrainingState, folder: Path | None) -> None:
     """Remove the checkpoint :func:`final_checkpoint` wrote once the adapter is written
     (checkpoints the run asked for stay), and the checkpoint folder if it is then empty."""
-    if folder is None or trainer.made_final_checkpoint != folder:
+    if folder is None or state.made_final_checkpoint != folder:
         return
     shutil.rmtree(folder, ignore_errors=True)
     try:
-        trainer.checkpoint_dir.rmdir()
+        state.checkpoint_dir.rmdir()
     except OSError:
         pass  # other checkpoints are there

@@ -4,7 +4,7 @@ Evaluating CALM means scoring the same questions with the LoRA and α of several
 and without α, and the base model with an arm's α. The decoder's hidden states do not
 depend on α, so :class:`OptionEvaluator` runs the decoder once per LoRA (:meth:`hidden`)
 and then, for any ``(tau, shift)``, only the LM head, the calibration formula and the
-option scores (:meth:`scores`) — the same code path (:func:`~calm_training.calm.model.
+option scores (:meth:`scores`) — the same code path (:func:`~calm_training.methods.calm.model.
 option_scores`) the options entropy of training uses, and equal to
 :func:`calm_training.scoring.local.score_multiple_choice` with the adapter applied (tested).
 
@@ -24,7 +24,7 @@ import numpy as np
 from calm_runtime.data.sets import MultipleChoiceRecord
 from calm_runtime.errors import DataError
 from calm_runtime.modes import DEFAULT_CLOZE_VARIANT
-from calm_training.calm import data as calm_data
+from calm_training.methods.calm import data as calm_data
 
 __all__ = ["HiddenSet", "OptionEvaluator"]
 
@@ -54,7 +54,7 @@ def _shares_context(example) -> bool:
 
 
 class OptionEvaluator:
-    """Scores questions with a :class:`~calm_training.calm.model.CalmModel` (base + LoRA).
+    """Scores questions with a :class:`~calm_training.methods.calm.model.CalmModel` (base + LoRA).
 
     Set θ with ``model.load_lora(folder)`` or :meth:`reset_lora` (the base model), then call
     :meth:`hidden`; :meth:`scores` applies any ``(tau, shift)`` to those hidden states.
@@ -156,7 +156,7 @@ class OptionEvaluator:
         import torch
 
         from calm_runtime.calibration import apply_calibration
-        from calm_training.calm.model import option_scores
+        from calm_training.methods.calm.model import option_scores
 
         tau_t = None if tau is None else torch.as_tensor(np.asarray(tau, np.float32))
         shift_t = None if shift is None else torch.as_tensor(np.asarray(shift, np.float32))

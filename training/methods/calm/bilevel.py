@@ -31,8 +31,8 @@ The ablations of the paper use the same machinery: :func:`regularization_step`
 (``d = ∇g + β∇f``, no constraint), :func:`iterate_step` (a θ step on ``g``, then a step on
 ``f`` without the coupling: over α only, or over θ and α with ``theta_path=True``) and
 :func:`descent_step` (plain minimisation of one objective, e.g. LoRA fine-tuning without α).
-:func:`outer_step` takes the step a training method's ``solver`` names
-(:class:`calm_training.methods.TrainMethod`).
+A training method's solver (:mod:`calm_training.methods.calm.method`: ``Bome``,
+``Regularization``, ``Iterate``, ``Descent``) takes one of these steps.
 
 Objectives are callables ``objective(theta, alpha, grad_theta, grad_alpha)`` returning
 ``(value, grads_theta, grads_alpha)``; the step passes leaf tensors whose ``requires_grad``
@@ -48,14 +48,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from calm_runtime.errors import ConfigError
-
-if TYPE_CHECKING:
-    from calm_training.methods.train_method import TrainMethod
 
 __all__ = [
     "coupling_summary",
@@ -69,7 +65,6 @@ __all__ = [
     "regularization_step",
     "iterate_step",
     "descent_step",
-    "outer_step",
 ]
 
 PHI_MODES = ("grad", "value")
@@ -353,23 +348,6 @@ def descent_step(theta: Sequence[torch.Tensor], alpha: Sequence[torch.Tensor], l
         f, _, _ = _evaluate(upper, [t.detach() for t in theta], alpha_now, False, False, reduce)
     _apply(list(theta), g_theta, optimizer)
     return StepStats(f=f, g=g)
-
-
-def outer_step(method: TrainMethod, theta: Sequence[torch.Tensor],
-               alpha: Sequence[torch.Tensor], lower: Objective, upper: Objective,
-               optimizer: torch.optim.Optimizer, options: BomeOptions, *, beta: float,
-               reduce: Reduce | None = None) -> StepStats:
-    """One outer step of ``method`` on ``theta`` and ``alpha``: the step its ``solver``
-    names (``bome``, ``regularization`` with ``beta``, ``iterate`` along its ``theta_path``,
-    else ``descent``)."""
-    args = (theta, alpha, lower, upper, optimizer)
-    if method.solver == "bome":
-        return bome_step(*args, options, reduce=reduce)
-    if method.solver == "regularization":
-        return regularization_step(*args, beta, reduce=reduce)
-    if method.solver == "iterate":
-        return iterate_step(*args, theta_path=method.theta_path, reduce=reduce)
-    return descent_step(*args, reduce=reduce)
 
 
 def coupling_summary(history: list[dict], eta: float) -> dict:

@@ -22,11 +22,16 @@ import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from calm_runtime.errors import ArtifactError, ConfigError
 from calm_runtime.files import show, show_name
+
+if TYPE_CHECKING:
+    from calm_training.methods.calm.state import TrainingState
+
 
 __all__ = ["CHECKPOINT_FORMAT", "MAX_HEADER_BYTES", "MAX_STATE_BYTES", "MAX_STATE_DEPTH",
            "RESUMABLE_CHANGES", "Restorable", "read_checkpoint", "step_number"]
@@ -200,8 +205,8 @@ def _check_step(folder: Path, payload: dict, config) -> int:
     return step
 
 
-def _check_config(folder: Path, payload: dict, trainer) -> None:
-    now, then = trainer.config.to_dict(), payload["config"]
+def _check_config(folder: Path, payload: dict, state: TrainingState) -> None:
+    now, then = state.config.to_dict(), payload["config"]
     changed = sorted(k for k in set(now) | set(then)
                      if k not in RESUMABLE_CHANGES and now.get(k) != then.get(k))
     if changed:
@@ -209,7 +214,7 @@ def _check_config(folder: Path, payload: dict, trainer) -> None:
                           + ", ".join(f"{show(k)} ({show(then.get(k))} -> {show(now.get(k))})"
                                       for k in changed[:8])
                           + "; use the original settings")
-    if payload["theta_names"] != trainer.model.names:
+    if payload["theta_names"] != state.model.names:
         _refuse(folder, "it holds other LoRA tensors than this model (theta_names differ)")
 
 
@@ -229,8 +234,8 @@ def _state_layout(optimizer) -> list[dict]:
              for key, v in probe.state[copy].items()} for copy in copies]
 
 
-def _expected(trainer, optimizer) -> tuple[dict, list]:
-    m = trainer.model
+def _expected(state: TrainingState, optimizer) -> tuple[dict, list]:
+    m = state.model
     want = {f"theta/{n}": (tuple(p.shape), p.dtype) for n, p in zip(m.names, m.theta,
                                                                      strict=True)}
     want.update({f"alpha/{n}": (tuple(a.shape), a.dtype)
@@ -343,17 +348,17 @@ def _read_tensors(folder: Path, want: dict, layout: list) -> dict:
                         f"{str(exc).splitlines()[0][:120] if str(exc) else ''})")
 
 
-def read_checkpoint(trainer, folder: Path) -> Restorable:
-    """Read and check the checkpoint ``folder`` against ``trainer`` (its model, optimizers and
+def read_checkpoint(state: TrainingState, folder: Path) -> Restorable:
+    """Read and check the checkpoint ``folder`` against ``state`` (its model, optimizers and
     settings); a :class:`Restorable` when every part matches, else one line."""
     folder = Path(folder)
     payload = _read_state(folder)
-    _check_config(folder, payload, trainer)
-    step = _check_step(folder, payload, trainer.config)
+    _check_config(folder, payload, state)
+    step = _check_step(folder, payload, state.config)
     # the optimizer of the step after the checkpoint: the warm start's or the method's
-    warming = trainer.warm_optimizer is not None and step < trainer.config.warm_steps
-    optimizer = trainer.warm_optimizer if warming else trainer.outer_optimizer
-    want, layout = _expected(trainer, optimizer)
+    warming = state.warm_optimizer is not None and step < state.config.warm_steps
+    optimizer = state.warm_optimizer if warming else state.outer_optimizer
+    want, layout = _expected(state, optimizer)
     scalars: dict = {}
     for name, value in payload["optimizer_scalars"].items():
         index, key = _optim_key(folder, name, layout, tensor=False)
@@ -362,16 +367,16 @@ def read_checkpoint(trainer, folder: Path) -> Restorable:
                             "number, string or null")
         scalars.setdefault(index, {})[key] = value
     tensors = _read_tensors(folder, want, layout)
-    state: dict = {}
+    optim_state: dict = {}
     for name, value in tensors.items():
         if value.is_floating_point() and not torch.isfinite(value).all():
             _refuse(folder, f"tensor {show(name)} holds non-finite values")
         if name.startswith("optim/"):
             index, _, key = name[len("optim/"):].partition("/")
-            state.setdefault(int(index), {})[key] = value
+            optim_state.setdefault(int(index), {})[key] = value
     for index, entries in scalars.items():
-        state.setdefault(index, {}).update(entries)
-    for index, entries in state.items():
+        optim_state.setdefault(index, {}).update(entries)
+    for index, entries in optim_state.items():
         if set(entries) != set(layout[index]):
             _refuse(folder, f"the optimizer state of parameter {index} has "
                             f"{show(sorted(entries))}, this run's optimizer keeps "
@@ -382,8 +387,8 @@ def read_checkpoint(trainer, folder: Path) -> Restorable:
             if value != int(value) or not 0 <= value <= step:
                 _refuse(folder, f"the optimizer step count of parameter {index} is {value:g}, "
                                 f"not a whole number in 0..{step} (the checkpoint's step)")
-    m = trainer.model
+    m = state.model
     return Restorable(step=step, theta=[tensors[f"theta/{n}"] for n in m.names],
                       alpha=[tensors[f"alpha/{n}"] for n in m.alpha_names],
-                      optimizer=optimizer, optimizer_state=state, rng=tensors["rng/torch"],
+                      optimizer=optimizer, optimizer_state=optim_state, rng=tensors["rng/torch"],
                       history=list(payload["history"]))

@@ -17,7 +17,7 @@ head temperature: one logit per option, so it keeps the answers and calibrates t
 :func:`finish` then reads the held-out training questions (``--holdout``, labeled, never
 trained on) under each part — the model alone, the LoRA alone, the LoRA with the written α,
 and with T — keeps T only when it passes the gate on the hold-out's deciding half
-(calm_training.calm.gate, the rule α passed), and reports the readings on the other half.
+(calm_training.methods.calm.gate, the rule α passed), and reports the readings on the other half.
 """
 
 from __future__ import annotations
@@ -175,9 +175,9 @@ def summarize(readings: dict, rows: np.ndarray) -> dict:
 
 
 def gate_temperature(readings: dict, deciding: np.ndarray) -> dict:
-    """The gate's decision on T (calm_training.calm.gate.decide_part) from the deciding half:
+    """The gate's decision on T (gate.decide_part) from the deciding half:
     the written adapter with T against without it."""
-    from calm_training.calm.gate import decide_part
+    from calm_training.methods.calm.gate import decide_part
 
     with_t, without = readings["parts"]["lora+alpha+T"], readings["parts"]["lora+alpha"]
     pick = lambda q, key: np.asarray(q[key])[deciding]  # noqa: E731
@@ -191,7 +191,7 @@ def finish(config, out: Path, calibration: list, held: list | None, *,
     hold-out), keep T only if the gate does, and write the result over ``out``
     (atomically). A fit that cannot be made is recorded, not raised: the trained adapter at
     ``out`` stays valid."""
-    from calm_training.calm.gate import gate_halves
+    from calm_training.methods.calm.gate import gate_halves
 
     written = CalibrationAdapter.from_pretrained(out)
     candidate, record = None, {"fitted": False, "reason": "--no-daca"}

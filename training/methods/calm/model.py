@@ -1,6 +1,6 @@
 """The model side of CALM training: peft LoRA (θ), α, objectives at answer positions, ranks.
 
-Private to :mod:`calm_training.calm.trainer`; imports torch, peft and transformers.
+Private to :mod:`calm_training.methods.calm.trainer`; imports torch, peft and transformers.
 """
 
 from __future__ import annotations
@@ -206,11 +206,11 @@ class CalmModel:
             return tau.numpy().copy(), np.zeros(vocab, np.float32)
 
     def objective(self, batches, loss: str, *, alpha_l2: float = 0.0, cft: dict | None = None):
-        """An :data:`~calm_training.calm.bilevel.Objective` summed over micro-``batches`` (their
+        """An :data:`~.bilevel.Objective` summed over micro-``batches`` (their
         weights already divide by the rank's example count): ``ce``, ``neg_entropy`` (full
         vocabulary), ``neg_option_entropy`` (the K-option distribution) or ``cft`` (the
         calibration-aware fine-tuning loss; ``cft`` holds the keyword arguments of
-        :func:`calm_training.calm.cft.cft_loss` but the batch's). ``alpha_l2`` adds
+        :func:`calm_training.methods.calm.cft.cft_loss` but the batch's). ``alpha_l2`` adds
         ``alpha_l2 · Σ α²`` over the trained α entries once (not per batch)."""
 
         def objective(theta, alpha, grad_theta, grad_alpha):
@@ -246,7 +246,7 @@ class CalmModel:
         :attr:`cft_parts` (reset by the caller)."""
         logp = self.calibrate(self.logits(theta, batch), alpha).log_softmax(-1)
         if loss == "cft":
-            from calm_training.calm.cft import cft_loss
+            from calm_training.methods.calm.cft import cft_loss
 
             value, ce, l_cal = cft_loss(option_log_probs(logp, batch), answer_ce(logp, batch),
                                         batch.option_mask, weights=batch.example_weights,
