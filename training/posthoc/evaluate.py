@@ -18,7 +18,7 @@ from calm_runtime.modes import option_probabilities
 from calm_training.posthoc.fit_config import FitConfig
 from calm_training.posthoc.option_fit import metric_row, require_labels
 from calm_training.posthoc.plan import FitPlan
-from calm_training.scoring.local import OptionScores
+from calm_training.scoring.option_scores import OptionScores
 
 __all__ = ["evaluate_adapter", "write_report"]
 

@@ -20,7 +20,8 @@ from calm_runtime.data.sets import MultipleChoiceRecord, dataset_hash
 from calm_runtime.files import sha256_bytes, sha256_file
 from calm_runtime.formats.artifact import MANIFEST_NAME, CalibrationAdapter
 from calm_runtime.paths import cache_dir
-from calm_training.scoring.local import OptionScores, score_multiple_choice
+from calm_training.scoring.local import score_multiple_choice
+from calm_training.scoring.option_scores import OptionScores
 from calm_training.scoring.sources import ModelSource, as_source
 
 __all__ = ["SCORER_VERSION", "cached_option_scores", "adapter_fingerprint"]

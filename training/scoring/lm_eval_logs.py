@@ -6,7 +6,8 @@ as a string in ``multiple_choice`` tasks), the ``arguments`` (the context and ea
 continuation) and ``filtered_resps`` (one ``[loglikelihood, is_greedy]`` pair per option,
 both as strings), with a ``doc_hash``. A ``multiple_choice`` task's log-likelihoods are the
 sums calm's cloze scorer computes for ``" {option}"`` after the context (docs/methods.md §2),
-so :func:`read_samples` turns a log into calm's :class:`~calm_training.scoring.local.OptionScores`
+so :func:`read_samples` turns a log into calm's
+:class:`~calm_training.scoring.option_scores.OptionScores`
 (``sum``; ``mean`` with a tokenizer to count each continuation's tokens, ``char`` from the
 continuation's text) and the records they belong to, and :func:`paired` checks that a model's
 and a reference's logs score the same documents. ``calm fit`` / ``calm eval`` read them with
@@ -116,11 +117,11 @@ class LmEvalLog:
         return {"file": self.path.name, "sha256": self.sha256, "n": len(self.records)}
 
     def option_scores(self, mode: str, tokenizer=None):
-        """calm's :class:`~calm_training.scoring.local.OptionScores` of the log: the sums
+        """calm's :class:`~calm_training.scoring.option_scores.OptionScores` of the log: the sums
         (cloze; ``n_tokens`` counted with ``tokenizer`` when given, else 1, and the ``mean``
         variant refused by :func:`require_token_counts`), or in letter mode the options'
         log-probabilities (a softmax over them is the letters' restricted softmax)."""
-        from calm_training.scoring.local import OptionScores
+        from calm_training.scoring.option_scores import OptionScores
 
         scores = OptionScores.empty(self.records, mode)
         scores.values = self.sums.copy()

@@ -76,7 +76,7 @@ from calm_training.scoring.endpoint import (
     connect,
     redact_url,
 )
-from calm_training.scoring.local import OptionScores
+from calm_training.scoring.option_scores import OptionScores
 
 __all__ = ["Endpoint", "NoPromptLogprobs", "RemoteError", "TOP_LOGPROBS", "TokenLogprobs",
            "completion_logprobs", "connect", "is_endpoint", "remote_answers",
