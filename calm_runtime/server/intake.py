@@ -1,6 +1,7 @@
-"""The request intake behind the routes: parsing and every check of a request against the
-server's limits (those of each endpoint and those they share), encoding, and admission to
-the batcher's queue. Nothing past the intake refuses a request for what it asks."""
+"""The request intake behind the routes: parsing, every check of a request against the
+server's limits and the engine (those of each endpoint and those they share; a request's
+checks of itself are its validators in protocol.py), encoding, and admission to the
+batcher's queue. Nothing past the intake refuses a request for what it asks."""
 
 from __future__ import annotations
 
@@ -30,16 +31,11 @@ class Intake:
         body = await request.body()
         if len(body) > self.config.max_body_bytes:  # Guard refuses these before
             raise too_large(self.config)
-        req = validated(json_object(body), model)
+        req = validated(json_object(body), model)  # and its own checks (protocol.py)
         if req.model != self.config.served_name:
             raise APIError(404, f"model {clip(req.model, 80)!r} is not served here; this server "
                            f"serves {self.config.served_name!r}", param="model",
                            code="model_not_found")
-        bad = req.unsupported()
-        if bad:
-            raise APIError(400, f"{', '.join(bad)} not supported by calm serve; remove "
-                           f"{'it' if len(bad) == 1 else 'them'} from the request",
-                           param=bad[0])
         return req
 
     # ------------------------------------------------------------- per endpoint
@@ -54,10 +50,9 @@ class Intake:
         for index, prompt in enumerate(prompts):
             self.check_chars(len(prompt), "the prompt" if single else f"prompt[{index}]",
                              "prompt")
-        self.check_raw(req, req.logprobs is not None)
-        if req.choices() is not None:
-            self.check_constrained(req, logprobs=req.logprobs is not None,
-                                   max_tokens=req.max_tokens)
+        self.check_raw(req)
+        if req.choices() is not None and req.max_tokens is not None:
+            self.max_tokens(req.max_tokens, self.config.default_max_tokens)
         return prompts, single
 
     def check_echo(self, req, encoded: list[list[int]]) -> None:
@@ -73,20 +68,13 @@ class Intake:
     def chat_messages(self, req) -> tuple[list[dict], list[str], int]:
         """``/v1/chat/completions``: the messages as the chat template takes them, the
         users' texts and the token limit, with the fields the request combines checked."""
-        if req.top_logprobs and not req.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         limit = self.max_tokens(req.limit(), self.config.max_tokens_limit)
         messages = [{"role": "system" if m.role == "developer" else m.role,
                      "content": m.text()} for m in req.messages]
         users = [m["content"] for m in messages if m["role"] == "user"]
-        if req.wants_p_true and not users:
-            raise APIError(400, "P(True) needs a user message to score the answer against",
-                           param="messages")
         self.check_chars(sum(len(m["content"]) for m in messages), "the messages' text",
                          "messages")
-        self.check_raw(req, bool(req.logprobs))
-        if req.choices() is not None:
-            self.check_constrained(req, logprobs=bool(req.logprobs), max_tokens=req.limit())
+        self.check_raw(req)
         return messages, users, limit
 
     # ------------------------------------------------------------- shared checks
@@ -98,39 +86,12 @@ class Intake:
                            param="max_tokens")
         return value
 
-    def check_constrained(self, req, *, logprobs: bool, max_tokens: int | None) -> None:
-        """Refuse, naming it, each field a constrained choice cannot honour: its answer is one
-        of the choices, scored whole, with calibrated ``option_probabilities`` in the ``calm``
-        object (not token ``logprobs``), never cut by ``stop`` or ``max_tokens`` (which must
-        still be within the server's limit)."""
-        refused = [("logprobs", logprobs, "the calm object's option_probabilities are the "
-                    "calibrated distribution over the choices"),
-                   ("echo", bool(getattr(req, "echo", False)), "echo scores the prompt only"),
-                   ("stop", bool(req.stops()), "a choice is answered whole"),
-                   ("ignore_eos", bool(req.ignore_eos), "a choice is answered whole"),
-                   ("calm.p_true", req.wants_p_true, "the choice's confidence is its calibrated "
-                    "option probability"),
-                   ("n", (req.n or 1) > 1, "a choice has one answer")]
-        for name, given, why in refused:
-            if given:
-                raise APIError(400, f"{name} is not supported with a constrained choice ({why}); "
-                               "drop it", param=name)
-        if max_tokens is not None:
-            self.max_tokens(max_tokens, self.config.default_max_tokens)
-
-    def check_raw(self, req, logprobs: bool) -> None:
-        """Refuse ``calm.raw_logprobs`` without ``logprobs``, with constrained choices, or
-        on an engine whose raw log-probabilities cannot be recovered (per-token
-        calibration)."""
+    def check_raw(self, req) -> None:
+        """Refuse ``calm.raw_logprobs`` on an engine whose raw log-probabilities cannot be
+        recovered (per-token calibration); what the request itself must send with it is
+        checked by the request (protocol.py)."""
         if not req.wants_raw:
             return
-        if not logprobs:
-            raise APIError(400, "calm.raw_logprobs needs logprobs (the raw values come beside "
-                           "the calibrated ones); set logprobs", param="calm")
-        if req.choices() is not None:
-            raise APIError(400, "calm.raw_logprobs is for generated or echoed tokens, not "
-                           "constrained choices (their option_probabilities are calibrated)",
-                           param="calm")
         try:
             _ = self.lm.raw_logit_scale
         except CalmError as exc:

@@ -22,7 +22,7 @@ import math
 import typing
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from calm_runtime.inference.results import Generation, Token
 from calm_runtime.inference.sampling import DecodeOptions
@@ -120,9 +120,41 @@ class _Common(_Strict):
     structured_outputs: StructuredOutputs | None = None
     guided_choice: list[str] | None = None
 
-    def choices(self) -> list[str] | None:
-        """The constrained choice list (``structured_outputs.choice`` or the older
-        ``guided_choice``), checked; ``None`` when the request is unconstrained."""
+    #: the request's constrained choices and stop strings, read once by its checks
+    _choices: list[str] | None = PrivateAttr(None)
+    _stops: tuple[str, ...] = PrivateAttr(())
+
+    @model_validator(mode="after")
+    def _request_checks(self):
+        """Every check a request makes on itself, the server aside (its limits are the
+        intake's), in one place: the fields the endpoint combines (:meth:`_endpoint_checks`),
+        the parameters calm cannot honour, the stop strings, the constrained choices and
+        what they exclude, and ``calm.raw_logprobs``'s needs. Each refusal is a 400 naming
+        its parameter."""
+        self._endpoint_checks()
+        bad = self.unsupported()
+        if bad:
+            raise APIError(400, f"{', '.join(bad)} not supported by calm serve; remove "
+                           f"{'it' if len(bad) == 1 else 'them'} from the request",
+                           param=bad[0])
+        self._stops = self._read_stops()
+        self._choices = self._read_choices()
+        if self.wants_raw:
+            if not self.wants_logprobs:
+                raise APIError(400, "calm.raw_logprobs needs logprobs (the raw values come "
+                               "beside the calibrated ones); set logprobs", param="calm")
+            if self._choices is not None:
+                raise APIError(400, "calm.raw_logprobs is for generated or echoed tokens, not "
+                               "constrained choices (their option_probabilities are "
+                               "calibrated)", param="calm")
+        if self._choices is not None:
+            self._check_constrained()
+        return self
+
+    def _endpoint_checks(self) -> None:
+        """The fields an endpoint combines (its request's own rules)."""
+
+    def _read_choices(self) -> list[str] | None:
         given = [c for c in (self.structured_outputs and self.structured_outputs.choice,
                              self.guided_choice) if c is not None]
         if self.structured_outputs is not None and self.structured_outputs.choice is None:
@@ -149,6 +181,35 @@ class _Common(_Strict):
                            param="stream")
         return list(choices)
 
+    def _check_constrained(self) -> None:
+        """Refuse, naming it, each field a constrained choice cannot honour: its answer is one
+        of the choices, scored whole, with calibrated ``option_probabilities`` in the ``calm``
+        object (not token ``logprobs``), never cut by ``stop`` (``max_tokens`` must still be
+        within the server's limit: the intake's check)."""
+        refused = [("logprobs", self.wants_logprobs, "the calm object's option_probabilities "
+                    "are the calibrated distribution over the choices"),
+                   ("echo", bool(getattr(self, "echo", False)), "echo scores the prompt only"),
+                   ("stop", bool(self._stops), "a choice is answered whole"),
+                   ("ignore_eos", bool(self.ignore_eos), "a choice is answered whole"),
+                   ("calm.p_true", self.wants_p_true, "the choice's confidence is its "
+                    "calibrated option probability"),
+                   ("n", (self.n or 1) > 1, "a choice has one answer")]
+        for name, given, why in refused:
+            if given:
+                raise APIError(400, f"{name} is not supported with a constrained choice ({why}); "
+                               "drop it", param=name)
+
+    def _read_stops(self) -> tuple[str, ...]:
+        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if len(stops) > 4 or any(not s for s in stops):
+            raise APIError(400, "stop takes at most 4 non-empty strings", param="stop")
+        return stops
+
+    def choices(self) -> list[str] | None:
+        """The constrained choice list (``structured_outputs.choice`` or the older
+        ``guided_choice``), checked; ``None`` when the request is unconstrained."""
+        return self._choices
+
     def unsupported(self) -> list[str]:
         """Parameters set to something calm cannot honour."""
         bad = []
@@ -163,10 +224,7 @@ class _Common(_Strict):
         return bad
 
     def stops(self) -> tuple[str, ...]:
-        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        if len(stops) > 4 or any(not s for s in stops):
-            raise APIError(400, "stop takes at most 4 non-empty strings", param="stop")
-        return stops
+        return self._stops
 
     @property
     def wants_p_true(self) -> bool:
@@ -196,8 +254,11 @@ class CompletionRequest(_Common):
     best_of: int | None = None
     suffix: str | None = None
 
-    def unsupported(self) -> list[str]:
-        bad = super().unsupported()
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None
+
+    def _endpoint_checks(self) -> None:
         if self.echo and self.max_tokens != 0:
             raise APIError(400, "echo is supported for prompt scoring: send it with "
                            "max_tokens 0 (and logprobs for the alternatives)", param="echo")
@@ -207,6 +268,9 @@ class CompletionRequest(_Common):
         if self.echo and self.stream:
             raise APIError(400, "echo with stream is not supported; send stream: false",
                            param="stream")
+
+    def unsupported(self) -> list[str]:
+        bad = super().unsupported()
         if self.best_of not in (None, 1):
             bad.append("best_of")
         if self.suffix:
@@ -241,6 +305,17 @@ class ChatRequest(_Common):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: ResponseFormat | None = None
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return bool(self.logprobs)
+
+    def _endpoint_checks(self) -> None:
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        if self.wants_p_true and not any(m.role == "user" for m in self.messages):
+            raise APIError(400, "P(True) needs a user message to score the answer against",
+                           param="messages")
 
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
