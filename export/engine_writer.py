@@ -15,7 +15,6 @@ from calm_runtime.formats.artifact import (
     MANIFEST_NAME,
     TENSORS_NAME,
     CalibrationAdapter,
-    ModelIdentity,
 )
 from calm_runtime.formats.engine import EngineManifest, engine_io_names
 from calm_runtime.formats.manifest import write_json
@@ -31,6 +30,7 @@ __all__ = [
     "option_tokens",
     "write_genai_config",
     "weights_sha256",
+    "engine_files",
     "build_manifest",
 ]
 
@@ -166,44 +166,81 @@ def adapter_source(adapter: CalibrationAdapter | None, adapter_dir: Path | None)
             "manifest_sha256": sha256_file(Path(adapter_dir) / MANIFEST_NAME)}
 
 
-def build_manifest(*, kind: str, staging: Path, identity: ModelIdentity, weights_sha: str | None,
-                   adapter: CalibrationAdapter, adapter_info: dict | None, shape: DecoderShape,
-                   model_file: str, model_files: list[str], opset: int, tokens: dict,
-                   tokenizer_files: dict[str, str], chat_template: str | None,
-                   options: dict, template, dtype: str, export: dict,
-                   validation: dict) -> EngineManifest:
-    """Assemble (and check) the manifest of the engine being built in ``staging``; a
-    builder graph (``export["graph"]["kind"] == "genai-builder"``) has no position_ids."""
+def engine_files(job) -> dict:
+    """Write the engine folder's other files into ``job.staging`` (the tokenizer's, with
+    ``job.tokenizer_files`` and ``job.chat_template`` set, and the genai config) and return
+    the export settings the manifest records (:class:`calm_export.pipeline.ExportJob`)."""
+    config, adapter, facts = job.config, job.adapter, job.facts
+    job.tokenizer_files, job.chat_template = copy_tokenizer(job.folder, job.tokenizer,
+                                                            job.staging)
+    if facts["graph"]["kind"] == GRAPH_KIND:
+        genai = genai_config_entry(job.staging)
+    else:
+        genai = write_genai_config(job.staging, job.shape, job.tokens)
+    settings = {
+        **config.to_dict(), **tool_versions(),
+        "exporter_used": facts["exporter"], "external_data": facts["external_data"],
+        # "genai-builder" (onnxruntime-genai's builder graph), "ort-fused" (calm's, RMSNorm as
+        # ONNX Runtime contrib ops) or "standard"
+        "graph": facts["graph"],
+        "source_head_tied": job.was_tied, "genai_config": genai,
+        # what the family does after its head (export/heads.py)
+        "post_head": job.post.to_dict(),
+        # optional graph input: project only the last positions
+        "logits_to_keep": facts["logits_to_keep"],
+        "tensorrt": job.trt_settings,
+        # the cloze score answer_temperature was fitted on (runtime reads it)
+        "cloze_variant": adapter.cloze_variant,
+        # the mode (cloze/letter) the calibration was fitted on: the server's default for
+        # constrained choices
+        "choice_mode": adapter.choice_mode,
+        # chat or plain: the prompt format the calibration was fitted on (calm serve says when
+        # chat traffic differs)
+        "prompt_format": (adapter.provenance or {}).get("prompt_format"),
+        # calm fit threshold: the runtime marks answers below it abstained
+        "abstention": adapter.abstention}
+    if config.variant:  # "int8" / "fp16": scheme, excluded nodes, sizes, drift
+        settings[config.variant] = job.variant_facts
+    return settings
+
+
+def build_manifest(job) -> EngineManifest:
+    """Assemble (and check) the manifest of the engine ``job`` builds in ``job.staging``, from
+    the job: its kind, model, adapter, files, tokens, template, precision, settings and
+    validation report; a builder graph (``graph.kind == "genai-builder"``) has no
+    position_ids."""
+    adapter, identity, shape, staging = job.adapter, job.identity, job.shape, job.staging
     summary = adapter.summary()
-    packed = (export.get("graph") or {}).get("kind") == GRAPH_KIND
+    packed = (job.export_settings.get("graph") or {}).get("kind") == GRAPH_KIND
     inputs, outputs = engine_io_names(shape.num_layers, position_ids=not packed)
     return EngineManifest(
-        kind=kind,
+        kind=job.kind,
         created_by=f"calm-export {__version__}",
         created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         source={"model": {"name": identity.name, "vocab_size": identity.vocab_size,
                           "tokenizer_sha256": identity.tokenizer_sha256,
-                          "weights_sha256": weights_sha},
-                "adapter": adapter_info},
+                          "weights_sha256": weights_sha256(job.folder)},
+                "adapter": adapter_source(adapter if job.adapter_arg is not None else None,
+                                          job.adapter_dir)},
         calibration={"fused": True, "temperature": summary["temperature"],
                      "answer_temperature": summary["answer_temperature"],
                      "tau_min": summary["tau_min"], "tau_max": summary["tau_max"],
                      "shift_min": summary["shift_min"], "shift_max": summary["shift_max"],
                      "adapter_kind": adapter.kind,
                      "outputs": adapter.calibrated_outputs()},
-        model={"file": model_file,
-               "files": {name: sha256_file(staging / name) for name in model_files},
+        model={"file": job.model_file,
+               "files": {name: sha256_file(staging / name) for name in job.model_files},
                "num_layers": shape.num_layers, "num_attention_heads": shape.num_attention_heads,
                "num_kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim,
                "hidden_size": shape.hidden_size, "vocab_size": shape.vocab_size,
-               "max_position_embeddings": shape.max_position_embeddings, "dtype": dtype,
-               "opset": opset, **tokens},
+               "max_position_embeddings": shape.max_position_embeddings, "dtype": job.dtype,
+               "opset": job.facts["opset"], **job.tokens},
         io={"inputs": inputs, "outputs": outputs},
-        tokenizer={"files": tokenizer_files, "chat_template": chat_template},
-        option_tokens=options,
-        p_true_template=p_true_template(template).to_dict(),
-        export=export,
-        validation=validation,
+        tokenizer={"files": job.tokenizer_files, "chat_template": job.chat_template},
+        option_tokens=option_tokens(job.tokenizer, shape.vocab_size),
+        p_true_template=p_true_template(job.template).to_dict(),
+        export=job.export_settings,
+        validation=job.report,
         root=staging,
     )
 

@@ -218,13 +218,13 @@ def test_a_long_stage_is_never_silent_and_no_bar_goes_to_a_log(monkeypatch, capl
     import logging
     import time
 
-    from calm_export import pipeline
+    from calm_export import progress
 
-    monkeypatch.setattr(pipeline, "HEARTBEAT_S", 0.2)
+    monkeypatch.setattr(progress, "HEARTBEAT_S", 0.2)
     fake_stderr = io.StringIO()
-    monkeypatch.setattr(pipeline.sys, "stderr", fake_stderr)
+    monkeypatch.setattr(progress.sys, "stderr", fake_stderr)
     with caplog.at_level(logging.INFO, logger="calm_export"):
-        stages = pipeline._Stages(["load", "export"], progress=True)
+        stages = progress.StageProgress(["load", "export"], progress=True)
         stages.start("export")
         time.sleep(0.7)
         stages.close()
