@@ -30,7 +30,7 @@ def validate_graph(staging: Path, shape, config: ExportConfig, tokenizer, pad_id
     # context can be shorter than the passages)
     room = max(1, shape.max_position_embeddings - config.greedy_steps)
     drift_cases = validate.build_cases(tokenizer, quantize.DRIFT_PROMPTS, pad_id,
-                                       max_tokens=room) if config.variant else []
+                                       max_tokens=room) if config.precision.variant else []
     drift_base = validate.run_cases(runner, drift_cases, config.greedy_steps)
     del runner
     single, double = validate.compare_all(cases, references, got, tolerance)
@@ -48,15 +48,10 @@ def build_variant(staging: Path, shape, config: ExportConfig, cases, references,
     fp16 is validated against the reference like fp32, with the fp16 tolerance; int8 must
     keep the fp32 top token at ``int8_min_agreement`` of the drift positions.
     """
+    precision = config.precision
     fp32_root = quantize.stash_fp32(staging)
     source, target = fp32_root / ONNX_FILE, staging / ONNX_FILE
-    if config.variant == "int8":
-        facts = quantize.quantize_int8(source, target, config, external=external)
-    elif config.variant == "int4":
-        facts = quantize.quantize_int4(source, target, config, external=external,
-                                       gguf_spec=gguf_spec)
-    else:
-        facts = quantize.convert_fp16(source, target, external=external)
+    facts = precision.build(source, target, config, external=external, gguf_spec=gguf_spec)
     if base_graph["kind"] == genai_builder.GRAPH_KIND:  # its MatMuls quantised, nothing else
         facts["graph"] = dict(base_graph)
     else:
@@ -76,27 +71,22 @@ def build_variant(staging: Path, shape, config: ExportConfig, cases, references,
                                    "dequantised")
     facts["drift"] = drift
     logger.info("%s drift vs fp32 over %d positions: top-1 agreement %.3f, mean total "
-                "variation %.4f, max |dp| %.3g", config.variant, drift["positions"],
+                "variation %.4f, max |dp| %.3g", precision, drift["positions"],
                 drift["greedy_agreement"], drift["mean_total_variation"],
                 drift["max_prob_change"])
-    if config.variant in ("int8", "int4"):
-        minimum = getattr(config, f"{config.variant}_min_agreement")
+    if precision.quantized:
+        minimum = precision.min_agreement(config)
         if drift["greedy_agreement"] < minimum:
-            advice = ("keep more modules in fp32 (--int8-exclude), use --int8-scheme "
-                      "blockwise (ExportConfig.int8_block_size for a smaller block), or export "
-                      "fp32" if config.variant == "int8" else
-                      "use --quantize int8 or export fp32 (ExportConfig.int4_block_size for a "
-                      "smaller block)")
             raise ExportValidationError(
-                f"the {config.variant} engine keeps the fp32 top token at "
+                f"the {precision} engine keeps the fp32 top token at "
                 f"{drift['greedy_agreement']:.1%} of {drift['positions']} positions (minimum "
-                f"{minimum:.0%}); {advice}; no engine was written")
-        return fp32_root, facts, {f"{config.variant}_min_agreement": minimum}
-    tolerance = config.tolerance(scale, "fp16")
+                f"{minimum:.0%}); {precision.advice}; no engine was written")
+        return fp32_root, facts, {f"{precision}_min_agreement": minimum}
+    tolerance = config.tolerance(scale, precision.tolerance)
     single, double = validate.compare_all(cases, references, mine, tolerance)
     overall = single.merge(double)
-    validate.check("the fp16 ONNX engine", overall, tolerance)
-    return fp32_root, facts, {"fp16": {
+    validate.check(f"the {precision} ONNX engine", overall, tolerance)
+    return fp32_root, facts, {precision.name: {
         "max_abs_diff": overall.max_abs_diff, "worst_at": overall.where, "tolerance": tolerance,
         "batch2_max_abs_diff": double.max_abs_diff, "greedy_match": True,
         "greedy_ties": single.greedy_ties + double.greedy_ties,

@@ -11,6 +11,7 @@ from calm_runtime.errors import ConfigError
 from calm_runtime.modes import CHOICE_MODES, CLOZE_VARIANTS
 
 from .formats import FORMATS, OutputFormat, output_format
+from .precision import FP32, PRECISIONS, Precision
 
 __all__ = ["ExportConfig"]
 
@@ -258,12 +259,13 @@ class ExportConfig:
         return output_format(self.format)
 
     @property
-    def variant(self) -> str | None:
-        """The reduced-precision ONNX variant built from the fp32 graph: "int8", "int4",
-        "fp16" or None."""
+    def precision(self) -> Precision:
+        """The ONNX engine's precision (export/precision.py): ``--quantize``'s, else
+        ``--dtype``'s; fp32 for the outputs that are no ONNX engine (a TensorRT plan reads
+        ``dtype`` itself)."""
         if not self.output.onnx_engine:
-            return None
-        return self.quantize or ("fp16" if self.dtype == "fp16" else None)
+            return FP32
+        return PRECISIONS[self.quantize or self.dtype]
 
     def int8_excluded_modules(self) -> tuple[str, ...]:
         """``int8_exclude``, or the scheme's measured default when it is ``None``."""

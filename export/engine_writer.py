@@ -199,8 +199,8 @@ def engine_files(job) -> dict:
         "prompt_format": (adapter.provenance or {}).get("prompt_format"),
         # calm fit threshold: the runtime marks answers below it abstained
         "abstention": adapter.abstention}
-    if config.variant:  # "int8" / "fp16": scheme, excluded nodes, sizes, drift
-        settings[config.variant] = job.variant_facts
+    if config.precision.variant:  # int8, int4, fp16: scheme, excluded nodes, sizes, drift
+        settings[config.precision.name] = job.variant_facts
     return settings
 
 

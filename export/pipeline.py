@@ -140,7 +140,7 @@ class ExportJob:
     def __post_init__(self) -> None:
         config = self.config
         wanted = {"tensorrt": config.output.tensorrt_plan,
-                  "quantize": config.variant is not None,
+                  "quantize": config.precision.variant,
                   "calibrate": config.calibration_data is not None}
         self.stages = StageProgress([s for s in STAGES if wanted.get(s, True)], config.progress)
         self.started = time.perf_counter()
@@ -326,7 +326,7 @@ class ExportJob:
     def quantize(self) -> None:
         """The int8, int4 or fp16 variant built from the validated fp32 graph."""
         config = self.config
-        if config.variant:
+        if config.precision.variant:
             got, drift_cases, drift_base = self.checked[:3]
             self.stages.start("quantize")
             self.fp32_root, self.variant_facts, variant_report = build_variant(
@@ -335,7 +335,7 @@ class ExportJob:
                 self.facts["graph"], gguf_spec=gguf_origin(self.model_spec, self.folder))
             self.report.update(variant_report)
             self.facts["graph"] = self.variant_facts.pop("graph")
-            self.dtype = "float16" if config.variant == "fp16" else "float32"
+            self.dtype = config.precision.dtype
         self.model_files = sorted(p.name for p in self.staging.iterdir()
                                   if p.is_file() and p.name.startswith(ONNX_FILE))
 
@@ -372,13 +372,13 @@ class ExportJob:
         config, updates = self.config, {}
         if config.calibration_data:
             self.stages.start("calibrate")
-            precision = "fp16" if config.variant == "fp16" else "fp32"
+            precision = config.precision
             updates, self.export_settings["calibration_check"], cloze_variant = \
                 recalibrate.check_calibration(
                     self.manifest(), config, self.calibration, fp32_root=self.fp32_root,
-                    variant_name=config.variant or "fp32",
+                    variant_name=precision.name,
                     external=self.facts["external_data"],
-                    tolerance=lambda s: config.tolerance(s, precision))
+                    tolerance=lambda s: config.tolerance(s, precision.tolerance))
             if cloze_variant is not None:
                 self.export_settings["cloze_variant"] = cloze_variant
         if self.fp32_root is not None:

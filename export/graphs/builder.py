@@ -27,8 +27,8 @@ def settings_problem(config) -> str | None:
         return "TensorRT's parser reads standard ONNX ops only"
     if not config.output.onnx_engine:
         return f"--format {config.format} writes no ONNX graph"
-    if config.variant == "fp16":
-        return "the fp16 variant converts calm's standard graph"
+    if config.precision.variant and not config.precision.quantized:
+        return f"the {config.precision} variant converts calm's standard graph"
     if config.head_layout != "untied":
         return "--head-layout tied-scale keeps calm's own head"
     if config.exporter != "auto":

@@ -13,10 +13,10 @@ class FusedGraph(GraphStrategy):
     def unsupported_because(self, config, model_config=None) -> str | None:
         if not config.output.onnx_engine:  # a TensorRT plan is parsed from the graph
             return "TensorRT's parser reads standard ONNX ops only"
-        if config.variant:
+        if config.precision.variant:
             # the quantisers and the fp16 converter read standard ops: a variant is built
             # from the standard graph and fused after it
-            return f"the {config.variant} variant is built from the standard graph"
+            return f"the {config.precision} variant is built from the standard graph"
         return None
 
     def build(self, job) -> dict:
