@@ -90,6 +90,9 @@ DETECTS = 1.96 + 0.84
 CLAIMS = (("ece", "shipped", "vanilla"), ("ece", "shipped", "lora"),
           ("ece", "shipped", "lora+ts"), ("accuracy", "shipped", "vanilla"),
           ("accuracy", "shipped", "lora"))
+#: what the gate's decisions on T cost or saved: T as fitted (against the default reference,
+#: ungated) against the LoRA alone, on the regime's sets (read, not a claim of calm train's)
+GATE_READING = ("ece", "T-base", "lora")
 #: which reference's T calibrates better out of domain (every out-of-domain set)
 REFERENCE_CLAIM = ("ece", "T-gemma-3-270m", "T-base")
 
@@ -412,7 +415,14 @@ def build(parts: dict, n_boot: int) -> dict:
         d = paired_delta(sides(parts, a), sides(parts, b), ood, metric, a, b, n_boot)
         reference = {"metric": metric, "a": a, "b": b, "sets": ood, **d,
                      "verdict": verdict(metric, *d["ci"])}
+    ungated = None
+    if chosen and have and len(have) == len(parts["seeds"]):
+        metric, a, b = GATE_READING
+        d = paired_delta(sides(parts, a), sides(parts, b), chosen, metric, a, b, n_boot)
+        ungated = {"metric": metric, "a": a, "b": b, "sets": chosen, **d,
+                   "verdict": verdict(metric, *d["ci"])}
     return {"tables": tables, "regime": found, "regime_sets": chosen, "reference": reference,
+            "ungated_T": ungated,
             "temperatures": {seed: run.get("references") for seed, run in parts["seeds"].items()},
             "claims": claims(parts, chosen, n_boot) if chosen else [],
             "seeds": sorted(parts["seeds"]),
@@ -456,6 +466,13 @@ def render(payload: dict) -> str:
         lines += ["", "'detects': the smallest difference this design finds with 80% power "
                   "(two-sided 5%); an interval that excludes a difference that large says no "
                   "effect of that size, not no effect."]
+        ungated = payload.get("ungated_T")
+        if ungated:
+            lines += ["", f"T as fitted against the model before the LoRA, ungated (what a gate "
+                      f"that kept it would have shipped), minus the LoRA alone, ECE on the "
+                      f"regime's sets: {ungated['delta']:+.4f} [{ungated['ci'][0]:+.4f}, "
+                      f"{ungated['ci'][1]:+.4f}], detects {ungated['detects']:.4f} "
+                      f"(**{ungated['verdict']}** read as a claim that T lowers it)."]
     lines += ["", "## Which reference T should be fitted against", ""]
     ref = payload.get("reference")
     if ref is None:

@@ -61,6 +61,9 @@ def test_the_regime_and_the_claims_follow_the_data(benchmark_scripts):
         # the pre-trained reference's T (0.62 at accuracy 0.6) against the base's (0.75)
         assert payload["reference"]["verdict"] == "holds"
         assert payload["reference"]["sets"] == ["arc-easy", "mmlu", "piqa"]  # OOD order
+        # T ungated (0.75 at accuracy 0.6) against the LoRA alone (0.9), on the regime's set
+        assert payload["ungated_T"]["sets"] == ["arc-easy"]
+        assert payload["ungated_T"]["delta"] < 0 and payload["ungated_T"]["verdict"] == "holds"
         text = bench.render({**payload, "command": "c", "commit": "x", "run_commands": ["c"]})
         assert "| arc-easy |" in text and "**holds**" in text
         assert "no (vanilla near chance)" in text
