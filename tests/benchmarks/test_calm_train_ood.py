@@ -103,3 +103,15 @@ def test_a_part_made_before_a_set_was_added_is_extended_in_place(benchmark_scrip
                                       "commit": "later"}]
         bench.extend(args, "vanilla", read)  # nothing left to add: nothing read
         assert len(asked) == 1
+
+
+def test_a_set_not_read_for_every_seed_is_left_out_of_the_report(benchmark_scripts, tmp_path):
+    with benchmark_scripts("calm_train_ood") as bench:
+        args = bench.parse_args(["--out", str(tmp_path)])
+        bench.write_part(args, "vanilla", {"sets": {"sciq": {}, "copa": {}}})
+        bench.write_part(args, "seed-0", {"sets": {"sciq": {}, "copa": {}}})
+        bench.write_part(args, "seed-1", {"sets": {"sciq": {}}})  # not extended yet
+        parts = bench.load_parts(args)
+        assert parts["left_out"] == ["copa"]
+        assert all(list(p["sets"]) == ["sciq"]
+                   for p in [parts["vanilla"], *parts["seeds"].values()])
