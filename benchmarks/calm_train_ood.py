@@ -228,14 +228,14 @@ def seed_readings(adapter: CalibrationAdapter, references: dict) -> dict:
     return readings
 
 
-def run_seed(args, seed: int) -> dict:
+def run_seed(args, seed: int, only=None) -> dict:
     out = Path(args.adapters) / f"calm-train-s{seed}"
     config = seed_config(args, seed)
     adapter = trained(args, config, out)
     ev = evaluator(args.eval_batch_size)
     ev.model.load_lora(adapter.lora_path)
     references = fit_references(config, adapter, out)
-    run = read_sets(ev, seed_readings(adapter, references), args)
+    run = read_sets(ev, seed_readings(adapter, references), args, only)
     run["references"] = references
     daca = adapter.method.get("daca") or {}
     run |= {"seed": seed, "settings": config.to_dict(), "adapter": out.name,
@@ -479,6 +479,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", choices=SEEDS, default=list(SEEDS))
+    parser.add_argument("--sets", nargs="+", choices=[DOMAIN, *OOD], default=None,
+                        help="read these sets only this run (a later run adds the others)")
     parser.add_argument("--report", action="store_true", help="only merge the parts made")
     parser.add_argument("--retrain", action="store_true", help="redo parts that exist")
     parser.add_argument("--eval-limit", type=int, default=None)
@@ -512,12 +514,12 @@ def main(argv=None) -> int:
     if not args.report:
         install_named([MODEL, *(r for r in REFERENCES.values() if r)], (DOMAIN, *OOD))
         if args.retrain or not (Path(args.parts) / "vanilla.json").is_file():
-            write_part(args, "vanilla", run_vanilla(args))
+            write_part(args, "vanilla", run_vanilla(args, args.sets))
         else:
             extend(args, "vanilla", lambda part, only: run_vanilla(args, only))
         for seed in args.seeds:
             if args.retrain or not (Path(args.parts) / f"seed-{seed}.json").is_file():
-                write_part(args, f"seed-{seed}", run_seed(args, seed))
+                write_part(args, f"seed-{seed}", run_seed(args, seed, args.sets))
             else:
                 extend(args, f"seed-{seed}",
                        lambda part, only, seed=seed: extend_seed(args, seed, part, only))
@@ -529,7 +531,8 @@ def extend(args, name: str, read) -> None:
     other readings stay as they were."""
     path = Path(args.parts) / f"{name}.json"
     part = json.loads(path.read_text())
-    only = [s for s in (DOMAIN, *OOD) if s not in part["sets"]]
+    only = [s for s in (DOMAIN, *OOD) if s not in part["sets"]
+            and (args.sets is None or s in args.sets)]
     if not only:
         return
     logger.warning("%s: reading the sets it lacks: %s", name, ", ".join(only))
