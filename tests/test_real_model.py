@@ -71,10 +71,11 @@ def test_two_step_calm_train_records_alpha_and_ships_it_only_if_it_helps(install
     assert main(["train", "--model", MODEL, "--train", "arc-easy:train", "--calibration",
                  "arc-easy:unlabeled", "--set", "limit=24", "--steps", "2",
                  "--set", "warm_start_steps=1", "--batch-size", "4", "--max-length", "128",
-                 "--set", "alpha_tokens=options", "--out", str(out), "-q"]) == 0
+                 "--set", "alpha_tokens=options", "--holdout", "0.5", "--out", str(out),
+                 "-q"]) == 0
     adapter = CalibrationAdapter.from_pretrained(out)
     gate = adapter.method["alpha_gate"]
-    # 400 asked, at most half of the 24 training questions: 12, 6 of them decide
+    # half of the 24 training questions held out: 12, 6 of them decide
     assert gate["holdout"]["n"] == 12 and gate["share"]["n"] == gate["holdout"]["deciding"] == 6
     assert adapter.centered and "deciding NLL" in gate["reason"]
     identity = bool(np.all(adapter.tau == 1.0) and np.all(adapter.shift == 0.0))

@@ -18,17 +18,19 @@ TRAIN_EPILOG = """data parts (disjoint from the test part that `calm eval` score
   NAME may be a named set or a .jsonl file; other specs go to load_dataset unchanged.
 
 examples:
-  calm train --model smollm2-135m-instruct --train arc-easy:train \\
+  calm train --model smollm2-135m-instruct --train hellaswag:train \\
       --calibration sciq:unlabeled --out adapters/calm-smollm2
-  calm train --model smollm2-135m-instruct --train arc-easy:train \\
+  calm train --model smollm2-135m-instruct --train hellaswag:train \\
       --calibration sciq:unlabeled --method lora --out adapters/lora-smollm2  # plain LoRA
-  calm train --model smollm2-135m-instruct --train arc-easy:train \\
+  calm train --model smollm2-135m-instruct --train hellaswag:train \\
       --calibration sciq:unlabeled --method cft --out adapters/cft-smollm2  # the baseline
-  calm train --model smollm2-135m-instruct --train arc-easy:train \\
+  calm train --model smollm2-135m-instruct --train hellaswag:train \\
       --calibration sciq:unlabeled --set inner_steps=5 --set alpha_tokens=options \\
       --out adapters/calm-tuned   # any other setting (calm train --help-settings)
+  calm train --model smollm2-135m-instruct --train arc-easy:train \\
+      --calibration arc-easy:unlabeled --holdout 0.5 --out adapters/calm-small  # 86 questions
   torchrun --nproc_per_node 2 -m calm_runtime.cli.main train --model smollm2-135m-instruct \\
-      --train arc-easy:train --calibration sciq:unlabeled --out adapters/calm-ddp
+      --train hellaswag:train --calibration sciq:unlabeled --out adapters/calm-ddp
   calm fit daca --model smollm2-135m-instruct --reference gemma-3-270m --data arc-easy \\
       --adapter adapters/calm-smollm2 --out adapters/calm-daca   # compose with DACA
 """
@@ -50,9 +52,11 @@ What it writes, in one adapter that calm-export fuses in one step:
              the option scores; letter: on the letters' logits); --no-daca skips it
 
 tau/shift and T are each kept only if, on half of the training questions held out of
-training (--holdout), they lower the NLL by more than its paired 95% interval and the
-interval of their accuracy change stays above -3 points; else dropped, and the adapter and
-the last lines say why. The last lines read each part on the other half of the hold-out.
+training (--holdout, 400 by default: 200 decide), they lower the NLL by more than its paired
+95% interval and the interval of their accuracy change stays above -3 points; else dropped,
+and the adapter and the last lines say why. The last lines read each part on the other half
+of the hold-out. Training data of fewer than 800 questions is refused with the default
+hold-out: --holdout 0.5 holds out half instead (a weaker gate, said in the adapter).
 What the defaults do on real data, in and out of domain: docs/results.md.
 """
 

@@ -11,6 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 
+from calm_runtime.errors import ConfigError  # noqa: E402
 from calm_runtime.formats.artifact import CalibrationAdapter  # noqa: E402
 from calm_training.methods.calm import data as calm_data  # noqa: E402
 from calm_training.methods.calm.alpha_gate import option_share  # noqa: E402
@@ -55,10 +56,31 @@ def test_holdout_is_fixed_and_disjoint(mc_file):
     again, _ = calm_data.holdout_split(records, 0.25)
     assert held == again and len(held) == round(0.25 * len(records))
     assert not {r.question for r in held} & {r.question for r in kept}
-    # a count is cut to half of the training questions
-    held, kept = calm_data.holdout_split(records, 400)
-    assert len(held) == len(records) // 2 and len(held) + len(kept) == len(records)
+    # a count is held out whole; training data of fewer than twice as many is refused
     assert len(calm_data.holdout_split(records, 3)[0]) == 3
+    n = len(records)
+    held, kept = calm_data.holdout_split(records, n // 2)
+    assert len(held) == n // 2 and len(held) + len(kept) == n
+    with pytest.raises(ConfigError, match=rf"hold-out of 400 questions needs at least 800 "
+                                          rf"training questions and the training data has {n}"
+                                          r".*--holdout 0\.5.*--holdout 0 "):
+        calm_data.holdout_split(records, 400)
+    with pytest.raises(ConfigError, match="needs at least"):
+        calm_data.holdout_split(records, n // 2 + 1)
+
+
+def test_the_default_holdout_refuses_training_data_too_small_to_give_it(
+        tiny_llama_tied, mc_file, tmp_path):
+    """The default hold-out (400: 200 decide) is never cut to what small data can give: the
+    run refuses before training and writes nothing; a share asks for less, said weak."""
+    config = CalmConfig(model=str(tiny_llama_tied), train=(f"{mc_file}:train",),
+                        calibration=(f"{mc_file}:unlabeled",), steps=1, batch_size=2,
+                        calibration_batch_size=2, max_length=64)
+    assert config.holdout == 400
+    out = tmp_path / "out"
+    with pytest.raises(ConfigError, match="needs at least 800 training questions"):
+        train_calm(config, out, progress=False)
+    assert not out.exists()
 
 
 def test_a_real_train_records_the_share_and_writes_identity_when_it_does_not_help(
@@ -98,10 +120,11 @@ def test_cli_last_line_says_what_the_gate_decided(tiny_llama_tied, mc_file, tmp_
     code = main(["train", "--model", str(tiny_llama_tied), "--train", f"{mc_file}:train",
                  "--calibration", f"{mc_file}:unlabeled", "--out", str(tmp_path / "b"),
                  "--steps", "2", "--set", "warm_start_steps=1", "--batch-size", "2",
-                 "--lora-rank", "4", "--max-length", "64", "--quiet"])
+                 "--lora-rank", "4", "--max-length", "64", "--holdout", "0.5", "--quiet"])
     assert code == 0
     lines = capsys.readouterr().out.strip().splitlines()
     gate = next(line for line in lines if "deciding NLL" in line)
+    assert "a weak gate" in gate
     assert "alpha kept" in gate or "alpha dropped" in gate
     # then T, and what each part did on the hold-out
     assert any(line.strip().startswith(("DACA against the model before the LoRA",
@@ -120,10 +143,11 @@ def test_open_qa_training_data_is_gated_on_the_answers_token_nll(tiny_llama_tied
                             for i in range(24)))
     config = CalmConfig(model=str(tiny_llama_tied), train=(f"{path}:train",),
                         calibration=(f"{path}:unlabeled",), steps=2, warm_start_steps=1,
-                        batch_size=2, lora_rank=4, max_length=64, entropy="vocab")
+                        batch_size=2, lora_rank=4, max_length=64, entropy="vocab",
+                        holdout=0.5)
     result = train_calm(config, None, progress=False)
     share = result.alpha_gate["share"]
-    # 24 records: 12 form :train (the 50% split), 0.2 of those are held out
+    # 24 records: 12 form :train (the 50% split), half of those are held out
     assert share["measured_on"] == "answer tokens"
     assert share["n"] == result.alpha_gate["holdout"]["deciding"] >= 1
     assert len(share["questions"]["nll_alpha"]) == share["n"]

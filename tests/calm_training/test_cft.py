@@ -205,6 +205,7 @@ def test_cft_settings_and_data_are_checked(tiny_llama_tied, tmp_path, capsys):
             chat=False, max_length=64)
     rc = main(["train", "--model", str(tiny_llama_tied), "--train", f"{qa_file}:train",
                "--calibration", f"{qa_file}:unlabeled", "--out", str(tmp_path / "x"),
-               "--method", "cft", "--steps", "1", "--batch-size", "2", "--set", "entropy=vocab"])
+               "--method", "cft", "--steps", "1", "--batch-size", "2", "--set", "entropy=vocab",
+               "--holdout", "0"])
     assert rc == 1 and not (tmp_path / "x").exists()
     assert "--method lora" in capsys.readouterr().err

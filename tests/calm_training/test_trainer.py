@@ -158,7 +158,7 @@ def test_cli_trains_plain_lora(tiny_llama_tied, mc_file, tmp_path, capsys):
     out = tmp_path / "lora"
     rc = main(["-q", "train", "--model", str(tiny_llama_tied), "--train", f"{mc_file}:train",
                "--calibration", f"{mc_file}:unlabeled", "--out", str(out), "--method", "lora",
-               "--steps", "2", "--batch-size", "2", "--lora-rank", "2",
+               "--steps", "2", "--batch-size", "2", "--lora-rank", "2", "--holdout", "0.5",
                "--set", "lora_targets=q_proj,v_proj"])
     assert rc == 0, capsys.readouterr().err
     loaded = CalibrationAdapter.from_pretrained(out)
@@ -169,8 +169,10 @@ def test_cli_trains_plain_lora(tiny_llama_tied, mc_file, tmp_path, capsys):
     assert json.loads((loaded.lora_path / "adapter_config.json").read_text())["r"] == 2
     assert "wrote" in capsys.readouterr().out
     assert main(["train", "--model", str(tiny_llama_tied), "--train", f"{mc_file}:train",
-                 "--calibration", f"{mc_file}:unlabeled", "--out", str(out)]) == 1
-    assert "ConfigError" in capsys.readouterr().err  # exists, no --overwrite
+                 "--calibration", f"{mc_file}:unlabeled", "--holdout", "0.5",
+                 "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "ConfigError" in err and "exists" in err  # exists, no --overwrite
 
 
 def test_calm_adapter_composes_with_a_post_hoc_fit(trained, tiny_llama_tied, tiny_llama_untied,

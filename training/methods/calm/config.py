@@ -125,9 +125,10 @@ class CalmConfig:
             ``reference`` on the calibration set, in ``mode``, and write it into the same
             adapter (calm_training.methods.calm.finish); False: the adapter has no temperature.
         holdout: training questions held out of training for the do-no-harm gate
-            (calm_training.methods.calm.gate) of α and of T: a count (an integer; at most half of
-            the training questions are held out, and the run says when it cut the count) or
-            a share (a float in (0, 1)). The first half of the hold-out decides whether α and
+            (calm_training.methods.calm.gate) of α and of T: a count (an integer, held out
+            whole: training data of fewer than twice as many questions is refused, so the
+            default 400 always gives the gate 200 deciding questions) or a share (a float in
+            (0, 1), taken as asked; under 200 deciding questions the gate is named weak). The first half of the hold-out decides whether α and
             T are written, the other half reports what each part did. 0: no hold-out, α and
             T written as fitted, unmeasured.
         cft_weight: ``cft`` only: ``w`` in ``(1 − w)·CE + w·c·L_cal`` (:mod:`.cft`).
@@ -224,8 +225,8 @@ class CalmConfig:
     daca: bool = _setting(True, "fit the DACA temperature after training", flag="command")
     holdout: int | float = _setting(
         400, "training questions held out of training for the gate of tau/shift and T: a count "
-        "(at most half of the training questions) or a share in (0, 1); half decide, half "
-        "report (0: none, everything written ungated)", flag="command")
+        "(training data of fewer than twice as many is refused) or a share in (0, 1); half "
+        "decide, half report (0: none, everything written ungated)", flag="command")
     freeze_alpha: bool = _setting(
         False, "keep tau/shift at the identity and run the method's schedule with the LoRA "
         "alone: the matched control of a CALM run", flag="set")

@@ -119,13 +119,21 @@ fixed, so every run and seed on the same data holds out the same questions."""
 
 def holdout_size(n: int, holdout: int | float) -> int:
     """How many of ``n`` training questions ``holdout`` (``CalmConfig.holdout``: a count, or a
-    share in (0, 1)) holds out: a count is cut to half of ``n``; a share is rounded, at least
-    1."""
+    share in (0, 1)) holds out. A count is held out whole and needs at least as many questions
+    left to train on: training data smaller than twice the count is refused (the default
+    count is what gives the gate its power; a share is how a user asks for less). A share is
+    rounded, at least 1."""
     if holdout == 0:
         return 0
     if isinstance(holdout, float):
         return min(n - 1, max(1, round(holdout * n)))
-    return min(int(holdout), n // 2)
+    if n < 2 * int(holdout):
+        raise ConfigError(
+            f"the gate's hold-out of {int(holdout)} questions needs at least {2 * int(holdout)} "
+            f"training questions and the training data has {n}: give more, or pass --holdout "
+            f"0.5 to hold out half ({round(n / 2)}; a weaker gate, said in the adapter) or "
+            "--holdout 0 to write tau/shift and T ungated")
+    return int(holdout)
 
 
 def holdout_split(records: Sequence[Record], holdout: int | float

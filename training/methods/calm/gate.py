@@ -12,8 +12,10 @@ questions that did not choose what they read. A part is kept when, on the decidi
   (non-inferiority; open-QA hold-outs, which have no options, have no accuracy to keep).
 
 Otherwise the part is dropped (α: the identity; T: 1) and the record says why, with the
-numbers the decision read. A hold-out below :data:`MIN_DECIDING` questions is reported as
-such: its interval is wide and it keeps a part only when the part's effect is large.
+numbers the decision read. The default hold-out (400 questions, 200 deciding) is refused when
+the training data cannot give it (``data.holdout_size``); a smaller one, asked for as a share
+or a count, below :data:`MIN_DECIDING` deciding questions is reported as such: its interval
+is wide and it keeps a part only when the part's effect is large.
 """
 
 from __future__ import annotations
@@ -208,11 +210,10 @@ def held_out(config, train: list, has_alpha: bool, encode: dict) -> tuple[tuple,
     info = {"asked": config.holdout, "n": len(held), "deciding": len(deciding),
             "reporting": len(reporting), "seed": calm_data.HOLDOUT_SEED,
             "n_train_left": len(train)}
-    if isinstance(config.holdout, int) and len(held) < config.holdout:
-        logger.warning("the gate's hold-out is %d of the %d training questions (half; %d "
-                       "asked): α and T are decided on %d of them%s", len(held),
-                       len(held) + len(train), config.holdout, len(deciding),
-                       "" if len(deciding) >= MIN_DECIDING else
-                       f", fewer than {MIN_DECIDING}: a weak gate; give more training data "
-                       "for one with power")
+    if len(deciding) < MIN_DECIDING:
+        logger.warning("the gate's hold-out is %d of the %d training questions (--holdout %s): "
+                       "α and T are decided on %d of them, fewer than %d: a weak gate; give "
+                       "more training data for one with power", len(held),
+                       len(held) + len(train), f"{config.holdout:g}", len(deciding),
+                       MIN_DECIDING)
     return (held, examples, kind, info), train
