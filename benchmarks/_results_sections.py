@@ -423,15 +423,22 @@ def calm_section(block: str, payload: dict | None = None) -> list[str]:
         "alone is more over-confident than vanilla, then compares what `calm train` ships "
         "with vanilla, the LoRA alone and the LoRA with labeled TS there, and the same on "
         "every out-of-domain set. From `benchmarks/results/calm_train_ood.md`:", "",
-        *ood_block()]
+        *ood_block(),
+        "### `calm train`'s gate with the hold-out it holds out by default", "",
+        "`python benchmarks/calm_train_gate.py` runs `calm train` with every default on the "
+        "one packaged multiple-choice training part large enough for the default hold-out "
+        "(HellaSwag's, 1,507 questions: 400 held out, 200 decide), one seed, and reports "
+        "what the gate decided with which numbers. From "
+        "`benchmarks/results/calm_train_gate.md`:", "",
+        *ood_block("calm_train_gate")]
 
 
-def ood_block() -> list[str]:
-    """benchmarks/results/calm_train_ood.md below its first line (which names the command
-    and commit, said above), headings one level down; a placeholder before it exists."""
-    path = RESULTS / "calm_train_ood.md"
+def ood_block(stem: str = "calm_train_ood") -> list[str]:
+    """benchmarks/results/STEM.md below its first line (which names the command and commit,
+    said above), headings one level down; a placeholder before it exists."""
+    path = RESULTS / f"{stem}.md"
     if not path.is_file():
-        return ["(not run yet: `python benchmarks/calm_train_ood.py`)", ""]
+        return [f"(not run yet: `python benchmarks/{stem}.py`)", ""]
     first, _, rest = path.read_text().partition("\n")
     body = [("#" + line if line.startswith("## ") else line) for line in rest.splitlines()]
     return [first, *body, ""]

@@ -82,9 +82,41 @@ def test_the_decisive_shipped_arm_is_the_earlier_calm_train(scripts):
 
 
 def test_calm_train_ood_runs_calm_train_as_users_run_it(benchmark_scripts):
-    """Only the model, the data and the seed: every training setting is CalmConfig's
-    default (a smoke run alone overrides steps and the hold-out)."""
+    """Only the model, the data, the seed and the hold-out (half: sciq:train's 150 questions
+    cannot give the default 400, which calm train refuses below 800): every other training
+    setting is CalmConfig's default (a smoke run alone overrides steps too)."""
     with benchmark_scripts("calm_train_ood") as bench:
         assert bench.parse_args([]).overrides == {}
+        config = bench.seed_config(bench.parse_args([]), 1)
+        plain = CalmConfig(model="m", train=("x:train",), calibration=("x:unlabeled",))
+        changed = {f.name for f in dataclasses.fields(CalmConfig)
+                   if getattr(config, f.name) != getattr(plain, f.name)}
+        assert changed == {"model", "train", "calibration", "seed", "holdout"}
+        assert config.holdout == 0.5
         assert set(bench.parse_args(["--smoke"]).overrides) == {"steps", "warm_start_steps",
                                                                 "holdout"}
+
+
+def test_calm_train_gate_runs_calm_train_with_every_default(benchmark_scripts, tmp_path):
+    """calm_train_gate reads the gate as users get it: only the model, the data and the seed
+    are its own, so the hold-out is the default 400 (200 deciding), and the data is large
+    enough for it; its report says what the manifest decided, part by part."""
+    with benchmark_scripts("calm_train_gate") as bench:
+        config = bench.config_for(bench.parse_args(["--out", str(tmp_path)]))
+        plain = CalmConfig(model="m", train=("x:train",), calibration=("x:unlabeled",))
+        changed = {f.name for f in dataclasses.fields(CalmConfig)
+                   if getattr(config, f.name) != getattr(plain, f.name)}
+        assert changed == {"model", "train", "calibration"} and config.holdout == 400
+        gate = {"kept": False, "reason": "T dropped: its NLL gain is within the interval"}
+        text = bench.render({
+            "command": "c", "commit": "abc", "date": "d", "train_s": 10.0, "kind": "calm",
+            "holdout": {"n": 400, "deciding": 200, "reporting": 200, "n_train_left": 1107},
+            "alpha": {"kept": True, "reason": "alpha kept: it lowers the deciding NLL"},
+            "temperature": {"fitted": True, "kept": False, "answer_temperature": 1.5,
+                            "token_temperature": 1.2, "gate": gate},
+            "parts": {"n": 400, "deciding": 200, "reporting": 200, "read_on": "reporting",
+                      "parts": {"lora": {"accuracy": 0.5, "ece": 0.1, "nll": 1.0,
+                                         "mean_confidence": 0.6}}}})
+    assert "(1507 questions)" in text and "400 held out (200 decide, 200 report)" in text
+    assert "| τ/l | yes | alpha kept" in text and "| T | no | T dropped" in text
+    assert "| lora | 0.500 | 0.100 | 1.000 | 0.600 |" in text
