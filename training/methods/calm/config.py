@@ -128,9 +128,10 @@ class CalmConfig:
             (calm_training.methods.calm.gate) of α and of T: a count (an integer, held out
             whole: training data of fewer than twice as many questions is refused, so the
             default 400 always gives the gate 200 deciding questions) or a share (a float in
-            (0, 1), taken as asked; under 200 deciding questions the gate is named weak). The first half of the hold-out decides whether α and
-            T are written, the other half reports what each part did. 0: no hold-out, α and
-            T written as fitted, unmeasured.
+            (0, 1), taken as asked; under 200 deciding questions the gate is named weak).
+            The first half of the hold-out decides whether α and T are written, the other
+            half reports what each part did. 0: no hold-out, α and T written as fitted,
+            unmeasured.
         cft_weight: ``cft`` only: ``w`` in ``(1 − w)·CE + w·c·L_cal`` (:mod:`.cft`).
         cft_scale: ``cft`` only: ``c``, the scale of the calibration term.
         cft_bins: ``cft`` only: equal-width confidence bins of ``L_cal``.
