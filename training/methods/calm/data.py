@@ -113,19 +113,14 @@ TRAIN_SPLIT_FRACTION = 0.5
 TRAIN_SPLIT_SEED = 1
 """Seed of that split (distinct from the calibration/test split's seed 0)."""
 HOLDOUT_SEED = 2
-"""Seed of the α hold-out drawn from the training records (``CalmConfig.holdout``);
-fixed, so every run and seed on the same data holds out the same questions."""
+"""Seed of the gate's hold-out: every run and seed on the same data holds out the same ones."""
 
 
 def holdout_size(n: int, holdout: int | float) -> int:
-    """How many of ``n`` training questions ``holdout`` (``CalmConfig.holdout``: a count, or a
-    share in (0, 1)) holds out. A count is held out whole and needs at least as many questions
-    left to train on: training data smaller than twice the count is refused (the default
-    count is what gives the gate its power; a share is how a user asks for less). A share is
-    rounded, at least 1."""
-    if holdout == 0:
-        return 0
-    if isinstance(holdout, float):
+    """How many of ``n`` training questions ``holdout`` (``CalmConfig.holdout``) holds out: a
+    count whole, refused when fewer than as many would be left to train on (the default
+    count gives the gate its power; a share asks for less); a share rounded, at least 1."""
+    if isinstance(holdout, float) and holdout:
         return min(n - 1, max(1, round(holdout * n)))
     if n < 2 * int(holdout):
         raise ConfigError(
