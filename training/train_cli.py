@@ -39,11 +39,12 @@ examples:
 TRAIN_DESCRIPTION = """\
 Fine-tune a LoRA adapter on labeled questions, learn per-token temperatures and shifts
 (tau, shift) for the model's output on unlabeled questions, and end with a label-free
-temperature, so that the adapter it writes is calibrated (docs/methods.md section 4).
+temperature; each calibration part is written only where it helps held-out questions
+(docs/methods.md section 4).
 
 What it writes, in one adapter that calm-export fuses in one step:
   LoRA       the fine-tune (cross-entropy on --train)
-  tau/shift  learned on --calibration so that the model's answers are less over-confident
+  tau/shift  learned on --calibration to lower the over-confidence of the model's answers
              (by default the entropy of the option distribution with an alpha-only upper
              gradient: an arm of the method; --as-specified gives docs/methods.md's form)
   T          a DACA temperature of the trained model against the model before the LoRA
