@@ -427,8 +427,8 @@ def calm_section(block: str, payload: dict | None = None) -> list[str]:
         "### `calm train`'s gate with the hold-out it holds out by default", "",
         "`python benchmarks/calm_train_gate.py` runs `calm train` with every default on the "
         "one packaged multiple-choice training part large enough for the default hold-out "
-        "(HellaSwag's, 1,507 questions: 400 held out, 200 decide), one seed, and reports "
-        "what the gate decided with which numbers. From "
+        "(HellaSwag's, 1,507 questions: 400 held out, 200 decide), one seed (the steps "
+        "the report names), and reports what the gate decided with which numbers. From "
         "`benchmarks/results/calm_train_gate.md`:", "",
         *ood_block("calm_train_gate")]
 

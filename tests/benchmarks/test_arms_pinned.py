@@ -108,15 +108,21 @@ def test_calm_train_gate_runs_calm_train_with_every_default(benchmark_scripts, t
                    if getattr(config, f.name) != getattr(plain, f.name)}
         assert changed == {"model", "train", "calibration"} and config.holdout == 400
         gate = {"kept": False, "reason": "T dropped: its NLL gain is within the interval"}
-        text = bench.render({
+        payload = {
             "command": "c", "commit": "abc", "date": "d", "train_s": 10.0, "kind": "calm",
+            "settings": {"steps": 200},
             "holdout": {"n": 400, "deciding": 200, "reporting": 200, "n_train_left": 1107},
             "alpha": {"kept": True, "reason": "alpha kept: it lowers the deciding NLL"},
             "temperature": {"fitted": True, "kept": False, "answer_temperature": 1.5,
                             "token_temperature": 1.2, "gate": gate},
             "parts": {"n": 400, "deciding": 200, "reporting": 200, "read_on": "reporting",
                       "parts": {"lora": {"accuracy": 0.5, "ece": 0.1, "nll": 1.0,
-                                         "mean_confidence": 0.6}}}})
+                                         "mean_confidence": 0.6}}}}
+        text = bench.render(payload)
+        assert bench.config_for(bench.parse_args(["--out", str(tmp_path), "--steps", "50"])
+                                ).steps == 50
+        fewer = bench.render({**payload, "settings": {"steps": 50}})
+    assert "every default on" in text and "every default but 50 steps on" in fewer
     assert "(1507 questions)" in text and "400 held out (200 decide, 200 report)" in text
     assert "| τ/l | yes | alpha kept" in text and "| T | no | T dropped" in text
     assert "| lora | 0.500 | 0.100 | 1.000 | 0.600 |" in text
