@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import re
 import subprocess
 from pathlib import Path
@@ -203,3 +204,25 @@ def temperature_interval(logits, target_scores, clusters, *, temperature: float,
     low, high = np.percentile(np.asarray(temps), [tail, 100.0 - tail])
     return {"ci95": [float(low), float(high)], "refit": refit, "resamples": len(temps),
             "beyond_grid": int(beyond), "grid": [float(1.0 / betas[-1]), float(1.0 / betas[0])]}
+
+
+def trained_adapter(config, out: str | Path, *, retrain: bool = False, progress: bool = True):
+    """The `calm train` adapter in ``out`` if it was trained with ``config``'s settings (a
+    ``CalmConfig``), else one trained now (``retrain``: always)."""
+    from calm_runtime.errors import CalmError
+    from calm_runtime.formats.artifact import MANIFEST_NAME, CalibrationAdapter
+    from calm_training.methods.calm import train_calm
+
+    out = Path(out)
+    if not retrain and (out / MANIFEST_NAME).is_file():
+        try:
+            adapter = CalibrationAdapter.from_pretrained(out)
+        except CalmError as exc:
+            logging.getLogger(__name__).warning("training again: %s", exc)
+        else:
+            if adapter.method.get("settings") == json.loads(json.dumps(config.to_dict())):
+                logging.getLogger(__name__).warning("reusing %s (trained with these settings)",
+                                                    out)
+                return adapter
+    train_calm(config, out, overwrite=True, progress=progress)
+    return CalibrationAdapter.from_pretrained(out)

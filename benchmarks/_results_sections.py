@@ -427,8 +427,9 @@ def calm_section(block: str, payload: dict | None = None) -> list[str]:
 
 
 def ood_block(stem: str = "calm_train_ood") -> list[str]:
-    """benchmarks/results/STEM.md below its first line (which names the command and commit,
-    said above), headings one level down; a placeholder before it exists."""
+    """The Markdown result named ``stem`` (in benchmarks/results/) below its first line
+    (which names the command and commit, said above), headings one level down; a
+    placeholder before it exists."""
     path = RESULTS / f"{stem}.md"
     if not path.is_file():
         return [f"(not run yet: `python benchmarks/{stem}.py`)", ""]

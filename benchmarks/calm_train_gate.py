@@ -25,12 +25,11 @@ import sys
 import time
 from pathlib import Path
 
-from _common import command_line, git_commit, portable
+from _common import command_line, git_commit, portable, trained_adapter
 
 from calm_runtime.cli.common import install_named
-from calm_runtime.errors import CalmError
-from calm_runtime.formats.artifact import MANIFEST_NAME, CalibrationAdapter
-from calm_training.methods.calm import CalmConfig, train_calm
+from calm_runtime.formats.artifact import CalibrationAdapter
+from calm_training.methods.calm import CalmConfig
 
 HERE = Path(__file__).resolve().parent
 logger = logging.getLogger("calm_train_gate")
@@ -46,22 +45,6 @@ STEPS = CalmConfig.__dataclass_fields__["steps"].default
 def config_for(args) -> CalmConfig:
     return CalmConfig(model=MODEL, train=(f"{DATA}:train",),
                       calibration=(f"{DATA}:unlabeled",), seed=SEED, **args.overrides)
-
-
-def trained(args, config: CalmConfig, out: Path) -> CalibrationAdapter:
-    """The adapter in ``out`` if it was trained with ``config``'s settings, else one trained
-    now."""
-    if (out / MANIFEST_NAME).is_file():
-        try:
-            adapter = CalibrationAdapter.from_pretrained(out)
-        except CalmError as exc:
-            logger.warning("training again: %s", exc)
-        else:
-            if adapter.method.get("settings") == json.loads(json.dumps(config.to_dict())):
-                logger.warning("reusing %s (trained with these settings)", out)
-                return adapter
-    train_calm(config, out, overwrite=True, progress=not args.quiet)
-    return CalibrationAdapter.from_pretrained(out)
 
 
 def record_of(adapter: CalibrationAdapter) -> dict:
@@ -160,7 +143,7 @@ def main(argv=None) -> int:
     else:
         install_named([MODEL], (DATA,))
         config = config_for(args)
-        adapter = trained(args, config, Path(args.adapter))
+        adapter = trained_adapter(config, args.adapter, progress=not args.quiet)
         payload = {"command": args.command, "commit": git_commit(),
                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                    "settings": config.to_dict(), **record_of(adapter)}

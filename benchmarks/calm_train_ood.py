@@ -57,18 +57,18 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _common import command_line, git_commit, portable
+from _common import command_line, git_commit, portable, trained_adapter
 from _ood_stats import BINS, identical, paired_delta, sides, verdict
 
 from calm_runtime.cli.common import install_named
 from calm_runtime.data.sets import load_dataset, split_records
 from calm_runtime.errors import CalmError
-from calm_runtime.formats.artifact import MANIFEST_NAME, CalibrationAdapter
+from calm_runtime.formats.artifact import CalibrationAdapter
 from calm_runtime.measure import metrics
 from calm_runtime.temperature import fit_temperature_scaling
 from calm_training.fit import option_probabilities
 from calm_training.methods import calm as calm_train
-from calm_training.methods.calm import CalmConfig, train_calm
+from calm_training.methods.calm import CalmConfig
 
 HERE = Path(__file__).resolve().parent
 logger = logging.getLogger("calm_train_ood")
@@ -190,19 +190,8 @@ def seed_config(args, seed: int) -> CalmConfig:
 
 
 def trained(args, config: CalmConfig, out: Path) -> CalibrationAdapter:
-    """The adapter in ``out`` if it was trained with ``config``'s settings, else one trained
-    now (``--retrain``: always)."""
-    if not args.retrain and (out / MANIFEST_NAME).is_file():
-        try:
-            adapter = CalibrationAdapter.from_pretrained(out)
-        except CalmError as exc:
-            logger.warning("training again: %s", exc)
-        else:
-            if adapter.method.get("settings") == json.loads(json.dumps(config.to_dict())):
-                logger.warning("reusing %s (trained with these settings)", out)
-                return adapter
-    train_calm(config, out, overwrite=True, progress=not args.quiet)
-    return CalibrationAdapter.from_pretrained(out)
+    """The adapter in ``out`` if trained with ``config``'s settings, else trained now."""
+    return trained_adapter(config, out, retrain=args.retrain, progress=not args.quiet)
 
 
 def extend_seed(args, seed: int, part: dict, only: list[str]) -> dict:
