@@ -139,7 +139,7 @@ def run_arm(name, model, adapter_dir, reference, method, fit_part, test_part, bo
     del logits
     test_records = load_dataset(test_part)
     labels = np.array([r.answer for r in test_records])
-    pos = answer_positions(lm, tokenizer, test_records, labels, progress=True)
+    pos = answer_positions(lm, tokenizer, test_records, labels, progress=True, max_bytes=None)
     row["test_positions"] = int(len(pos.targets))
     row["test_questions"] = len(test_records)
     for key, temperature in (("before", 1.0), ("after", fit.temperature)):
@@ -182,7 +182,9 @@ def _fit_rows(method, lm, tokenizer, reference, records, chosen, agree, labels, 
     options = np.asarray(chosen)[keep]
     mine = answer_positions(lm, tokenizer, subset, options, calibration=calibration,
                             progress=True)
-    theirs = answer_positions(ref, ref_tokenizer, subset, options, progress=True)
+    n = mine.n_questions  # within the memory budget, as token_level_fit reads them
+    theirs = answer_positions(ref, ref_tokenizer, subset[:n], options[:n], progress=True,
+                              max_bytes=None)
     del ref
     width = min(mine.logits.shape[1], theirs.logits.shape[1])
     z, r = mine.logits[:, :width], theirs.logits[:, :width]

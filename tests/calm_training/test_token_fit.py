@@ -195,3 +195,40 @@ def test_cross_tokenizer_reference_fits_option_level_only(tiny_llama_tied, tiny_
     outputs = adapter.calibrated_outputs()
     assert outputs["token_logprobs"] is None and outputs["p_true"] is None
     assert outputs["option_probabilities"].startswith("daca: cloze answer temperature")
+
+
+def test_the_answer_positions_keep_whole_questions_within_the_memory_budget(
+        tiny_llama_tied, tiny_llama_untied, mc_file, monkeypatch):
+    # a large calibration set's full-vocabulary rows outgrow memory: the first questions
+    # that fit are read, whole, the reference reads the same ones, and the record says so
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from calm_runtime.data.sets import load_dataset
+    from calm_training.methods import FIT_METHODS
+    from calm_training.posthoc import token_fit
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama_tied)).eval()
+    reference = AutoModelForCausalLM.from_pretrained(str(tiny_llama_untied)).eval()
+    tok = AutoTokenizer.from_pretrained(str(tiny_llama_tied))
+    records = load_dataset(mc_file)
+    options = np.array([r.answer for r in records])
+    full = token_fit.answer_positions(model, tok, records, options, max_bytes=None)
+    assert full.n_questions == len(records) and len(full.targets) > len(records)
+    row_bytes = 4 * full.logits.shape[1]
+    counts = np.bincount(full.question, minlength=len(records))
+    budget = int(counts[:3].sum())  # exactly the first three questions' rows
+    part = token_fit.answer_positions(model, tok, records, options,
+                                      max_bytes=budget * row_bytes + row_bytes - 1)
+    assert part.n_questions == 3 and len(part.targets) == budget
+    assert set(part.question) == {0, 1, 2}
+    for q in range(3):  # the same rows as the uncapped pass, in whole
+        np.testing.assert_allclose(part.logits[part.question == q],
+                                   full.logits[full.question == q], atol=1e-5)
+    monkeypatch.setattr(token_fit, "POSITION_BYTES", budget * row_bytes)
+    agree = np.ones(len(records), dtype=bool)
+    fit, record = token_fit.token_level_fit(
+        FIT_METHODS["daca"], model=model, tokenizer=tok, records=records, chosen=options,
+        reference=reference, reference_tokenizer=tok, same_tokenizer=True, agree=agree)
+    assert fit is not None and record["questions"] == 3
+    assert record["positions"] == budget
+    assert record["capped"].startswith(f"the first 3 of {len(records)} questions")

@@ -46,6 +46,12 @@ __all__ = ["AnswerPositions", "answer_positions", "token_level_fit", "token_conf
 
 logger = logging.getLogger(__name__)
 
+#: the most bytes of float32 answer-position logits one model's pass keeps (whole questions,
+#: in the order given): a token-level temperature is one number, and full-vocabulary rows of
+#: every answer token of a large calibration set outgrow memory (1,506 HellaSwag questions
+#: with SmolLM2's 49,152-token vocabulary would need about 11 GiB per model)
+POSITION_BYTES = 2 << 30
+
 NO_SHARED_TOKENIZER = ("the reference does not share the model's tokenizer, so a label-free "
                        "token-level fit has no signal (option-level only)")
 
@@ -56,35 +62,51 @@ class AnswerPositions:
 
     ``logits`` ``[P, V]`` float32 (after any token calibration passed in), ``targets``
     ``[P]`` the answer's next token at each position, ``question`` ``[P]`` the index of the
-    record (in the order given) each position belongs to."""
+    record (in the order given) each position belongs to; ``n_questions`` how many records
+    were read (the first ones, within the memory budget)."""
 
     logits: np.ndarray
     targets: np.ndarray
     question: np.ndarray
+    n_questions: int
 
 
 def answer_positions(model, tokenizer, records: Sequence[MultipleChoiceRecord],
                      options: Sequence[int], *, calibration=None, batch_size: int = 8,
-                     max_length: int | None = None, progress: bool = False) -> AnswerPositions:
-    """Run ``cloze_context(question) + " " + choices[options[i]]`` for every record and keep
-    the logits that predict the answer's tokens (one row per answer token)."""
+                     max_length: int | None = None, progress: bool = False,
+                     max_bytes: int | None | str = "budget") -> AnswerPositions:
+    """Run ``cloze_context(question) + " " + choices[options[i]]`` for the records and keep
+    the logits that predict the answer's tokens (one row per answer token).
+
+    Whole records are read in the order given while their rows fit in ``max_bytes``
+    (``"budget"``: :data:`POSITION_BYTES`; ``None``: every record); ``n_questions`` of the
+    result says how many were."""
     from tqdm.auto import tqdm
 
     if len(options) != len(records):
         raise ConfigError(f"{len(options)} option indices for {len(records)} records")
     limit = context_limit(model, max_length)
     pad = padding_id(tokenizer)
+    if max_bytes == "budget":
+        max_bytes = POSITION_BYTES
+    budget = None if max_bytes is None else max(1, max_bytes // (4 * _vocab_size(model)))
     sequences, n_answer = [], []
     for row, (record, k) in enumerate(zip(records, options, strict=True)):
         cont = encode_within(tokenizer, cloze_continuation(record.choices[int(k)]), limit - 1,
                              f"option {k} of {describe(record, row)}", special=False)
+        if sequences and budget is not None and sum(n_answer) + len(cont) > budget:
+            break
         ctx = encode_within(tokenizer, cloze_context(record.question), limit,
                             describe(record, row), special=True, reserve=len(cont))
         sequences.append(ctx + cont)
         n_answer.append(len(cont))
-    rows, targets, owner = [], [], []
-    order = sorted(range(len(records)), key=lambda i: -len(sequences[i]))
-    bar = tqdm(total=len(records), desc="answer positions", unit="question",
+    if len(sequences) < len(records):
+        logger.info("token-level fit: the answer positions of the first %d of %d questions "
+                    "(%d positions, the memory budget)", len(sequences), len(records),
+                    sum(n_answer))
+    out, targets, owner, filled = None, [], [], 0
+    order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))
+    bar = tqdm(total=len(sequences), desc="answer positions", unit="question",
                disable=not progress)
     was_training = model.training
     model.eval()
@@ -95,20 +117,33 @@ def answer_positions(model, tokenizer, records: Sequence[MultipleChoiceRecord],
             if calibration is not None:
                 logits = calibration.calibrate(logits)
             logits = logits.numpy()
+            if out is None:  # one array, filled in place: no second copy of the rows
+                out = np.empty((sum(n_answer), logits.shape[-1]), dtype=np.float32)
             for b, i in enumerate(chunk):
                 n = n_answer[i]
                 # the last n + 1 positions end with the final token's (unused) prediction
-                rows.append(logits[b, keep - n - 1:keep - 1].astype(np.float32))
+                out[filled:filled + n] = logits[b, keep - n - 1:keep - 1, :out.shape[1]]
+                filled += n
                 targets.extend(sequences[i][-n:])
                 owner.extend([i] * n)
             bar.update(len(chunk))
     finally:
         model.train(was_training)
         bar.close()
-    width = min(r.shape[-1] for r in rows)
-    return AnswerPositions(logits=np.concatenate([r[:, :width] for r in rows]),
-                           targets=np.asarray(targets, dtype=np.int64),
-                           question=np.asarray(owner, dtype=np.int64))
+    return AnswerPositions(logits=out, targets=np.asarray(targets, dtype=np.int64),
+                           question=np.asarray(owner, dtype=np.int64),
+                           n_questions=len(sequences))
+
+
+def _capped(read: int, available: int) -> dict:
+    """The record's note when the memory budget left questions out."""
+    return {} if read == available else {
+        "capped": f"the first {read} of {available} questions (POSITION_BYTES, memory)"}
+
+
+def _vocab_size(model) -> int:
+    head = model.get_output_embeddings()
+    return int(head.weight.shape[0]) if head is not None else int(model.config.vocab_size)
 
 
 def token_confidences(logits: np.ndarray, targets: np.ndarray, temperature: float = 1.0):
@@ -149,8 +184,8 @@ def token_level_fit(method, *, model, tokenizer, records, chosen: np.ndarray,
                                batch_size=batch_size, max_length=max_length, progress=progress)
         fit = method.fit_tokens(pos.logits, targets=pos.targets)
         return fit, {"fitted": True, "signal": "labels: the correct answers' tokens",
-                     "positions": int(len(pos.targets)), "questions": len(records),
-                     **fit.to_dict()}
+                     "positions": int(len(pos.targets)), "questions": pos.n_questions,
+                     **_capped(pos.n_questions, len(records)), **fit.to_dict()}
     if reference is None or not same_tokenizer:
         return None, {"fitted": False, "reason": NO_SHARED_TOKENIZER}
     keep = np.flatnonzero(agree) if method.masked else np.arange(len(records))
@@ -161,8 +196,10 @@ def token_level_fit(method, *, model, tokenizer, records, chosen: np.ndarray,
     options = np.asarray(chosen)[keep]
     mine = answer_positions(model, tokenizer, subset, options, calibration=calibration,
                             batch_size=batch_size, max_length=max_length, progress=progress)
-    theirs = answer_positions(reference, reference_tokenizer, subset, options,
-                              batch_size=batch_size, max_length=max_length, progress=progress)
+    n = mine.n_questions  # the reference reads the same questions
+    theirs = answer_positions(reference, reference_tokenizer, subset[:n], options[:n],
+                              batch_size=batch_size, max_length=max_length, progress=progress,
+                              max_bytes=None)
     if not np.array_equal(mine.targets, theirs.targets):
         return None, {"fitted": False, "reason": "the reference tokenises the answers "
                                                  "differently; option-level only"}
@@ -174,7 +211,8 @@ def token_level_fit(method, *, model, tokenizer, records, chosen: np.ndarray,
         return None, {"fitted": False, "reason": str(exc)}
     return fit, {"fitted": True,
                  "signal": "reference: next-token distributions at the answer positions",
-                 "positions": int(len(mine.targets)), "questions": int(keep.size), **fit.to_dict()}
+                 "positions": int(len(mine.targets)), "questions": n,
+                 **_capped(n, int(keep.size)), **fit.to_dict()}
 
 
 def cloze_token_temperature(method, *, model, reference, records,
