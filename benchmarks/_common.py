@@ -211,18 +211,24 @@ def trained_adapter(config, out: str | Path, *, retrain: bool = False, progress:
     ``CalmConfig``), else one trained now (``retrain``: always)."""
     from calm_runtime.errors import CalmError
     from calm_runtime.formats.artifact import MANIFEST_NAME, CalibrationAdapter
-    from calm_training.methods.calm import train_calm
+    from calm_training.methods.calm import latest_checkpoint, train_calm
 
     out = Path(out)
+    resume = False
     if not retrain and (out / MANIFEST_NAME).is_file():
         try:
             adapter = CalibrationAdapter.from_pretrained(out)
         except CalmError as exc:
             logging.getLogger(__name__).warning("training again: %s", exc)
         else:
-            if adapter.method.get("settings") == json.loads(json.dumps(config.to_dict())):
+            same = adapter.method.get("settings") == json.loads(json.dumps(config.to_dict()))
+            # finished: T's record written (a run stopped before it left none, or "pending")
+            if same and not (adapter.method.get("daca") or {"pending": True}).get("pending"):
                 logging.getLogger(__name__).warning("reusing %s (trained with these settings)",
                                                     out)
                 return adapter
-    train_calm(config, out, overwrite=True, progress=progress)
+            resume = same and latest_checkpoint(out.with_name(out.name + ".checkpoints"))
+            if resume:  # trained, stopped before T: finish it from the final checkpoint
+                logging.getLogger(__name__).warning("finishing %s from its checkpoint", out)
+    train_calm(config, out, resume=bool(resume), overwrite=True, progress=progress)
     return CalibrationAdapter.from_pretrained(out)

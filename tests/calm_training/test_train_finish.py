@@ -212,3 +212,26 @@ def test_a_failing_measurement_keeps_the_finished_training_for_resume(
     monkeypatch.undo()
     result = train_calm(config, tmp_path / "a", resume=True, progress=False)
     assert result.out.is_dir() and result.history[-1]["step"] == 2
+
+
+def test_an_adapter_whose_run_stopped_before_t_says_so_and_resume_finishes_it(
+        tiny_llama_tied, mixed_mc_file, tmp_path, monkeypatch):
+    # a run killed in the temperature fit (out of memory) leaves the trained adapter on disk:
+    # its manifest says T is pending, and --resume --overwrite finishes it from the checkpoint
+    config = _config(tiny_llama_tied, mixed_mc_file)
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt  # stands for the process dying: nothing after it runs
+
+    monkeypatch.setattr(finish_module, "finish", killed)
+    with pytest.raises(KeyboardInterrupt):
+        train_calm(config, tmp_path / "a", progress=False)
+    stopped = CalibrationAdapter.from_pretrained(tmp_path / "a")
+    assert stopped.method["daca"]["pending"] is True
+    assert stopped.method["daca"]["kept"] is False
+    assert "--resume --overwrite" in stopped.method["daca"]["reason"]
+    monkeypatch.undo()
+    result = train_calm(config, tmp_path / "a", resume=True, overwrite=True, progress=False)
+    done = CalibrationAdapter.from_pretrained(result.out)
+    assert "pending" not in done.method["daca"] and done.method["daca"]["fitted"] is True
+    assert done.metrics["holdout_parts"]["n"] == stopped.method["alpha_gate"]["holdout"]["n"]

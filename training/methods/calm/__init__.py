@@ -33,12 +33,13 @@ if TYPE_CHECKING:  # what the names below load, for readers, type checkers and t
     from calm_training.methods.calm.finish import fit_base_temperature, part_lines
     from calm_training.methods.calm.model import CalmModel
     from calm_training.methods.calm.option_eval import OptionEvaluator
-    from calm_training.methods.calm.trainer import train_calm
+    from calm_training.methods.calm.trainer import latest_checkpoint, train_calm
 
 #: the public names and the module of this folder each lives in
 _PUBLIC = {
     "CalmConfig": "config",
     "train_calm": "trainer",
+    "latest_checkpoint": "trainer",
     "part_lines": "finish",
     "fit_base_temperature": "finish",
     "CalmModel": "model",
@@ -52,8 +53,8 @@ _PUBLIC = {
 }
 
 __all__ = ["CalmConfig", "CalmModel", "OptionEvaluator", "TRAIN_PART", "TRAIN_SPLIT_FRACTION",
-           "TRAIN_SPLIT_SEED", "UNLABELED_PART", "fit_base_temperature", "load_records",
-           "part_lines", "resolve_records", "train_calm"]
+           "TRAIN_SPLIT_SEED", "UNLABELED_PART", "fit_base_temperature", "latest_checkpoint",
+           "load_records", "part_lines", "resolve_records", "train_calm"]
 
 
 def __getattr__(name: str):

@@ -48,6 +48,13 @@ HEAD_T = "lora+alpha+head-T"
 #: ECE bins of the parts' readings (docs/methods.md §5's default)
 PART_BINS = 10
 
+#: ``method.daca`` of the adapter written before :func:`finish`: replaced by T's record when it
+#: is done, so an adapter whose run stopped in between (killed, out of memory) says so
+PENDING = {"fitted": False, "kept": False, "pending": True,
+           "reason": "not fitted yet: calm train stopped after training, before its temperature "
+                     "fit and hold-out readings; rerun the same command with --resume "
+                     "--overwrite"}
+
 
 def _fit_config(config, *, adapter: str | None, reference: str | None, data: str):
     from calm_training.posthoc.fit_config import FitConfig

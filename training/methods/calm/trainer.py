@@ -322,6 +322,9 @@ class _Trainer:
                            f"({type(exc).__name__}: {exc}); {where}") from exc
         daca = None
         if out is not None and self.dist.rank == 0:
+            from calm_training.methods.calm.finish import PENDING, finish
+
+            adapter.method["daca"] = dict(PENDING)  # until finish writes T's record
             with tempfile.TemporaryDirectory(prefix="calm-lora-") as tmp:
                 self.model.peft.save_pretrained(tmp)
                 adapter.lora_path = Path(tmp)
@@ -329,8 +332,6 @@ class _Trainer:
             logger.info("wrote %s (kind %s) after %d steps in %.0f s", out, adapter.kind,
                         self.state.step, seconds)
             # the training is on disk now; what follows only adds to it
-            from calm_training.methods.calm.finish import finish
-
             adapter, daca = finish(cfg, Path(out), self.cal_records, self.holdout_records,
                                    progress=progress)
             drop_final_checkpoint(self.state, final)
