@@ -227,8 +227,9 @@ def trained_adapter(config, out: str | Path, *, retrain: bool = False, progress:
                 logging.getLogger(__name__).warning("reusing %s (trained with these settings)",
                                                     out)
                 return adapter
-            resume = same and latest_checkpoint(out.with_name(out.name + ".checkpoints"))
+            resume = same and latest_checkpoint(out.with_name(out.name + ".checkpoints")) \
+                is not None
             if resume:  # trained, stopped before T: finish it from the final checkpoint
                 logging.getLogger(__name__).warning("finishing %s from its checkpoint", out)
-    train_calm(config, out, resume=bool(resume), overwrite=True, progress=progress)
+    train_calm(config, out, resume=resume, overwrite=True, progress=progress)
     return CalibrationAdapter.from_pretrained(out)

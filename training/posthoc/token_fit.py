@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 #: the most bytes of float32 answer-position logits one model's pass keeps (whole questions,
 #: in the order given): a token-level temperature is one number, and full-vocabulary rows of
 #: every answer token of a large calibration set outgrow memory (1,506 HellaSwag questions
-#: with SmolLM2's 49,152-token vocabulary would need about 11 GiB per model)
+#: with SmolLM2's 49,152-token vocabulary: about 21,000 positions, 4 GiB per model)
 POSITION_BYTES = 2 << 30
 
 NO_SHARED_TOKENIZER = ("the reference does not share the model's tokenizer, so a label-free "
@@ -90,20 +90,20 @@ def answer_positions(model, tokenizer, records: Sequence[MultipleChoiceRecord],
     if max_bytes == "budget":
         max_bytes = POSITION_BYTES
     budget = None if max_bytes is None else max(1, max_bytes // (4 * _vocab_size(model)))
-    sequences, n_answer = [], []
+    sequences, n_answer, total = [], [], 0
     for row, (record, k) in enumerate(zip(records, options, strict=True)):
         cont = encode_within(tokenizer, cloze_continuation(record.choices[int(k)]), limit - 1,
                              f"option {k} of {describe(record, row)}", special=False)
-        if sequences and budget is not None and sum(n_answer) + len(cont) > budget:
+        if sequences and budget is not None and total + len(cont) > budget:
             break
+        total += len(cont)
         ctx = encode_within(tokenizer, cloze_context(record.question), limit,
                             describe(record, row), special=True, reserve=len(cont))
         sequences.append(ctx + cont)
         n_answer.append(len(cont))
     if len(sequences) < len(records):
         logger.info("token-level fit: the answer positions of the first %d of %d questions "
-                    "(%d positions, the memory budget)", len(sequences), len(records),
-                    sum(n_answer))
+                    "(%d positions, the memory budget)", len(sequences), len(records), total)
     out, targets, owner, filled = None, [], [], 0
     order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))
     bar = tqdm(total=len(sequences), desc="answer positions", unit="question",
@@ -118,7 +118,7 @@ def answer_positions(model, tokenizer, records: Sequence[MultipleChoiceRecord],
                 logits = calibration.calibrate(logits)
             logits = logits.numpy()
             if out is None:  # one array, filled in place: no second copy of the rows
-                out = np.empty((sum(n_answer), logits.shape[-1]), dtype=np.float32)
+                out = np.empty((total, logits.shape[-1]), dtype=np.float32)
             for b, i in enumerate(chunk):
                 n = n_answer[i]
                 # the last n + 1 positions end with the final token's (unused) prediction
