@@ -9,6 +9,8 @@ import re
 import subprocess
 from pathlib import Path
 
+import numpy as np
+
 from calm_runtime.data.prompts import CHOICE_MODES
 
 HERE = Path(__file__).resolve().parent
@@ -41,6 +43,26 @@ def write_model_section(out: Path, stem: str, model: str, section: dict, render)
     text = render(result)
     (Path(out) / f"{stem}.md").write_text(text)
     return text
+
+
+def chance_accuracy(records) -> float:
+    """A uniform guess's expected accuracy on ``records``: the mean of 1/K over the questions
+    (ARC's sets hold a few 3- and 5-option questions, where 1/max K would set chance too low)."""
+    return float(np.mean([1.0 / len(r.choices) for r in records]))
+
+
+def fill_chance(sets: dict, load, n_of) -> None:
+    """Give each set entry of a part made before chance was recorded its ``chance`` from the
+    records it was read on: ``load(names)`` -> ``{name: records}``, ``n_of(entry)`` the
+    number of questions the entry holds (a set that no longer matches is an error)."""
+    missing = [name for name, entry in sets.items() if "chance" not in entry]
+    if not missing:
+        return
+    for name, records in load(missing).items():
+        if len(records) != n_of(sets[name]):
+            raise SystemExit(f"{name}: the part holds {n_of(sets[name])} questions, the set "
+                             f"{len(records)}; remake the part")
+        sets[name]["chance"] = chance_accuracy(records)
 
 
 def git_commit() -> str:

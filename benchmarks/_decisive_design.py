@@ -188,7 +188,7 @@ def per_question(probs: np.ndarray, labels: np.ndarray) -> dict:
             "nll": np.round(-np.log(p_true), 6).tolist(), "brier": np.round(brier, 6).tolist()}
 
 
-def summary(q: dict, k: int, bins: int, n_boot: int) -> dict:
+def summary(q: dict, k: int, chance: float, bins: int, n_boot: int) -> dict:
     """One reading's metrics; ECE's 95% interval is the bias-corrected bootstrap (binned ECE
     is biased upward on resamples; metrics.bootstrap_interval)."""
     conf, correct = np.asarray(q["conf"]), np.asarray(q["correct"], float)
@@ -199,7 +199,7 @@ def summary(q: dict, k: int, bins: int, n_boot: int) -> dict:
             "ece_ci": [lo, hi], "ece_ci_kind": "bias-corrected percentile",
             "nll": float(np.mean(q["nll"])),
             "brier": float(np.mean(q["brier"])), "mean_confidence": float(conf.mean()),
-            "near_chance": acc < 1.0 / k + CHANCE_MARGIN, "k": k}
+            "near_chance": acc < chance + CHANCE_MARGIN, "k": k, "chance": chance}
 
 
 # ---------------------------------------------------------------------------- parts

@@ -9,7 +9,7 @@ Model: SmolLM2-135M-Instruct. Trained on SciQ (``sciq:train``, 150 labeled quest
 ``sciq:unlabeled``, 150 calibration questions without labels). In domain: SciQ's whole test
 part (700). Out of domain: all of ARC-Easy (570) and a fixed random 1,000 of PIQA's
 validation split (seed 0), 1,570 paired questions. Sets whose vanilla accuracy is within
-5 points of chance (1/K) are reported and left out of every decision.
+5 points of chance (the mean of 1/K) are reported and left out of every decision.
 
 **The gate** (before any test question is read; training and unlabeled data only):
 
@@ -89,7 +89,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _common import command_line, git_commit
+from _common import chance_accuracy, command_line, git_commit
 from _decisive_design import (
     CALM_TRAIN,
     CANDIDATES,
@@ -386,14 +386,16 @@ def run_one(args, arm: str, seed: int, gate: dict, default: str | None) -> dict:
     for set_name, records in eval_sets(args.eval_limit).items():
         hidden = evaluator.hidden(records, progress=not args.quiet)
         k = max(len(r.choices) for r in records)
-        out_set = {"in_domain": set_name == DOMAIN, "k": k, "variants": {}}
+        chance = chance_accuracy(records)
+        out_set = {"in_domain": set_name == DOMAIN, "k": k, "chance": chance, "variants": {}}
         for variant, (tau, shift) in alphas.items():
             scores = (evaluator.scores(hidden, tau, shift, center=center)[0]
                       / answer_t.get(variant, 1.0))
             for suffix, t in (("", 1.0), ("+ts", temperatures[variant])):
                 q = per_question(option_probabilities(scores, t), hidden.labels)
                 out_set["variants"][variant + suffix] = {
-                    "summary": summary(q, k, args.bins, args.bootstrap), "questions": q}
+                    "summary": summary(q, k, chance, args.bins, args.bootstrap),
+                    "questions": q}
         run["sets"][set_name] = out_set
         logger.info("%s on %s evaluated", name, set_name)
     run["wall_s"] = round(time.perf_counter() - started, 1)

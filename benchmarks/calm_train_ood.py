@@ -31,9 +31,9 @@ Readings:
 **The regime**, decided from ``vanilla`` and ``lora`` only, before any claim is read: the
 out-of-domain sets where the LoRA is more over-confident than vanilla — its over-confidence
 (mean confidence − accuracy) above vanilla's with the paired 95% interval above 0. Sets whose
-vanilla accuracy is within 5 points of chance (1/K) are reported and left out of the regime,
-as calm_decisive leaves them out of its decisions: confidence has little to be calibrated
-against there.
+vanilla accuracy is within 5 points of chance (the mean of 1/K over the questions) are
+reported and left out of the regime, as calm_decisive leaves them out of its decisions:
+confidence has little to be calibrated against there.
 
 **The claims**, on the regime's sets pooled (question-weighted): ECE of ``shipped`` against
 ``vanilla``, ``lora`` and ``lora+ts``; accuracy of ``shipped`` against ``vanilla`` and ``lora``.
@@ -57,7 +57,14 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _common import command_line, git_commit, portable, trained_adapter
+from _common import (
+    chance_accuracy,
+    command_line,
+    fill_chance,
+    git_commit,
+    portable,
+    trained_adapter,
+)
 from _ood_stats import BINS, identical, paired_delta, sides, verdict
 
 from calm_runtime.cli.common import install_named
@@ -86,7 +93,8 @@ HOLDOUT = 0.5
 #: the references T is fitted against, ungated, to choose calm train's default: the model
 #: before the LoRA (None, the default; post-trained here) and a pre-trained model
 REFERENCES = {"base": None, "gemma-3-270m": "gemma-3-270m"}
-#: accuracy within this of chance (1/K): a set left out of the regime (calm_decisive's rule)
+#: accuracy within this of chance (the mean of 1/K): a set left out of the regime
+#: (calm_decisive's rule)
 CHANCE_MARGIN = 0.05
 CLAIMS = (("ece", "shipped", "vanilla"), ("ece", "shipped", "lora"),
           ("ece", "shipped", "lora+ts"), ("accuracy", "shipped", "vanilla"),
@@ -151,7 +159,7 @@ def evaluator(batch_size: int):
 
 
 def read_sets(ev, readings: dict, args, only=None) -> dict:
-    """``{set: {"k", "in_domain", "readings": {name: per-question}}}`` for ``readings``
+    """``{set: {"k", "chance", "in_domain", "readings": {name: per-question}}}`` for ``readings``
     (``{name: (tau, shift, center, answer temperature, ts)}``; ``ts`` True: temperature
     scaling fitted on the validation questions on top), and the fitted TS temperatures;
     ``only``: these sets alone (a part made before a set was added)."""
@@ -163,8 +171,8 @@ def read_sets(ev, readings: dict, args, only=None) -> dict:
     out = {}
     for set_name, records in eval_sets(args.eval_limit, only).items():
         hidden = ev.hidden(records, progress=not args.quiet)
-        entry = {"k": max(len(r.choices) for r in records), "in_domain": set_name == DOMAIN,
-                 "readings": {}}
+        entry = {"k": max(len(r.choices) for r in records), "chance": chance_accuracy(records),
+                 "in_domain": set_name == DOMAIN, "readings": {}}
         for name, (tau, shift, center, answer_t, with_ts) in readings.items():
             scores = ev.scores(hidden, tau, shift, center=center)[0] / answer_t
             t = ts[name] if with_ts else 1.0
@@ -274,9 +282,10 @@ def fit_references(config, adapter, out: Path) -> dict:
 
 # ---------------------------------------------------------------------------- statistics
 def near_chance(entry: dict) -> bool:
-    """Vanilla's accuracy on a set within :data:`CHANCE_MARGIN` of chance (1/K)."""
+    """Vanilla's accuracy on a set within :data:`CHANCE_MARGIN` of chance (a uniform guess's
+    expected accuracy, :func:`_common.chance_accuracy`)."""
     accuracy = float(np.mean(entry["readings"]["vanilla"]["correct"]))
-    return accuracy < 1.0 / entry["k"] + CHANCE_MARGIN
+    return accuracy < entry["chance"] + CHANCE_MARGIN
 
 
 def regime(parts: dict, n_boot: int) -> dict:
@@ -321,6 +330,8 @@ def load_parts(args) -> dict:
         parts["left_out"] = [s for s in held if s not in common]
         for part in [parts["vanilla"], *seeds.values()]:
             part["sets"] = {s: part["sets"][s] for s in common}
+        fill_chance(parts["vanilla"]["sets"], lambda names: eval_sets(args.eval_limit, names),
+                    lambda entry: len(entry["readings"]["vanilla"]["correct"]))
     return parts
 
 
@@ -335,8 +346,8 @@ def build(parts: dict, n_boot: int) -> dict:
                         if name in run["sets"][s]["readings"]]
             if per_seed:
                 rows[name] = {k: float(np.mean([r[k] for r in per_seed])) for k in per_seed[0]}
-        tables[s] = {"k": entry["k"], "in_domain": entry["in_domain"], "rows": rows,
-                     "near_chance": near_chance(entry)}
+        tables[s] = {"k": entry["k"], "chance": entry["chance"], "in_domain": entry["in_domain"],
+                     "rows": rows, "near_chance": near_chance(entry)}
     found = regime(parts, n_boot) if parts["seeds"] else {}
     chosen = [s for s, row in found.items() if row["in_regime"]]
     reference = None

@@ -41,8 +41,9 @@ def _part(bench, arm, seed, confidence, accuracy=0.6, variants=("alpha", "alpha+
         out = {}
         for j, variant in enumerate(variants):
             q = _questions(400, accuracy, confidence, seed * 100 + i * 10 + j)
-            out[variant] = {"summary": bench.summary(q, 4, 10, 20), "questions": q}
-        sets[name] = {"in_domain": name == bench.DOMAIN, "k": 4, "variants": out}
+            out[variant] = {"summary": bench.summary(q, 4, 0.25, 10, 20), "questions": q}
+        sets[name] = {"in_domain": name == bench.DOMAIN, "k": 4, "chance": 0.25,
+                      "variants": out}
     return {"arm": arm, "seed": seed, "commit": "abc1234", "command": "python x",
             "validation_nll": {"alpha": 1.0}, "sets": sets}
 

@@ -24,7 +24,7 @@ def _parts(bench, rng, n=300):
     sets_v, seeds = {}, {}
     for s in ("arc-easy", "piqa", "mmlu"):
         acc = 0.27 if s == "mmlu" else 0.6
-        sets_v[s] = {"k": 4, "in_domain": False, "readings": {
+        sets_v[s] = {"k": 4, "chance": 0.25, "in_domain": False, "readings": {
             "vanilla": _reading(rng, n, acc, acc), "vanilla+ts": _reading(rng, n, acc, acc)}}
     for seed in bench.SEEDS:
         sets = {}
@@ -40,6 +40,31 @@ def _parts(bench, rng, n=300):
                        "references": {"base": {"answer_temperature": 1.1}},
                        "temperature": {}, "temperature_gate": "T kept"}
     return {"vanilla": {"sets": sets_v}, "seeds": seeds}
+
+
+def test_chance_is_the_mean_of_one_over_k_and_old_parts_get_it_from_their_records(
+        benchmark_scripts):
+    from types import SimpleNamespace
+
+    with benchmark_scripts("calm_train_ood") as bench:
+        from _common import chance_accuracy, fill_chance
+
+        # ARC's mix: mostly 4 options, a few 3 and 5; 1/max K (0.2) would set chance too low
+        records = [SimpleNamespace(choices=[0] * k) for k in [4] * 8 + [3, 5]]
+        chance = chance_accuracy(records)
+        assert chance == pytest.approx((8 / 4 + 1 / 3 + 1 / 5) / 10)
+        vanilla = {"correct": [1] * 28 + [0] * 72}  # 0.28: near a 0.25 chance, not a 0.2 one
+        entry = {"k": 5, "readings": {"vanilla": vanilla}}
+        sets = {"arc-challenge": entry}
+        fill_chance(sets, lambda names: {n: records * 10 for n in names},
+                    lambda e: len(e["readings"]["vanilla"]["correct"]))
+        assert entry["chance"] == pytest.approx(chance) and bench.near_chance(entry)
+        assert not bench.near_chance({**entry, "chance": 0.2})
+        fill_chance(sets, lambda names: pytest.fail("a recorded chance is kept"), len)
+        with pytest.raises(SystemExit, match="holds 100 questions, the set 10; remake"):
+            fill_chance({"arc-challenge": {"readings": {"vanilla": vanilla}}},
+                        lambda names: {n: records for n in names},
+                        lambda e: len(e["readings"]["vanilla"]["correct"]))
 
 
 def test_the_regime_and_the_claims_follow_the_data(benchmark_scripts):
@@ -108,7 +133,8 @@ def test_a_part_made_before_a_set_was_added_is_extended_in_place(benchmark_scrip
 def test_a_set_not_read_for_every_seed_is_left_out_of_the_report(benchmark_scripts, tmp_path):
     with benchmark_scripts("calm_train_ood") as bench:
         args = bench.parse_args(["--out", str(tmp_path)])
-        bench.write_part(args, "vanilla", {"sets": {"sciq": {}, "copa": {}}})
+        bench.write_part(args, "vanilla", {"sets": {"sciq": {"chance": 0.25},
+                                                    "copa": {"chance": 0.5}}})
         bench.write_part(args, "seed-0", {"sets": {"sciq": {}, "copa": {}}})
         bench.write_part(args, "seed-1", {"sets": {"sciq": {}}})  # not extended yet
         parts = bench.load_parts(args)
