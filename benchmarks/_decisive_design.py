@@ -189,14 +189,15 @@ def per_question(probs: np.ndarray, labels: np.ndarray) -> dict:
 
 
 def summary(q: dict, k: int, chance: float, bins: int, n_boot: int) -> dict:
-    """One reading's metrics; ECE's 95% interval is the bias-corrected bootstrap (binned ECE
+    """One reading's metrics; ECE's 95% interval is the percentile bootstrap shifted by
+    the bootstrap's bias estimate (not Efron's BC or BCa interval; binned ECE
     is biased upward on resamples; metrics.bootstrap_interval)."""
     conf, correct = np.asarray(q["conf"]), np.asarray(q["correct"], float)
     lo, hi = metrics.bootstrap_interval(lambda c, y: metrics.ece(c, y, bins), conf, correct,
                                         n_resamples=n_boot, bias_corrected=True)
     acc = float(correct.mean())
     return {"n": int(conf.size), "accuracy": acc, "ece": float(metrics.ece(conf, correct, bins)),
-            "ece_ci": [lo, hi], "ece_ci_kind": "bias-corrected percentile",
+            "ece_ci": [lo, hi], "ece_ci_kind": "percentile, shifted by the bootstrap bias",
             "nll": float(np.mean(q["nll"])),
             "brier": float(np.mean(q["brier"])), "mean_confidence": float(conf.mean()),
             "near_chance": acc < chance + CHANCE_MARGIN, "k": k, "chance": chance}

@@ -290,8 +290,8 @@ MULTIPLICITY = ("Each verdict rests on its own 95% interval; the claims are not 
                 "multiplicity (with this many, a few verdicts at the edge of their margin may "
                 "be chance): read them as exploratory, the `calm-train` rows as the measurement "
                 "of what `calm train` ships. An ECE claim 'holds' only when its interval lies "
-                "below 0 and outside ±0.01; 'n/a' marks two identical readings (nothing to "
-                "compare).")
+                "below 0 and not wholly inside ±0.01; 'n/a' marks two identical readings "
+                "(nothing to compare).")
 
 
 def render(payload: dict) -> str:

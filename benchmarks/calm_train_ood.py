@@ -65,7 +65,7 @@ from _common import (
     portable,
     trained_adapter,
 )
-from _ood_stats import BINS, identical, paired_delta, sides, verdict
+from _ood_stats import BINS, ECE_MARGIN, identical, paired_delta, sides, verdict
 
 from calm_runtime.cli.common import install_named
 from calm_runtime.data.sets import load_dataset, split_records
@@ -428,16 +428,21 @@ def render(payload: dict) -> str:
         lines += [f"Sets: {', '.join(sets)}.", "",
                   "| claim | Δ [95% CI] | detects | verdict |", "|---|---|---|---|"]
         for c in rows:
-            lines.append(f"| {c['metric']}: {c['a']} − {c['b']} | {c['delta']:+.4f} "
+            what = ("accuracy kept (no loss past the margin)" if c["metric"] == "accuracy"
+                    else c["metric"])
+            lines.append(f"| {what}: {c['a']} − {c['b']} | {c['delta']:+.4f} "
                          f"[{c['ci'][0]:+.4f}, {c['ci'][1]:+.4f}] | {c['detects']:.4f} | "
                          f"**{c['verdict']}** |")
         lines += ["", "'detects': the smallest difference this design finds with 80% power "
                   "(two-sided 5%); an interval that excludes a difference that large says no "
                   "effect of that size, not no effect."]
         if ungated:
-            lines += ["", f"T as fitted against the model before the LoRA, ungated (what a gate "
-                      f"that kept it would have shipped), minus the LoRA alone, ECE on these "
-                      f"sets: {ungated['delta']:+.4f} [{ungated['ci'][0]:+.4f}, "
+            near = [s for s in sets if payload["tables"][s]["near_chance"]]
+            lines += ["", "T as fitted against the model before the LoRA, ungated (what a gate "
+                      "that kept it would have shipped), minus the LoRA alone, ECE on these "
+                      "sets" + (f", pooled ({len(near)} of the {len(sets)} near chance)"
+                                if near else "")
+                      + f": {ungated['delta']:+.4f} [{ungated['ci'][0]:+.4f}, "
                       f"{ungated['ci'][1]:+.4f}], detects {ungated['detects']:.4f} "
                       f"(**{ungated['verdict']}** read as a claim that T lowers it)."]
     lines += ["", "## Which reference T should be fitted against", ""]
@@ -449,8 +454,12 @@ def render(payload: dict) -> str:
                   f"minus T fitted against the model before the LoRA (the default), ungated, "
                   f"ECE on every out-of-domain set ({', '.join(ref['sets'])}): "
                   f"{ref['delta']:+.4f} [{ref['ci'][0]:+.4f}, {ref['ci'][1]:+.4f}], detects "
-                  f"{ref['detects']:.4f}: **{ref['verdict']}** (holds: the pre-trained "
-                  "reference calibrates better).", ""]
+                  f"{ref['detects']:.4f}: **{ref['verdict']}** (read as a claim that the "
+                  "pre-trained reference calibrates better; the ECE rule: holds when the "
+                  "interval lies below 0 and not wholly inside the margin)"
+                  + (", though the difference itself is smaller than the margin."
+                     if ref["verdict"] == "holds" and abs(ref["delta"]) < ECE_MARGIN else ".")
+                  , ""]
         ans = payload.get("reference_answering")
         if ans:
             lines += [f"The same on the sets where vanilla answers above chance "
