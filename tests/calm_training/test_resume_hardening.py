@@ -22,6 +22,7 @@ pytest.importorskip("peft")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from calm_runtime.cli.main import main  # noqa: E402
+from calm_runtime.formats.artifact import CalibrationAdapter  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("private_calm_cache")
 STEP = "step-000002"
@@ -167,6 +168,8 @@ MUTATIONS = {
     "history row of another step": _state(lambda p: p["history"][0].update(step=7)),
     "history q a string": _state(lambda p: p["history"][1].update(q="high")),
     "history short": _state(lambda p: p["history"].pop()),
+    "seconds negative": _state(lambda p: p.update(seconds=-1.0)),
+    "seconds a string": _state(lambda p: p.update(seconds="12")),
     "nested deeply": _deep,
     "not JSON": lambda folder: (folder / "state.json").write_text("{not json"),
 }
@@ -217,9 +220,18 @@ def test_a_mutated_checkpoint_is_one_line_and_nothing_is_restored_or_written(
     assert _snapshot(folder) == before
 
 
-def test_the_valid_checkpoint_resumes(checkpoint, tiny_llama_tied, mc_file, tmp_path, capsys):
+@pytest.mark.parametrize("recorded", [True, False], ids=["with-seconds", "before-seconds"])
+def test_the_valid_checkpoint_resumes(checkpoint, tiny_llama_tied, mc_file, tmp_path, capsys,
+                                      recorded):
     folder = tmp_path / "ckpt"
     shutil.copytree(checkpoint, folder)
+    assert json.loads((folder / STEP / "state.json").read_text())["seconds"] > 0
+    # a long first run (its time as recorded), or one written before the time was kept
+    _state(lambda p: p.update(seconds=1000.0) if recorded else p.pop("seconds"))(folder / STEP)
+    saved = 1000.0 if recorded else 0.0
     assert _train(tiny_llama_tied, mc_file, tmp_path / "out", folder, 4, "--resume") == 0, \
         capsys.readouterr().err
     assert (tmp_path / "out").is_dir()
+    # the training time counts the steps before the resume
+    trained = CalibrationAdapter.from_pretrained(tmp_path / "out").metrics["training"]
+    assert trained["steps"] == 4 and saved < trained["seconds"] < saved + 600

@@ -3,7 +3,8 @@
 A checkpoint is a folder ``step-NNNNNN`` holding ``tensors.safetensors`` (LoRA tensors
 ``theta/NAME``, α ``alpha/NAME``, the optimizer state flattened to ``optim/INDEX/KEY``, the
 torch RNG state ``rng/torch``) and ``state.json`` (format, step, settings, LoRA tensor
-names, the optimizer's non-tensor state, the training history). No pickle anywhere.
+names, the optimizer's non-tensor state, the training history, the training time so far).
+No pickle anywhere.
 ``--resume`` checks a checkpoint as a whole before restoring any of it
 (:mod:`calm_training.methods.calm.checkpoint_check`).
 """
@@ -64,7 +65,8 @@ def save_checkpoint(state: TrainingState, target: Path, keep: int = 2) -> None:
     tensors = {k: v.detach().cpu().clone().contiguous() for k, v in tensors.items()}
     payload = {"format": CHECKPOINT_FORMAT, "step": state.step,
                "config": state.config.to_dict(), "theta_names": m.names,
-               "optimizer_scalars": scalars, "history": state.history}
+               "optimizer_scalars": scalars, "history": state.history,
+               "seconds": round(state.seconds, 3)}
     with atomic_directory(target, overwrite=True) as staging:
         save_file(tensors, str(staging / "tensors.safetensors"))
         (staging / "state.json").write_text(json.dumps(payload, indent=1) + "\n")
@@ -94,6 +96,7 @@ def load_checkpoint(state: TrainingState, folder: Path) -> None:
     torch.set_rng_state(checked.rng)
     state.step = checked.step  # which optimizer is active depends on the step
     state.history = checked.history
+    state.seconds = checked.seconds
 
 
 def final_checkpoint(state: TrainingState) -> Path | None:

@@ -49,6 +49,8 @@ MAX_HEADER_BYTES = 16 << 20
 MAX_INT_DIGITS = 30
 _FIX = "start without --resume or from a checkpoint of this run"
 _STATE_KEYS = {"format", "step", "config", "theta_names", "optimizer_scalars", "history"}
+#: keys a checkpoint may lack (one written before they were recorded)
+_OPTIONAL_KEYS = {"seconds"}
 _INDEX = re.compile(r"(0|[1-9][0-9]{0,8})", re.ASCII)
 _STEP_FOLDER = re.compile(r"step-([0-9]{1,18})", re.ASCII)
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
@@ -68,6 +70,8 @@ class Restorable:
     optimizer_state: dict
     rng: torch.Tensor
     history: list
+    #: the training time of the steps the checkpoint holds (0 where it was not recorded)
+    seconds: float = 0.0
 
 
 def step_number(folder: Path) -> int | None:
@@ -168,7 +172,7 @@ def _read_state(folder: Path) -> dict:
     if payload.get("format") != CHECKPOINT_FORMAT or not _is_int(payload.get("format")):
         _refuse(folder, f"format {show(payload.get('format'))}, not {CHECKPOINT_FORMAT} (resume "
                         "with the calm version that wrote it)")
-    keys = set(payload)
+    keys = set(payload) - (_OPTIONAL_KEYS & set(payload))
     if keys != _STATE_KEYS:
         extra, missing = sorted(keys - _STATE_KEYS), sorted(_STATE_KEYS - keys)
         _refuse(folder, "state.json " + (f"has unknown key(s) {show(extra)}" if extra else
@@ -178,6 +182,11 @@ def _read_state(folder: Path) -> dict:
         if not isinstance(payload[key], kind):
             _refuse(folder, f"state.json's {key} is a {type(payload[key]).__name__}, not a "
                             f"JSON {'object' if kind is dict else 'list'}")
+    seconds = payload.get("seconds", 0.0)
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float) \
+            or not 0 <= seconds < float("inf"):
+        _refuse(folder, f"state.json's seconds {show(seconds)} is not a training time in "
+                        "seconds")
     return payload
 
 
@@ -391,4 +400,5 @@ def read_checkpoint(state: TrainingState, folder: Path) -> Restorable:
     return Restorable(step=step, theta=[tensors[f"theta/{n}"] for n in m.names],
                       alpha=[tensors[f"alpha/{n}"] for n in m.alpha_names],
                       optimizer=optimizer, optimizer_state=optim_state, rng=tensors["rng/torch"],
-                      history=list(payload["history"]))
+                      history=list(payload["history"]),
+                      seconds=float(payload.get("seconds", 0.0)))

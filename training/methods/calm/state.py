@@ -34,6 +34,8 @@ class TrainingState:
     step: int = 0
     #: one row per step taken (the training curve)
     history: list[dict] = field(default_factory=list)
+    #: the training time of the steps taken, across resumed runs (saved in checkpoints)
+    seconds: float = 0.0
     #: the last step's checkpoint this run wrote before measuring (:mod:`.checkpoint`)
     made_final_checkpoint: Path | None = None
 

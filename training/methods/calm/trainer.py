@@ -275,7 +275,7 @@ class _Trainer:
         cfg = self.config
         if resume:
             self._load_latest()
-        started = time.perf_counter()
+        before, started = self.state.seconds, time.perf_counter()
         bar = tqdm(total=cfg.steps, initial=self.state.step, desc=f"calm {cfg.method}",
                    unit="step",
                    disable=not progress or self.dist.rank != 0)
@@ -301,10 +301,11 @@ class _Trainer:
                                    row["q"], cfg.inner_step_lr)
             bar.set_postfix_str(_log_line(row, short=True), refresh=False)
             bar.update(1)
+            self.state.seconds = before + time.perf_counter() - started
             if cfg.checkpoint_every and self.state.step % cfg.checkpoint_every == 0:
                 self._save_checkpoint()
         bar.close()
-        seconds = time.perf_counter() - started
+        seconds = self.state.seconds
         trained_alpha = self.model.tau_shift() if self.model.alpha else None
         # the finished training is checkpointed before anything measures it, so that a
         # measurement that fails loses nothing: `--resume` writes the adapter from there
@@ -366,8 +367,9 @@ class _Trainer:
             decision = decide_part("alpha", q["nll_alpha"], q["nll_without"], *correct)
             keep, why = decision["kept"], decision["reason"]
             if "flips" in share:
-                why += (f"; {share['flips']} answers changed, TV "
-                        f"{share['total_variation']:.4f}")
+                # the share is read on the whole hold-out, the decision on its deciding half
+                why += (f"; on all {share['n']} held-out questions α changed {share['flips']} "
+                        f"answers, TV {share['total_variation']:.4f}")
         if not keep:
             self.model.set_alpha(None, None)
         if self.dist.rank == 0:
