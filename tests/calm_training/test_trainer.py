@@ -316,3 +316,14 @@ def test_freeze_alpha_runs_the_schedule_with_theta_alone(tiny_llama_tied, mc_fil
     for row in result.history:
         assert row["lam"] == pytest.approx(0.5, rel=1e-6) and row["cos_f_q"] == 0.0
     assert result.history[-1]["g"] < result.history[0]["g"]
+
+
+def test_the_q_warning_suggests_only_settings_the_run_can_still_change():
+    from types import SimpleNamespace
+
+    from calm_training.methods.calm.trainer import q_grew_fix
+
+    assert q_grew_fix(SimpleNamespace(optimizer="sgd")) == \
+        "use a smaller --set outer_lr or a larger --set eta"
+    assert q_grew_fix(SimpleNamespace(optimizer="adam")) == \
+        "use --set optimizer=sgd, a smaller --set outer_lr or a larger --set eta"

@@ -107,6 +107,14 @@ def train_calm(config: CalmConfig, out: str | os.PathLike | None, *, resume: boo
         dist.close()
 
 
+def q_grew_fix(config) -> str:
+    """What to change when q grows: the settings that slow the outer steps, never the one
+    the run already has."""
+    fixes = ([] if config.optimizer == "sgd" else ["--set optimizer=sgd"]) + [
+        "a smaller --set outer_lr", "a larger --set eta"]
+    return "use " + ", ".join(fixes[:-1]) + " or " + fixes[-1]
+
+
 class _Trainer:
     def __init__(self, config: CalmConfig, device, dist, checkpoint_dir) -> None:
         import torch
@@ -265,9 +273,8 @@ class _Trainer:
         if last > before:
             self.q_warnings += 1
             logger.warning("step %d: q grew from %.3g to %.3g (mean over %d steps): the outer "
-                           "steps are leaving the lower-level optimum; use --set optimizer=sgd, "
-                           "a smaller --set outer_lr or a larger --set eta", row["step"],
-                           before, last, n)
+                           "steps are leaving the lower-level optimum; %s", row["step"],
+                           before, last, n, q_grew_fix(self.config))
 
     def run(self, out, resume: bool, overwrite: bool, progress: bool) -> TrainResult:
         from tqdm.auto import tqdm
