@@ -38,7 +38,7 @@ def test_a_reordering_is_seen_though_the_entropy_does_not_move():
     decision = decide_part("alpha", q["nll_alpha"], q["nll_without"], q["correct_alpha"],
                            q["correct_without"])
     assert not decision["kept"] and "alpha dropped" in decision["reason"]
-    assert decision["answers_changed"] == 2
+    assert decision["correctness_changes"] == 2
 
 
 def test_an_alpha_that_lowers_the_held_out_nll_is_kept():

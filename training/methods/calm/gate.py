@@ -162,7 +162,7 @@ def decide_part(name: str, nll_with, nll_without, correct_with=None,
                    "accuracy_with": float(np.mean(correct_with)),
                    "accuracy_change": acc_change,
                    "accuracy_change_interval": [acc_lo, acc_hi],
-                   "answers_changed": int(np.sum(a != 0))}
+                   "correctness_changes": int(np.sum(a != 0))}
         facts += (f", accuracy {record['accuracy_without']:.3f} -> "
                   f"{record['accuracy_with']:.3f} ({acc_change:+.3f} "
                   f"[{acc_lo:+.3f}, {acc_hi:+.3f}])")

@@ -374,9 +374,9 @@ class _Trainer:
             decision = decide_part("alpha", q["nll_alpha"], q["nll_without"], *correct)
             keep, why = decision["kept"], decision["reason"]
             if "flips" in share:
-                # the share is read on the whole hold-out, the decision on its deciding half
-                why += (f"; on all {share['n']} held-out questions α changed {share['flips']} "
-                        f"answers, TV {share['total_variation']:.4f}")
+                # flips: predicted answers changed (the decision counts correctness changes)
+                why += (f"; α changed {share['flips']} of the {share['n']} deciding questions' "
+                        f"predicted answers, TV {share['total_variation']:.4f}")
         if not keep:
             self.model.set_alpha(None, None)
         if self.dist.rank == 0:
