@@ -424,7 +424,15 @@ def calm_section(block: str, payload: dict | None = None) -> list[str]:
         "alone is more over-confident than vanilla, then compares what `calm train` ships "
         "with vanilla, the LoRA alone and the LoRA with labeled TS there, and the same on "
         "every out-of-domain set. From `benchmarks/results/calm_train_ood.md`:", "",
-        *ood_block()]
+        *ood_block(),
+        "### `calm train`'s gate with the hold-out it holds out by default", "",
+        "`python benchmarks/calm_train_gate.py` runs `calm train` with every default on the "
+        "one packaged multiple-choice training part large enough for the default hold-out "
+        "(HellaSwag's, 1,507 questions: 400 held out, 200 decide), one seed (the steps "
+        "the report names), and reports what the gate decided with which numbers: what the "
+        "gate does with the power its default gives it, not an effect estimate. From "
+        "`benchmarks/results/calm_train_gate.md`:", "",
+        *ood_block("calm_train_gate")]
 
 
 def ood_block(stem: str = "calm_train_ood") -> list[str]:

@@ -465,7 +465,9 @@ def render(payload: dict) -> str:
             lines += [f"The same on the sets where vanilla answers above chance "
                       f"({', '.join(ans['sets'])}): {ans['delta']:+.4f} [{ans['ci'][0]:+.4f}, "
                       f"{ans['ci'][1]:+.4f}], detects {ans['detects']:.4f}: "
-                      f"**{ans['verdict']}**.", ""]
+                      f"**{ans['verdict']}**"
+                      + (" (the interval lies inside the margin: no difference that large "
+                         "either way)." if ans["verdict"] == "refuted" else "."), ""]
         for seed, fits in payload["temperatures"].items():
             said = "; ".join(f"{k}: " + (f"{v['answer_temperature']:.4f}"
                                           if v.get("answer_temperature") else v.get("reason"))

@@ -128,7 +128,8 @@ def readme_block() -> str:
     higher = all(r["ts"]["t"] > r["daca"]["t"] for r in outside)
     apart = sum(r["daca"]["ci"][1] < r["naive"]["ci"][0] or r["naive"]["ci"][1] <
                 r["daca"]["ci"][0] for r in cloze)
-    lines += ["", "ECE on the held-out questions with 95% bootstrap intervals; the rows of "
+    lines += ["", "ECE on the held-out questions with 95% percentile bootstrap intervals; the "
+              "rows of "
               "both fine-tunes, every data set, score variant and letter mode, and the "
               "temperatures are in [docs/results.md](docs/results.md). In DACA's regime (a "
               "post-trained model against its own pre-trained base, cloze mode) DACA's ECE is "
@@ -138,7 +139,7 @@ def readme_block() -> str:
               + (" and labeled TS's temperature is above DACA's on each of those rows" if higher
                  else "") + f" (point estimates: the two intervals are apart on {apart} of "
               f"the {len(cloze)} cloze rows). "
-              f"On the cross-family pair DACA is below naive alignment on "
+              f"On the cross-family pair DACA's point estimate is below naive alignment's on "
               f"{sets(pair_mean, True)} and above it on {sets(pair_mean, False)}. One "
               "explanation, not tested here, is the agreement mask: DACA drops the questions "
               "where the two models disagree, which would help when those are post-training's "
