@@ -291,7 +291,8 @@ def test_q_growth_warns_once_per_window(caplog):
 
     from calm_training.methods.calm.trainer import _Trainer
 
-    fake = SimpleNamespace(config=SimpleNamespace(q_window=3), state=SimpleNamespace(history=[]),
+    fake = SimpleNamespace(config=SimpleNamespace(q_window=3, optimizer="adam"),
+                           state=SimpleNamespace(history=[]),
                            q_warnings=0)
     qs = [0.5, 0.4, 0.3, 0.2, 0.2, 0.1, 0.3, 0.4, 0.5]  # falls, then grows
     with caplog.at_level("WARNING", logger="calm_training.methods.calm.trainer"):
