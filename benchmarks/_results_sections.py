@@ -426,10 +426,10 @@ def calm_section(block: str, payload: dict | None = None) -> list[str]:
         "every out-of-domain set. From `benchmarks/results/calm_train_ood.md`:", "",
         *ood_block(),
         "### `calm train`'s gate with the hold-out it holds out by default", "",
-        "`python benchmarks/calm_train_gate.py` runs `calm train` with every default on the "
-        "one packaged multiple-choice training part large enough for the default hold-out "
-        "(HellaSwag's, 1,507 questions: 400 held out, 200 decide), one seed (the steps "
-        "the report names), and reports what the gate decided with which numbers: what the "
+        "`python benchmarks/calm_train_gate.py` runs `calm train` with every default but its "
+        "steps (the report names them) on the one packaged multiple-choice training part "
+        "large enough for the default hold-out (HellaSwag's, 1,507 questions: 400 held out, "
+        "200 decide), one seed, and reports what the gate decided with which numbers: what the "
         "gate does with the power its default gives it, not an effect estimate. From "
         "`benchmarks/results/calm_train_gate.md`:", "",
         *ood_block("calm_train_gate")]

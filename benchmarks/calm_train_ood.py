@@ -467,7 +467,8 @@ def render(payload: dict) -> str:
                       f"{ans['ci'][1]:+.4f}], detects {ans['detects']:.4f}: "
                       f"**{ans['verdict']}**"
                       + (" (the interval lies inside the margin: no difference that large "
-                         "either way)." if ans["verdict"] == "refuted" else "."), ""]
+                         "either way)." if -ECE_MARGIN < ans["ci"][0] and ans["ci"][1] < ECE_MARGIN
+                         else "."), ""]
         for seed, fits in payload["temperatures"].items():
             said = "; ".join(f"{k}: " + (f"{v['answer_temperature']:.4f}"
                                           if v.get("answer_temperature") else v.get("reason"))

@@ -1,7 +1,7 @@
 """DACA in its own regime: post-trained models of the reference's own family.
 
-    python benchmarks/daca_regime.py --polm lora-60=/work/adapters/gemma-lora-60 \\
-        --polm lora-sharp=/work/adapters/gemma-lora-sharp --test-limit mmlu=400
+    python benchmarks/daca_regime.py --polm lora-60=adapters/gemma-lora-60 \\
+        --polm lora-sharp=adapters/gemma-lora-sharp --test-limit mmlu=400
     python benchmarks/daca_regime.py --polm lora-60=ADAPTER --modes cloze   # cloze only
     python benchmarks/daca_regime.py --render       # rewrite the .md from the committed .json
 
