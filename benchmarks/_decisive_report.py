@@ -3,6 +3,7 @@ docs/results.md's block, rendered from the part files."""
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -87,11 +88,10 @@ def report(args) -> int:
     default = chosen["arm"] if chosen else None
     diverged = {name: part["diverged"] for name, part in parts.items() if "diverged" in part}
     parts = {name: part for name, part in parts.items() if "diverged" not in part}
-    records = {}
+    every_set = functools.cache(lambda: eval_sets(args.eval_limit))  # read once, if at all
 
-    def load(names):  # the evaluation sets, read once, for parts made before chance was kept
-        records.update(records or eval_sets(args.eval_limit))
-        return {name: records[name] for name in names}
+    def load(names):  # for parts made before chance was recorded
+        return {name: every_set()[name] for name in names}
 
     for part in parts.values():
         fill_chance(part["sets"], load, lambda info: len(

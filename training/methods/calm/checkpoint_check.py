@@ -172,7 +172,7 @@ def _read_state(folder: Path) -> dict:
     if payload.get("format") != CHECKPOINT_FORMAT or not _is_int(payload.get("format")):
         _refuse(folder, f"format {show(payload.get('format'))}, not {CHECKPOINT_FORMAT} (resume "
                         "with the calm version that wrote it)")
-    keys = set(payload) - (_OPTIONAL_KEYS & set(payload))
+    keys = set(payload) - _OPTIONAL_KEYS
     if keys != _STATE_KEYS:
         extra, missing = sorted(keys - _STATE_KEYS), sorted(_STATE_KEYS - keys)
         _refuse(folder, "state.json " + (f"has unknown key(s) {show(extra)}" if extra else
