@@ -24,7 +24,7 @@ def validate_graph(staging: Path, shape, config: ExportConfig, tokenizer, pad_id
     """Run the graph in staging through calm's runtime backend against the reference; raises
     :class:`ExportValidationError` when it is off. Also rolls out the drift prompts a
     variant is measured on."""
-    runner, runtime = validate.onnx_runner(staging / ONNX_FILE, shape)
+    runner, runtime = validate.onnx_runner(staging / ONNX_FILE, shape, config.providers)
     got = validate.run_cases(runner, cases, config.greedy_steps, references)
     # each drift prompt and its greedy steps within the model's positions (a small model's
     # context can be shorter than the passages)
@@ -60,7 +60,7 @@ def build_variant(staging: Path, shape, config: ExportConfig, cases, references,
         # the drift and the fp16 check below measure the fused graph
         facts["graph"] = fuse_graph(target, shape, external=external)
         facts["bytes"] = sum(p.stat().st_size for p in staging.glob(f"{ONNX_FILE}*"))
-    runner, _ = validate.onnx_runner(target, shape)
+    runner, _ = validate.onnx_runner(target, shape, config.providers)
     mine = validate.run_cases(runner, cases, config.greedy_steps, references)
     mine_drift = validate.run_cases(runner, drift_cases, config.greedy_steps, drift_base)
     del runner

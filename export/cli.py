@@ -16,6 +16,7 @@ from calm_runtime.cli.common import (
 )
 from calm_runtime.data.models import MODEL_FORMS
 from calm_runtime.errors import ConfigError
+from calm_runtime.placement import check_device
 from calm_runtime.extras import missing
 from calm_runtime.modes import CHOICE_MODES, CLOZE_VARIANTS, DEFAULT_CLOZE_VARIANT
 
@@ -89,8 +90,15 @@ def add_arguments(parser: argparse.ArgumentParser, *, quiet: bool = True) -> Non
                         help="with --format gguf: fold tau and T only, dropping a per-token "
                         "shift the architecture's llama.cpp graph cannot add (recorded in the "
                         "file's calm.shift)")
-    parser.add_argument("--dtype", choices=DTYPES, default=_DEFAULTS["dtype"],
-                        help="engine precision (fp16: for GPU providers / TensorRT)")
+    parser.add_argument("--dtype", type=_engine_dtype, default=_DEFAULTS["dtype"],
+                        metavar="{fp32,fp16}",
+                        help="engine precision (fp16: for GPU providers / TensorRT; float32 "
+                        "and float16 are accepted too)")
+    parser.add_argument("--device", type=check_device, default=_DEFAULTS["device"],
+                        metavar="{auto,cpu,cuda,cuda:N}",
+                        help="where the engine is validated: cpu (ONNX Runtime's CPU "
+                        "provider), cuda (its CUDA provider; onnxruntime-gpu) or auto (default: "
+                        "CUDA when onnxruntime offers it)")
     parser.add_argument("--quantize", choices=QUANTIZE, default=_DEFAULTS["quantize"],
                         help="int8 or int4 weights (blockwise MatMulNBits, every MatMul); the "
                         "drift from fp32 is "
@@ -136,6 +144,17 @@ def add_arguments(parser: argparse.ArgumentParser, *, quiet: bool = True) -> Non
                             help="warnings only, no progress bar or stage log")
 
 
+def _engine_dtype(value: str) -> str:
+    """``--dtype``: fp32 or fp16 (float32/float16 too); bfloat16 is one line."""
+    name = {"float32": "fp32", "float16": "fp16", "half": "fp16"}.get(value.lower(),
+                                                                      value.lower())
+    if name not in DTYPES:
+        raise argparse.ArgumentTypeError(f"{value!r}: an engine is fp32 or fp16 (ONNX Runtime "
+                                         "has no bfloat16 CPU kernels); pass --dtype fp16 for "
+                                         "GPUs")
+    return name
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     if missing("export"):  # before argparse, so that --help gives the same one line
         print(f"BackendUnavailableError: {missing_extra_message('export', 'calm-export')}",
@@ -164,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--calibration-data and --recalibrate name different data; pass "
                           "one of them")
     config = ExportConfig(format=args.format, dtype=args.dtype, quantize=args.quantize,
-                          graph=args.graph,
+                          graph=args.graph, device=args.device,
                           opset=args.opset, overwrite=args.overwrite,
                           progress=not args.quiet, calibration_data=data,
                           recalibrate=args.recalibrate is not None,
@@ -224,6 +243,10 @@ def summary(result) -> str:
     lines += _variant_lines(manifest)
     stages = ", ".join(f"{k} {v:.1f}s" for k, v in result.seconds.items() if k != "total")
     lines.append(f"time: {result.seconds.get('total', 0.0):.1f} s ({stages})")
+    if result.peak_rss_mb:
+        name, peak = max(result.peak_rss_mb.items(), key=lambda item: item[1])
+        lines.append(f"peak RSS: {peak:.0f} MB (in {name}; "
+                     + ", ".join(f"{k} {v:.0f}" for k, v in result.peak_rss_mb.items()) + ")")
     return "\n".join(lines)
 
 
@@ -243,6 +266,10 @@ def _checkpoint_summary(result) -> str:
                  f"match ({report['greedy_ties']} ties)")
     stages = ", ".join(f"{k} {v:.1f}s" for k, v in result.seconds.items() if k != "total")
     lines.append(f"time: {result.seconds.get('total', 0.0):.1f} s ({stages})")
+    if result.peak_rss_mb:
+        name, peak = max(result.peak_rss_mb.items(), key=lambda item: item[1])
+        lines.append(f"peak RSS: {peak:.0f} MB (in {name}; "
+                     + ", ".join(f"{k} {v:.0f}" for k, v in result.peak_rss_mb.items()) + ")")
     return "\n".join(lines)
 
 

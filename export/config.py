@@ -153,9 +153,19 @@ class ExportConfig:
     #: TensorRT optimisation profile bounds (batch and total sequence length).
     max_batch_size: int = 8
     max_sequence_length: int = 2048
+    #: Where the engine is validated: "cpu" (ONNX Runtime's CPU provider), "cuda"/"cuda:N"
+    #: (its CUDA provider, the CPU for ops it lacks) or "auto" (CUDA when onnxruntime-gpu
+    #: offers it). The torch reference runs on the CPU: a few prompts, float32.
+    device: str = "auto"
 
     def __post_init__(self) -> None:
         problems = []
+        from calm_runtime.placement import check_device
+
+        try:
+            check_device(self.device)
+        except ConfigError as exc:
+            problems.append(str(exc).split(";")[0])
         output = FORMATS.get(self.format)  # None: an unknown name, refused here
         if output is None:
             problems.append(f"format must be one of {list(FORMATS)}, got {self.format!r}")
@@ -272,6 +282,22 @@ class ExportConfig:
         if self.int8_exclude is not None:
             return tuple(self.int8_exclude)
         return self.INT8_DEFAULT_EXCLUDE[self.int8_scheme]
+
+    @property
+    def providers(self) -> list[str] | None:
+        """ONNX Runtime providers the engine is validated on (``None``: calm's default, the
+        CPU)."""
+        device = self.device
+        if device == "auto":
+            import importlib.util
+
+            if importlib.util.find_spec("onnxruntime") is None:
+                return None
+            import onnxruntime
+
+            device = ("cuda" if "CUDAExecutionProvider" in onnxruntime.get_available_providers()
+                      else "cpu")
+        return ["cuda", "cpu"] if device.startswith("cuda") else None
 
     def tolerance(self, reference_scale: float, dtype: str = "fp32") -> float:
         """The allowed max |engine - reference| for logits whose largest magnitude is given."""

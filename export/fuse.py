@@ -195,8 +195,9 @@ def fuse_into_lm_head(model, adapter: CalibrationAdapter, *, layout: str = "unti
     if not isinstance(head, nn.Linear):
         raise ArtifactError(f"the model's LM head is a {type(head).__name__}, not a Linear "
                             "layer; calm-export can only fuse into a linear head")
-    raw_weight = head.weight.detach()
-    weight = raw_weight if multiplier == 1.0 else raw_weight * multiplier
+    weight = head.weight.detach()
+    if multiplier != 1.0:
+        weight = weight * multiplier
     bias = None if head.bias is None else head.bias.detach() * multiplier
     embedding = model.get_input_embeddings()
     width = None if embedding is None else getattr(embedding, "weight", None)
@@ -222,8 +223,9 @@ def fuse_into_lm_head(model, adapter: CalibrationAdapter, *, layout: str = "unti
                 raise ArtifactError("the LM head is still tied to the embedding; call "
                                     "untie_lm_head first (fusing would rescale the embedding)")
             new_weight, new_bias = adapter.fused_head(weight, bias)
+            # made on the meta device: no [V, d] initialisation beside the two real heads
             fused = nn.Linear(weight.shape[1], weight.shape[0], bias=True,
-                              dtype=weight.dtype, device=weight.device)
+                              dtype=weight.dtype, device="meta")
             fused.weight = nn.Parameter(new_weight.contiguous(), requires_grad=False)
             fused.bias = nn.Parameter(new_bias.contiguous(), requires_grad=False)
             model.set_output_embeddings(fused)
@@ -232,7 +234,7 @@ def fuse_into_lm_head(model, adapter: CalibrationAdapter, *, layout: str = "unti
                               device=weight.device)
             scale, shift = elementwise_calibration(adapter, ones, bias)
             plain = nn.Linear(weight.shape[1], weight.shape[0], bias=False,
-                              dtype=weight.dtype, device=weight.device)
+                              dtype=weight.dtype, device="meta")
             plain.weight = head.weight  # keep the tie: same Parameter as the embedding
             model.set_output_embeddings(ScaledHead(plain, scale[:, 0], shift,
                                                    center=adapter.centered))

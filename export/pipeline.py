@@ -32,6 +32,7 @@ from calm_runtime.errors import ArtifactError, ConfigError
 from calm_runtime.files import atomic_directory, check_creatable
 from calm_runtime.formats.artifact import CalibrationAdapter, describe_calibrated_outputs
 from calm_runtime.formats.engine import EngineManifest
+from calm_runtime.placement import return_free_memory
 
 from . import engine_writer, fuse, graphs, heads, recalibrate, validate
 from .build_stages import build_tensorrt, build_variant, validate_graph
@@ -59,6 +60,8 @@ class ExportResult:
     manifest: EngineManifest | dict
     file_sizes: dict[str, int]
     seconds: dict[str, float] = field(default_factory=dict)
+    #: each stage's peak resident set size in MB (export/progress.py)
+    peak_rss_mb: dict[str, float] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
@@ -208,7 +211,10 @@ class ExportJob:
         """The model and tokenizer, and what the adapter says about itself."""
         self.stages.start("load")
         adapter = self.adapter
-        self.model, self.tokenizer, self.identity = load_model_and_tokenizer(self.model_spec)
+        # float32 on the CPU: the reference is a few prompts, and every graph (fp16 and the
+        # quantised ones too) is built from float32 weights (docs/formats.md)
+        self.model, self.tokenizer, self.identity = load_model_and_tokenizer(
+            self.model_spec, dtype="float32", device="cpu")
         self.shape = shape = decoder_shape(self.model.config)
         self.template = _template(self.config, adapter)
         logger.info("model %s: %d layers, vocab %d; adapter %s (T=%.4g, tau in [%.3g, %.3g])",
@@ -234,10 +240,7 @@ class ExportJob:
         model, adapter, config = self.model, self.adapter, self.config
         self.was_tied = fuse.head_is_tied(model)
         self.tied_scale = fuse.keeps_tied_head(model, adapter, config)  # scalar tau, builder
-        if config.head_layout == "untied" and not self.tied_scale:
-            fuse.untie_lm_head(model)
-        if adapter.lora_path is not None:
-            self.model = fuse.apply_lora(model, adapter.lora_path)
+        self.model = self._with_lora(model)
         self.tokens = engine_writer.special_tokens(self.folder, model.config, self.tokenizer,
                                                    self.shape.vocab_size)
         pad = self.tokens["pad_token_id"]
@@ -252,25 +255,48 @@ class ExportJob:
         self.scale = validate.reference_scale(self.references)
         self.tolerance = config.tolerance(self.scale)
 
+    def _with_lora(self, model):
+        """``model`` with its head untied (where the calibration goes into it) and the
+        adapter's LoRA applied (not merged)."""
+        if self.config.head_layout == "untied" and not self.tied_scale:
+            fuse.untie_lm_head(model)
+        if self.adapter.lora_path is not None:
+            model = fuse.apply_lora(model, self.adapter.lora_path)
+        return model
+
     def fuse(self) -> None:
         """The LoRA merged and the calibration in the head (or after it, as elementwise ops,
         where the family's post-head or a tied head keeps it out)."""
         self.stages.start("fuse")
+        self.model = self._fused(self.model, log=True)
+
+    def _fused(self, model, *, log: bool = False):
         adapter, post = self.adapter, self.post
         if adapter.lora_path is not None:
-            self.model = fuse.merge_lora(self.model)
+            model = fuse.merge_lora(model)
         if self.config.output.checkpoint:  # the checkpoint folds it itself
-            return
+            return model
         if not post.linear or self.tied_scale:  # the calibration goes after the head
             self.affine = fuse.logits_affine(adapter, self.shape.vocab_size,
                                              post.head_multiplier)
-            heads.neutralise(self.model, post)
-            logger.info("%s: the calibration is applied after it, as elementwise ops",
-                        "the tied head" if post.linear else post.describe())
+            heads.neutralise(model, post)
+            if log:
+                logger.info("%s: the calibration is applied after it, as elementwise ops",
+                            "the tied head" if post.linear else post.describe())
         else:
-            fuse.fuse_into_lm_head(self.model, adapter, layout=self.config.head_layout,
+            fuse.fuse_into_lm_head(model, adapter, layout=self.config.head_layout,
                                    multiplier=post.value)
-            heads.neutralise(self.model, post)
+            heads.neutralise(model, post)
+        return model
+
+    def _release_model(self) -> None:
+        self.model = None
+
+    def _reload_model(self):
+        """The merged, calibrated model loaded and fused again, as load, reference and fuse
+        made it (a builder graph that failed took the first one)."""
+        model, _, _ = load_model_and_tokenizer(self.folder, dtype="float32", device="cpu")
+        return self._fused(self._with_lora(model))
 
     def _check_fused_torch(self, model) -> float:
         """calm's own graph: the fused torch decoder against the reference before the export
@@ -298,13 +324,14 @@ class ExportJob:
         built = graphs.build_graph(
             graphs.GraphJob(model=self.model, tokenizer=self.tokenizer, shape=self.shape,
                             config=config, affine=self.affine, external=external,
-                            staging=self.staging),
+                            staging=self.staging, release=self._release_model,
+                            reload=self._reload_model),
             validate=self._validate_staged, check_torch=self._check_fused_torch,
             on_stage=self.stages.start)
         self.facts, checked, fused_torch = built.facts, built.checked, built.fused_torch
         self.model = None
         del built
-        gc.collect()
+        return_free_memory()
         if checked is None:
             self.stages.start("validate")
             checked = self._validate_staged()
@@ -388,6 +415,7 @@ class ExportJob:
     def write(self, updates: dict) -> dict[str, int]:
         """The manifest, written and read back with its hashes checked; the files' sizes."""
         self.stages.start("write")
+        self.export_settings["stages"] = self.stages.report()
         self.manifest(updates).write(self.staging)
         EngineManifest.load(self.staging, verify_hashes=True)  # read back what was written
         return {p.name: p.stat().st_size for p in sorted(self.staging.iterdir()) if p.is_file()}
@@ -401,7 +429,7 @@ class ExportJob:
                     sum(sizes.values()) / 1e6, self.report["max_abs_diff"],
                     stages.seconds["total"])
         return ExportResult(path=self.out, manifest=final, file_sizes=sizes,
-                            seconds=stages.seconds)
+                            seconds=stages.seconds, peak_rss_mb=stages.peak_rss_mb)
 
     def write_checkpoint(self) -> ExportResult:
         """``--format hf``: fold into the head, save, reload with transformers, compare,
@@ -457,7 +485,7 @@ class ExportJob:
                     "%.1f s)", self.out, sum(sizes.values()) / 1e6, report["max_abs_diff"],
                     stages.seconds["total"])
         return ExportResult(path=self.out, manifest=manifest, file_sizes=sizes,
-                            seconds=stages.seconds)
+                            seconds=stages.seconds, peak_rss_mb=stages.peak_rss_mb)
 
 
 def _load_adapter(adapter_arg) -> tuple[CalibrationAdapter | None, Path | None]:

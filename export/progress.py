@@ -8,12 +8,42 @@ import sys
 import threading
 import time
 
-__all__ = ["HEARTBEAT_S", "StageProgress"]
+__all__ = ["HEARTBEAT_S", "StageProgress", "peak_rss_bytes", "reset_peak_rss"]
 
 logger = logging.getLogger(__name__)
 
 #: seconds between the heartbeat's log lines while a stage runs (no terminal)
 HEARTBEAT_S = 30.0
+
+def reset_peak_rss() -> bool:
+    """Start a new peak-RSS window for this process (Linux: ``/proc/self/clear_refs``);
+    ``False`` where it cannot, and the peak then counts from the process's start."""
+    try:
+        with open("/proc/self/clear_refs", "w") as sink:
+            sink.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes() -> int | None:
+    """This process's peak resident set size since the last :func:`reset_peak_rss` (Linux:
+    ``VmHWM``), else since it started (``getrusage``); ``None`` where neither is known."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024
+    except (ImportError, OSError):
+        return None
+
 
 class StageProgress:
     """Logs each stage and moves one tqdm bar (stderr, a terminal only) along; while a stage
@@ -29,6 +59,10 @@ class StageProgress:
         self.bar = tqdm(total=len(self.names), desc="calm-export", unit="stage",
                         disable=not (progress and self.tty), leave=False)
         self.seconds: dict[str, float] = {}
+        #: each finished stage's peak resident set size, in MB (the process's, so a stage's
+        #: peak includes what earlier stages still hold)
+        self.peak_rss_mb: dict[str, float] = {}
+        self._windows = True
         self._name, self._start = None, 0.0
         self._stop = threading.Event()
         self._beat = None
@@ -53,15 +87,27 @@ class StageProgress:
 
     def start(self, name: str) -> None:
         self.finish()
+        self._windows = reset_peak_rss() and self._windows
         self._name, self._start = name, time.perf_counter()
         self.bar.set_postfix_str(name)
         logger.info("stage %d/%d: %s", self.names.index(name) + 1, len(self.names), name)
 
     def finish(self) -> None:
         if self._name is not None:
-            self.seconds[self._name] = round(time.perf_counter() - self._start, 3)
+            name = self._name
+            self.seconds[name] = round(time.perf_counter() - self._start, 3)
+            peak = peak_rss_bytes()
+            if peak is not None:
+                self.peak_rss_mb[name] = round(peak / 1e6, 1)
+                logger.info("stage %s: %.1f s, peak RSS %.0f MB", name, self.seconds[name],
+                            peak / 1e6)
             self.bar.update(1)
             self._name = None
+
+    def report(self) -> dict:
+        """The stages' wall times and peak RSS so far (the manifest's ``export.stages``)."""
+        return {"seconds": dict(self.seconds), "peak_rss_mb": dict(self.peak_rss_mb),
+                "peak_rss_per_stage": self._windows}
 
     def close(self) -> None:
         self.finish()

@@ -286,15 +286,30 @@ def quantize_int8(source: Path, target: Path, config, *, external: bool, bits: i
             "fp32_bytes": _size(source.parent), "bytes": _size(target.parent)}
 
 
+#: bytes past which a serialised ONNX model fails (protobuf's 2 GB message limit), less a
+#: margin for the graph itself
+PROTOBUF_LIMIT = (2 << 30) - (64 << 20)
+
+
 def convert_fp16(source: Path, target: Path, *, external: bool) -> dict:
     """Convert the fp32 graph to float16 (weights, activations, KV cache; logits stay float32)."""
     import onnx
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
-    model = onnx.load(str(source), load_external_data=True)
+    large = _size(source.parent) > PROTOBUF_LIMIT
+    if large:  # a graph past protobuf's 2 GB cannot be serialised whole for shape inference:
+        # infer the shapes from the file (weights stay on disk), convert without inferring again
+        inferred = source.parent / "inferred.onnx"
+        onnx.shape_inference.infer_shapes_path(str(source), str(inferred))
+        source_graph = inferred
+    else:
+        source_graph = source
+    model = onnx.load(str(source_graph), load_external_data=True)
     with _quiet_root():
-        converted = convert_float_to_float16(model, keep_io_types=list(FP16_KEEP_IO))
-    save_onnx(converted, target, external)
+        converted = convert_float_to_float16(model, keep_io_types=list(FP16_KEEP_IO),
+                                             disable_shape_infer=large)
+    del model
+    save_onnx(converted, target, external or large)
     return {"converter": "onnxruntime.transformers.float16", "kept_float32_io": list(FP16_KEEP_IO),
             "fp32_bytes": _size(source.parent), "bytes": _size(target.parent)}
 

@@ -217,20 +217,23 @@ def torch_decoder_runner(decoder, shape) -> Runner:
     return run
 
 
-def onnx_runner(path: Path, shape) -> tuple[Runner, str]:
-    """``path`` run as ``calm serve`` runs it: calm_runtime's ONNX Runtime backend (CPU, full
-    graph optimisation, IO binding; a packed graph through its in-place cache); the KV cache
+def onnx_runner(path: Path, shape, providers=None) -> tuple[Runner, str]:
+    """``path`` run as ``calm serve`` runs it: calm_runtime's ONNX Runtime backend (full
+    graph optimisation, IO binding; a packed graph through its in-place cache) on
+    ``providers`` (default the CPU; calm-export's ``--device cuda``: CUDA); the KV cache
     takes the graph's dtype (float16 for fp16 graphs)."""
     import onnxruntime as ort
 
     from calm_runtime.inference.backends import OnnxRuntimeBackend
 
-    backend = OnnxRuntimeBackend(_GraphFacts(Path(path), shape))
+    backend = OnnxRuntimeBackend(_GraphFacts(Path(path), shape), providers=providers)
+    used = backend.session.get_providers()[0] if hasattr(backend, "session") else (
+        "CPUExecutionProvider")
 
     def run(input_ids, attention_mask, position_ids, state):
         return backend.run(input_ids, attention_mask, position_ids, state)
 
-    return run, f"onnxruntime {ort.__version__} CPUExecutionProvider (calm_runtime's backend)"
+    return run, f"onnxruntime {ort.__version__} {used} (calm_runtime's backend)"
 
 
 class _GraphFacts:

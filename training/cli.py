@@ -15,6 +15,7 @@ from calm_runtime.cli.common import add_endpoint_limits, show_progress
 from calm_runtime.data.models import MODEL_FORMS
 from calm_runtime.errors import BackendUnavailableError
 from calm_runtime.modes import CLOZE_VARIANTS
+from calm_runtime.placement import add_placement_arguments
 from calm_training.posthoc.fit_config import ALL_MODES, FitConfig
 from calm_training.train_cli import register_train
 
@@ -182,6 +183,8 @@ def _add_common(p, default_variant: str | None, *, reference: bool = True,
     chat.add_argument("--chat", dest="chat", action="store_true", default=None,
                       help="apply the chat template in letter mode")
     chat.add_argument("--no-chat", dest="chat", action="store_false")
+    add_placement_arguments(p, dtype_default=_FIT["dtype"], device_default=_FIT["device"],
+                            what="--model (and --reference)")
 
 
 def _config(args):
@@ -206,7 +209,7 @@ def _config(args):
                      reference_name=getattr(args, "reference_name", None),
                      api_key_env=args.api_key_env,
                      concurrency=args.concurrency, timeout=args.timeout,
-                     max_retries=args.max_retries)
+                     max_retries=args.max_retries, dtype=args.dtype, device=args.device)
 
 
 def _fit(args) -> int:

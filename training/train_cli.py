@@ -122,7 +122,12 @@ def flag_of(f) -> str:
 
 
 def value_type(f):
-    """The Python type a field's text is read as (its annotation without ``None``)."""
+    """The Python type a field's text is read as (its annotation without ``None``; the
+    dtype in any spelling calm's other commands take)."""
+    if f.name == "dtype":
+        from calm_runtime.placement import check_dtype
+
+        return check_dtype
     kinds = [k.strip() for k in str(f.type).split("|")]
     for name, kind in (("int", int), ("float", float), ("bool", _boolean)):
         if name in kinds:

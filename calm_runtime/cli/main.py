@@ -37,6 +37,7 @@ from calm_runtime.data.sets import DATA_PARTS
 from calm_runtime.errors import BackendUnavailableError, ConfigError
 from calm_runtime.extras import missing
 from calm_runtime.modes import CHOICE_MODES, CLOZE_VARIANTS, DEFAULT_CLOZE_VARIANT
+from calm_runtime.placement import check_device, check_dtype
 
 __all__ = ["main", "build_parser"]
 
@@ -169,6 +170,12 @@ def _add_engine_options(p, engine_help: str = "engine directory written by calm-
     p.add_argument("--threads", type=int, help="intra-op threads (default: all cores)")
     p.add_argument("--model", help=f"torch backend: the source model, {MODEL_FORMS}")
     p.add_argument("--adapter", help=adapter_help)
+    p.add_argument("--dtype", type=check_dtype, default="auto",
+                   help="torch backend: the source model's precision (auto: its checkpoint's "
+                        "own); an ONNX engine runs in the precision it was exported in")
+    p.add_argument("--device", type=check_device, default="auto",
+                   help="torch backend: auto, cpu, cuda or cuda:N; onnxruntime: cuda means the "
+                        "CUDA provider (--providers cuda,cpu), auto and cpu the CPU")
 
 
 def _load_engine(args):
@@ -176,10 +183,21 @@ def _load_engine(args):
 
     providers = args.providers.split(",") if args.providers else None
     extra = {}
+    dtype, device = getattr(args, "dtype", "auto"), getattr(args, "device", "auto")
     if args.backend == "torch":
-        extra = {"model": args.model, "adapter": args.adapter}
+        extra = {"model": args.model, "adapter": args.adapter, "dtype": dtype,
+                 "device": device}
     elif args.model or args.adapter:
         raise ConfigError("--model and --adapter are for --backend torch only")
+    elif dtype != "auto":
+        raise ConfigError(f"--dtype {dtype} is for --backend torch; an ONNX engine runs in the "
+                          "precision it was exported in (calm-export --dtype)")
+    elif device.startswith("cuda"):
+        if args.backend != "onnxruntime":
+            raise ConfigError(f"--device is for --backend torch or onnxruntime, not "
+                              f"{args.backend}")
+        if providers is None:
+            providers = ["cuda", "cpu"]
     return CalibratedLM.load(args.engine, backend=args.backend, providers=providers,
                              threads=args.threads, **extra)
 
@@ -331,7 +349,9 @@ def _score(args) -> int:
     if served:
         given = [flag for flag, value in (("--backend", args.backend),
                                           ("--providers", args.providers),
-                                          ("--threads", args.threads), ("--model", args.model))
+                                          ("--threads", args.threads), ("--model", args.model),
+                                          ("--dtype", None if args.dtype == "auto" else 1),
+                                          ("--device", None if args.device == "auto" else 1))
                  if value is not None]
         if given:
             raise ConfigError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for "

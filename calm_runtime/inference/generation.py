@@ -301,7 +301,7 @@ class GenerationRun:
         active = np.arange(n)
         prefill_s, decode_s, steps = 0.0, 0.0, 0
         while True:
-            stats = step_stats(logits[:, -1])
+            stats = step_stats(logits[:, -1], self._tok.vocab_size)
             rows = np.arange(active.size)
             chosen = choose_tokens(stats, s.sampling,
                                    [generators[r] for r in active] if generators else [])

@@ -129,9 +129,15 @@ class StepStats:
         return self.shifted[rows, tokens].astype(np.float64) - np.log(self.sums[rows])
 
 
-def step_stats(logits: np.ndarray) -> StepStats:
-    """Probabilities' building blocks and entropy of calibrated ``logits`` ``[B, V]``."""
+def step_stats(logits: np.ndarray, valid: int | None = None) -> StepStats:
+    """Probabilities' building blocks and entropy of calibrated ``logits`` ``[B, V]``.
+
+    ``valid``: the tokenizer's vocabulary size when the head is larger (a padded head, a
+    config vocabulary past the tokenizer's): ids from ``valid`` on can never be rendered, so
+    they get no probability and are never chosen (as vLLM truncates padded logits)."""
     z = np.asarray(logits, dtype=np.float32)
+    if valid is not None and valid < z.shape[-1]:
+        z = z[..., :valid]
     shifted = z - z.max(axis=-1, keepdims=True)
     exps = np.exp(shifted)
     # numpy's float32 sums are pairwise (relative error ~1e-7 over a 262k vocabulary): as

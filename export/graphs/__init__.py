@@ -52,7 +52,12 @@ CANDIDATES: dict[str, tuple[GraphStrategy, ...]] = {
 
 @dataclass
 class GraphJob:
-    """What a strategy builds from: the merged, head-fused model and its settings."""
+    """What a strategy builds from: the merged, head-fused model and its settings.
+
+    A strategy that needs the torch model only to write it out (the builder) takes it with
+    :meth:`take_model`, which leaves this job (and ``release``'s owner) without a reference,
+    so the weights are freed before the builder loads its own copy; a later candidate gets
+    the model back from ``reload`` (the same load and fuse again)."""
 
     model: Any
     tokenizer: Any
@@ -62,6 +67,31 @@ class GraphJob:
     affine: Any
     external: bool
     staging: Path
+    #: drops the owner's reference to the model (called by take_model)
+    release: Callable[[], None] = lambda: None
+    #: the merged, head-fused model loaded again (after take_model)
+    reload: Callable[[], Any] | None = None
+    #: the model's config, kept for eligibility checks after the model is taken
+    model_config: Any = None
+
+    def __post_init__(self) -> None:
+        if self.model_config is None and self.model is not None:
+            self.model_config = self.model.config
+
+    def take_model(self) -> list:
+        """The model in a one-item list (pop it and drop the list to free it); the job and
+        its owner keep no reference."""
+        box = [self.model]
+        self.model = None
+        self.release()
+        return box
+
+    def ensure_model(self) -> None:
+        if self.model is None:
+            if self.reload is None:
+                raise RuntimeError("the model was taken and cannot be reloaded")
+            logger.info("loading the model again for calm's own graph")
+            self.model = self.reload()
 
 
 @dataclass
@@ -86,7 +116,7 @@ def build_graph(job: GraphJob, *, validate: Callable[[], Any],
     candidates = CANDIDATES[config.graph]
     for strategy in candidates:
         last = strategy is candidates[-1]
-        reason = strategy.unsupported_because(config, job.model.config)
+        reason = strategy.unsupported_because(config, job.model_config)
         if reason is not None:
             if last:
                 raise ConfigError(f"--graph {strategy.name} cannot build this engine: "
@@ -96,6 +126,7 @@ def build_graph(job: GraphJob, *, validate: Callable[[], Any],
         if not strategy.fallible:
             if not_used is not None and config.graph == "auto":
                 logger.info("graph: calm's own (%s)", not_used)
+            job.ensure_model()
             fused_torch = check_torch(job.model)
             built = BuiltGraph(facts=strategy.build(job), fused_torch=fused_torch)
             break

@@ -67,5 +67,5 @@ class BuilderGraph(GraphStrategy):
     def build(self, job) -> dict:
         from . import genai_builder
 
-        return genai_builder.build_graph(job.model, job.tokenizer, job.staging,
+        return genai_builder.build_graph(job.take_model(), job.tokenizer, job.staging,
                                          job.shape.vocab_size, affine=job.affine)

@@ -45,6 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from calm_runtime.errors import CalmError
+from calm_runtime.placement import return_free_memory
 
 from . import genai_build
 from .calm_graph import (
@@ -70,40 +71,25 @@ class BuilderError(CalmError):
     """onnxruntime-genai's builder did not produce a graph."""
 
 
-def build_graph(model, tokenizer, staging: Path, vocab_size: int, *, affine=None) -> dict:
+def build_graph(model_box: list, tokenizer, staging: Path, vocab_size: int, *,
+                affine=None) -> dict:
     """Write the calibrated builder graph (``model.onnx`` + ``model.onnx.data``) and the
     builder's ``genai_config.json`` into ``staging``; returns the export facts.
 
-    ``model`` is the merged model with the calibration fused into its head (its bias, the
-    shift, is moved after the head here), or, with ``affine`` (a
-    :class:`~calm_export.fuse.LogitsAffine`), the model whose finished logits get it."""
+    ``model_box`` holds (``[model]``) the merged model with the calibration fused into its
+    head (its bias, the shift, is moved after the head here), or, with ``affine`` (a
+    :class:`~calm_export.fuse.LogitsAffine`), the model whose finished logits get it. The
+    model is taken out of the box, written to a staging folder in its own dtype and dropped
+    before the builder reads that folder: the process never holds two copies of the weights.
+    """
     work = staging / ".builder"
     source, output, cache = work / "source", work / "output", work / "cache"
-    scale = shift = bias = None
-    head = model.get_output_embeddings()
-    if affine is not None:
-        if affine.center:
-            raise BuilderError("a centred adapter after a soft-capped head needs a mean over "
-                               "the vocabulary, which the builder graph's appended ops lack; "
-                               "export with --graph fused")
-        scale, shift = affine.scale.detach().numpy(), affine.shift.detach().numpy()
-    elif getattr(head, "bias", None) is not None:
-        bias = head.bias
-        shift = bias.detach().float().numpy().copy()
-    if scale is not None and np.all(scale == 1.0):
-        scale = None
-    if shift is not None and not np.any(shift):
-        shift = None
     try:
-        if bias is not None:  # the builder's head has none: the shift is grafted after it
-            head.bias = None
-        try:
-            model.save_pretrained(str(source))
-        finally:  # the model stays whole for calm's own graph if the builder fails
-            if bias is not None:
-                head.bias = bias
-        tokenizer.save_pretrained(str(source))
+        scale, shift = _write_source(model_box, tokenizer, source, affine)
+        return_free_memory()
+        logger.debug("source written, torch model dropped: RSS %s", _rss())
         _run_builder(source, output, cache, work / "builder.log")
+        return_free_memory()
         path = output / ONNX_FILE
         if scale is not None or shift is not None:
             append_logits_affine(path, scale, shift)
@@ -128,6 +114,39 @@ def build_graph(model, tokenizer, staging: Path, vocab_size: int, *, affine=None
                                        "SimplifiedLayerNormalization") if ops[op]},
                 "calibration_after_head": [n for n, v in (("scale", scale), ("shift", shift))
                                            if v is not None]}}
+
+
+def _rss() -> str:
+    try:
+        with open("/proc/self/status") as status:
+            return next(line.split(":", 1)[1].strip() for line in status
+                        if line.startswith("VmRSS"))
+    except (OSError, StopIteration):
+        return "unknown"
+
+
+def _write_source(model_box: list, tokenizer, source: Path, affine):
+    """The model (popped from ``model_box``) saved into ``source`` for the builder, with its
+    head's bias left out; returns the ``(scale, shift)`` to append after the head."""
+    model = model_box.pop()
+    scale = shift = None
+    head = model.get_output_embeddings()
+    if affine is not None:
+        if affine.center:
+            raise BuilderError("a centred adapter after a soft-capped head needs a mean over "
+                               "the vocabulary, which the builder graph's appended ops lack; "
+                               "export with --graph fused")
+        scale, shift = affine.scale.detach().numpy(), affine.shift.detach().numpy()
+    elif getattr(head, "bias", None) is not None:
+        shift = head.bias.detach().float().numpy().copy()
+        head.bias = None  # the builder's head has none: the shift is grafted after it
+    if scale is not None and np.all(scale == 1.0):
+        scale = None
+    if shift is not None and not np.any(shift):
+        shift = None
+    model.save_pretrained(str(source))
+    tokenizer.save_pretrained(str(source))
+    return scale, shift
 
 
 def _drop_handlers_on(stream) -> None:

@@ -152,7 +152,7 @@ def test_the_builder_graph_records_the_builder_version(tmp_path, monkeypatch):
     model = SimpleNamespace(get_output_embeddings=lambda: SimpleNamespace(bias=None),
                             save_pretrained=lambda path: None)
     tokenizer = SimpleNamespace(save_pretrained=lambda path: None)
-    facts = genai_builder.build_graph(model, tokenizer, tmp_path, vocab)
+    facts = genai_builder.build_graph([model], tokenizer, tmp_path, vocab)
     version = onnxruntime_genai.__version__
     assert facts["graph"]["builder_version"] == version
     assert facts["graph"]["kind"] == "genai-builder"

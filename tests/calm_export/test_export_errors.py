@@ -148,8 +148,8 @@ def test_engine_differing_from_the_reference_writes_nothing(tmp_path, tiny_llama
                                                              monkeypatch):
     real = validate.onnx_runner
 
-    def shifted(path, shape):
-        run, name = real(path, shape)
+    def shifted(path, shape, providers=None):
+        run, name = real(path, shape, providers)
 
         def run_shifted(*args):
             logits, state = run(*args)

@@ -295,6 +295,12 @@ class FitMethod:
                "data": config.data, "data_hash": plan.data_hash,
                "split": {"part": "calibration", "fraction": config.calibration_fraction,
                          "seed": config.seed, "n": fitted.n_calibration}}
+        placements = {role: source.placement.to_dict()
+                      for role, source in (("model", plan.model), ("reference", plan.reference))
+                      if source is not None and hasattr(source, "placement")
+                      and (role == "model" or self.needs_reference)}
+        if placements:  # the dtype and device the scores were computed at
+            out["placement"] = placements
         if plan.score_logs:  # the scores' own files, by hash
             out["score_logs"] = {role: log.record() for role, log in plan.score_logs.items()}
         return out

@@ -77,6 +77,9 @@ class FitConfig:
             distributions, so that the engine's token confidences are calibrated too), then
             the answer temperature on top of it; ``False`` (``--no-token-fit``): the answer
             temperature only, which is all a fit from lm-eval logs can do.
+        dtype, device: where a local model (and reference) is loaded and in which precision
+            (``--dtype``, ``--device``; ``auto``: the checkpoint's own dtype, CUDA when
+            available; calm_runtime/placement.py). Scores are read in float32 either way.
     """
 
     model: str
@@ -106,9 +109,18 @@ class FitConfig:
     model_scores: str | None = None
     reference_scores: str | None = None
     token_fit: bool = True
+    dtype: str = "auto"
+    device: str = "auto"
 
     def __post_init__(self) -> None:
         problems = []
+        from calm_runtime.placement import check_device, check_dtype
+
+        for name, check in (("dtype", check_dtype), ("device", check_device)):
+            try:
+                object.__setattr__(self, name, check(getattr(self, name)))
+            except ConfigError as exc:
+                problems.append(str(exc).split(";")[0])
         if not isinstance(self.token_fit, bool):
             problems.append(f"token_fit must be true or false, got {self.token_fit!r}")
         if not 0 < self.risk < 1:

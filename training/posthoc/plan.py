@@ -55,6 +55,7 @@ class FitPlan:
             if spec is None:
                 return None
             return resolve_source(spec, model_name=getattr(config, f"{role}_name"),
+                                  placement=(config.dtype, config.device),
                                   api_key_env=config.api_key_env,
                                   concurrency=config.concurrency, timeout=config.timeout,
                                   max_retries=config.max_retries)

@@ -241,11 +241,15 @@ def cloze_token_temperature(method, *, model, reference, records,
     if method.needs_reference:
         if reference is None:
             return None, {"fitted": False, "reason": "no reference model"}
-        mine = sources["model"].identity().tokenizer_sha256
-        theirs = sources["reference"].identity().tokenizer_sha256
-        same = mine is not None and mine == theirs
+        mine, theirs = sources["model"].identity(), sources["reference"].identity()
+        same = mine.tokenizer_sha256 is not None and mine.tokenizer_sha256 == theirs.tokenizer_sha256
         if not same:
             return None, {"fitted": False, "reason": NO_SHARED_TOKENIZER}
+        if mine.vocab_size != theirs.vocab_size:  # one tokenizer, heads of other sizes
+            return None, {"fitted": False, "reason": (
+                f"the model's head has {mine.vocab_size} rows and the reference's "
+                f"{theirs.vocab_size} (a padded head): their next-token distributions are "
+                "not over the same ids (option-level only)")}
     lora = base_adapter.lora_path if base_adapter is not None else None
     lm, tokenizer, _ = sources["model"].load(lora_path=lora)
     calibration = (base_adapter if base_adapter is not None

@@ -92,11 +92,23 @@ class ModelSource:
 
 
 class LocalModel(ModelSource):
-    """A packaged model name or a transformers folder, loaded with torch."""
+    """A packaged model name or a transformers folder, loaded with torch at ``placement``
+    (``(dtype, device)``, calm_runtime/placement.py; resolved once, on first use)."""
 
     kind = "model"
     described = "a transformers model"
     full_logits = True
+
+    def __init__(self, spec: str, *, placement: tuple[str, str] = ("auto", "auto")) -> None:
+        super().__init__(spec)
+        self._asked = placement
+
+    @cached_property
+    def placement(self):
+        """The resolved :class:`~calm_runtime.placement.Placement`."""
+        from calm_runtime.placement import Placement
+
+        return Placement(*self._asked).resolve(self.folder())
 
     def folder(self) -> Path:
         from calm_runtime.data.models import resolve_model
@@ -112,12 +124,15 @@ class LocalModel(ModelSource):
     def fingerprint(self) -> str:
         from calm_runtime.data.models import model_fingerprint
 
-        return model_fingerprint(self.folder())
+        # float32 on the CPU keeps the key it always had; other placements score differently
+        return model_fingerprint(self.folder()) + self.placement.cache_suffix()
 
     def load(self, lora_path=None):
         from calm_runtime.data.models import load_model_and_tokenizer
 
-        return load_model_and_tokenizer(self.folder(), lora_path=lora_path)
+        placement = self.placement
+        return load_model_and_tokenizer(self.folder(), lora_path=lora_path,
+                                        dtype=placement.dtype, device=placement.device)
 
 
 class EngineSource(ModelSource):
@@ -195,17 +210,19 @@ class ServedModel(ModelSource):
 
 
 def resolve_source(spec: str | os.PathLike, *, model_name: str | None = None,
+                   placement: tuple[str, str] = ("auto", "auto"),
                    api_key_env: str = DEFAULT_API_KEY_ENV, concurrency: int = 8,
                    timeout: float = DEFAULT_TIMEOUT,
                    max_retries: int = DEFAULT_MAX_RETRIES) -> ModelSource:
     """The one place a ``--model`` / ``--reference`` spec is told apart (``timeout`` and
-    ``max_retries``: a served model's, per call)."""
+    ``max_retries``: a served model's, per call; ``placement``: a local model's
+    ``(dtype, device)``)."""
     if is_endpoint(spec):
         return ServedModel(str(spec), model_name=model_name, api_key_env=api_key_env,
                            concurrency=concurrency, timeout=timeout, max_retries=max_retries)
     if is_engine(spec):
         return EngineSource(str(spec))
-    return LocalModel(str(spec))
+    return LocalModel(str(spec), placement=placement)
 
 
 def as_source(model) -> ModelSource:

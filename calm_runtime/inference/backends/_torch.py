@@ -55,7 +55,9 @@ class TorchBackend(TorchStateMixin, Backend):
         adapter: the calibration adapter the engine was exported with (directory or object);
             required when the engine's calibration is not the identity.
         device: torch device, e.g. ``"cpu"`` or ``"cuda"``.
-        dtype: ``"float32"`` (reference) or ``"float16"``/``"bfloat16"`` on GPUs.
+        dtype: ``"float32"`` (reference), ``"bfloat16"``/``"float16"``, or ``"auto"`` (the
+            checkpoint's own); device and dtype are resolved as every command resolves them
+            (calm_runtime/placement.py).
         threads: ``torch.set_num_threads`` (process-wide!) when given.
     """
 
@@ -78,17 +80,14 @@ class TorchBackend(TorchStateMixin, Backend):
         if threads is not None:
             torch.set_num_threads(int(threads))
         lora = adapter.lora_path if adapter is not None else None
-        net, _tokenizer, identity = load_model_and_tokenizer(model, lora_path=lora)
+        net, _tokenizer, identity = load_model_and_tokenizer(model, lora_path=lora, dtype=dtype,
+                                                             device=device, move_io=False)
         self._check_identity(manifest, identity)
         if adapter is None:
             adapter = CalibrationAdapter.identity(identity)
         adapter.base_model.check_compatible(identity)
-        try:
-            torch_dtype = getattr(torch, dtype)
-            net = net.to(device=device, dtype=torch_dtype).eval()
-        except (AttributeError, RuntimeError, TypeError) as exc:
-            raise BackendUnavailableError(f"cannot place the model on {device!r} as {dtype!r} "
-                                          f"({exc}); use device='cpu', dtype='float32'") from None
+        placement = net.calm_placement
+        device, dtype, torch_dtype = placement.device, placement.dtype, placement.torch_dtype()
         self._torch = torch
         self._model = net
         self._device = torch.device(device)

@@ -150,6 +150,8 @@ class CalmConfig:
         limit: use only the first ``limit`` records of each data spec.
         checkpoint_every: write a checkpoint every this many steps (0: never).
         device: ``cpu``, ``cuda``, ``cuda:N`` (default: ``cuda:LOCAL_RANK`` when available).
+        dtype: the precision the model is loaded and trained in (``auto``: the checkpoint's
+            own, calm_runtime/placement.py); logits are upcast before every objective.
     """
 
     model: str = _setting(help="the model to fine-tune", flag="command")
@@ -253,13 +255,19 @@ class CalmConfig:
     limit: int | None = _setting(None, "use only the first N records of each data spec "
                                  "(default: all)", flag="set")
     checkpoint_every: int = _setting(0, "checkpoint every N steps (0: never)", flag="set")
-    device: str | None = _setting(None, "cpu, cuda or cuda:N (default: cuda when available)",
-                                  flag="set")
+    device: str | None = _setting(None, "cpu, cuda or cuda:N (default: cuda when available)")
+    dtype: str = _setting("auto", "precision the model is loaded and trained in: auto (the "
+                          "checkpoint's own), float32, bfloat16 or float16; the objectives are "
+                          "computed in float32",
+                          choices=("auto", "float32", "bfloat16", "float16"))
 
     #: added to ‖∇q‖² in λ's denominator: keeps λ finite when θ is at the inner optimum
     LAMBDA_EPSILON = 1e-12
 
     def __post_init__(self) -> None:
+        from calm_runtime.placement import check_dtype
+
+        object.__setattr__(self, "dtype", check_dtype(self.dtype))
         for name in ("train", "calibration", "lora_targets"):
             value = getattr(self, name)
             object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value))

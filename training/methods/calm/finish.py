@@ -62,7 +62,8 @@ def _fit_config(config, *, adapter: str | None, reference: str | None, data: str
     return FitConfig(model=config.model, reference=reference, data=data, mode=config.mode,
                      variant=config.cloze_variant, chat=config.chat, adapter=adapter,
                      batch_size=max(1, config.batch_size), bootstrap=0,
-                     max_length=config.max_length)
+                     max_length=config.max_length, dtype=config.dtype,
+                     device=config.device or "auto")
 
 
 def fit_base_temperature(config, adapter_dir: str | os.PathLike, records: list, *,

@@ -76,7 +76,8 @@ class CalmModel:
 
         from calm_runtime.data.models import load_model_and_tokenizer, quiet_peft, resolve_model
 
-        lm, self.tokenizer, self.identity = load_model_and_tokenizer(config.model)
+        lm, self.tokenizer, self.identity = load_model_and_tokenizer(
+            config.model, dtype=getattr(config, "dtype", "float32"), device="cpu")
         self.folder = resolve_model(config.model)
         torch.manual_seed(config.seed)
         targets = list(config.lora_targets) or default_lora_targets(lm)

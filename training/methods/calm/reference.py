@@ -25,7 +25,8 @@ logger = logging.getLogger(__name__)
 
 def reference_option_probs(reference: str, records: Sequence, *, mode: str, variant: str,
                            chat: bool | None, max_length: int, batch_size: int = 8,
-                           progress: bool = True) -> np.ndarray:
+                           progress: bool = True, dtype: str = "float32",
+                           device: str = "cpu") -> np.ndarray:
     """``[N, k_max]`` option probabilities of the ``reference`` model (packaged name, folder
     or .gguf) on multiple-choice ``records``, scored as the trained model's options are."""
     from calm_runtime.data.models import load_model_and_tokenizer
@@ -36,7 +37,7 @@ def reference_option_probs(reference: str, records: Sequence, *, mode: str, vari
     if bad:
         raise ConfigError(f"the daca upper objective compares option distributions; {bad} "
                           "calibration records are not multiple choice: use --set upper=entropy")
-    model, tokenizer, identity = load_model_and_tokenizer(reference)
+    model, tokenizer, identity = load_model_and_tokenizer(reference, dtype=dtype, device=device)
     logger.info("scoring %d calibration questions with the reference %s", len(records),
                 identity.name)
     scores = score_multiple_choice(model, tokenizer, list(records), mode=mode,

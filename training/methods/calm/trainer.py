@@ -159,7 +159,8 @@ class _Trainer:
 
             probs = reference_option_probs(config.reference, cal, mode=config.mode,
                                            variant=config.cloze_variant, chat=config.chat,
-                                           max_length=config.max_length)
+                                           max_length=config.max_length,
+                                           dtype=config.dtype, device=str(device))
             self.cal_examples = with_reference(self.cal_examples, probs)
         self.cft = None
         if config.alpha_tokens == "options":
