@@ -32,7 +32,7 @@ from calm_runtime.errors import ArtifactError, ConfigError
 from calm_runtime.files import atomic_directory, check_creatable
 from calm_runtime.formats.artifact import CalibrationAdapter, describe_calibrated_outputs
 from calm_runtime.formats.engine import EngineManifest
-from calm_runtime.placement import return_free_memory
+from calm_runtime.placement import checkpoint_dtype, return_free_memory
 
 from . import engine_writer, fuse, graphs, heads, recalibrate, validate
 from .build_stages import build_tensorrt, build_variant, validate_graph
@@ -325,7 +325,8 @@ class ExportJob:
             graphs.GraphJob(model=self.model, tokenizer=self.tokenizer, shape=self.shape,
                             config=config, affine=self.affine, external=external,
                             staging=self.staging, release=self._release_model,
-                            reload=self._reload_model),
+                            reload=self._reload_model,
+                            source_dtype=checkpoint_dtype(self.folder)),
             validate=self._validate_staged, check_torch=self._check_fused_torch,
             on_stage=self.stages.start)
         self.facts, checked, fused_torch = built.facts, built.checked, built.fused_torch

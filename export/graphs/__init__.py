@@ -73,6 +73,8 @@ class GraphJob:
     reload: Callable[[], Any] | None = None
     #: the model's config, kept for eligibility checks after the model is taken
     model_config: Any = None
+    #: the precision of the checkpoint the model was loaded from (``None``: unknown)
+    source_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if self.model_config is None and self.model is not None:

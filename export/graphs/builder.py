@@ -68,4 +68,5 @@ class BuilderGraph(GraphStrategy):
         from . import genai_builder
 
         return genai_builder.build_graph(job.take_model(), job.tokenizer, job.staging,
-                                         job.shape.vocab_size, affine=job.affine)
+                                         job.shape.vocab_size, affine=job.affine,
+                                         source_dtype=job.source_dtype)

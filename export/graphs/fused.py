@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from calm_runtime.placement import return_free_memory
+
 from .base import GraphStrategy
 from .standard import StandardGraph
 
@@ -23,5 +25,9 @@ class FusedGraph(GraphStrategy):
         from .calm_graph import ONNX_FILE, fuse_graph
 
         facts = StandardGraph().build(job)
+        # the graph is on disk: the torch model is not needed past here, and the optimizer
+        # loads the graph with its weights
+        job.take_model().clear()
+        return_free_memory()
         facts["graph"] = fuse_graph(job.staging / ONNX_FILE, job.shape, external=job.external)
         return facts

@@ -72,20 +72,24 @@ class BuilderError(CalmError):
 
 
 def build_graph(model_box: list, tokenizer, staging: Path, vocab_size: int, *,
-                affine=None) -> dict:
+                affine=None, source_dtype: str | None = None) -> dict:
     """Write the calibrated builder graph (``model.onnx`` + ``model.onnx.data``) and the
     builder's ``genai_config.json`` into ``staging``; returns the export facts.
 
     ``model_box`` holds (``[model]``) the merged model with the calibration fused into its
     head (its bias, the shift, is moved after the head here), or, with ``affine`` (a
     :class:`~calm_export.fuse.LogitsAffine`), the model whose finished logits get it. The
-    model is taken out of the box, written to a staging folder in its own dtype and dropped
-    before the builder reads that folder: the process never holds two copies of the weights.
+    model is taken out of the box, written to a staging folder and dropped before the
+    builder reads that folder: the process never holds two copies of the weights. Where every
+    weight is exactly a ``source_dtype`` number (the checkpoint's own precision: nothing but
+    an exact upcast was done to them, as with no LoRA and the calibration after the head or
+    none), the folder is written in that precision, so the builder's mapped copy is as small
+    as the checkpoint's; the graph's weights are the same numbers either way.
     """
     work = staging / ".builder"
     source, output, cache = work / "source", work / "output", work / "cache"
     try:
-        scale, shift = _write_source(model_box, tokenizer, source, affine)
+        scale, shift = _write_source(model_box, tokenizer, source, affine, source_dtype)
         return_free_memory()
         logger.debug("source written, torch model dropped: RSS %s", _rss())
         _run_builder(source, output, cache, work / "builder.log")
@@ -125,10 +129,13 @@ def _rss() -> str:
         return "unknown"
 
 
-def _write_source(model_box: list, tokenizer, source: Path, affine):
+def _write_source(model_box: list, tokenizer, source: Path, affine, source_dtype=None):
     """The model (popped from ``model_box``) saved into ``source`` for the builder, with its
     head's bias left out; returns the ``(scale, shift)`` to append after the head."""
     model = model_box.pop()
+    if source_dtype is not None and _narrow_exactly(model, source_dtype):
+        logger.info("the builder reads the weights in the checkpoint's %s (every weight is "
+                    "exactly one)", source_dtype)
     scale = shift = None
     head = model.get_output_embeddings()
     if affine is not None:
@@ -147,6 +154,29 @@ def _write_source(model_box: list, tokenizer, source: Path, affine):
     model.save_pretrained(str(source))
     tokenizer.save_pretrained(str(source))
     return scale, shift
+
+
+def _narrow_exactly(model, dtype: str) -> bool:
+    """Cast ``model``'s floating parameters to ``dtype`` in place (one tensor at a time) when
+    every one of them survives the round trip exactly; ``False`` (nothing changed) else."""
+    import torch
+
+    target = getattr(torch, dtype, None)
+    if not isinstance(target, torch.dtype) or not target.is_floating_point:
+        return False
+    params = [p for p in {id(p): p for p in model.parameters()}.values()
+              if p.is_floating_point() and p.dtype != target]
+    if not params:
+        return False
+    with torch.no_grad():
+        for param in params:
+            if not torch.equal(param.to(target).to(param.dtype), param):
+                return False
+        for param in params:
+            param.data = param.data.to(target)
+    for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+        config.dtype = target
+    return True
 
 
 def _drop_handlers_on(stream) -> None:
