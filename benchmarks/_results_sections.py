@@ -572,3 +572,45 @@ def head_command(name: str) -> str:
         if "`python benchmarks/" in line:
             return f"`python benchmarks/{line.split('`python benchmarks/', 1)[1].split('`')[0]}`"
     raise ValueError(f"{name} names no command")
+
+
+def scale_section() -> list[str]:
+    """The sizes users calibrate (results/scale.json): each model's arms, peak memory against
+    the weights, wall time against optimum-cli's, and what a 24 GB machine fits."""
+    data = load("scale.json")
+    runs = "; ".join(f"run {i}: `{r['command']}` at {r['commit']}"
+                     for i, r in enumerate(data["runs"]))
+    machine = data["runs"][0]["machine"]
+    lines = ["## The sizes users calibrate", "",
+             f"From `benchmarks/results/scale.json` ({runs}; each arm names its run) on "
+             f"{machine['cores']} cores and {machine['memory_gb']} GB: Llama-shaped models "
+             "with random weights "
+             "(memory and time depend on the shapes), each arm a child process run alone, its "
+             "peak resident set size against the weights in the arm's target precision, its "
+             "wall time against optimum-cli's export of the same folder.", ""]
+    for name, model in data["models"].items():
+        c = model["config"]
+        lines += [f"**{name}**: {model['parameters'] / 1e6:,.0f}M parameters, hidden "
+                  f"{c['hidden_size']}, {c['num_hidden_layers']} layers, vocabulary "
+                  f"{c['vocab_size']:,}, {'tied' if c['tie_word_embeddings'] else 'untied'} "
+                  f"head ({model['weights_mb']['float32']:,} MB in float32, "
+                  f"{model['weights_mb']['bfloat16']:,} MB in 16 bits).", "",
+                  "| arm | what | run | result | wall s | peak RSS MB | peak / weights | "
+                  "wall / optimum |", "|---|---|---|---|---|---|---|---|"]
+        for arm, r in model["arms"].items():
+            if "skipped" in r:
+                lines.append(f"| {arm} | | {r['run']} | skipped: {r['skipped']} | | | | |")
+                continue
+            result = "ok" if r["rc"] == 0 else (
+                "killed (out of memory)" if r["rc"] in (-9, 137) else f"failed (exit {r['rc']})")
+            lines.append(f"| {arm} | {r['what']} | {r['run']} | {result} | {r['wall_s']:g} | "
+                         f"{r['peak_rss_mb']:,.0f} | {r['peak_over_weights']:g} | "
+                         f"{r.get('wall_over_optimum', '')} |")
+        failed = [(arm, r["error"]) for arm, r in model["arms"].items()
+                  if r.get("error") and r.get("rc") not in (-9, 137)]
+        lines += [""] + [f"- {arm}: `{error}`" for arm, error in failed] + ([""] if failed
+                                                                             else [])
+    lines += ["What a 24 GB machine fits, at each arm's measured peak per parameter (the larger "
+              "of the two models' rates; linear in the parameters):", ""]
+    lines += [f"- {line}" for line in data["fits_24gb"]] + [""]
+    return lines

@@ -45,6 +45,7 @@ from _results_sections import (
     pair_section,
     regime_rows,
     regime_section,
+    scale_section,
     token_section,
 )
 
@@ -69,7 +70,7 @@ def render_doc(calm_block: str) -> str:
         "(#acting-on-the-confidence) · [P(True)](#ptrue-on-open-qa) · [CALM]"
         "(#training-time-calibration-calm) · [lm-eval logs]"
         "(#calibrating-from-lm-evaluation-harness-logs) · [cost at inference]"
-        "(#cost-at-inference)", ""]
+        "(#cost-at-inference) · [the sizes users calibrate](#the-sizes-users-calibrate)", ""]
     lines += regime_section(regime)
     lines += pair_section(pair)
     lines += token_section(load("token_calibration.json"))
@@ -79,6 +80,7 @@ def render_doc(calm_block: str) -> str:
     lines += lm_eval_section()
     lines += cost_section(head_command("latency.md"), head_command("scoring.md"),
                           head_command("serve_load.md"))
+    lines += scale_section()
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -21,8 +21,11 @@ engine, optimum-cli's and the builder's exports), timed alone; its peak resident
 comes from ``wait4`` (the child and everything it waited for), its CPU time likewise.
 Scores are not cached between arms: every arm runs with a fresh ``$CALM_CACHE`` whose
 ``models`` and ``data`` link to the current one. An arm that fails is recorded with its
-last error line, never dropped. Writes ``results/scale.{json,md}``, naming the command and
-the commit; docs/results.md's section is rendered from the json.
+last error line, never dropped. Writes ``results/scale.{json,md}`` after every arm, naming each run's
+command and commit (``--update`` keeps what the file holds and replaces only what the run
+measures); docs/results.md's section is rendered from the json. An arm whose peak, at the
+rate it reached on the other model, would pass 90% of the machine's memory is skipped and
+says so.
 
 optimum's exporter needs an environment of its own (optimum-onnx 0.1 pins transformers
 4.57): pass its ``optimum-cli`` with ``--optimum`` (or ``$CALM_OPTIMUM``); without one that
@@ -188,7 +191,22 @@ def fresh_cache(root: Path) -> Path:
     return cache
 
 
-def measure(args) -> dict:
+def machine_memory_mb() -> float:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e6
+
+
+def predicted_peak_mb(result: dict, arm: str, parameters: int) -> float | None:
+    """The peak ``arm`` would reach on ``parameters`` at the largest rate (MB per parameter)
+    it reached on another model already measured, or ``None``."""
+    rates = [m["arms"][arm]["peak_rss_mb"] / m["parameters"]
+             for m in result["models"].values()
+             if m["parameters"] != parameters and "peak_rss_mb" in m["arms"].get(arm, {})]
+    return max(rates) * parameters if rates else None
+
+
+def measure(args, data: dict, save) -> None:
+    """Run the arms into ``data["models"]`` (kept from an earlier file with ``--update``),
+    calling ``save()`` after each arm so that a long run loses nothing when stopped."""
     from calm_runtime.data.models import resolve_model
 
     tokenizer_folder = resolve_model("smollm2-135m-instruct")
@@ -198,30 +216,42 @@ def measure(args) -> dict:
     unknown = sorted(set(arms) - set(ARMS))
     if unknown:
         raise SystemExit(f"unknown arms {unknown}; choose from {', '.join(ARMS)}")
-    result = {"models": {}}
+    run = len(data["runs"]) - 1
+    budget = 0.9 * machine_memory_mb()
     for name in args.models.split(","):
         folder = root / f"model-{name}"
         print(f"[scale] making {name} in {folder}", flush=True)
         parameters = make_model(name, folder, args.seed, tokenizer_folder)
-        entry = {"config": MODELS[name], "parameters": parameters,
-                 "weights_mb": {dtype: round(parameters * size / 1e6)
-                                for dtype, size in BYTES.items()}, "arms": {}}
+        entry = data["models"].setdefault(name, {"arms": {}})
+        entry.update({"config": MODELS[name], "parameters": parameters,
+                      "weights_mb": {dtype: round(parameters * size / 1e6)
+                                     for dtype, size in BYTES.items()}})
+        entry["arms"] = {a: entry["arms"][a] for a in ARMS if a in entry["arms"]}
         work = root / f"runs-{name}"
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir()
         for arm in arms:
             command = arm_command(arm, folder, work, args)
+            predicted = predicted_peak_mb(data, arm, parameters)
+            why = None
             if command is None:
                 why = ("no --optimum given" if arm.startswith("optimum") else
                        "the fp32 engine was not built")
-                entry["arms"][arm] = {"skipped": why}
+            elif predicted is not None and predicted > budget:
+                why = (f"would need about {predicted / 1e3:.0f} GB at the rate measured on the "
+                       f"other model, more than 90% of this machine's "
+                       f"{machine_memory_mb() / 1e3:.0f} GB")
+            if why is not None:
+                entry["arms"][arm] = {"skipped": why, "run": run}
                 print(f"[scale] {name} {arm}: skipped ({why})", flush=True)
+                save()
                 continue
             env = dict(os.environ, CALM_CACHE=str(fresh_cache(root)), HF_HUB_OFFLINE="1",
                        TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1")
             print(f"[scale] {name} {arm}: {' '.join(command[-6:])}", flush=True)
             record = run_child(command, env, work / f"{arm}.log", args.timeout)
             record["what"], record["dtype"] = ARMS[arm]
+            record["run"] = run
             weights = parameters * BYTES[ARMS[arm][1]] / 1e6
             manifest = work / arm / "calm_engine.json"
             if manifest.is_file():
@@ -236,6 +266,12 @@ def measure(args) -> dict:
                     record["peak_rss_mb"] = max(max(stages["peak_rss_mb"].values()),
                                                 record["peak_rss_mb"])
                     record["peak_from"] = "calm-export's per-stage VmHWM windows"
+            elif arm.startswith("export-"):
+                record["peak_from"] = ("wait4 (no manifest: calm-export's per-stage windows "
+                                       "were lost with the failed export, so this is the "
+                                       "last window's peak, a lower bound)")
+            if arm == "generate" and record["rc"] == 0:
+                record["decode"] = generated(work / f"{arm}.log")
             record["peak_over_weights"] = round(record["peak_rss_mb"] / weights, 2)
             entry["arms"][arm] = record
             print(f"[scale] {name} {arm}: rc {record['rc']}, {record['wall_s']} s, peak "
@@ -245,14 +281,34 @@ def measure(args) -> dict:
             if arm != "export-fp32" and not args.keep:
                 shutil.rmtree(work / arm, ignore_errors=True)
                 shutil.rmtree(work / f"{arm}-cache", ignore_errors=True)
-        optimum = entry["arms"].get("optimum-fp32", {})
-        for arm, record in entry["arms"].items():
-            if optimum.get("rc") == 0 and arm.startswith("export-") and "wall_s" in record:
-                record["wall_over_optimum"] = round(record["wall_s"] / optimum["wall_s"], 2)
+            ratios(entry)
+            save()
         if not args.keep:
             shutil.rmtree(work / "export-fp32", ignore_errors=True)
-        result["models"][name] = entry
-    return result
+
+
+def ratios(entry: dict) -> None:
+    """Each export arm's wall time over optimum-cli's, where both ran in the same run."""
+    optimum = entry["arms"].get("optimum-fp32", {})
+    for arm, record in entry["arms"].items():
+        if (optimum.get("rc") == 0 and arm.startswith("export-") and "wall_s" in record
+                and record.get("run") == optimum.get("run")):
+            record["wall_over_optimum"] = round(record["wall_s"] / optimum["wall_s"], 2)
+        else:
+            record.pop("wall_over_optimum", None)
+
+
+def generated(log: Path) -> dict:
+    """What ``calm generate --json`` said of its tokens: how many, how many rendered empty,
+    and the time per token."""
+    text = log.read_text(errors="replace")
+    try:
+        out = json.loads(text[text.index("{"):])
+    except ValueError:
+        return {}
+    tokens = out.get("tokens", [])
+    return {"tokens": len(tokens), "empty": sum(1 for t in tokens if not t.get("text")),
+            "per_token_s": (out.get("timing") or {}).get("per_token_s")}
 
 
 def machine() -> dict:
@@ -277,37 +333,47 @@ def fits_24gb(result: dict) -> list[str]:
         per_param = [r["arms"][arm]["peak_rss_mb"] / r["parameters"]
                      for r in result["models"].values()
                      if r["arms"].get(arm, {}).get("rc") == 0]
-        if per_param:
-            largest = 24e3 / max(per_param) / 1e3  # billions of parameters
-            lines.append(f"{arm}: about {largest:.1f}B parameters")
+        if not per_param:
+            continue
+        largest = 24e3 / max(per_param) / 1e3  # billions of parameters
+        lines.append(f"{arm}: about {largest:.1f}B parameters")
     return lines
 
 
 def render(data: dict) -> str:
-    lines = [f"# calm at the sizes users calibrate ({data['commit']})", "",
-             f"Command: `{data['command']}`", "",
-             f"Machine: {data['machine']['cores']} cores, {data['machine']['cpu']}, "
-             f"{data['machine']['memory_gb']} GB. Peak RSS per child process (wait4); wall "
-             "time alone on the machine. Weights counted in each arm's target dtype "
-             "(int4: half a byte per parameter).", ""]
+    first = data["runs"][0]["machine"]
+    lines = ["# calm at the sizes users calibrate", "",
+             "Runs (each arm names the run that measured it):", ""]
+    lines += [f"{i}. `{r['command']}` at {r['commit']}" for i, r in enumerate(data["runs"])]
+    lines += ["", f"Machine: {first['cores']} cores, {first['cpu']}, {first['memory_gb']} GB. "
+              "Peak RSS per child process (wait4; calm-export: the largest of its per-stage "
+              "windows); wall time of the child. Weights counted in each arm's target dtype "
+              "(int4: half a byte per parameter). Wall over optimum only between arms of the "
+              "same run.", ""]
     for name, model in data["models"].items():
         c = model["config"]
         lines += [f"## {name}: {model['parameters'] / 1e6:,.0f}M parameters (hidden "
                   f"{c['hidden_size']}, {c['num_hidden_layers']} layers, vocabulary "
                   f"{c['vocab_size']:,}, {'tied' if c['tie_word_embeddings'] else 'untied'} "
                   f"head; {model['weights_mb']['float32']:,} MB in float32)", "",
-                  "| arm | what | rc | wall s | CPU s | peak RSS MB | peak / weights | wall / "
-                  "optimum |", "|---|---|---|---|---|---|---|---|"]
+                  "| arm | what | run | rc | wall s | CPU s | peak RSS MB | peak / weights | "
+                  "wall / optimum |", "|---|---|---|---|---|---|---|---|---|"]
         for arm, r in model["arms"].items():
             if "skipped" in r:
-                lines.append(f"| {arm} | {ARMS[arm][0]} | skipped: {r['skipped']} | | | | | |")
+                lines.append(f"| {arm} | {ARMS[arm][0]} | {r['run']} | skipped: "
+                             f"{r['skipped']} | | | | | |")
                 continue
-            lines.append(f"| {arm} | {r['what']} | {r['rc']} | {r['wall_s']} | {r['cpu_s']} | "
-                         f"{r['peak_rss_mb']:,.0f} | {r['peak_over_weights']} | "
+            lines.append(f"| {arm} | {r['what']} | {r['run']} | {r['rc']} | {r['wall_s']} | "
+                         f"{r['cpu_s']} | {r['peak_rss_mb']:,.0f} | {r['peak_over_weights']} | "
                          f"{r.get('wall_over_optimum', '')} |")
         failed = [(arm, r["error"]) for arm, r in model["arms"].items() if r.get("error")]
         if failed:
             lines += [""] + [f"- {arm} failed: `{error}`" for arm, error in failed]
+        decode = model["arms"].get("generate", {}).get("decode")
+        if decode:
+            lines += ["", f"calm generate: {decode['tokens']} tokens, {decode['empty']} of them "
+                      "rendering empty, "
+                      f"{decode['per_token_s'] * 1e3:.1f} ms per token."]
         staged = {arm: r["stages"] for arm, r in model["arms"].items() if r.get("stages")}
         if staged:
             lines += ["", "calm-export's own per-stage peaks (MB, from the manifest):", ""]
@@ -338,6 +404,9 @@ def main(argv=None) -> int:
                         help="where the models and engines are made (about 15 GB free)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per arm")
     parser.add_argument("--keep", action="store_true", help="keep every arm's output")
+    parser.add_argument("--update", action="store_true",
+                        help="keep the result file's other models and arms, replacing only "
+                             "what this run measures (each arm names its run)")
     parser.add_argument("--out", default=str(HERE / "results"))
     parser.add_argument("--render", action="store_true", help="only rewrite the .md")
     args = parser.parse_args(argv)
@@ -345,13 +414,22 @@ def main(argv=None) -> int:
     if args.render:
         (out / f"{STEM}.md").write_text(render(json.loads((out / f"{STEM}.json").read_text())))
         return 0
-    result = measure(args)
-    data = {"command": command_line("scale.py", argv), "commit": git_commit(),
-            "machine": machine(), **result}
-    data["fits_24gb"] = fits_24gb(data)
+    path = out / f"{STEM}.json"
+    data = {"runs": [], "models": {}}
+    if args.update and path.is_file():
+        data = json.loads(path.read_text())
+    data["runs"].append({"command": command_line("scale.py", argv), "commit": git_commit(),
+                         "machine": machine(), "models": args.models,
+                         "arms": args.arms or "all"})
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{STEM}.json").write_text(json.dumps(data, indent=2) + "\n")
-    (out / f"{STEM}.md").write_text(render(data))
+
+    def save() -> None:
+        data["fits_24gb"] = fits_24gb(data)
+        path.write_text(json.dumps(data, indent=2) + "\n")
+        (out / f"{STEM}.md").write_text(render(data))
+
+    measure(args, data, save)
+    save()
     print(f"wrote {out / STEM}.json and .md")
     return 0
 

@@ -301,10 +301,11 @@ class GenerationRun:
         active = np.arange(n)
         prefill_s, decode_s, steps = 0.0, 0.0, 0
         while True:
-            stats = step_stats(logits[:, -1], self._tok.vocab_size)
+            stats = step_stats(logits[:, -1])
             rows = np.arange(active.size)
             chosen = choose_tokens(stats, s.sampling,
-                                   [generators[r] for r in active] if generators else [])
+                                   [generators[r] for r in active] if generators else [],
+                                   valid=self._tok.vocab_size)
             probs = stats.probability(rows, chosen)
             logps = stats.logprob(rows, chosen)
             events, keep = [], []

@@ -129,15 +129,9 @@ class StepStats:
         return self.shifted[rows, tokens].astype(np.float64) - np.log(self.sums[rows])
 
 
-def step_stats(logits: np.ndarray, valid: int | None = None) -> StepStats:
-    """Probabilities' building blocks and entropy of calibrated ``logits`` ``[B, V]``.
-
-    ``valid``: the tokenizer's vocabulary size when the head is larger (a padded head, a
-    config vocabulary past the tokenizer's): ids from ``valid`` on can never be rendered, so
-    they get no probability and are never chosen (as vLLM truncates padded logits)."""
+def step_stats(logits: np.ndarray) -> StepStats:
+    """Probabilities' building blocks and entropy of calibrated ``logits`` ``[B, V]``."""
     z = np.asarray(logits, dtype=np.float32)
-    if valid is not None and valid < z.shape[-1]:
-        z = z[..., :valid]
     shifted = z - z.max(axis=-1, keepdims=True)
     exps = np.exp(shifted)
     # numpy's float32 sums are pairwise (relative error ~1e-7 over a 262k vocabulary): as
@@ -163,21 +157,28 @@ def top_alternatives(stats: StepStats, row: int, k: int) -> tuple[np.ndarray, np
 
 
 def choose_tokens(stats: StepStats, params: SamplingParams,
-                  generators: list[np.random.Generator]) -> np.ndarray:
-    """The next token of each row (``generators[b]`` draws row ``b``'s uniform)."""
+                  generators: list[np.random.Generator], valid: int | None = None) -> np.ndarray:
+    """The next token of each row (``generators[b]`` draws row ``b``'s uniform).
+
+    ``valid``: the tokenizer's vocabulary size where the head has more rows (a padded head,
+    a config vocabulary past the tokenizer's): the ids from ``valid`` on cannot be rendered
+    and are never chosen. Their probability stays in the distribution the confidences are
+    read from (the model's own, as an engine's logits and a server's logprobs report it);
+    only the choice is restricted, as a banned token is."""
+    limit = None if valid is None or valid >= stats.shifted.shape[-1] else int(valid)
     if params.greedy:
-        return stats.shifted.argmax(axis=-1)
+        return stats.shifted[:, :limit].argmax(axis=-1)
     chosen = np.empty(stats.shifted.shape[0], dtype=np.int64)
     for b in range(chosen.size):
-        chosen[b] = _sample_row(stats, b, params, generators[b])
+        chosen[b] = _sample_row(stats, b, params, generators[b], limit)
     return chosen
 
 
 def _sample_row(stats: StepStats, row: int, params: SamplingParams,
-                generator: np.random.Generator) -> int:
-    scaled = stats.shifted[row]
+                generator: np.random.Generator, limit: int | None = None) -> int:
+    scaled = stats.shifted[row][:limit]
     if params.temperature == 1.0:
-        weights = stats.exps[row]
+        weights = stats.exps[row][:limit]
     else:
         # a temperature below float32's range divides by its smallest step, not by 0: the
         # best token(s) keep weight 1 and the others fall to -inf (weight 0), greedy's limit

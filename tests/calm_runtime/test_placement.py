@@ -115,17 +115,26 @@ def test_every_model_loading_command_takes_dtype_and_device():
         export_parser().parse_args(["--model", "m", "--out", "o", "--dtype", "bfloat16"])
 
 
-def test_ids_past_the_tokenizer_are_never_chosen_nor_given_probability():
-    from calm_runtime.inference.sampling import SamplingParams, choose_tokens, step_stats
+def test_ids_past_the_tokenizer_are_never_chosen_and_confidences_stay_the_models():
+    from calm_runtime.inference.sampling import (
+        SamplingParams,
+        choose_tokens,
+        row_generators,
+        step_stats,
+    )
 
     logits = np.zeros((2, 8), dtype=np.float32)
     logits[:, 6] = 10.0  # a padded id the tokenizer cannot render is the argmax
     logits[1, 2] = 5.0
-    stats = step_stats(logits, valid=5)
-    chosen = choose_tokens(stats, SamplingParams(temperature=0.0), [])
-    assert chosen.tolist() == [0, 2]
-    assert stats.exps.shape == (2, 5)
-    probs = stats.exps / stats.sums[:, None]
-    np.testing.assert_allclose(probs.sum(axis=1), 1.0, rtol=1e-6)
-    full = step_stats(logits)  # no tokenizer limit: the head's own vocabulary
-    assert choose_tokens(full, SamplingParams(temperature=0.0), []).tolist() == [6, 6]
+    stats = step_stats(logits)
+    greedy = SamplingParams(temperature=0.0)
+    assert choose_tokens(stats, greedy, [], valid=5).tolist() == [0, 2]
+    assert choose_tokens(stats, greedy, []).tolist() == [6, 6]  # no limit: the head's own
+    sampled = SamplingParams(temperature=1.0, top_p=0.999)
+    for seed in range(20):
+        picks = choose_tokens(stats, sampled, row_generators(seed, 2), valid=5)
+        assert (picks < 5).all()
+    # the confidence of a chosen id is its probability in the whole distribution
+    full = np.exp(logits[1] - logits[1].max())
+    np.testing.assert_allclose(stats.probability(np.array([1]), np.array([2])),
+                               full[2] / full.sum(), rtol=1e-6)

@@ -14,6 +14,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from conftest import tiny_tokenizer  # noqa: E402
 from calm_runtime import CalibratedLM  # noqa: E402
 from calm_runtime.errors import ConfigError  # noqa: E402
 from calm_runtime.inference.generation import DecodeSettings, GenerationRun  # noqa: E402
@@ -67,7 +68,11 @@ def reference_pick(z, temperature, top_k, top_p, u):
 
 
 def reference_generate(model, adapter, prompt_ids, max_new, *, eos=(), temperature=0.0,
-                       top_k=0, top_p=1.0, seed=None, row=0, rows=1):
+                       top_k=0, top_p=1.0, seed=None, row=0, rows=1, valid=None):
+    """The documented rule step by step; ``valid`` (default the tiny tokenizer's size, below
+    the tiny model's 300 rows): ids past it are never chosen, their probability stays."""
+    if valid is None:
+        valid = len(tiny_tokenizer())
     generator = None
     if temperature:
         child = np.random.SeedSequence(seed).spawn(rows)[row]
@@ -75,8 +80,8 @@ def reference_generate(model, adapter, prompt_ids, max_new, *, eos=(), temperatu
     ids, out = list(prompt_ids), []
     for _ in range(max_new):
         z, p = reference_step(model, adapter, ids)
-        token = (int(np.argmax(z)) if not temperature else
-                 reference_pick(z, temperature, top_k, top_p, generator.random()))
+        token = (int(np.argmax(z[:valid])) if not temperature else
+                 reference_pick(z[:valid], temperature, top_k, top_p, generator.random()))
         entropy = float(-(p[p > 0] * np.log(p[p > 0])).sum())
         out.append((token, float(p[token]), float(np.log(p[token])), entropy))
         ids.append(token)
