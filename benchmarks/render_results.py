@@ -45,9 +45,9 @@ from _results_sections import (
     pair_section,
     regime_rows,
     regime_section,
-    scale_section,
     token_section,
 )
+from scale import results_section as scale_section
 
 # ----------------------------------------------------------------------------- documents
 
@@ -80,7 +80,7 @@ def render_doc(calm_block: str) -> str:
     lines += lm_eval_section()
     lines += cost_section(head_command("latency.md"), head_command("scoring.md"),
                           head_command("serve_load.md"))
-    lines += scale_section()
+    lines += scale_section(load("scale.json"))
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -15,14 +15,15 @@ tokenizer files beside them (``calm models install smollm2-135m-instruct`` first
   128,256 (1.24B parameters); its config's vocabulary is larger than the tokenizer's, as in
   padded heads.
 
-Each arm is one child process (``calm fit daca`` at float32 and bfloat16 against SmolLM2, ``calm-export`` at
-fp32 with the builder graph and with calm's own, fp16, int4, ``calm generate`` on the fp32
-engine, optimum-cli's and the builder's exports), timed alone; its peak resident set size
-comes from ``wait4`` (the child and everything it waited for), its CPU time likewise.
+Each arm is one child process (``calm fit daca`` at float32 and bfloat16 against SmolLM2,
+``calm-export`` at fp32 with the builder graph and with calm's own, fp16, int4, ``calm
+generate`` on the fp32 engine, optimum-cli's and the builder's exports), timed alone; its
+peak resident set size comes from ``wait4`` (the child and everything it waited for; for
+calm-export, the largest of the windows it keeps per stage), its CPU time likewise.
 Scores are not cached between arms: every arm runs with a fresh ``$CALM_CACHE`` whose
 ``models`` and ``data`` link to the current one. An arm that fails is recorded with its
-last error line, never dropped. Writes ``results/scale.{json,md}`` after every arm, naming each run's
-command and commit (``--update`` keeps what the file holds and replaces only what the run
+last error line, never dropped. Writes ``results/scale.{json,md}`` after every arm, naming
+each run's command and commit (``--update`` keeps what the file holds and replaces only what the run
 measures); docs/results.md's section is rendered from the json. An arm whose peak, at the
 rate it reached on the other model, would pass 90% of the machine's memory is skipped and
 says so.
@@ -385,6 +386,48 @@ def render(data: dict) -> str:
               "Each arm's peak per parameter, at the larger of the two models' rates:", ""]
     lines += [f"- {line}" for line in data["fits_24gb"]]
     return "\n".join(lines) + "\n"
+
+
+def results_section(data: dict) -> list[str]:
+    """docs/results.md's section (benchmarks/render_results.py): each model's arms, peak
+    memory against the weights, wall time against optimum-cli's, what a 24 GB machine
+    fits."""
+    runs = "; ".join(f"run {i}: `{r['command']}` at {r['commit']}"
+                     for i, r in enumerate(data["runs"]))
+    machine = data["runs"][0]["machine"]
+    lines = ["## The sizes users calibrate", "",
+             f"From `benchmarks/results/scale.json` ({runs}; each arm names its run) on "
+             f"{machine['cores']} cores and {machine['memory_gb']} GB: Llama-shaped models "
+             "with random weights "
+             "(memory and time depend on the shapes), each arm a child process run alone, its "
+             "peak resident set size against the weights in the arm's target precision, its "
+             "wall time against optimum-cli's export of the same folder.", ""]
+    for name, model in data["models"].items():
+        c = model["config"]
+        lines += [f"**{name}**: {model['parameters'] / 1e6:,.0f}M parameters, hidden "
+                  f"{c['hidden_size']}, {c['num_hidden_layers']} layers, vocabulary "
+                  f"{c['vocab_size']:,}, {'tied' if c['tie_word_embeddings'] else 'untied'} "
+                  f"head ({model['weights_mb']['float32']:,} MB in float32, "
+                  f"{model['weights_mb']['bfloat16']:,} MB in 16 bits).", "",
+                  "| arm | what | run | result | wall s | peak RSS MB | peak / weights | "
+                  "wall / optimum |", "|---|---|---|---|---|---|---|---|"]
+        for arm, r in model["arms"].items():
+            if "skipped" in r:
+                lines.append(f"| {arm} | | {r['run']} | skipped: {r['skipped']} | | | | |")
+                continue
+            result = "ok" if r["rc"] == 0 else (
+                "killed (out of memory)" if r["rc"] in (-9, 137) else f"failed (exit {r['rc']})")
+            lines.append(f"| {arm} | {r['what']} | {r['run']} | {result} | {r['wall_s']:g} | "
+                         f"{r['peak_rss_mb']:,.0f} | {r['peak_over_weights']:g} | "
+                         f"{r.get('wall_over_optimum', '')} |")
+        failed = [(arm, r["error"]) for arm, r in model["arms"].items()
+                  if r.get("error") and r.get("rc") not in (-9, 137)]
+        lines += [""] + [f"- {arm}: `{error}`" for arm, error in failed] + ([""] if failed
+                                                                             else [])
+    lines += ["What a 24 GB machine fits, at each arm's measured peak per parameter (the larger "
+              "of the two models' rates; linear in the parameters):", ""]
+    lines += [f"- {line}" for line in data["fits_24gb"]] + [""]
+    return lines
 
 
 def main(argv=None) -> int:

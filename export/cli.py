@@ -16,9 +16,9 @@ from calm_runtime.cli.common import (
 )
 from calm_runtime.data.models import MODEL_FORMS
 from calm_runtime.errors import ConfigError
-from calm_runtime.placement import check_device
 from calm_runtime.extras import missing
 from calm_runtime.modes import CHOICE_MODES, CLOZE_VARIANTS, DEFAULT_CLOZE_VARIANT
+from calm_runtime.placement import check_device
 
 from .config import (  # torch-free, like this module
     DTYPES,

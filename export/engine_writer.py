@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import logging
 import shutil
 import string
 from pathlib import Path
 
 from calm_runtime import __version__
-from calm_runtime.data.prompts import p_true_template
+from calm_runtime.data.prompts import DEFAULT_P_TRUE_TEMPLATE, p_true_template
 from calm_runtime.files import sha256_bytes, sha256_file
 from calm_runtime.formats.artifact import (
     MANIFEST_NAME,
@@ -21,6 +22,8 @@ from calm_runtime.formats.manifest import write_json
 
 from .graphs.calm_graph import DecoderShape
 from .graphs.genai_builder import GENAI_CONFIG, GRAPH_KIND
+
+logger = logging.getLogger("calm_export.pipeline")
 
 __all__ = [
     "tool_versions",
@@ -260,3 +263,27 @@ def tool_versions() -> dict:
     except ImportError:
         pass
     return {"versions": versions}
+
+
+def load_adapter(adapter_arg) -> tuple[CalibrationAdapter | None, Path | None]:
+    """``calm-export --adapter``: a folder or an object, checked; ``(None, None)`` for none."""
+    if adapter_arg is None:
+        return None, None
+    if isinstance(adapter_arg, CalibrationAdapter):
+        adapter_arg.validate()
+        return adapter_arg, None
+    path = Path(adapter_arg)
+    return CalibrationAdapter.from_pretrained(path), path
+
+
+def p_true_template_for(config, adapter):
+    recorded = adapter.p_true_template
+    if config.p_true_template is None:
+        return recorded if recorded is not None else DEFAULT_P_TRUE_TEMPLATE
+    if recorded is not None:
+        from calm_runtime.data.prompts import p_true_template
+
+        if p_true_template(recorded).to_dict() != p_true_template(config.p_true_template).to_dict():
+            logger.warning("the adapter was fitted with another P(True) template; the engine "
+                           "records the one passed to calm-export")
+    return config.p_true_template

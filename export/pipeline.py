@@ -27,7 +27,6 @@ from calm_runtime.data.models import (
     model_identity,
     resolve_model,
 )
-from calm_runtime.data.prompts import DEFAULT_P_TRUE_TEMPLATE
 from calm_runtime.errors import ArtifactError, ConfigError
 from calm_runtime.files import atomic_directory, check_creatable
 from calm_runtime.formats.artifact import CalibrationAdapter, describe_calibrated_outputs
@@ -191,7 +190,7 @@ class ExportJob:
         self.identity = model_identity(
             self.folder, name=str(self.model_spec) if str(self.model_spec) in PACKAGED_MODELS
             else None)
-        adapter, self.adapter_dir = _load_adapter(self.adapter_arg)
+        adapter, self.adapter_dir = engine_writer.load_adapter(self.adapter_arg)
         if adapter is None:
             adapter = CalibrationAdapter.identity(self.identity)
         else:  # vocabulary and tokenizer sha256, before anything heavy is loaded
@@ -216,7 +215,7 @@ class ExportJob:
         self.model, self.tokenizer, self.identity = load_model_and_tokenizer(
             self.model_spec, dtype="float32", device="cpu")
         self.shape = shape = decoder_shape(self.model.config)
-        self.template = _template(self.config, adapter)
+        self.template = engine_writer.p_true_template_for(self.config, adapter)
         logger.info("model %s: %d layers, vocab %d; adapter %s (T=%.4g, tau in [%.3g, %.3g])",
                     self.identity.name, shape.num_layers, shape.vocab_size, adapter.kind,
                     adapter.temperature, float(adapter.tau.min()), float(adapter.tau.max()))
@@ -487,26 +486,3 @@ class ExportJob:
                     stages.seconds["total"])
         return ExportResult(path=self.out, manifest=manifest, file_sizes=sizes,
                             seconds=stages.seconds, peak_rss_mb=stages.peak_rss_mb)
-
-
-def _load_adapter(adapter_arg) -> tuple[CalibrationAdapter | None, Path | None]:
-    if adapter_arg is None:
-        return None, None
-    if isinstance(adapter_arg, CalibrationAdapter):
-        adapter_arg.validate()
-        return adapter_arg, None
-    path = Path(adapter_arg)
-    return CalibrationAdapter.from_pretrained(path), path
-
-
-def _template(config: ExportConfig, adapter: CalibrationAdapter):
-    recorded = adapter.p_true_template
-    if config.p_true_template is None:
-        return recorded if recorded is not None else DEFAULT_P_TRUE_TEMPLATE
-    if recorded is not None:
-        from calm_runtime.data.prompts import p_true_template
-
-        if p_true_template(recorded).to_dict() != p_true_template(config.p_true_template).to_dict():
-            logger.warning("the adapter was fitted with another P(True) template; the engine "
-                           "records the one passed to calm-export")
-    return config.p_true_template

@@ -40,7 +40,7 @@ from calm_runtime.formats.artifact import ModelIdentity
 from calm_runtime.formats.model_config import check_model_config
 from calm_runtime.formats.tokenizer_file import tokenizer_sha256
 from calm_runtime.paths import cache_dir
-from calm_runtime.placement import checkpoint_dtype
+from calm_runtime.placement import checkpoint_dtype, place_on, read_converted
 
 __all__ = [
     "PackagedModel",
@@ -382,7 +382,7 @@ def load_model_and_tokenizer(spec: str | os.PathLike, *, dtype: str = "float32",
         model = None
         if placement.device == "cpu" and checkpoint_dtype(folder) not in (None,
                                                                            placement.dtype):
-            model = _streamed(folder, placement.torch_dtype(), torch, transformers)
+            model = read_converted(folder, placement.torch_dtype())
         if model is None:
             model = transformers.AutoModelForCausalLM.from_pretrained(
                 str(folder), dtype=placement.torch_dtype(),
@@ -407,109 +407,6 @@ def load_model_and_tokenizer(spec: str | os.PathLike, *, dtype: str = "float32",
         logger.info("model loaded as %s", placement.describe())
     name = str(spec) if str(spec) in PACKAGED_MODELS else None
     return model, tokenizer, model_identity(folder, name=name)
-
-
-#: safetensors' dtype names, in torch's
-_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16",
-                       "BF16": "bfloat16", "I64": "int64", "I32": "int32", "I16": "int16",
-                       "I8": "int8", "U8": "uint8", "BOOL": "bool"}
-
-
-def _streamed(folder: Path, dtype, torch, transformers):
-    """The model in ``folder`` converted to ``dtype`` one tensor at a time, or ``None`` where
-    this cannot be done exactly (then transformers loads it).
-
-    transformers maps a checkpoint's files into memory and converts from there, so a
-    bfloat16 checkpoint loaded as float32 holds the mapped file and the converted weights at
-    once (1.5x the float32 weights). Here the parameters are created on the meta device
-    (buffers, such as rotary tables, are made for real), each tensor is read from its file
-    into a buffer of its own, converted and put in place: the peak is the converted weights
-    and one tensor. Only ``*.safetensors`` files whose tensor names are the model's own
-    parameters are read this way; anything else is left to transformers."""
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        return None
-    config = transformers.AutoConfig.from_pretrained(str(folder))
-    with _parameters_on_meta(torch):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    names = dict(model.named_parameters(remove_duplicate=False))
-    seen = set()
-    for file in files:
-        with open(file, "rb") as handle:
-            (size,) = struct.unpack("<Q", handle.read(8))
-            header = json.loads(handle.read(size))
-            base = 8 + size
-            for key, info in sorted(header.items(), key=lambda kv: str(kv[1])):
-                if key == "__metadata__":
-                    continue
-                kind = _SAFETENSORS_DTYPES.get(info.get("dtype"))
-                if key not in names or kind is None:
-                    return None  # renamed or unknown tensors: transformers' own mapping
-                start, end = info["data_offsets"]
-                handle.seek(base + start)
-                raw = bytearray(end - start)
-                handle.readinto(raw)
-                tensor = torch.frombuffer(raw, dtype=getattr(torch, kind)) if raw else \
-                    torch.empty(0, dtype=getattr(torch, kind))
-                tensor = tensor.reshape(info["shape"]).to(dtype)
-                module_name, _, name = key.rpartition(".")
-                module = model.get_submodule(module_name)
-                module._parameters[name] = torch.nn.Parameter(tensor, requires_grad=False)
-                seen.add(key)
-    model.tie_weights()
-    if any(p.is_meta for p in model.parameters()):
-        return None
-    for parameter in model.parameters():
-        parameter.requires_grad_(True)  # as from_pretrained leaves them
-    logger.debug("read %d tensors of %s as %s, one at a time", len(seen), folder, dtype)
-    return model
-
-
-@contextlib.contextmanager
-def _parameters_on_meta(torch):
-    """Parameters registered meanwhile are moved to the meta device (no memory, no
-    initialisation cost); buffers stay real."""
-    original = torch.nn.Module.register_parameter
-
-    def register(module, name, param):
-        original(module, name, param)
-        if param is not None:
-            module._parameters[name] = torch.nn.Parameter(
-                module._parameters[name].to("meta"), requires_grad=param.requires_grad)
-
-    torch.nn.Module.register_parameter = register
-    try:
-        yield
-    finally:
-        torch.nn.Module.register_parameter = original
-
-
-def place_on(model, device: str):
-    """``model`` (already on ``device``) with its tensor inputs moved there and its
-    ``logits`` returned to the CPU, so that code written for the CPU (inputs built there,
-    ``.numpy()`` on the scores) runs unchanged on a GPU; the KV cache stays on the device.
-    Nothing is attached on the CPU."""
-    if device == "cpu":
-        return model
-    import torch
-
-    target = torch.device(device)
-
-    def move(value):
-        return value.to(target) if isinstance(value, torch.Tensor) else value
-
-    def before(_module, args, kwargs):
-        return tuple(move(a) for a in args), {k: move(v) for k, v in kwargs.items()}
-
-    def after(_module, _args, _kwargs, output):
-        logits = getattr(output, "logits", None)
-        if isinstance(logits, torch.Tensor):
-            output.logits = logits.cpu()
-        return output
-
-    model.register_forward_pre_hook(before, with_kwargs=True)
-    model.register_forward_hook(after, with_kwargs=True)
-    return model
 
 
 def load_lora(model, lora_path: str | os.PathLike, *, extra: str = "train"):

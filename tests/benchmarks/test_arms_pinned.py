@@ -14,7 +14,7 @@ from calm_training.methods.calm.config import LEGACY_SETTINGS, CalmConfig
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 #: what a run supplies (model, data, seed and the run's machinery), not an arm's setting
-PER_RUN = {"model", "train", "calibration", "seed", "limit", "checkpoint_every", "device",
+PER_RUN = {"model", "train", "calibration", "seed", "limit", "checkpoint_every", "device", "dtype",
            "init_lora", "chat", "lora_targets", "grad_accumulation"}
 SETTINGS = {f.name for f in dataclasses.fields(CalmConfig)} - PER_RUN
 #: a setting added after a run was recorded: the run had the behaviour it names there

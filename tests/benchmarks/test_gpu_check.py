@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import write_mc_jsonl
 
 pytest.importorskip("torch")

@@ -15,6 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from conftest import tiny_tokenizer  # noqa: E402
+
 from calm_runtime import CalibratedLM  # noqa: E402
 from calm_runtime.errors import ConfigError  # noqa: E402
 from calm_runtime.inference.generation import DecodeSettings, GenerationRun  # noqa: E402

@@ -242,7 +242,8 @@ def cloze_token_temperature(method, *, model, reference, records,
         if reference is None:
             return None, {"fitted": False, "reason": "no reference model"}
         mine, theirs = sources["model"].identity(), sources["reference"].identity()
-        same = mine.tokenizer_sha256 is not None and mine.tokenizer_sha256 == theirs.tokenizer_sha256
+        same = (mine.tokenizer_sha256 is not None
+                and mine.tokenizer_sha256 == theirs.tokenizer_sha256)
         if not same:
             return None, {"fitted": False, "reason": NO_SHARED_TOKENIZER}
         if mine.vocab_size != theirs.vocab_size:  # one tokenizer, heads of other sizes
