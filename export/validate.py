@@ -217,23 +217,34 @@ def torch_decoder_runner(decoder, shape) -> Runner:
     return run
 
 
+#: the validation's session does not prepack its GEMM weights: ONNX Runtime then keeps them
+#: where it maps them from the external-data file and packs each block as it multiplies.
+#: A packed copy is what serving keeps for speed; for the validation's few prompts it is a
+#: second copy of every weight still needed unpacked (a tied head is also the embedding's
+#: Gather: measured 0.95 GB of a 1.2B model's 4.9 GB) and most of the session's start.
+VALIDATION_CONFIG = {"session.disable_prepacking": "1"}
+
+
 def onnx_runner(path: Path, shape, providers=None) -> tuple[Runner, str]:
     """``path`` run as ``calm serve`` runs it: calm_runtime's ONNX Runtime backend (full
     graph optimisation, IO binding; a packed graph through its in-place cache) on
-    ``providers`` (default the CPU; calm-export's ``--device cuda``: CUDA); the KV cache
-    takes the graph's dtype (float16 for fp16 graphs)."""
+    ``providers`` (default the CPU; calm-export's ``--device cuda``: CUDA), its weights not
+    prepacked (:data:`VALIDATION_CONFIG`); the KV cache takes the graph's dtype (float16 for
+    fp16 graphs)."""
     import onnxruntime as ort
 
     from calm_runtime.inference.backends import OnnxRuntimeBackend
 
-    backend = OnnxRuntimeBackend(_GraphFacts(Path(path), shape), providers=providers)
+    backend = OnnxRuntimeBackend(_GraphFacts(Path(path), shape), providers=providers,
+                                 config_entries=VALIDATION_CONFIG)
     used = backend.session.get_providers()[0] if hasattr(backend, "session") else (
         "CPUExecutionProvider")
 
     def run(input_ids, attention_mask, position_ids, state):
         return backend.run(input_ids, attention_mask, position_ids, state)
 
-    return run, f"onnxruntime {ort.__version__} {used} (calm_runtime's backend)"
+    return run, (f"onnxruntime {ort.__version__} {used} (calm_runtime's backend, weights not "
+                 "prepacked)")
 
 
 class _GraphFacts:

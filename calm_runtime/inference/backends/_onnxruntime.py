@@ -104,6 +104,8 @@ class OnnxRuntimeBackend(Backend):
         threads: intra-op threads (``None``: ONNX Runtime's default, one per core).
         session_options: extra ``SessionOptions`` attributes, e.g.
             ``{"enable_cpu_mem_arena": False}`` (then :meth:`release` does nothing).
+        config_entries: ``SessionOptions.add_session_config_entry`` pairs, e.g.
+            ``{"session.disable_prepacking": "1"}`` (calm-export's validation).
     """
 
     name = "onnxruntime"
@@ -120,7 +122,8 @@ class OnnxRuntimeBackend(Backend):
         return super().__new__(cls)
 
     def __init__(self, manifest, *, providers: str | Sequence | None = None,
-                 threads: int | None = None, session_options: Mapping[str, Any] | None = None):
+                 threads: int | None = None, session_options: Mapping[str, Any] | None = None,
+                 config_entries: Mapping[str, str] | None = None):
         ort = _import_onnxruntime()
         names, options = normalize_providers(providers)
         available = ort.get_available_providers()
@@ -142,6 +145,8 @@ class OnnxRuntimeBackend(Backend):
             if not hasattr(so, key):
                 raise ConfigError(f"onnxruntime SessionOptions has no attribute {key!r}")
             setattr(so, key, value)
+        for key, value in (config_entries or {}).items():
+            so.add_session_config_entry(str(key), str(value))
         path = manifest.path("model.onnx")
         try:
             session = ort.InferenceSession(str(path), so, providers=names,
