@@ -336,7 +336,7 @@ def fits_24gb(result: dict) -> list[str]:
                      if r["arms"].get(arm, {}).get("rc") == 0]
         if not per_param:
             continue
-        largest = 24e3 / max(per_param) / 1e3  # billions of parameters
+        largest = 24e3 / max(per_param) / 1e9  # MB per parameter -> billions of parameters
         lines.append(f"{arm}: about {largest:.1f}B parameters")
     return lines
 
@@ -451,11 +451,16 @@ def main(argv=None) -> int:
                         help="keep the result file's other models and arms, replacing only "
                              "what this run measures (each arm names its run)")
     parser.add_argument("--out", default=str(HERE / "results"))
-    parser.add_argument("--render", action="store_true", help="only rewrite the .md")
+    parser.add_argument("--render", action="store_true",
+                        help="only recompute what is derived from the measurements (the 24 GB "
+                             "lines) and rewrite the .md")
     args = parser.parse_args(argv)
     out = Path(args.out)
-    if args.render:
-        (out / f"{STEM}.md").write_text(render(json.loads((out / f"{STEM}.json").read_text())))
+    if args.render:  # the derived lines recomputed from the measurements, then the page
+        data = json.loads((out / f"{STEM}.json").read_text())
+        data["fits_24gb"] = fits_24gb(data)
+        (out / f"{STEM}.json").write_text(json.dumps(data, indent=2) + "\n")
+        (out / f"{STEM}.md").write_text(render(data))
         return 0
     path = out / f"{STEM}.json"
     data = {"runs": [], "models": {}}
