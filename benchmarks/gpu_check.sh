@@ -54,12 +54,13 @@ PY
 step() {  # NAME COMMAND...: run, record ok or failed with the last line of its output
     local name="$1" start end code
     shift
-    start=$(date +%s.%N)
+    start=$(date +%s%N)
     "$@" > "$WORK/$name.log" 2>&1
     code=$?
-    end=$(date +%s.%N)
+    end=$(date +%s%N)
+    local ms=$(( (end - start) / 1000000 ))
     local seconds
-    seconds=$(echo "$end - $start" | bc)
+    seconds=$(printf '%d.%03d' $(( ms / 1000 )) $(( ms % 1000 )))
     if [ "$code" = 0 ]; then
         record "$name" ok "$seconds" "$(tail -1 "$WORK/$name.log")"
     else

@@ -341,6 +341,16 @@ def fits_24gb(result: dict) -> list[str]:
     return lines
 
 
+def describe(model: dict) -> str:
+    """A model's size and shape in one line, as both pages give it."""
+    c = model["config"]
+    return (f"{model['parameters'] / 1e6:,.0f}M parameters (hidden {c['hidden_size']}, "
+            f"{c['num_hidden_layers']} layers, vocabulary {c['vocab_size']:,}, "
+            f"{'tied' if c['tie_word_embeddings'] else 'untied'} head; "
+            f"{model['weights_mb']['float32']:,} MB in float32, "
+            f"{model['weights_mb']['bfloat16']:,} MB in 16 bits)")
+
+
 def render(data: dict) -> str:
     first = data["runs"][0]["machine"]
     lines = ["# calm at the sizes users calibrate", "",
@@ -352,11 +362,7 @@ def render(data: dict) -> str:
               "(int4: half a byte per parameter). Wall over optimum only between arms of the "
               "same run.", ""]
     for name, model in data["models"].items():
-        c = model["config"]
-        lines += [f"## {name}: {model['parameters'] / 1e6:,.0f}M parameters (hidden "
-                  f"{c['hidden_size']}, {c['num_hidden_layers']} layers, vocabulary "
-                  f"{c['vocab_size']:,}, {'tied' if c['tie_word_embeddings'] else 'untied'} "
-                  f"head; {model['weights_mb']['float32']:,} MB in float32)", "",
+        lines += [f"## {name}: {describe(model)}", "",
                   "| arm | what | run | rc | wall s | CPU s | peak RSS MB | peak / weights | "
                   "wall / optimum |", "|---|---|---|---|---|---|---|---|---|"]
         for arm, r in model["arms"].items():
@@ -403,12 +409,7 @@ def results_section(data: dict) -> list[str]:
              "peak resident set size against the weights in the arm's target precision, its "
              "wall time against optimum-cli's export of the same folder.", ""]
     for name, model in data["models"].items():
-        c = model["config"]
-        lines += [f"**{name}**: {model['parameters'] / 1e6:,.0f}M parameters, hidden "
-                  f"{c['hidden_size']}, {c['num_hidden_layers']} layers, vocabulary "
-                  f"{c['vocab_size']:,}, {'tied' if c['tie_word_embeddings'] else 'untied'} "
-                  f"head ({model['weights_mb']['float32']:,} MB in float32, "
-                  f"{model['weights_mb']['bfloat16']:,} MB in 16 bits).", "",
+        lines += [f"**{name}**: {describe(model)}.", "",
                   "| arm | what | run | result | wall s | peak RSS MB | peak / weights | "
                   "wall / optimum |", "|---|---|---|---|---|---|---|---|"]
         for arm, r in model["arms"].items():
