@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import platform
 import re
 import subprocess
 from pathlib import Path
@@ -255,3 +257,23 @@ def trained_adapter(config, out: str | Path, *, retrain: bool = False, progress:
                 logging.getLogger(__name__).warning("finishing %s from its checkpoint", out)
     train_calm(config, out, resume=resume, overwrite=True, progress=progress)
     return CalibrationAdapter.from_pretrained(out)
+
+
+def machine() -> dict:
+    """The machine a benchmark ran on: cores, CPU model, memory (GiB) and system."""
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    memory = None
+    try:
+        pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+        memory = round(pages * size / 2**30, 1)
+    except (ValueError, OSError):
+        pass
+    return {"cores": os.cpu_count(), "cpu": model, "memory_gib": memory,
+            "system": f"{platform.system()} {platform.machine()}"}

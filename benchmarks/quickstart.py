@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
@@ -26,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import command_line, git_commit
+from _common import command_line, git_commit, machine
 
 HERE = Path(__file__).resolve().parent
 STEM = "quickstart"
@@ -90,7 +89,7 @@ def main(argv=None) -> int:
               "job": " ".join(["calm", *job[1:]]), "wall_s": round(wall, 1),
               "cpu_s": round((after.ru_utime - before.ru_utime)
                              + (after.ru_stime - before.ru_stime), 1),
-              "machine": _machine(), "load_before": [round(x, 2) for x in load_before],
+              "machine": machine(), "load_before": [round(x, 2) for x in load_before],
               "load_after": [round(x, 2) for x in load_after],
               "stages": _durations(stages), "stdout": stdout}
     out.mkdir(parents=True, exist_ok=True)
@@ -107,25 +106,6 @@ def _durations(stages: list[dict]) -> list[dict]:
         out.append({**stage, "seconds": round(stage["ended_s"] - previous, 1)})
         previous = stage["ended_s"]
     return out
-
-
-def _machine() -> dict:
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    memory = None
-    try:
-        pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
-        memory = round(pages * size / 2**30, 1)
-    except (ValueError, OSError):
-        pass
-    return {"cores": os.cpu_count(), "cpu": model, "memory_gib": memory,
-            "system": f"{platform.system()} {platform.machine()}"}
 
 
 def minutes(seconds: float) -> str:

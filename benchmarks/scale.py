@@ -47,6 +47,7 @@ import time
 from pathlib import Path
 
 from _common import command_line, git_commit
+from _common import machine as common_machine
 
 HERE = Path(__file__).resolve().parent
 STEM = "scale"
@@ -313,16 +314,8 @@ def generated(log: Path) -> dict:
 
 
 def machine() -> dict:
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cores": os.cpu_count(), "cpu": cpu, "memory_gb": round(total / 1e9, 1),
+    """:func:`_common.machine`, with the memory in GB and the Python version."""
+    return {**common_machine(), "memory_gb": round(machine_memory_mb() / 1e3, 1),
             "python": platform.python_version()}
 
 

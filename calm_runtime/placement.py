@@ -243,9 +243,9 @@ def read_converted(folder: Path, dtype):
             (size,) = struct.unpack("<Q", handle.read(8))
             header = json.loads(handle.read(size))
             base = 8 + size
-            for key, info in sorted(header.items(), key=lambda kv: str(kv[1])):
-                if key == "__metadata__":
-                    continue
+            header.pop("__metadata__", None)
+            # in the file's order: one forward pass over it
+            for key, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
                 kind = _SAFETENSORS_DTYPES.get(info.get("dtype"))
                 if key not in names or kind is None:
                     return None  # renamed or unknown tensors: transformers' own mapping

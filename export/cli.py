@@ -241,13 +241,19 @@ def summary(result) -> str:
                  f"[{calibration['shift_min']:.3g}, {calibration['shift_max']:.3g}]")
     lines += _outputs_lines(manifest.calibrated_outputs)
     lines += _variant_lines(manifest)
+    lines += _cost_lines(result)
+    return "\n".join(lines)
+
+
+def _cost_lines(result) -> list[str]:
+    """The export's time per stage and, where measured, its peak memory per stage."""
     stages = ", ".join(f"{k} {v:.1f}s" for k, v in result.seconds.items() if k != "total")
-    lines.append(f"time: {result.seconds.get('total', 0.0):.1f} s ({stages})")
+    lines = [f"time: {result.seconds.get('total', 0.0):.1f} s ({stages})"]
     if result.peak_rss_mb:
         name, peak = max(result.peak_rss_mb.items(), key=lambda item: item[1])
         lines.append(f"peak RSS: {peak:.0f} MB (in {name}; "
                      + ", ".join(f"{k} {v:.0f}" for k, v in result.peak_rss_mb.items()) + ")")
-    return "\n".join(lines)
+    return lines
 
 
 def _checkpoint_summary(result) -> str:
@@ -264,12 +270,7 @@ def _checkpoint_summary(result) -> str:
                  f"{report['max_abs_diff']:.3g} (batch 2: {report['batch2_max_abs_diff']:.3g}), "
                  f"tolerance {report['tolerance']:.3g}; greedy {report['greedy_steps']} steps "
                  f"match ({report['greedy_ties']} ties)")
-    stages = ", ".join(f"{k} {v:.1f}s" for k, v in result.seconds.items() if k != "total")
-    lines.append(f"time: {result.seconds.get('total', 0.0):.1f} s ({stages})")
-    if result.peak_rss_mb:
-        name, peak = max(result.peak_rss_mb.items(), key=lambda item: item[1])
-        lines.append(f"peak RSS: {peak:.0f} MB (in {name}; "
-                     + ", ".join(f"{k} {v:.0f}" for k, v in result.peak_rss_mb.items()) + ")")
+    lines += _cost_lines(result)
     return "\n".join(lines)
 
 

@@ -183,7 +183,7 @@ def _load_engine(args):
 
     providers = args.providers.split(",") if args.providers else None
     extra = {}
-    dtype, device = getattr(args, "dtype", "auto"), getattr(args, "device", "auto")
+    dtype, device = args.dtype, args.device
     if args.backend == "torch":
         extra = {"model": args.model, "adapter": args.adapter, "dtype": dtype,
                  "device": device}

@@ -91,7 +91,6 @@ def build_graph(model_box: list, tokenizer, staging: Path, vocab_size: int, *,
     try:
         scale, shift = _write_source(model_box, tokenizer, source, affine, source_dtype)
         return_free_memory()
-        logger.debug("source written, torch model dropped: RSS %s", _rss())
         _run_builder(source, output, cache, work / "builder.log")
         return_free_memory()
         path = output / ONNX_FILE
@@ -118,15 +117,6 @@ def build_graph(model_box: list, tokenizer, staging: Path, vocab_size: int, *,
                                        "SimplifiedLayerNormalization") if ops[op]},
                 "calibration_after_head": [n for n, v in (("scale", scale), ("shift", shift))
                                            if v is not None]}}
-
-
-def _rss() -> str:
-    try:
-        with open("/proc/self/status") as status:
-            return next(line.split(":", 1)[1].strip() for line in status
-                        if line.startswith("VmRSS"))
-    except (OSError, StopIteration):
-        return "unknown"
 
 
 def _write_source(model_box: list, tokenizer, source: Path, affine, source_dtype=None):
