@@ -227,6 +227,10 @@ def _fit(args) -> int:
               f"split: coverage {fit['coverage']:.3f}, selective risk "
               f"{fit['selective_risk']:.3f}, bound {fit['risk_upper_bound']:.3f}, "
               f"n={fit['n']})")
+        if fit["n_kept"] == fit["n"]:
+            print(f"it abstains on none of the calibration answers: their error rate "
+                  f"{fit['selective_risk']:.3f} is already within the risk asked for; a lower "
+                  "--risk makes it abstain")
         if test:
             risk = test["selective_risk"]
             print(f"test split: coverage {test['coverage']:.3f}, selective risk "
@@ -276,7 +280,7 @@ def _eval(args) -> int:
     from calm_training.fit import compare_methods
     from calm_training.methods import compared_methods
     from calm_training.posthoc.evaluate import evaluate_adapter, write_report
-    from calm_training.posthoc.fit_report import format_selective_table, format_table
+    from calm_training.posthoc.fit_report import format_selective_table, format_table, readings
 
     config = _config(args)
     if args.eval_adapter and args.variant is None:  # the one the adapter records
@@ -298,6 +302,9 @@ def _eval(args) -> int:
     print("\nselective accuracy: accuracy of the answers kept at each confidence threshold "
           "(share kept)\n")
     print(format_selective_table(report))
+    report["readings"] = readings(report)
+    if report["readings"]:
+        print("\n" + "\n".join(report["readings"]))
     written = write_report(report, args.report_dir, stem)
     print("\n" + "\n".join(f"wrote {p}" for p in written.values()))
     return 0

@@ -119,9 +119,9 @@ def _check_calibration(section: dict, where: str) -> None:
             if outputs[key] is not None and not isinstance(outputs[key], str):
                 raise ArtifactError(f"{where} outputs: {key} must be a string or null, got "
                                     f"{show(outputs[key])}; re-export the engine")
-    if section["fused"] is not True:
-        raise ArtifactError(f"{where}: fused must be true (the engine's logits are calibrated); "
-                            "re-export the engine")
+    if not isinstance(section["fused"], bool):
+        raise ArtifactError(f"{where}: fused must be true or false (whether the head carries "
+                            f"a calibration), got {show(section['fused'])}; re-export the engine")
     _number(section["temperature"], "temperature", where, bounds=TEMPERATURE_RANGE)
     if section["answer_temperature"] is not None:
         _number(section["answer_temperature"], "answer_temperature", where,
@@ -133,6 +133,11 @@ def _check_calibration(section: dict, where: str) -> None:
         if low > high:
             raise ArtifactError(f"{where}: {low_key} {low:g} is above {high_key} {high:g}; "
                                 "re-export the engine")
+    identity = (section["temperature"] == 1 and section["tau_min"] == section["tau_max"] == 1
+                and section["shift_min"] == section["shift_max"] == 0)
+    if section["fused"] is False and not identity:
+        raise ArtifactError(f"{where}: fused is false but the calibration is not the identity "
+                            f"(T={section['temperature']:g}); re-export the engine")
 
 
 def _check_model(section: dict, kind: str, where: str) -> None:

@@ -77,6 +77,7 @@ __all__ = [
     "CalibrationAdapter",
     "tokenizer_sha256",
     "describe_calibrated_outputs",
+    "outputs_in_mode",
 ]
 
 ADAPTER_SCHEMA_VERSION = 1
@@ -456,6 +457,16 @@ def describe_calibrated_outputs(*, kind: str, method: Mapping | None, token: boo
         option_by = token_by
     p_true_by = token_by if mode is not None and not mode.choice else None
     return {"token_logprobs": token_by, "option_probabilities": option_by, "p_true": p_true_by}
+
+
+def outputs_in_mode(outputs: Mapping, mode: str) -> dict:
+    """``outputs`` (:func:`describe_calibrated_outputs`) as a choice in ``mode`` applies
+    them: in a token-level mode (letter) the option probabilities are the option tokens'
+    calibrated log-probabilities, calibrated exactly as token log-probabilities are."""
+    out = dict(outputs)
+    if MODES[mode].token_level:
+        out["option_probabilities"] = out["token_logprobs"]
+    return out
 
 
 def _check_identity(identity: Any, where: str) -> None:

@@ -220,6 +220,15 @@ class EngineManifest:
         return self.calibration["answer_temperature"]
 
     @property
+    def head_calibrated(self) -> bool:
+        """Whether the graph's head carries a calibration (T, τ or shift other than the
+        identity). Engines written before ``fused`` said so recorded ``true`` always: the
+        values decide."""
+        c = self.calibration
+        return bool(c["temperature"] != 1.0 or c["tau_min"] != 1.0 or c["tau_max"] != 1.0
+                    or c["shift_min"] != 0.0 or c["shift_max"] != 0.0)
+
+    @property
     def calibrated_outputs(self) -> dict:
         """Which outputs the engine calibrates and by which fit (see
         :meth:`~calm_runtime.formats.artifact.CalibrationAdapter.calibrated_outputs`); engines
@@ -230,10 +239,9 @@ class EngineManifest:
         from calm_runtime.formats.artifact import describe_calibrated_outputs
 
         c = self.calibration
-        token = bool(c["temperature"] != 1.0 or c["tau_min"] != 1.0 or c["tau_max"] != 1.0
-                     or c["shift_min"] != 0.0 or c["shift_max"] != 0.0)
         return describe_calibrated_outputs(
-            kind=c["adapter_kind"], method=None, token=token, temperature=c["temperature"],
+            kind=c["adapter_kind"], method=None, token=self.head_calibrated,
+            temperature=c["temperature"],
             answer_temperature=c["answer_temperature"])
 
     def p_true(self) -> PTrueTemplate:

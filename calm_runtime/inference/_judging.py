@@ -101,7 +101,7 @@ class Judging:
             scores = cloze_option_scores(total, [len(c) for c in cont],
                                          [option_char_count(o) for o in opts], variant)
             choices.append(_choice(scores, "cloze", variant, self.answer_temperature,
-                                   self.abstain_below))
+                                   self.abstain_below, self._option_calibration("cloze")))
         return choices
 
     def _cloze_variant(self, asked: str | None) -> str:
@@ -146,7 +146,8 @@ class Judging:
                                        should_stop=should_stop)[0]
         scores = cloze_option_scores(sums, [len(c) for c in encoded],
                                      [option_char_count(o) for o in options], variant)
-        return _choice(scores, "cloze", variant, self.answer_temperature, self.abstain_below)
+        return _choice(scores, "cloze", variant, self.answer_temperature, self.abstain_below,
+                       self._option_calibration("cloze"))
 
     def _choose_letters(self, questions, options, chat, size) -> list[Choice]:
         use_chat = self.tokenizer.use_chat(chat)
@@ -166,9 +167,13 @@ class Judging:
             ids.append([table[t] for t in texts])
         logits = scoring_passes.next_token_logits(self.backend, prompts,
                                                   self.tokenizer.pad_token_id, size)
+        by = self._option_calibration("letter")
         return [_choice(logits[n, token_ids].astype(np.float64), "letter", None, 1.0,
-                        self.abstain_below)
+                        self.abstain_below, by)
                 for n, token_ids in enumerate(ids)]
+
+    def _option_calibration(self, mode: str) -> str | None:
+        return self.calibrated_outputs_in(mode)["option_probabilities"]
 
     # ------------------------------------------------------------------ P(True)
     def p_true(self, question: str, answer: str, *,
@@ -216,12 +221,12 @@ class Judging:
 
 
 def _choice(scores: np.ndarray, mode: str, variant: str | None, temperature: float,
-            abstain_below: float | None = None) -> Choice:
+            abstain_below: float | None = None, calibrated_by: str | None = None) -> Choice:
     probs = modes.option_probabilities(np.asarray(scores, dtype=np.float64), temperature)
     best = int(np.argmax(probs))
     return Choice(probabilities=probs, prediction=best, confidence=float(probs[best]),
                   scores=np.asarray(scores, dtype=np.float64), mode=mode, variant=variant,
-                  answer_temperature=temperature,
+                  answer_temperature=temperature, calibrated_by=calibrated_by,
                   abstained=None if abstain_below is None else bool(probs[best] < abstain_below))
 
 

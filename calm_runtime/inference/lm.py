@@ -41,6 +41,7 @@ from dataclasses import replace
 import numpy as np
 
 from calm_runtime.errors import ArtifactError, ConfigError
+from calm_runtime.formats.artifact import outputs_in_mode
 from calm_runtime.formats.engine import EngineManifest
 from calm_runtime.inference import scoring_passes
 from calm_runtime.inference._inputs import check_text, input_label, non_negative_int, positive_int
@@ -180,6 +181,13 @@ class CalibratedLM(Judging):
         """Which outputs this engine calibrates and by which fit (``None``: the model's own):
         ``{"token_logprobs", "option_probabilities", "p_true"}``."""
         return self.manifest.calibrated_outputs
+
+    def calibrated_outputs_in(self, mode: str) -> dict:
+        """:attr:`calibrated_outputs` as a choice in ``mode`` applies them: a letter-mode
+        choice reads the option letters' token log-probabilities, so its option probabilities
+        are calibrated only by a token-level calibration (a cloze answer temperature is not
+        applied there)."""
+        return outputs_in_mode(self.manifest.calibrated_outputs, mode)
 
     @property
     def raw_logit_scale(self) -> float:

@@ -178,6 +178,8 @@ class Choice:
         answer_temperature: the temperature applied to the scores (1.0 when none).
         abstained: whether the confidence is below the engine's abstention threshold
             (``calm fit threshold``); ``None`` when the engine has none.
+        calibrated_by: what calibrates ``probabilities`` in this mode (the fit, as the
+            engine's manifest records it), ``None`` where they are the model's own.
     """
 
     probabilities: np.ndarray
@@ -188,9 +190,11 @@ class Choice:
     variant: str | None
     answer_temperature: float
     abstained: bool | None = None
+    calibrated_by: str | None = None
 
     def to_dict(self) -> dict:
         return {"probabilities": self.probabilities.tolist(), "prediction": self.prediction,
                 "confidence": self.confidence, "scores": self.scores.tolist(),
                 "mode": self.mode, "variant": self.variant,
-                "answer_temperature": self.answer_temperature, "abstained": self.abstained}
+                "answer_temperature": self.answer_temperature, "abstained": self.abstained,
+                "calibrated_by": self.calibrated_by}

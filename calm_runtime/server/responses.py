@@ -271,7 +271,7 @@ class ResponseWriter:
                          "confidence": picked.confidence, "choice_mode": mode,
                          "variant": picked.variant,
                          "answer_temperature": picked.answer_temperature,
-                         "calibrated": self.server.calibrated}
+                         "calibrated": self.lm.calibrated_outputs_in(mode)}
             below = (options.abstain_below if options.abstain_below is not None
                      else self.lm.abstain_below)  # the request's, else the engine's
             if below is not None:

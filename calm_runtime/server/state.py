@@ -65,7 +65,8 @@ class ServerState:
         self.identity = {"engine": config.served_name, "engine_manifest_sha256": digest,
                          "engine_kind": manifest.kind, "backend": lm.backend.description,
                          "source_model": manifest.source.get("model", {}).get("name"),
-                         "calibration": manifest.calibration}
+                         "calibration": {**manifest.calibration,
+                                         "fused": manifest.head_calibrated}}
 
     @property
     def has_key(self) -> bool:

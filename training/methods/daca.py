@@ -17,6 +17,7 @@ formula), never re-derived here.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from functools import partial
 
@@ -39,6 +40,9 @@ __all__ = ["DACA", "MIN_AGREEMENT_ITEMS", "MIN_AGREEMENT_RATE", "NAIVE", "P_TRUE
            "fit_token_daca_temperature", "p_true_logits"]
 
 logger = logging.getLogger(__name__)
+
+#: agreement sets already warned about as tiny (one warning each, not one per fit)
+_WARNED: set[str] = set()
 
 # The agreement set is "tiny" (warn, still fit) below either threshold.
 MIN_AGREEMENT_ITEMS = 20
@@ -64,8 +68,11 @@ def agreement_set(plm_logits, polm_logits, mask, min_agreement, min_agreement_ra
         raise FitError(f"the PLM and PoLM agree on none of the {n} items, so DACA has no "
                        "items to fit on; check that both use the same option order.")
     if n_agree < min_agreement or rate < min_agreement_rate:
-        logger.warning("DACA agreement set is tiny: %d of %d items (%.1f%%); the fit is "
-                       "poorly determined.", n_agree, n, 100 * rate)
+        key = hashlib.sha256(np.packbits(agree).tobytes() + str(n).encode()).hexdigest()
+        if key not in _WARNED:  # once per agreement set (DACA and its vector variant share it)
+            _WARNED.add(key)
+            logger.warning("DACA agreement set is tiny: %d of %d items (%.1f%%); the fit is "
+                           "poorly determined.", n_agree, n, 100 * rate)
     return p[agree], g[agree], n, rate
 
 

@@ -125,10 +125,14 @@ def fit_threshold(confidences, correct, *, risk: float, confidence: float = 0.95
                 n_kept = int(kept.sum())
                 bounds.append(binomial_upper_bound(int(n_kept - ok[kept].sum()), n_kept,
                                                    1.0 - delta))
+        lowest = min(bounds, default=1.0)
+        reachable = math.ceil(lowest * 20) / 20  # the next risk in steps of 0.05
+        allow = (f"allow --risk {reachable:g} or higher, or " if reachable < 1 else "")
         raise FitError(f"no threshold of the grid keeps the selective risk at or below "
-                       f"{risk:g} with probability {confidence:g} on these {conf.size} answers "
-                       f"(the lowest bound is {min(bounds, default=1.0):.3f}); allow a higher "
-                       "--risk or use more calibration data")
+                       f"{risk:g} with probability {confidence:g} on these {conf.size} "
+                       f"calibration answers (the lowest bound they carry is {lowest:.3f}); "
+                       f"{allow}use more labelled calibration data (fewer answers, or a less "
+                       "accurate model, carry only looser bounds)")
     return best
 
 

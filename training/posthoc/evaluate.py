@@ -58,6 +58,7 @@ def evaluate_adapter(config: FitConfig, adapter_dir: str | os.PathLike, *,
                                       (adapter.kind, calibrated, answer_t)):
         probs = option_probabilities(scores.scores(plan.variant())[test, :k], temperature)
         rows[name], panels[name] = metric_row(probs, _labels(scores, test), plan.metrics)
+    rows[adapter.kind]["fit"] = _applied(adapter, scoring)
     return {"config": base_config.to_dict() | {"adapter": config.adapter},
             "adapter": str(adapter_dir),
             "adapter_kind": adapter.kind, "n_test": int(test.size), "n_options": k,
@@ -65,6 +66,20 @@ def evaluate_adapter(config: FitConfig, adapter_dir: str | os.PathLike, *,
             "n_calibration": (adapter.provenance.get("split") or {}).get("n"),
             "calibrated_outputs": adapter.calibrated_outputs(),
             "methods": rows, "_panels": panels}
+
+
+def _applied(adapter: CalibrationAdapter, scoring) -> dict:
+    """What the adapter's row applies, for the table's T column: the cloze answer temperature
+    where the adapter has one (cloze mode), else the token-level temperature the scores were
+    read with; ``alpha`` where per-token τ or shift are applied too."""
+    alpha = bool((adapter.tau != 1).any() or (adapter.shift != 0).any())
+    if not scoring.token_level and adapter.answer_temperature is not None:
+        temperature = scoring.answer_temperature(adapter.answer_temperature)
+        if adapter.has_token_calibration():
+            return {"temperature": temperature, "token_temperature": adapter.temperature,
+                    "alpha": alpha}
+        return {"temperature": temperature}
+    return {"temperature": adapter.temperature, "alpha": alpha}
 
 
 def _labels(scores: OptionScores, test: np.ndarray) -> np.ndarray:

@@ -13,7 +13,7 @@ from calm_runtime import modes
 from calm_runtime.measure import metrics
 
 __all__ = ["Metrics", "add_selective", "format_selective_table", "format_table",
-           "served_floor"]
+           "paired_ece_difference", "readings", "served_floor"]
 
 
 @dataclass(frozen=True)
@@ -93,6 +93,8 @@ def format_table(report: dict) -> str:
         temp = fit.get("temperature")
         t_text = "vector" if "weights" in fit else ("1" if not fit else
                                                      ("inf" if temp is None else f"{temp:.3f}"))
+        if fit.get("alpha"):
+            t_text = f"α, {t_text}"
         ci = row.get("ece_ci95")
         ece_text = f"{row['ece']:.3f}" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
         lines.append(f"| {name} | {t_text} | {row['accuracy']:.3f} | {ece_text} | "
@@ -120,3 +122,68 @@ def format_selective_table(report: dict, thresholds=(0.5, 0.6, 0.7, 0.8, 0.9)) -
 
 def _number(value) -> str:
     return "-" if value is None else f"{value:.3f}"
+
+
+#: the confidence below which a method keeps no answer in the selective table's first column
+SELECTIVE_FLOOR = 0.5
+
+
+def readings(report: dict, *, n_resamples: int = 2000, seed: int = 0) -> list[str]:
+    """What the comparison table supports, in plain lines, decided by intervals: each
+    calibrated method's ECE against vanilla's, naive alignment's against DACA's (paired
+    bootstrap over the test questions, 95%); vector variants that change answers; methods
+    whose confidences never reach the selective table's first threshold. A difference whose
+    interval holds 0 is said to be undecided by this data, never read as a winner."""
+    rows = {name: row for name, row in report["methods"].items()
+            if "error" not in row and row.get("confidence")}
+    n_bins = report["config"]["n_bins"]
+    lines = []
+    pairs = [(name, "vanilla") for name in rows if name != "vanilla"]
+    if "naive" in rows and "daca" in rows:
+        pairs.append(("naive", "daca"))
+    for a, b in pairs:
+        if b not in rows:
+            continue
+        delta, low, high = paired_ece_difference(rows[a], rows[b], n_bins,
+                                                 n_resamples=n_resamples, seed=seed)
+        if low > 0 or high < 0:
+            word = "lower" if high < 0 else "higher"
+            verdict = f"{a}'s ECE is {word} than {b}'s"
+        else:
+            verdict = f"this data cannot tell {a} from {b} (the interval holds 0)"
+        lines.append(f"ECE {a} - {b}: {delta:+.3f} [{low:+.3f}, {high:+.3f}]: {verdict}")
+    for name, row in rows.items():
+        scalar = name.removesuffix("-vector")
+        if scalar != name and scalar in rows and abs(row["accuracy"]
+                                                     - rows[scalar]["accuracy"]) >= 0.005:
+            lines.append(f"{name} changes answers (accuracy {rows[scalar]['accuracy']:.3f} -> "
+                         f"{row['accuracy']:.3f}): a vector fit scales each option position "
+                         f"on its own, so the most probable option can change; {scalar} never "
+                         "changes an answer")
+        top = max(row["confidence"])
+        if top < SELECTIVE_FLOOR:
+            lines.append(f"{name} keeps no answer at confidence >= {SELECTIVE_FLOOR} (its "
+                         f"highest is {top:.3f}): its probabilities are nearly uniform, so the "
+                         "selective table has no row for it")
+    if lines:
+        lines.insert(0, f"reading (paired bootstrap over the {report['n_test']} test "
+                        "questions, 95%):")
+    return lines
+
+
+def paired_ece_difference(a: dict, b: dict, n_bins: int, *, n_resamples: int = 2000,
+                          seed: int = 0) -> tuple[float, float, float]:
+    """ECE(a) − ECE(b) on the same questions and its basic bootstrap 95% interval (questions
+    resampled once for both sides; a basic interval's verdict does not improve with a
+    skewed, imprecise bootstrap distribution as a percentile interval's can)."""
+    ca, ya = np.asarray(a["confidence"]), np.asarray(a["correct"], dtype=float)
+    cb, yb = np.asarray(b["confidence"]), np.asarray(b["correct"], dtype=float)
+    delta = metrics.ece(ca, ya, n_bins) - metrics.ece(cb, yb, n_bins)
+    rng = np.random.default_rng(seed)
+    n = ca.size
+    draws = np.empty(n_resamples)
+    for i in range(n_resamples):
+        idx = rng.integers(0, n, n)
+        draws[i] = metrics.ece(ca[idx], ya[idx], n_bins) - metrics.ece(cb[idx], yb[idx], n_bins)
+    q_low, q_high = np.quantile(draws, [0.025, 0.975])
+    return float(delta), float(2 * delta - q_high), float(2 * delta - q_low)

@@ -31,6 +31,7 @@ import numpy as np
 from calm_runtime.data.prompts import cloze_context, cloze_continuation
 from calm_runtime.data.sets import MultipleChoiceRecord
 from calm_runtime.errors import ConfigError, FitError
+from calm_runtime.progress import progress as progress_bar
 from calm_runtime.temperature import TOKEN_CHUNK_ROWS
 from calm_training.scoring.local import (
     batched_logits,
@@ -81,7 +82,6 @@ def answer_positions(model, tokenizer, records: Sequence[MultipleChoiceRecord],
     Whole records are read in the order given while their rows fit in ``max_bytes``
     (``"budget"``: :data:`POSITION_BYTES`; ``None``: every record); ``n_questions`` of the
     result says how many were."""
-    from tqdm.auto import tqdm
 
     if len(options) != len(records):
         raise ConfigError(f"{len(options)} option indices for {len(records)} records")
@@ -106,8 +106,8 @@ def answer_positions(model, tokenizer, records: Sequence[MultipleChoiceRecord],
                     "(%d positions, the memory budget)", len(sequences), len(records), total)
     out, targets, owner, filled = None, [], [], 0
     order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))
-    bar = tqdm(total=len(sequences), desc="answer positions", unit="question",
-               disable=not progress)
+    bar = progress_bar(total=len(sequences), desc="answer positions", unit="question",
+                       bar=progress)
     was_training = model.training
     model.eval()
     try:

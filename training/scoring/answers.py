@@ -11,6 +11,7 @@ import numpy as np
 from calm_runtime.data.prompts import cloze_context
 from calm_runtime.errors import ConfigError
 from calm_runtime.modes import PTrueTemplate
+from calm_runtime.progress import progress as progress_bar
 from calm_training.scoring.engine import EngineModel
 from calm_training.scoring.local import (
     batched_logits,
@@ -28,11 +29,10 @@ __all__ = ["generate_answers", "score_p_true"]
 
 def _engine_answers(model, tokenizer, prompts, max_new_tokens, batch_size, progress):
     """:func:`generate_answers` on an engine: greedy decoding with the runtime's KV loop."""
-    from tqdm.auto import tqdm
-
     answers = [""] * len(prompts)
     size = min(batch_size, model.backend.max_batch or batch_size)
-    for start in tqdm(range(0, len(prompts), size), desc="generating", disable=not progress):
+    for start in progress_bar(range(0, len(prompts), size), desc="generating", unit="batch",
+                              bar=progress):
         run = model.lm.generation_run(prompts[start:start + size], max_new_tokens)
         for _ in run:
             pass
@@ -51,8 +51,6 @@ def score_p_true(model, tokenizer, questions: Sequence[str], answers: Sequence[s
 
     P(True) is ``softmax`` over the two columns (docs/methods.md §2).
     """
-    from tqdm.auto import tqdm
-
     if len(questions) != len(answers):
         raise ConfigError(f"{len(questions)} questions but {len(answers)} answers; pass one "
                           "answer per question")
@@ -67,8 +65,8 @@ def score_p_true(model, tokenizer, questions: Sequence[str], answers: Sequence[s
     out = np.zeros((len(prompts), 2))
     pad = padding_id(tokenizer)
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
-    for chunk in tqdm(list(token_batches(order, batch_size, [len(p) for p in prompts])),
-                      desc="P(True)", disable=not progress):
+    for chunk in progress_bar(list(token_batches(order, batch_size, [len(p) for p in prompts])),
+                              desc="P(True)", unit="batch", bar=progress):
         logits = batched_logits(model, [prompts[i] for i in chunk], 1, pad)
         if calibration is not None:
             logits = calibration.calibrate(logits)
@@ -81,7 +79,6 @@ def generate_answers(model, tokenizer, questions: Sequence[str], *, max_new_toke
                      max_length: int | None = None) -> list[str]:
     """Greedy answers to ``"Question: ...\\nAnswer:"`` prompts, cut at the first newline."""
     import torch
-    from tqdm.auto import tqdm
 
     pad = padding_id(tokenizer)
     answers: list[str] = [""] * len(questions)
@@ -91,9 +88,9 @@ def generate_answers(model, tokenizer, questions: Sequence[str], *, max_new_toke
                for i, q in enumerate(questions)]
     if isinstance(model, EngineModel):
         return _engine_answers(model, tokenizer, prompts, max_new_tokens, batch_size, progress)
-    for chunk in tqdm(list(token_batches(list(range(len(prompts))), batch_size,
-                                         [len(p) for p in prompts])),
-                      desc="generating", disable=not progress):
+    for chunk in progress_bar(list(token_batches(list(range(len(prompts))), batch_size,
+                                                 [len(p) for p in prompts])),
+                              desc="generating", unit="batch", bar=progress):
         ids, mask, _ = left_pad([prompts[i] for i in chunk], pad)
         length = ids.shape[1]
         with torch.inference_mode():

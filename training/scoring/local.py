@@ -40,6 +40,7 @@ from calm_runtime.data.sets import MultipleChoiceRecord
 from calm_runtime.errors import ConfigError, DataError
 from calm_runtime.inference import scoring_passes
 from calm_runtime.measure.score import is_correct, normalize_answer
+from calm_runtime.progress import progress as progress_bar
 from calm_training.scoring.engine import EngineModel
 from calm_training.scoring.option_scores import OptionScores
 
@@ -279,8 +280,6 @@ def score_multiple_choice(model, tokenizer, records: Sequence[MultipleChoiceReco
     sequence must fit :func:`context_limit` (the model's context or ``max_length``); a
     record that does not is a :class:`DataError` naming it, raised before any batch runs.
     """
-    from tqdm.auto import tqdm
-
     if batch_size < 1:
         raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
     out = OptionScores.empty(records, mode)
@@ -292,18 +291,18 @@ def score_multiple_choice(model, tokenizer, records: Sequence[MultipleChoiceReco
     try:
         if not modes.mode(mode).token_level:
             _score_cloze(model, tokenizer, records, values, n_tokens, n_chars, batch_size, pad,
-                         calibration, tqdm, progress, limit)
+                         calibration, progress, limit)
         else:
             out.option_ids = _score_letters(model, tokenizer, records, values, batch_size, pad,
                                             uses_chat_template(tokenizer, chat), calibration,
-                                            tqdm, progress, limit)
+                                            progress, limit)
     finally:
         model.train(was_training)
     return out
 
 
 def _score_cloze(model, tokenizer, records, values, n_tokens, n_chars, batch_size, pad,
-                 calibration, tqdm, progress, limit):
+                 calibration, progress, limit):
     """Score every option, running each question's context once and sharing its KV cache.
 
     A batch of left-padded contexts is run with the cache on; the cache rows are then
@@ -335,7 +334,7 @@ def _score_cloze(model, tokenizer, records, values, n_tokens, n_chars, batch_siz
     # their log-softmax; a question over the budget is scored option by option in segments
     vocab = _vocab_size(model)
     costs = [len(c) * max(len(o) for o in c) * vocab * LOGIT_BYTES for c in continuations]
-    bar = tqdm(total=len(records), desc="cloze scoring", unit="question", disable=not progress)
+    bar = progress_bar(total=len(records), desc="cloze scoring", unit="question", bar=progress)
     if not isinstance(model, EngineModel):
         large = [i for i in order if costs[i] > SCORING_BUDGET_BYTES]
         for i in large:
@@ -402,7 +401,7 @@ def _run_contexts(model, sequences, pad):
     return out.logits[:, -1].float(), cache, mask
 
 
-def _score_letters(model, tokenizer, records, values, batch_size, pad, chat, calibration, tqdm,
+def _score_letters(model, tokenizer, records, values, batch_size, pad, chat, calibration,
                    progress, limit):
     prompts = [encode_within(tokenizer, letter_prompt(record.question, record.choices), limit,
                              describe(record, row), special=True, chat=chat)
@@ -410,8 +409,8 @@ def _score_letters(model, tokenizer, records, values, batch_size, pad, chat, cal
     # option i of every question is letter i: the first k of the K_max letters' ids
     option_ids = [single_token_id(tokenizer, t) for t in letter_tokens(values.shape[1], chat=chat)]
     order = sorted(range(len(records)), key=lambda i: -len(prompts[i]))
-    bar = tqdm(total=len(records), desc="letter scoring", unit="question",
-               disable=not progress)
+    bar = progress_bar(total=len(records), desc="letter scoring", unit="question",
+                       bar=progress)
     for chunk in token_batches(order, batch_size, [len(p) for p in prompts]):
         logits = batched_logits(model, [prompts[i] for i in chunk], 1, pad)
         if calibration is not None:

@@ -58,6 +58,7 @@ from calm_runtime.data.sets import MultipleChoiceRecord
 from calm_runtime.errors import CalmError, ConfigError
 from calm_runtime.modes import PTrueTemplate
 from calm_runtime.paths import cache_dir
+from calm_runtime.progress import progress as progress_bar
 from calm_training.scoring.answer_logprobs import (
     TOP_LOGPROBS,
     NoPromptLogprobs,
@@ -142,15 +143,13 @@ def _run(endpoint: Endpoint, kind: str, bodies: Sequence[dict],
     """Every body's parsed answer, from the cache or the endpoint (``concurrency`` at once);
     ``parse(payload, body)`` checks an answer against its request before it is kept;
     ``refused``: which 429/5xx answers are not retried (:meth:`Endpoint.request`)."""
-    from tqdm.auto import tqdm
-
     cache = _Cache(endpoint)
     keys = [_key(kind, {**b, "model": endpoint.model}) for b in bodies]
     todo = sorted({k: i for i, k in enumerate(keys) if k not in cache.values}.values())
     if len(todo) < len(bodies):
         logger.info("%s: %d of %d answers from the cache %s", desc, len(bodies) - len(todo),
                     len(bodies), cache.path.name)
-    bar = tqdm(total=len(todo), desc=desc, unit="request", disable=not progress or not todo)
+    bar = progress_bar(total=len(todo), desc=desc, unit="request", bar=progress)
     pool = concurrent.futures.ThreadPoolExecutor(endpoint.concurrency)
     futures: dict = {}
     try:
