@@ -46,8 +46,9 @@ class LoggedProgress:
 
     def _log(self) -> None:
         share = f" ({self.n / self.total:.0%})" if self.total else ""
-        logger.info("%s: %d of %d %ss%s, %.0f s", self.desc, self.n, self.total, self.unit,
-                    share, time.monotonic() - self._start)
+        logger.info("%s: %d of %d %s%s, %.0f s", self.desc, self.n, self.total,
+                    self.unit if self.total == 1 else _plural(self.unit), share,
+                    time.monotonic() - self._start)
 
     def close(self) -> None:
         if not self._closed:
@@ -68,6 +69,10 @@ class LoggedProgress:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _plural(unit: str) -> str:
+    return unit + ("es" if unit.endswith(("ch", "sh", "s", "x")) else "s")
 
 
 def progress(iterable: Iterable | None = None, *, total: int | None = None, desc: str,

@@ -202,10 +202,12 @@ def run(args: argparse.Namespace) -> int:
     config.output.preflight()  # fail at once, before loading anything heavy
     from tqdm.contrib.logging import logging_redirect_tqdm
 
-    if args.quiet:  # transformers' own weight-loading bars too
-        from transformers.utils import logging as hf_logging
+    if args.quiet or not sys.stderr.isatty():  # transformers' own weight-loading and
+        from huggingface_hub import utils as hub_utils  # shard-writing bars too: no
+        from transformers.utils import logging as hf_logging  # carriage returns in a log
 
         hf_logging.disable_progress_bar()
+        hub_utils.disable_progress_bars()
 
     from calm_export.pipeline import export_engine
 

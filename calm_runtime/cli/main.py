@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from calm_runtime._version import __version__
 from calm_runtime.cli.common import (
@@ -34,7 +35,7 @@ from calm_runtime.cli.common import (
 from calm_runtime.cli.serve import add_serve
 from calm_runtime.data.models import DEFAULT_API_KEY_ENV, MODEL_FORMS
 from calm_runtime.data.sets import DATA_PARTS
-from calm_runtime.errors import BackendUnavailableError, ConfigError
+from calm_runtime.errors import BackendUnavailableError, ConfigError, DataError
 from calm_runtime.extras import missing
 from calm_runtime.modes import CHOICE_MODES, CLOZE_VARIANTS, DEFAULT_CLOZE_VARIANT
 from calm_runtime.placement import check_device, check_dtype
@@ -150,8 +151,17 @@ def _data_install(args) -> int:
 
 
 def _data_check(args) -> int:
-    from calm_runtime.data.sets import dataset_hash, load_dataset
+    from calm_runtime.data.sets import check_jsonl, dataset_hash, load_dataset
 
+    spec = str(args.spec)
+    if spec.endswith(".jsonl") and Path(spec).exists():  # every problem, not the first
+        records, problems = check_jsonl(spec)
+        if problems:
+            for problem in problems:
+                print(problem, file=sys.stderr)
+            raise DataError(f"{spec}: {len(problems)} problem{'s' if len(problems) > 1 else ''}"
+                            f" (listed above), {len(records)} valid records; fix the lines "
+                            "named")
     records = load_dataset(args.spec)
     kinds = sorted({type(r).__name__ for r in records})
     print(f"{args.spec}: {len(records)} valid records ({', '.join(kinds)}), "

@@ -79,6 +79,7 @@ __all__ = [
     "SPLIT_SEED",
     "DATA_PARTS",
     "parse_record",
+    "check_jsonl",
     "read_jsonl",
     "write_jsonl",
     "dataset_hash",
@@ -230,45 +231,67 @@ def parse_record(obj: Any) -> Record:
 
 def read_jsonl(path: str | os.PathLike) -> list[Record]:
     """Read and validate a JSONL data file; the first bad line raises :class:`DataError`."""
+    records, problems = check_jsonl(path, first_only=True)
+    if problems:
+        raise DataError(problems[0])
+    return records
+
+
+def check_jsonl(path: str | os.PathLike, *, first_only: bool = False
+                ) -> tuple[list[Record], list[str]]:
+    """The valid records of a JSONL data file and every problem in it, each one line
+    ``FILE:LINE: what is wrong; the fix`` (``first_only``: stop at the first). A file that
+    cannot be read at all raises :class:`DataError`."""
     path = Path(path)
     raw = _read_data_file(path)
     if raw.startswith(codecs.BOM_UTF8):
         raw = raw[len(codecs.BOM_UTF8):]
     records: list[Record] = []
+    problems: list[str] = []
     first_line = 0
     for lineno, line in enumerate(raw.split(b"\n"), start=1):
         if not line.strip():
             continue
         where = f"{path}:{lineno}"
         try:
-            obj = json.loads(line.decode("utf-8"))
-        except UnicodeDecodeError:
-            raise DataError(f"{where}: not valid UTF-8; save the file as UTF-8") from None
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno}); write "
-                            "exactly one JSON object per line") from None
-        except RecursionError:
-            raise DataError(f"{where}: invalid JSON (nested too deeply); write one flat JSON "
-                            "object per line") from None
-        except (ValueError, MemoryError) as exc:  # e.g. an integer of more than 4300 digits
-            reason = (str(exc).splitlines() or [type(exc).__name__])[0].split(";")[0][:120]
-            raise DataError(f"{where}: invalid JSON ({reason}); write exactly one JSON object "
-                            "per line") from None
-        try:
-            record = parse_record(obj)
+            record = _parse_line(line, where)
+            if records and record.kind != records[0].kind:
+                raise DataError(f"{where}: {record.kind} record in a file whose first record "
+                                f"(line {first_line}) is {records[0].kind}; put each kind in "
+                                "its own file")
         except DataError as exc:
-            raise DataError(f"{where}: {exc}") from None
-        if records and record.kind != records[0].kind:
-            raise DataError(f"{where}: {record.kind} record in a file whose first record (line "
-                            f"{first_line}) is {records[0].kind}; put each kind in its own "
-                            "file")
+            problems.append(str(exc))
+            if first_only:
+                break
+            continue
         if not records:
             first_line = lineno
         records.append(record)
-    if not records:
-        raise DataError(f"{path}: no records (the file is empty or only has blank lines); "
+    if not records and not problems:
+        problems.append(f"{path}: no records (the file is empty or only has blank lines); "
                         "write one JSON object per line")
-    return records
+    return records, problems
+
+
+def _parse_line(line: bytes, where: str) -> Record:
+    try:
+        obj = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise DataError(f"{where}: not valid UTF-8; save the file as UTF-8") from None
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno}); write "
+                        "exactly one JSON object per line") from None
+    except RecursionError:
+        raise DataError(f"{where}: invalid JSON (nested too deeply); write one flat JSON "
+                        "object per line") from None
+    except (ValueError, MemoryError) as exc:  # e.g. an integer of more than 4300 digits
+        reason = (str(exc).splitlines() or [type(exc).__name__])[0].split(";")[0][:120]
+        raise DataError(f"{where}: invalid JSON ({reason}); write exactly one JSON object "
+                        "per line") from None
+    try:
+        return parse_record(obj)
+    except DataError as exc:
+        raise DataError(f"{where}: {exc}") from None
 
 
 def _read_data_file(path: Path) -> bytes:

@@ -51,9 +51,11 @@ def _score_choices(lm, records, mode, variant, chat, n_bins, batch_size) -> dict
     require_labels(records)
     choices = lm.choose_batch([r.question for r in records], [r.choices for r in records],
                               mode, variant=variant, chat=chat, batch_size=batch_size)
-    return choices_report([c.probabilities for c in choices], [r.answer for r in records],
-                          mode=mode, variant=choices[0].variant,
-                          answer_temperature=choices[0].answer_temperature, n_bins=n_bins)
+    report = choices_report([c.probabilities for c in choices], [r.answer for r in records],
+                            mode=mode, variant=choices[0].variant,
+                            answer_temperature=choices[0].answer_temperature, n_bins=n_bins)
+    report["calibrated_by"] = choices[0].calibrated_by  # what calibrates these probabilities
+    return report
 
 
 def require_labels(records: Sequence[MultipleChoiceRecord]) -> None:
@@ -114,6 +116,8 @@ def format_report(report: dict) -> str:
             head += f", {report['variant']} scores, T_ans={report['answer_temperature']:.3f}"
         if "served_model" in report:  # a served model (calm score URL)
             name = "served model + adapter" if report.get("adapter") else "served model"
+        elif "calibrated_by" in report and report["calibrated_by"] is None:
+            name = "engine (uncalibrated)"  # its option probabilities are the model's own
         else:
             name = "calibrated engine"
         rows.append((name, report["metrics"]))

@@ -88,7 +88,8 @@ class ServeConfig:
 
     @property
     def served_name(self) -> str:
-        return self.model_name or Path(self.engine).resolve().name
+        # the name as given (a link named "current" serves as "current"), "." resolved
+        return self.model_name or Path(os.path.abspath(self.engine)).name
 
     def api_key(self) -> str | None:
         """The API key from ``api_key_env`` (read at call time), or ``None`` without one."""

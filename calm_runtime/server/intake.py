@@ -34,7 +34,8 @@ class Intake:
         req = validated(json_object(body), model)  # and its own checks (protocol.py)
         if req.model != self.config.served_name:
             raise APIError(404, f"model {clip(req.model, 80)!r} is not served here; this server "
-                           f"serves {self.config.served_name!r}", param="model",
+                           f"serves {self.config.served_name!r} (the engine folder's name, or "
+                           "calm serve --model-name); send that as model", param="model",
                            code="model_not_found")
         return req
 

@@ -608,3 +608,19 @@ def test_limit_is_first_n_of_the_set_then_the_split(tmp_path):
     assert not {r.question for r in cal} & {r.question for r in test}
     assert len(cal) + len(test) == 20
     assert load_dataset(str(path), limit=7) == everything[:7]
+
+
+def test_data_check_lists_every_bad_line(tmp_path, capsys):
+    """`calm data check FILE` reports each problem as file:line (not only the first), then
+    one summary error."""
+    from calm_runtime.cli.main import main
+
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"question": "q", "choices": ["a"], "answer": 0}\n'
+                    '{"question": "ok", "choices": ["a", "b"], "answer": 1}\n'
+                    '{"question": "", "choices": ["a", "b"], "answer": 0}\n'
+                    'not json\n')
+    assert main(["data", "check", str(path)]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert [line.split(":")[1] for line in err[:3]] == ["1", "3", "4"], err
+    assert err[3].startswith(f"DataError: {path}: 3 problems (listed above), 1 valid records")

@@ -285,6 +285,14 @@ def test_calm_eval_adapter_writes_its_report(mode, tiny_llama_tied, tiny_llama_u
     assert "| vanilla |" in table and "fit n=12" in table
     report = json.loads(next((tmp_path / "r").glob("*.json")).read_text())
     assert report["n_calibration"] == 12 and report["n_test"] == 28
+    # the adapter's row shows the temperature it applies, never vanilla's 1
+    adapter = CalibrationAdapter.from_pretrained(tmp_path / "a")
+    applied = (adapter.answer_temperature if mode == "cloze" and
+               adapter.answer_temperature is not None else adapter.temperature)
+    assert applied != 1
+    row = next(line for line in table.splitlines() if line.startswith(f"| {adapter.kind} |"))
+    assert row.split("|")[2].strip() == f"{applied:.3f}", row
+    assert report["methods"][adapter.kind]["fit"]["temperature"] == pytest.approx(applied)
     assert set(report["calibrated_outputs"]) == {"token_logprobs", "option_probabilities",
                                                  "p_true"}
 

@@ -111,3 +111,19 @@ def test_the_engine_records_the_mode_its_calibration_was_fitted_in():
     assert recorded_choice_mode(manifest(export={"abstention": {"mode": "letter"}})) == "letter"
     assert recorded_choice_mode(manifest(export={"choice_mode": None})) is None
     assert recorded_choice_mode(manifest(export=None)) is None
+
+
+def test_a_risk_out_of_reach_names_the_lowest_one_the_data_carries():
+    """30 answers, half right: no threshold can promise 0.3; the error says which risk these
+    answers do carry (the next 0.05 above the lowest bound), and that more data lowers it."""
+    rng = np.random.default_rng(0)
+    conf = rng.uniform(0.3, 1.0, 30)
+    correct = (rng.uniform(size=30) < 0.5).astype(float)
+    with pytest.raises(FitError) as caught:
+        fit_threshold(conf, correct, risk=0.3)
+    message = str(caught.value)
+    bound = float(message.split("the lowest bound they carry is ")[1].split(")")[0])
+    offered = float(message.split("allow --risk ")[1].split(" ")[0])
+    assert bound <= offered < bound + 0.05 + 1e-9
+    assert fit_threshold(conf, correct, risk=offered).risk_upper_bound <= offered
+    assert "more labelled calibration data" in message
