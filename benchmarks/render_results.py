@@ -23,7 +23,6 @@ from _results_sections import (
     CALM_END,
     CALM_PLACEHOLDER,
     CALM_START,
-    CHANCE_MARGIN,
     DOC,
     QUICKSTART_END,
     QUICKSTART_START,
