@@ -31,6 +31,7 @@ from calm_runtime.cli.common import (
     missing_extra_message,
     no_abbreviations,
     run_command,
+    show_progress,
 )
 from calm_runtime.cli.serve import add_serve
 from calm_runtime.data.models import DEFAULT_API_KEY_ENV, MODEL_FORMS
@@ -382,7 +383,8 @@ def _score(args) -> int:
         lm = _load_engine(args)
         report = score_records(lm, records, mode=args.mode, variant=args.variant,
                                chat=args.chat, n_bins=args.bins, batch_size=args.batch_size,
-                               max_new_tokens=args.max_new_tokens)
+                               max_new_tokens=args.max_new_tokens,
+                               progress=show_progress(args))
         report.update(backend=lm.backend.description)
         stem = Path(args.engine).name
     report.update(engine=str(args.engine), data=args.data, split=spec.rpartition(":")[2])

@@ -92,6 +92,19 @@ def add_serve(sub) -> None:
                         "most 64 KiB of attention scores and logits per token (vLLM: "
                         "--max-num-batched-tokens): bigger batches are split, longer prompts "
                         "prefilled in pieces; a prompt that cannot fit gets HTTP 400")
+    p.add_argument("--header-timeout", type=float, default=_serve_default("header_timeout_s"),
+                   metavar="SECONDS", help="a request's headers must arrive within this "
+                   "(from the connection's start or its previous answer), else the connection "
+                   "is closed (HTTP 408 when part of a request came)")
+    p.add_argument("--body-timeout", type=float, default=_serve_default("body_timeout_s"),
+                   metavar="SECONDS", help="a request's body must arrive within this after its "
+                   "headers, else HTTP 408")
+    p.add_argument("--max-connections", type=int, default=_serve_default("max_connections"),
+                   help="open connections; past it the oldest one not running a request is "
+                        "closed (lowered to fit ulimit -n)")
+    p.add_argument("--max-connections-per-client", type=int,
+                   default=_serve_default("max_connections_per_client"),
+                   help="the same, per client address")
     p.add_argument("--allow-special-tokens", action="store_true",
                    help="encode special-token text inside chat messages as special tokens "
                         "(as transformers does); by default it is plain text, so a message "
@@ -130,7 +143,10 @@ def config_from_args(args):
         max_prompt_tokens=args.max_prompt_tokens, max_body_bytes=args.max_body_bytes,
         max_prefill_tokens=args.max_prefill_tokens,
         api_key_env=args.api_key_env,
-        allow_special_tokens=bool(getattr(args, "allow_special_tokens", False)))
+        allow_special_tokens=bool(getattr(args, "allow_special_tokens", False)),
+        header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+        max_connections=args.max_connections,
+        max_connections_per_client=args.max_connections_per_client)
 
 
 def _serve(args) -> int:
@@ -160,11 +176,14 @@ def _serve(args) -> int:
     options = dict(host=args.host, port=args.port, log_level=log_level,
                    timeout_graceful_shutdown=int(config.request_timeout_s) + 5)
     if args.workers == 1:
-        uvicorn.run(create_app(config), **options)
+        from calm_runtime.server.connections import protocol_for
+
+        uvicorn.run(create_app(config), http=protocol_for(config), **options)
     else:  # each worker process builds its own app (and engine) from the environment
         os.environ[CONFIG_ENV] = config.to_json()
         uvicorn.run("calm_runtime.server.app:app_from_environment", factory=True,
-                    workers=args.workers, **options)
+                    workers=args.workers,
+                    http="calm_runtime.server.connections:CalmH11Protocol", **options)
     return 0
 
 

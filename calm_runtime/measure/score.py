@@ -36,21 +36,36 @@ __all__ = ["score_records", "choices_report", "require_labels", "format_report",
            "normalize_answer", "is_correct"]
 
 
+#: records scored between two progress updates (each a whole choose_batch call)
+PROGRESS_CHUNK = 64
+
+
 def score_records(lm, records: Sequence[Record], *, mode: str = "cloze",
                   variant: str | None = None, chat: bool | None = None, n_bins: int = 10,
-                  batch_size: int = 8, max_new_tokens: int = 24) -> dict:
-    """Metrics of ``lm``'s calibrated confidences on ``records`` (see the module docstring)."""
+                  batch_size: int = 8, max_new_tokens: int = 24,
+                  progress: bool = False) -> dict:
+    """Metrics of ``lm``'s calibrated confidences on ``records`` (see the module docstring);
+    ``progress``: a bar on a terminal, else a log line each tenth of the questions."""
     if not records:
         raise DataError("no records to score; check the data file or split")
     if isinstance(records[0], MultipleChoiceRecord):
-        return _score_choices(lm, records, mode, variant, chat, n_bins, batch_size)
+        return _score_choices(lm, records, mode, variant, chat, n_bins, batch_size, progress)
     return _score_open_qa(lm, records, chat, n_bins, batch_size, max_new_tokens)
 
 
-def _score_choices(lm, records, mode, variant, chat, n_bins, batch_size) -> dict:
+def _score_choices(lm, records, mode, variant, chat, n_bins, batch_size, progress) -> dict:
+    from calm_runtime.progress import progress as progress_bar
+
     require_labels(records)
-    choices = lm.choose_batch([r.question for r in records], [r.choices for r in records],
-                              mode, variant=variant, chat=chat, batch_size=batch_size)
+    choices = []
+    bar = progress_bar(total=len(records), desc=f"{mode} scoring", unit="question",
+                       bar=progress)
+    for start in range(0, len(records), PROGRESS_CHUNK):
+        part = records[start:start + PROGRESS_CHUNK]
+        choices += lm.choose_batch([r.question for r in part], [r.choices for r in part],
+                                   mode, variant=variant, chat=chat, batch_size=batch_size)
+        bar.update(len(part))
+    bar.close()
     report = choices_report([c.probabilities for c in choices], [r.answer for r in records],
                             mode=mode, variant=choices[0].variant,
                             answer_temperature=choices[0].answer_temperature, n_bins=n_bins)

@@ -23,8 +23,13 @@ __all__ = ["serve_in_background"]
 def serve_in_background(app, host: str = "127.0.0.1", port: int = 0, *,
                         start_timeout_s: float = 60.0,
                         graceful_timeout_s: int = 30) -> Iterator[tuple[str, uvicorn.Server]]:
+    from calm_runtime.server.connections import protocol_for
+
+    calm = getattr(getattr(app, "state", None), "calm", None)  # a create_app app: its limits
+    http = protocol_for(calm.config) if calm is not None else "auto"
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                           timeout_graceful_shutdown=graceful_timeout_s))
+                                           timeout_graceful_shutdown=graceful_timeout_s,
+                                           http=http))
     thread = threading.Thread(target=server.run, name="calm-serve", daemon=True)
     thread.start()
     deadline = time.monotonic() + start_timeout_s

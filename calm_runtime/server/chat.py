@@ -66,5 +66,5 @@ async def serve_chat(context: EndpointContext, request: Request):
               users[-1] if req.wants_p_true else None, stream=bool(req.stream))
     intake.submit([job])
     if req.stream:
-        return EventStream(context.server, [job], writer.stream([job], req, CHAT))
+        return EventStream(context.server, [job], writer.stream([job], req, CHAT, request))
     return await writer.complete([job], req, CHAT, request)

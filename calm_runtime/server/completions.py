@@ -66,5 +66,5 @@ async def serve_completions(context: EndpointContext, request: Request):
             for ids, p in zip(encoded, prompts, strict=True)]
     intake.submit(jobs)
     if req.stream:
-        return EventStream(context.server, jobs, writer.stream(jobs, req, COMPLETION))
+        return EventStream(context.server, jobs, writer.stream(jobs, req, COMPLETION, request))
     return await writer.complete(jobs, req, COMPLETION, request)

@@ -50,6 +50,14 @@ class ServeConfig:
         allow_special_tokens: encode special-token text inside chat messages as the special
             tokens themselves (as transformers does); by default it is plain text, so a
             message cannot forge a turn.
+        header_timeout_s: a request's headers must arrive within this, from the connection's
+            start or its previous response; then the connection is closed (HTTP 408 when
+            part of a request came) (:mod:`calm_runtime.server.connections`).
+        body_timeout_s: a request's body must arrive within this after its headers, else
+            HTTP 408 and the connection is closed.
+        max_connections: most open connections; past it the oldest one not running a
+            request is closed (lowered to fit the process's file descriptor limit).
+        max_connections_per_client: the same, per client address.
     """
 
     engine: str
@@ -68,15 +76,21 @@ class ServeConfig:
     api_key_env: str | None = None
     verify_hashes: bool = True
     allow_special_tokens: bool = False
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    max_connections: int = 512
+    max_connections_per_client: int = 128
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_queue", "max_tokens_limit", "default_max_tokens",
-                     "max_body_bytes", "max_prefill_tokens"):
+                     "max_body_bytes", "max_prefill_tokens", "max_connections",
+                     "max_connections_per_client"):
             _positive_int(getattr(self, name), name)
         for name in ("threads", "max_prompt_tokens"):
             if getattr(self, name) is not None:
                 _positive_int(getattr(self, name), name)
-        for name, low in (("batch_window_ms", 0.0), ("request_timeout_s", 1e-3)):
+        for name, low in (("batch_window_ms", 0.0), ("request_timeout_s", 1e-3),
+                          ("header_timeout_s", 1e-3), ("body_timeout_s", 1e-3)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) \
                     or not math.isfinite(value) or value < low:
@@ -99,6 +113,10 @@ class ServeConfig:
         if not value:
             raise ConfigError(f"the environment variable {self.api_key_env} that should hold the "
                               "API key is empty or unset; export it or drop --api-key-env")
+        if not (value.isascii() and value.isprintable()):
+            raise ConfigError(f"the API key in {self.api_key_env} holds characters other than "
+                              "printable ASCII, which HTTP clients encode in different ways "
+                              "(Latin-1 or UTF-8) so some could never match; use an ASCII key")
         return value
 
     def to_json(self) -> str:

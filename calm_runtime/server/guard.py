@@ -3,18 +3,32 @@ keeps the request metrics."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from calm_runtime.server.config import ServeConfig
 from calm_runtime.server.protocol import APIError
 from calm_runtime.server.state import ServerState
 
-__all__ = ["CLIENT_CLOSED", "Guard", "too_large"]
+__all__ = ["CLIENT_CLOSED", "DEADLINE_KEY", "Guard", "request_deadline", "too_large",
+           "too_slow"]
 
 #: status recorded in the metrics for a request whose client left before any answer
 #: (nginx's "client closed request"; nothing is sent)
 CLIENT_CLOSED = 499
+#: where the request's deadline is kept in its ASGI scope's state
+DEADLINE_KEY = "calm_deadline"
 _ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+
+
+def too_slow(config: ServeConfig) -> APIError:
+    return APIError(408, f"the request body did not arrive within {config.body_timeout_s:g} s "
+                    "(--body-timeout); send it at once", code="request_timeout")
+
+
+def request_deadline(scope) -> float | None:
+    """The request's deadline (``time.monotonic()`` seconds), set when its body was read."""
+    return (scope.get("state") or {}).get(DEADLINE_KEY)
 
 
 def too_large(config: ServeConfig) -> APIError:
@@ -58,11 +72,15 @@ class Guard:
             metrics.in_flight.inc()
         try:
             body = await self._read_body(scope, receive)
-            if body is _TOO_LARGE:
-                response = self.server.error_response(too_large(self.server.config),
-                                                      headers={"Connection": "close"})
+            if body is _TOO_LARGE or body is _TOO_SLOW:
+                error = (too_large(self.server.config) if body is _TOO_LARGE
+                         else too_slow(self.server.config))
+                response = self.server.error_response(error, headers={"Connection": "close"})
                 await response(scope, receive, tracked)
             elif body is not None:  # None: the client left while sending
+                # one deadline for the whole request, from here: every pass it runs reads it
+                scope.setdefault("state", {})[DEADLINE_KEY] = (
+                    time.monotonic() + self.server.config.request_timeout_s)
                 await self.app(scope, _replay(body, receive), tracked)
         except BaseException:
             if status is None:
@@ -79,6 +97,14 @@ class Guard:
         for name, value in scope.get("headers", ()):
             if name == b"content-length" and value.isdigit() and int(value) > limit:
                 return _TOO_LARGE
+        try:  # the whole body within the body deadline, however it trickles
+            return await asyncio.wait_for(self._read_chunks(receive, limit),
+                                          timeout=self.server.config.body_timeout_s)
+        except asyncio.TimeoutError:
+            return _TOO_SLOW
+
+    @staticmethod
+    async def _read_chunks(receive, limit: int):
         chunks, size = [], 0
         while True:
             message = await receive()
@@ -95,6 +121,7 @@ class Guard:
 
 
 _TOO_LARGE = object()
+_TOO_SLOW = object()
 
 
 def _replay(body: bytes, receive):

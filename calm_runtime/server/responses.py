@@ -6,7 +6,6 @@ and the timeout."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import json
 import logging
@@ -21,9 +20,8 @@ from starlette.concurrency import run_in_threadpool
 
 from calm_runtime import modes
 from calm_runtime.errors import CalmError
-from calm_runtime.inference.scoring_passes import ScoringStopped
 from calm_runtime.server.batcher import END, Job
-from calm_runtime.server.guard import CLIENT_CLOSED
+from calm_runtime.server.guard import CLIENT_CLOSED, request_deadline
 from calm_runtime.server.protocol import (
     FINISH_REASONS,
     APIError,
@@ -135,10 +133,12 @@ class ResponseWriter:
     async def scoring(self, request: Request, fn, *args, **kwargs):
         """Run a prompt-scoring call (an echo, a constrained choice) under the same admission
         control as generation: at most ``max_queue`` waiting (then 429), one at a time on the
-        engine beside the batcher, cut at ``request_timeout_s`` (504) or when the client
-        disconnects (``None``); the call stops between its steps (``should_stop``), so its
-        thread is free again at once. Its memory is bounded inside the call (the scoring
-        budget of :mod:`calm_runtime.inference.scoring_passes`)."""
+        engine beside the batcher, cut at the request's one deadline (504: however many
+        prompts or choices the request scores, they share it) or when the client disconnects
+        (``None``). The call stops between its steps (``should_stop``); the answer does not
+        wait for the step running at the deadline: the engine is handed to the next scoring
+        call when that step ends. Its memory is bounded inside the call (the scoring budget
+        of :mod:`calm_runtime.inference.scoring_passes`) and given back when it returns."""
         loop = asyncio.get_running_loop()
         if self._scoring_gate is None:
             self._scoring_gate = asyncio.Semaphore(1)
@@ -146,43 +146,54 @@ class ResponseWriter:
             raise APIError(429, f"{self._scoring_waiting} scoring requests are waiting (the "
                            "limit is --max-queue); retry later", type="rate_limit_error",
                            code="queue_full")
-        deadline = loop.time() + self.config.request_timeout_s
+        deadline = self._deadline(request, loop)
+        if deadline <= loop.time():
+            raise self._scoring_timeout()
         stop = threading.Event()
         gone = asyncio.ensure_future(_client_gone(request.receive))
         self._scoring_waiting += 1
-        waiting = True
+        waiting, held = True, False
         try:
             try:
                 await asyncio.wait_for(self._scoring_gate.acquire(),
                                        timeout=max(0.0, deadline - loop.time()))
             except asyncio.TimeoutError:
                 raise self._scoring_timeout() from None
+            held = True
             self._scoring_waiting -= 1
             waiting = False
-            try:
-                task = asyncio.ensure_future(run_in_threadpool(
-                    functools.partial(fn, *args, should_stop=stop.is_set, **kwargs)))
-                done, _ = await asyncio.wait({task, gone},
-                                             timeout=max(0.0, deadline - loop.time()),
-                                             return_when=asyncio.FIRST_COMPLETED)
-                if task in done:
-                    try:
-                        return task.result()
-                    except MemoryError as exc:
-                        raise out_of_memory(exc) from None
-                stop.set()
-                with contextlib.suppress(ScoringStopped, CalmError, MemoryError):
-                    await task  # returns at the call's next step
-                self.metrics.cancelled.inc()
-                if gone in done and gone.exception() is None:
-                    return None
-                raise self._scoring_timeout()
-            finally:
-                self._scoring_gate.release()
+            task = asyncio.ensure_future(run_in_threadpool(
+                functools.partial(fn, *args, should_stop=stop.is_set, **kwargs)))
+            done, _ = await asyncio.wait({task, gone},
+                                         timeout=max(0.0, deadline - loop.time()),
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if task in done:
+                try:
+                    return task.result()
+                except MemoryError as exc:
+                    raise out_of_memory(exc) from None
+            stop.set()  # the call returns at its next step; the gate is released then
+            gate = self._scoring_gate
+            task.add_done_callback(lambda t: (t.cancelled() or t.exception(), gate.release()))
+            held = False
+            self.metrics.cancelled.inc()
+            if gone in done and gone.exception() is None:
+                return None
+            raise self._scoring_timeout()
         finally:
+            if held:
+                self._scoring_gate.release()
             if waiting:
                 self._scoring_waiting -= 1
             gone.cancel()
+
+    def _deadline(self, request: Request | None, loop) -> float:
+        """The request's deadline on ``loop``'s clock: set once when its body was read
+        (:class:`~calm_runtime.server.guard.Guard`), else ``request_timeout_s`` from now."""
+        mono = request_deadline(request.scope) if request is not None else None
+        if mono is None:
+            return loop.time() + self.config.request_timeout_s
+        return loop.time() + (mono - time.monotonic())
 
     def _scoring_timeout(self) -> APIError:
         return APIError(504, f"the request did not finish within "
@@ -218,7 +229,7 @@ class ResponseWriter:
         """The jobs' results; ``None`` when the client disconnected first (the rows are then
         stopped), a 504 past the timeout."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.request_timeout_s
+        deadline = self._deadline(request, loop)
         waiter = asyncio.gather(*(j.future for j in jobs), return_exceptions=True)
         gone = asyncio.ensure_future(_client_gone(request.receive))
         waiting = {waiter, gone}
@@ -341,7 +352,8 @@ class ResponseWriter:
         return self._response(shape, choices, Usage.of(
             sum(len(j.ids) for j in jobs), sum(len(r.generation.tokens) for r in results)))
 
-    async def stream(self, jobs: list[Job], req, shape: ResponseShape):
+    async def stream(self, jobs: list[Job], req, shape: ResponseShape,
+                     request: Request | None = None):
         """SSE events: one chunk per token, a final chunk per choice, usage, ``[DONE]``.
 
         The text of a chunk is released only once no stop string can still begin in it, so
@@ -350,7 +362,8 @@ class ResponseWriter:
         """
         rid = f"{shape.id_prefix}-{uuid.uuid4().hex}"
         token_bytes = self.lm.tokenizer.token_bytes
-        deadline = time.monotonic() + self.config.request_timeout_s
+        deadline = (request_deadline(request.scope) if request is not None else None) \
+            or time.monotonic() + self.config.request_timeout_s
         stops = req.stops()
         hold = max((len(s) for s in stops), default=1) - 1
         usage = [0, 0]
