@@ -18,6 +18,7 @@ top-level ``calm`` object naming the engine and its calibration (also summarised
 
 from __future__ import annotations
 
+import json
 import math
 import typing
 from typing import Any, Literal
@@ -39,11 +40,33 @@ FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 MIN_CHOICES, MAX_CHOICES, MAX_CHOICE_CHARS = 2, 64, 1000
 
 
+#: the most bytes an error's message and ``param`` take in the JSON body (escaped, UTF-8):
+#: with the rest of the error object, a body stays within 1 KB
+MAX_MESSAGE_BYTES = 700
+MAX_PARAM_BYTES = 120
+
+
+def _within(text: str, limit: int) -> str:
+    """``text`` cut (with "…") until its JSON form takes at most ``limit`` bytes."""
+    def size(t: str) -> int:
+        return len(json.dumps(t, ensure_ascii=False).encode())
+
+    if size(text) <= limit:
+        return text
+    while size(text + "…") > limit:
+        text = text[:max(0, int(len(text) * 0.8) - 1)]
+    return text + "…"
+
+
 class APIError(Exception):
     """An error answered with OpenAI's error object and an HTTP status."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
                  code: str | None = None, param: str | None = None) -> None:
+        # an error body stays under 1 KB whatever a request echoes into it (a huge name)
+        message = _within(message, MAX_MESSAGE_BYTES)
+        if param is not None:
+            param = _within(param, MAX_PARAM_BYTES)
         super().__init__(message)
         self.status, self.message, self.type, self.code, self.param = (
             status, message, type, code, param)
