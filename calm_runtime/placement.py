@@ -195,19 +195,31 @@ def return_free_memory() -> None:
     ``malloc_trim``; a no-op elsewhere). Large weights freed by Python or torch can stay in
     the heap's arenas, counted in the resident set, until something asks for them back: a
     stage that drops a model calls this before the next one loads its own."""
-    import ctypes
-    import ctypes.util
     import gc
 
     gc.collect()
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return
-    try:
-        trim = ctypes.CDLL(name).malloc_trim
-    except (OSError, AttributeError):
-        return
-    trim(0)
+    trim_heap()
+
+
+def trim_heap() -> None:
+    """glibc's ``malloc_trim(0)``: the free pages of every malloc arena (each thread's too)
+    back to the system; a no-op where there is no glibc. No garbage collection: objects
+    freed by reference counting are already in those arenas."""
+    global _TRIM
+    if _TRIM is None:
+        import ctypes
+        import ctypes.util
+
+        name = ctypes.util.find_library("c")
+        try:
+            _TRIM = ctypes.CDLL(name).malloc_trim if name else False
+        except (OSError, AttributeError):
+            _TRIM = False
+    if _TRIM:
+        _TRIM(0)
+
+
+_TRIM = None
 
 
 #: safetensors' dtype names, in torch's

@@ -16,10 +16,12 @@ import uuid
 import anyio
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
 from calm_runtime import modes
 from calm_runtime.errors import CalmError
+from calm_runtime.placement import trim_heap
 from calm_runtime.server.batcher import END, Job
 from calm_runtime.server.guard import CLIENT_CLOSED, request_deadline
 from calm_runtime.server.protocol import (
@@ -174,7 +176,8 @@ class ResponseWriter:
                     raise out_of_memory(exc) from None
             stop.set()  # the call returns at its next step; the gate is released then
             gate = self._scoring_gate
-            task.add_done_callback(lambda t: (t.cancelled() or t.exception(), gate.release()))
+            task.add_done_callback(lambda t: (t.cancelled() or t.exception(), gate.release(),
+                                              _trim_soon()))
             held = False
             self.metrics.cancelled.inc()
             if gone in done and gone.exception() is None:
@@ -294,6 +297,15 @@ class ResponseWriter:
     async def echo(self, prompts: list[str], req, shape: ResponseShape, request: Request):
         """``echo`` with ``max_tokens`` 0: every prompt token's calibrated log-probability
         (and ``logprobs`` alternatives), text offsets and no generated text."""
+        try:
+            response = await self._echo(prompts, req, shape, request)
+        except BaseException:
+            _trim_soon()  # what the request built is freed as the error leaves
+            raise
+        response.background = BackgroundTask(trim_heap)  # after the body is sent
+        return response
+
+    async def _echo(self, prompts: list[str], req, shape: ResponseShape, request: Request):
         top = req.logprobs or 0
         choices, prompt_tokens = [], 0
         for index, prompt in enumerate(prompts):
@@ -452,6 +464,13 @@ def _one_pass(fn):
     def call(*args, should_stop=None, **kwargs):
         return fn(*args, **kwargs)
     return call
+
+
+def _trim_soon() -> None:
+    """Give the heap's free pages back (:func:`~calm_runtime.placement.trim_heap`) on a
+    worker thread, once the current callbacks have freed what they hold."""
+    loop = asyncio.get_running_loop()
+    loop.call_soon(lambda: loop.run_in_executor(None, trim_heap))
 
 
 async def _client_gone(receive) -> None:
