@@ -113,11 +113,17 @@ def _measured(server: Server, body: dict, *, load: bool = False, settle: float =
         for b in burners:
             b.join()
     peak = _status(server.pid, "VmHWM")
-    time.sleep(settle)
+    # the work a stopped request left running ends at its next step: RSS is read until it
+    # is back within 50 MB of before, or for `settle` seconds at most
+    ended = time.monotonic()
     after = _status(server.pid, "VmRSS")
+    while after - before > 50 and time.monotonic() - ended < settle:
+        time.sleep(0.25)
+        after = _status(server.pid, "VmRSS")
     return {"status": status, "seconds": round(took, 2), "rss_before_mb": round(before),
             "peak_growth_mb": round(peak - before), "rss_after_mb": round(after),
-            "after_minus_before_mb": round(after - before), "load": load,
+            "after_minus_before_mb": round(after - before),
+            "settled_after_s": round(time.monotonic() - ended, 1), "load": load,
             "error": (payload or {}).get("error", {}).get("code") if status != 200 else None}
 
 
@@ -127,7 +133,8 @@ def echo_memory(engine: Path) -> list[dict]:
     try:
         for tokens in (960, 1920, 3840, 6400):
             row = _measured(server, {"model": "m", "prompt": WORDS * (tokens // 10),
-                                     "echo": True, "max_tokens": 0, "logprobs": 20})
+                                     "echo": True, "max_tokens": 0, "logprobs": 20},
+                            settle=10.0)
             rows.append({"case": f"echo, ~{tokens} tokens, logprobs 20", **row})
             print(rows[-1], flush=True)
     finally:
@@ -140,9 +147,9 @@ def deadlines(engine: Path, timeout: float | None) -> list[dict]:
     server = Server(engine, _free_port(), *options)
     long_prompt = WORDS * 190  # ~1.9k tokens
     cases = [
-        ("echo, 60 prompts x ~1.9k tokens, logprobs 5",
+        ("echo, 60 prompts x ~1.9k tokens, logprobs 1",
          {"model": "m", "prompt": [long_prompt] * 60, "echo": True, "max_tokens": 0,
-          "logprobs": 5}),
+          "logprobs": 1}),
         ("constrained choice, 16 prompts x ~1.9k tokens, 4 choices",
          {"model": "m", "prompt": [long_prompt] * 16,
           "guided_choice": [" yes it is", " no it is not", " perhaps", " never"]}),
@@ -154,7 +161,7 @@ def deadlines(engine: Path, timeout: float | None) -> list[dict]:
     try:
         for load in ((False, True) if timeout is not None else (True,)):
             for name, body in cases:
-                row = _measured(server, body, load=load, settle=4.0)
+                row = _measured(server, body, load=load, settle=60.0)
                 row["past_deadline_s"] = round(row["seconds"] - (timeout or 120.0), 2)
                 rows.append({"case": name, "timeout_s": timeout or 120.0, **row})
                 print(rows[-1], flush=True)
@@ -187,21 +194,31 @@ def connections(engine: Path) -> dict:
         if idle.recv(1) == b"":
             idle_closed = time.monotonic() - start
         trickle = socket.create_connection(("127.0.0.1", port), timeout=60)
-        start, sent = time.monotonic(), 0
-        try:
-            for byte in b"GET /health HTTP/1.1\r\nHost: x\r\n" * 10:
-                trickle.sendall(bytes([byte]))
-                sent += 1
-                time.sleep(1.0)
-        except OSError:
-            pass
+        sent = [0]
+
+        def drip() -> None:  # a byte a second until the server closes the connection
+            try:
+                for byte in b"GET /health HTTP/1.1\r\nHost: x\r\n" * 10:
+                    trickle.sendall(bytes([byte]))
+                    sent[0] += 1
+                    time.sleep(1.0)
+            except OSError:
+                pass
+
+        start = time.monotonic()
+        dripping = threading.Thread(target=drip, daemon=True)
+        dripping.start()
+        answer = b""
+        while chunk := trickle.recv(4096):
+            answer += chunk
         trickle_closed = time.monotonic() - start
+        trickle_status = answer.split(b" ")[1].decode() if answer else None
         return {"half_open_connections": 1200, "server_fds_during_flood": fds,
                 "health_seconds": round(health, 3), "completion_status": status,
                 "completion_seconds": round(normal, 3),
                 "idle_closed_after_s": None if idle_closed is None else round(idle_closed, 2),
                 "trickle_closed_after_s": round(trickle_closed, 2),
-                "trickle_bytes_sent": sent}
+                "trickle_bytes_sent": sent[0], "trickle_status": trickle_status}
     finally:
         server.stop()
 
@@ -216,21 +233,27 @@ def render(result: dict) -> str:
         lines.append(f"| {r['case']} | {r['status']} | {r['seconds']} | {r['rss_before_mb']} "
                      f"| +{r['peak_growth_mb']} | {r['rss_after_mb']} | "
                      f"{r['after_minus_before_mb']:+d} |")
-    lines += ["", "## Deadlines\n",
-              "| request | timeout | other load | status | s | past deadline | RSS after − before |",
-              "|---|---|---|---|---|---|---|"]
+    lines += ["", "RSS after: read until back within 50 MB of before, for 10 s at most.", "",
+              "## Deadlines\n",
+              "| request | timeout | other load | status | s | past deadline "
+              "| RSS after − before | settled after |",
+              "|---|---|---|---|---|---|---|---|"]
     for r in result["deadlines"]:
-        lines.append(f"| {r['case']} | {r['timeout_s']:g} s | {'2 busy processes' if r['load'] else '-'} "
+        load = "2 busy processes" if r["load"] else "-"
+        lines.append(f"| {r['case']} | {r['timeout_s']:g} s | {load} "
                      f"| {r['status']} | {r['seconds']} | {r['past_deadline_s']:+.2f} s | "
-                     f"{r['after_minus_before_mb']:+d} MB |")
+                     f"{r['after_minus_before_mb']:+d} MB | {r['settled_after_s']} s |")
     c = result["connections"]
-    lines += ["", "## Connections\n",
+    lines += ["", "RSS after: read until back within 50 MB of before (the work a stopped "
+              "request leaves ends at its next step), for 60 s at most; \"settled after\" is "
+              "when, counted from the answer.", "", "## Connections\n",
               f"{c['half_open_connections']} half-open connections from one address: the "
               f"server held {c['server_fds_during_flood']} file descriptors; `/health` answered "
               f"in {c['health_seconds']} s and a 4-token completion ({c['completion_status']}) "
               f"in {c['completion_seconds']} s. An idle connection was closed after "
               f"{c['idle_closed_after_s']} s, one trickling a byte a second after "
-              f"{c['trickle_closed_after_s']} s ({c['trickle_bytes_sent']} bytes; "
+              f"{c['trickle_closed_after_s']} s ({c['trickle_bytes_sent']} bytes sent, "
+              f"answered {c['trickle_status']}; "
               f"--header-timeout {result['header_timeout_s']:g} s).", ""]
     return "\n".join(lines)
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from calm_runtime.errors import CalmError
 from calm_runtime.inference.results import Generation
 from calm_runtime.inference.sampling import DecodeOptions
+from calm_runtime.placement import trim_heap
 
 __all__ = ["Job", "JobResult", "MicroBatcher", "QueueFull", "ShuttingDown", "END"]
 
@@ -176,7 +177,14 @@ class MicroBatcher:
             self.metrics.queue_depth.set(len(self._pending))
 
     def _run(self, batch: list[Job]) -> None:
-        """Decode one batch on the worker thread; hand tokens and results to the loop."""
+        """Decode one batch on the worker thread; hand tokens and results to the loop; then
+        the heap's free pages go back to the system (its KV cache and passes are freed)."""
+        try:
+            self._decode(batch)
+        finally:
+            trim_heap()
+
+    def _decode(self, batch: list[Job]) -> None:
         started = time.monotonic()
         if self.metrics is not None:
             self.metrics.batch_size.observe(len(batch))

@@ -101,3 +101,25 @@ def test_a_token_level_fit_labels_letter_choices_by_itself():
     assert outputs_in_mode(outputs, "cloze") == outputs
     assert outputs_in_mode(outputs, "letter")["option_probabilities"] == \
         outputs["token_logprobs"]
+
+
+def test_calm_score_names_an_uncalibrated_row_so(cloze_only_engine):
+    """`calm score` in letter mode on an engine whose only calibration is a cloze answer
+    temperature: the row says the engine is uncalibrated there; in cloze mode, calibrated."""
+    from calm_runtime.data.sets import MultipleChoiceRecord
+    from calm_runtime.inference.lm import CalibratedLM
+    from calm_runtime.measure.score import format_report, score_records
+
+    records = [MultipleChoiceRecord(question=f"Question {i}: which is a colour?",
+                                    choices=OPTIONS, answer=i % 3) for i in range(6)]
+    lm = CalibratedLM.load(cloze_only_engine, threads=1)
+    try:
+        rows = {}
+        for mode in ("cloze", "letter"):
+            report = score_records(lm, records, mode=mode, chat=False)
+            report.update(engine="e", data="d", split="test", backend="b")
+            rows[mode] = format_report(report)
+    finally:
+        lm.close()
+    assert "| calibrated engine |" in rows["cloze"]
+    assert "| engine (uncalibrated) |" in rows["letter"]
