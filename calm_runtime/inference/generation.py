@@ -198,6 +198,21 @@ class PrefillBudget:
         return [(rows, self.chunk(lengths[rows[0]])) for rows in groups]
 
 
+def released(backend, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``, then :func:`release`, also when it raises: its error is
+    re-raised without the traceback of ``fn``'s frames, which would keep their KV states and
+    passes alive (and their memory allocated) through the release."""
+    error = None
+    try:
+        result = fn(*args, **kwargs)
+    except BaseException as exc:  # noqa: BLE001 - re-raised below, after the release
+        error = exc.with_traceback(None)  # fn's frames go when this block ends
+    release(backend)
+    if error is not None:
+        raise error
+    return result
+
+
 def release(backend) -> None:
     """``backend.release()`` where the backend has it (the end of a call: memory cached
     between its passes goes back to the system)."""
@@ -206,10 +221,17 @@ def release(backend) -> None:
         fn()
 
 
+class PrefillStopped(Exception):
+    """``should_stop()`` answered true between two prefill passes (every row's caller gave
+    up): nothing is left to compute for."""
+
+
 def prefill(backend, prompts: Sequence[Sequence[int]], pad_id: int, *,
-            keep_state: bool = True) -> tuple[np.ndarray, object]:
+            keep_state: bool = True,
+            should_stop: Callable[[], bool] | None = None) -> tuple[np.ndarray, object]:
     """The last position's logits ``[N, V]`` of each prompt and (``keep_state``) the KV state
-    of the left-padded batch, run within ``backend.prefill_budget`` (see the module doc)."""
+    of the left-padded batch, run within ``backend.prefill_budget`` (see the module doc).
+    ``should_stop()`` is asked between passes; true raises :class:`PrefillStopped`."""
     budget = getattr(backend, "prefill_budget", None)
     lengths = [len(p) for p in prompts]
     width = max(lengths)
@@ -226,6 +248,8 @@ def prefill(backend, prompts: Sequence[Sequence[int]], pad_id: int, *,
         positions = initial_positions(mask)
         state = None
         for start in range(0, ids.shape[1], chunk):
+            if should_stop is not None and should_stop():
+                raise PrefillStopped()
             end = min(ids.shape[1], start + chunk)
             logits, state = backend.run(ids[:, start:end], mask[:, :end],
                                         positions[:, start:end], state, last_only=True)
@@ -273,10 +297,15 @@ class GenerationRun:
         self.results: list[Generation] | None = None
 
     def __iter__(self) -> Iterator[tuple[int, Token]]:
+        error = None
         try:
             yield from self._decode()
-        finally:  # the run's cache is gone: the backend may give its memory back
-            release(self._backend)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the release
+            error = exc.with_traceback(None)  # _decode's frame (its KV state) goes here
+        # the run's cache is gone: the backend may give its memory back
+        release(self._backend)
+        if error is not None:
+            raise error
 
     def _decode(self) -> Iterator[tuple[int, Token]]:
         s = self._settings
@@ -295,8 +324,18 @@ class GenerationRun:
         _, mask = left_pad(self._prompts, self._tok.pad_token_id)
         positions = initial_positions(mask)[:, -1:]
         # a run whose rows all stop after their first token needs no cache
-        last, state = prefill(self._backend, self._prompts, self._tok.pad_token_id,
-                              keep_state=max(s.max_new_tokens) > 1)
+        gave_up = (None if self._cancelled is None
+                   else lambda: all(self._cancelled(r) for r in range(n)))
+        try:
+            last, state = prefill(self._backend, self._prompts, self._tok.pad_token_id,
+                                  keep_state=max(s.max_new_tokens) > 1, should_stop=gave_up)
+        except PrefillStopped:  # every row was cancelled before its first token
+            timing = Timing(prefill_s=time.perf_counter() - started, decode_s=0.0,
+                            decode_steps=0)
+            self.results = [Generation(text="", tokens=(), finish_reason="cancelled",
+                                       prompt_tokens=len(p), timing=timing)
+                            for p in self._prompts]
+            return
         logits = last[:, None]
         active = np.arange(n)
         prefill_s, decode_s, steps = 0.0, 0.0, 0

@@ -52,7 +52,7 @@ from calm_runtime.inference.generation import (
     DecodeSettings,
     GenerationRun,
     PrefillBudget,
-    release,
+    released,
 )
 from calm_runtime.inference.results import Alternative, Generation, PromptToken, Token
 from calm_runtime.inference.sampling import DecodeOptions, SamplingParams, raw_log_softmax
@@ -396,10 +396,9 @@ class CalibratedLM(Judging):
         ``should_stop()`` checked between them. ``raw_logprobs=True`` adds the raw,
         uncalibrated log-probabilities (see :attr:`raw_logit_scale`).
         """
-        try:
-            return self._prompt_logprobs(prompt, top, raw_logprobs, should_stop)
-        finally:  # the call's cache is gone: the backend may give its memory back
-            release(self.backend)
+        # the call's cache is gone at the end, however it ends: the backend gives memory back
+        return released(self.backend, self._prompt_logprobs, prompt, top, raw_logprobs,
+                        should_stop)
 
     def _prompt_logprobs(self, prompt, top, raw_logprobs, should_stop) -> list[PromptToken]:
         check_text(prompt, "the prompt")

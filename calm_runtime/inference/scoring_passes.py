@@ -20,7 +20,12 @@ from collections.abc import Sequence
 import numpy as np
 
 from calm_runtime.errors import ConfigError
-from calm_runtime.inference.generation import left_pad, prefill, release
+from calm_runtime.inference.generation import (
+    PrefillStopped,
+    left_pad,
+    prefill,
+    released,
+)
 
 __all__ = ["next_token_logits", "cloze_logprobs", "log_softmax_at", "ScoringStopped",
            "SCORING_BUDGET_BYTES"]
@@ -34,10 +39,7 @@ def _chunks(n: int, size: int):
 def next_token_logits(backend, sequences: Sequence[Sequence[int]], pad_id: int,
                       batch_size: int) -> np.ndarray:
     """Calibrated logits ``[N, V]`` at the last position of each sequence."""
-    try:
-        return _next_token_logits(backend, sequences, pad_id, batch_size)
-    finally:
-        release(backend)
+    return released(backend, _next_token_logits, backend, sequences, pad_id, batch_size)
 
 
 def _next_token_logits(backend, sequences, pad_id, batch_size) -> np.ndarray:
@@ -86,11 +88,8 @@ def cloze_logprobs(backend, contexts: Sequence[Sequence[int]],
     Continuations run in row chunks whose repeated KV cache (``kv_bytes_per_token`` per
     token of context and continuation) and logits fit ``budget_bytes``, fed in position
     segments that fit it too; ``should_stop()`` is checked between steps."""
-    try:
-        return _cloze_logprobs(backend, contexts, continuations, pad_id, batch_size,
-                               kv_bytes_per_token, budget_bytes, should_stop)
-    finally:
-        release(backend)
+    return released(backend, _cloze_logprobs, backend, contexts, continuations, pad_id,
+                    batch_size, kv_bytes_per_token, budget_bytes, should_stop)
 
 
 def _cloze_logprobs(backend, contexts, continuations, pad_id, batch_size, kv_bytes_per_token,
@@ -110,7 +109,11 @@ def _cloze_logprobs(backend, contexts, continuations, pad_id, batch_size, kv_byt
                                   f"{prefill_budget.tokens}; shorten it or raise the limit")
     for chunk in _chunks(len(contexts), size):
         _check(should_stop)
-        first, state = prefill(backend, [contexts[i] for i in chunk], pad_id)
+        try:
+            first, state = prefill(backend, [contexts[i] for i in chunk], pad_id,
+                                   should_stop=should_stop)
+        except PrefillStopped:
+            raise ScoringStopped() from None
         mask = left_pad([contexts[i] for i in chunk], pad_id)[1]
         owners = [(b, i, k) for b, i in enumerate(chunk) for k in range(len(continuations[i]))]
         width = max(len(continuations[i][k]) for _, i, k in owners)

@@ -362,3 +362,20 @@ def test_eight_long_prompts_in_one_request_stay_under_2_gb(fused_engine):
     assert len(response.json()["choices"]) == 8
     assert peak < 2 << 30, f"server peak RSS {peak / 2**30:.2f} GB"
     assert health.status_code == 200 and normal.status_code == 200, normal.text
+
+
+def test_a_cancelled_run_stops_between_prefill_pieces(unbounded):
+    """A request that gives up while its long prompt is prefilled in pieces stops at the
+    next piece (the server's 504 leaves no prefill running to its end)."""
+    prompt_ids = unbounded.encode_prompt(texts(1, 1500, seed=1)[0])
+    lm, backend = counted(unbounded, 512)
+    asked = []
+
+    def cancelled(row: int) -> bool:
+        asked.append(row)
+        return len(asked) > 1  # live for the first piece, gone from the second on
+
+    run = lm.generation_run([prompt_ids], 4, cancelled=cancelled)
+    assert list(run) == []
+    assert run.results[0].finish_reason == "cancelled" and not run.results[0].tokens
+    assert len(backend.passes) == 1  # one piece of the >= 3 the prompt needs
