@@ -66,6 +66,7 @@ def test_two_step_calm_train_records_alpha_and_ships_it_only_if_it_helps(install
     reporting half."""
     from calm_runtime.cli.main import main
     from calm_runtime.formats.artifact import CalibrationAdapter
+    from calm_training.methods.calm.gate import NLL_MARGIN
 
     out = tmp_path / "calm"
     assert main(["train", "--model", MODEL, "--train", "arc-easy:train", "--calibration",
@@ -80,8 +81,8 @@ def test_two_step_calm_train_records_alpha_and_ships_it_only_if_it_helps(install
     assert adapter.centered and "deciding NLL" in gate["reason"]
     identity = bool(np.all(adapter.tau == 1.0) and np.all(adapter.shift == 0.0))
     decision = gate["decision"]
-    clears = (decision["nll_change_half_width"] is not None
-              and -decision["nll_change"] > decision["nll_change_half_width"])
+    clears = (decision["nll_change_half_width"] is not None  # α: non-inferiority
+              and decision["nll_change"] + decision["nll_change_half_width"] < NLL_MARGIN)
     assert gate["kept"] == (clears and decision["accuracy_change_interval"][0] > -0.03)
     assert identity == (not gate["kept"])  # a kept α moved in its one BOME step
     daca = adapter.method["daca"]

@@ -1,7 +1,8 @@
 """Do no harm (docs/methods.md §4): α's own effect is measured on held-out training
 questions before the adapter is written, with measures that see a reordering, and an α
-that does not lower the held-out NLL beyond its interval is not written (the gate's rule
-itself: test_gate.py)."""
+whose held-out NLL change's interval reaches above the non-inferiority margin (or whose
+accuracy interval reaches below -3 points) is not written (the gate's rule itself:
+test_gate.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,11 @@ from calm_runtime.formats.artifact import CalibrationAdapter  # noqa: E402
 from calm_training.methods.calm import data as calm_data  # noqa: E402
 from calm_training.methods.calm.alpha_gate import option_share  # noqa: E402
 from calm_training.methods.calm.config import CalmConfig  # noqa: E402
-from calm_training.methods.calm.gate import decide_part  # noqa: E402
+from calm_training.methods.calm.gate import (  # noqa: E402
+    ACCURACY_MARGIN,
+    NLL_MARGIN,
+    decide_part,
+)
 from calm_training.methods.calm.trainer import train_calm  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("private_calm_cache")
@@ -106,7 +111,10 @@ def test_a_real_train_records_the_share_and_writes_identity_when_it_does_not_hel
     decision = gate["decision"]
     assert decision["n"] == share["n"] == gate["holdout"]["deciding"]
     half = decision["nll_change_half_width"]
-    if half is None or decision["nll_change"] + half >= 0:
+    # non-inferiority: kept unless the NLL change's interval reaches above the margin
+    assert decision["rule"] == "non-inferiority"
+    accuracy_ok = decision["accuracy_change_interval"][0] > -ACCURACY_MARGIN
+    if half is None or decision["nll_change"] + half >= NLL_MARGIN or not accuracy_ok:
         assert not gate["kept"] and "alpha dropped" in gate["reason"]
         assert np.all(adapter.tau == 1.0) and np.all(adapter.shift == 0.0)
     else:
@@ -154,7 +162,8 @@ def test_open_qa_training_data_is_gated_on_the_answers_token_nll(tiny_llama_tied
     decision = result.alpha_gate["decision"]
     assert "accuracy_change" not in decision  # no options: no accuracy to keep
     half = decision["nll_change_half_width"]
-    assert result.alpha_gate["kept"] == (half is not None and decision["nll_change"] < -half)
+    assert result.alpha_gate["kept"] == (half is not None
+                                         and decision["nll_change"] + half < NLL_MARGIN)
 
 
 def test_a_hold_out_with_varying_option_counts_is_measured_and_written(

@@ -303,3 +303,41 @@ def test_q_growth_warns_once_per_window(caplog):
             _Trainer._watch_q(fake, row)
     assert fake.q_warnings == 1  # checked at steps 6 (fell) and 9 (grew)
     assert "q grew from" in caplog.text and "--set optimizer=sgd" in caplog.text
+
+
+def test_as_specified_is_the_papers_form_and_what_is_given_with_it_wins(monkeypatch, capsys):
+    """`calm train --as-specified` applies AS_SPECIFIED (raw logits, vocabulary entropy, ∇f
+    on θ and α, no warm start, SGD inner steps, no gate, no T); a --set or --holdout given
+    with it wins; its help lists exactly those settings."""
+    from calm_runtime.cli.main import main
+    from calm_training.methods import calm as calm_method
+    from calm_training.methods.calm.config import AS_SPECIFIED
+
+    seen = {}
+
+    def capture(config, out, **_kwargs):
+        seen["config"] = config
+        raise SystemExit(0)
+
+    monkeypatch.setattr(calm_method, "train_calm", capture)
+    base = ["train", "--model", "m", "--train", "sciq:train", "--calibration",
+            "sciq:unlabeled", "--out", "x", "--as-specified"]
+    with pytest.raises(SystemExit):
+        main(base)
+    config = seen["config"]
+    for name, value in AS_SPECIFIED.items():
+        assert getattr(config, name) == value, name
+    assert config.warm_steps == 0
+    with pytest.raises(SystemExit):
+        main([*base, "--holdout", "0.5", "--set", "entropy=options"])
+    assert seen["config"].holdout == 0.5 and seen["config"].entropy == "options"
+    assert seen["config"].alpha_logits == "raw"
+    with pytest.raises(SystemExit):
+        main(base[:-1])  # the default: not the paper's form
+    assert seen["config"].alpha_logits == "centered" and seen["config"].holdout == 400
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    for name, value in AS_SPECIFIED.items():
+        shown = str(value).lower() if isinstance(value, bool) else str(value)
+        assert f"{name}={shown}" in help_text, name

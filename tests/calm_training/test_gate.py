@@ -75,3 +75,24 @@ def test_halves_are_fixed_disjoint_and_cover_the_hold_out():
     assert deciding.size == 38 and reporting.size == 37
     assert sorted([*deciding, *reporting]) == list(range(75))
     assert not np.array_equal(deciding, np.arange(38))  # a permutation, not the file order
+
+
+def test_alpha_is_decided_by_non_inferiority():
+    """α's claim is out of domain: in domain it is kept when its NLL change's interval stays
+    below the margin (no gain needed), dropped when it reaches above it or costs accuracy."""
+    from calm_training.methods.calm.gate import NLL_MARGIN
+
+    rng = np.random.default_rng(4)
+    without = rng.uniform(0.5, 1.5, 300)
+    same = without + rng.normal(0, 0.01, 300)  # no gain, no harm
+    assert not decide_part("alpha", same, without)["kept"]  # superiority: no gain, dropped
+    kept = decide_part("alpha", same, without, rule="non-inferiority")
+    assert kept["kept"] and "not worse in domain" in kept["reason"]
+    worse = without + NLL_MARGIN + rng.normal(0, 0.01, 300)
+    dropped = decide_part("alpha", worse, without, rule="non-inferiority")
+    assert not dropped["kept"] and f"reaches above +{NLL_MARGIN:g}" in dropped["reason"]
+    right = np.ones(300)
+    lost = right.copy()
+    lost[:30] = 0  # 10 points of accuracy
+    assert not decide_part("alpha", same, without, lost, right,
+                           rule="non-inferiority")["kept"]

@@ -22,7 +22,7 @@ from calm_training.methods import (
 from calm_training.methods import TRAIN_METHOD_NAMES as METHODS
 from calm_training.methods.calm import data as calm_data
 
-__all__ = ["METHODS", "THETA_ONLY", "OPTIMIZERS", "INNER_OPTIMIZERS", "PHI_MODES",
+__all__ = ["AS_SPECIFIED", "METHODS", "THETA_ONLY", "OPTIMIZERS", "INNER_OPTIMIZERS", "PHI_MODES",
            "UPPER_PARAMS", "ALPHA_TOKENS", "ALPHA_LOGITS", "UPPER_OBJECTIVES", "DEFAULT_LR",
            "DEFAULT_INNER_LR", "KINDS", "LEGACY_SETTINGS", "CalmConfig"]
 
@@ -46,6 +46,17 @@ ALPHA_TOKENS = ("all", "options")
 #: by 0.005 nats of option NLL; on SciQ 0.5 diverged); α's keeps the ratio 0.2
 #: (benchmarks/results/calm_replication.md)
 DEFAULT_LR = {"sgd": (0.1, 0.02), "adam": (1e-3, 5e-3)}
+#: the method as the paper states it (docs/methods.md §4), in one named configuration:
+#: ``calm train --as-specified`` applies these, then any ``--set``/``--holdout``/``--daca``
+#: given with it. Raw logits ``z·exp(−log τ) + l`` (no centring), ``−H`` over the vocabulary
+#: at the answer positions, the BOME step on (θ, α) with ``∇_θ f`` from the first step (no
+#: frozen-α warm start), plain gradient inner steps and plain SGD outer steps, α over the
+#: whole vocabulary, and α and no temperature written as trained (no hold-out gate, no
+#: DACA temperature: the paper has neither).
+AS_SPECIFIED = {"alpha_logits": "raw", "entropy": "vocab", "upper_params": "all",
+                "warm_start_steps": 0, "inner_optimizer": "sgd", "optimizer": "sgd",
+                "momentum": 0.0, "alpha_tokens": "all", "upper": "entropy",
+                "holdout": 0, "daca": False}
 #: settings added after runs were recorded, with the behaviour those runs had before the
 #: setting existed (a recorded run without the key ran with this value, not the default)
 LEGACY_SETTINGS = {"inner_optimizer": "sgd", "alpha_logits": "raw", "upper": "entropy",

@@ -372,7 +372,8 @@ class _Trainer:
             q = share["questions"]
             correct = ((q["correct_alpha"], q["correct_without"])
                        if "correct_alpha" in q else (None, None))
-            decision = decide_part("alpha", q["nll_alpha"], q["nll_without"], *correct)
+            decision = decide_part("alpha", q["nll_alpha"], q["nll_without"], *correct,
+                                   rule="non-inferiority")
             keep, why = decision["kept"], decision["reason"]
             if "flips" in share:
                 # flips: predicted answers changed (the decision counts correctness changes)
