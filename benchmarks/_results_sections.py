@@ -416,7 +416,7 @@ def calm_section(block: str, payload: dict | None = None) -> list[str]:
         "`benchmarks/results/calm_replication.md`.", "",
         *gate_reading(payload or {}),
         CALM_START, block, CALM_END, "",
-        "### Today's `calm train` where fine-tuning makes the model over-confident", "",
+        "### The default `calm train` arm read out of domain (SciQ, three seeds)", "",
         "`python benchmarks/calm_train_ood.py` runs `calm train` with every default but the "
         "hold-out (three seeds on SciQ's 150 training questions, too few for the default "
         "hold-out: half is held out, 38 questions decide, a weak gate) and reads it on SciQ and "

@@ -37,7 +37,7 @@ confidence has little to be calibrated against there.
 
 **The claims**, on the regime's sets pooled (question-weighted): ECE of ``shipped`` against
 ``vanilla``, ``lora`` and ``lora+ts``; accuracy of ``shipped`` against ``vanilla`` and ``lora``.
-Δ = metric(a) − metric(b) by a paired percentile bootstrap: seeds resampled (one index for
+Δ = metric(a) − metric(b) by a paired basic bootstrap: seeds resampled (one index for
 both sides), then questions within each set; per set the metric is the mean over the drawn
 seeds. ECE claims (margin 0.01): **holds** if the interval lies below 0 and not inside ±0.01,
 **refuted** if it lies above 0 or inside ±0.01, else **inconclusive**. Accuracy kept (margin
