@@ -18,6 +18,7 @@ import re
 import shlex
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -52,17 +53,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+#: the environment the commands run in: this interpreter's scripts (calm, calm-export) first
+ENV = {**os.environ,
+       "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
+
+
 def _run(script: str, cwd: Path, timeout: float = 900) -> str:
     done = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=cwd, text=True,
-                          capture_output=True, timeout=timeout, env={**os.environ})
+                          capture_output=True, timeout=timeout, env=ENV)
     assert done.returncode == 0, f"{script}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
     return done.stdout + done.stderr
 
 
 def _serve(argv: list[str], cwd: Path, port: int):
     log = open(cwd / f"serve-{port}.log", "w")  # noqa: SIM115 (closed with the process)
-    process = subprocess.Popen(argv, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
-                               env={**os.environ})
+    process = subprocess.Popen(argv, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, env=ENV)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         assert process.poll() is None, (cwd / f"serve-{port}.log").read_text()

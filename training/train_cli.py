@@ -56,9 +56,10 @@ On half of the training questions held out of training (--holdout, 400 by defaul
 decide), tau/shift are kept unless they harm in domain (the paired 95% interval of their NLL
 change reaches above +0.02 nats: their claim is out of domain), T only if it lowers the NLL
 by more than that interval; each only if the interval of its accuracy change stays above -3
-points; else dropped, and the adapter and the last lines say why. The last lines read each part on the other half
-of the hold-out. Training data of fewer than 800 questions is refused with the default
-hold-out: --holdout 0.5 holds out half instead (a weaker gate, said in the adapter).
+points; else dropped, and the adapter and the last lines say why. The last lines read each
+part on the other half of the hold-out. Training data of fewer than 800 questions is refused
+with the default hold-out: --holdout 0.5 holds out half instead (a weaker gate, said in the
+adapter).
 What the defaults do on real data, in and out of domain: docs/results.md.
 """
 
@@ -204,15 +205,14 @@ def _count_or_share(text: str) -> int | float:
 
 def as_specified_text() -> str:
     """What ``--as-specified`` sets, as ``--set`` would write it (from the one table)."""
-    from calm_training.methods.calm.config import AS_SPECIFIED
+    from calm_training.methods.calm import AS_SPECIFIED
 
     return ", ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}"
                      for k, v in AS_SPECIFIED.items())
 
 
 def _train(args) -> int:
-    from calm_training.methods.calm import CalmConfig, train_calm
-    from calm_training.methods.calm.config import AS_SPECIFIED
+    from calm_training.methods.calm import AS_SPECIFIED, CalmConfig, train_calm
 
     names = [f for f in CalmConfig.__dataclass_fields__ if hasattr(args, f)]
     values = {f: getattr(args, f) for f in names}

@@ -152,11 +152,12 @@ def _data_install(args) -> int:
 
 
 def _data_check(args) -> int:
-    from calm_runtime.data.sets import check_jsonl, dataset_hash, load_dataset
+    from calm_runtime.data.jsonl_file import check_jsonl
+    from calm_runtime.data.sets import dataset_hash, load_dataset, parse_record
 
     spec = str(args.spec)
     if spec.endswith(".jsonl") and Path(spec).exists():  # every problem, not the first
-        records, problems = check_jsonl(spec)
+        records, problems = check_jsonl(spec, parse_record)
         if problems:
             for problem in problems:
                 print(problem, file=sys.stderr)

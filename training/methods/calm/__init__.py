@@ -21,7 +21,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # what the names below load, for readers, type checkers and the structure tests
-    from calm_training.methods.calm.config import CalmConfig
+    from calm_training.methods.calm.config import AS_SPECIFIED, CalmConfig
     from calm_training.methods.calm.data import (
         TRAIN_PART,
         TRAIN_SPLIT_FRACTION,
@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # what the names below load, for readers, type checkers and t
 
 #: the public names and the module of this folder each lives in
 _PUBLIC = {
+    "AS_SPECIFIED": "config",
     "CalmConfig": "config",
     "train_calm": "trainer",
     "latest_checkpoint": "trainer",
@@ -52,9 +53,9 @@ _PUBLIC = {
     "TRAIN_SPLIT_SEED": "data",
 }
 
-__all__ = ["CalmConfig", "CalmModel", "OptionEvaluator", "TRAIN_PART", "TRAIN_SPLIT_FRACTION",
-           "TRAIN_SPLIT_SEED", "UNLABELED_PART", "fit_base_temperature", "latest_checkpoint",
-           "load_records", "part_lines", "resolve_records", "train_calm"]
+__all__ = ["AS_SPECIFIED", "CalmConfig", "CalmModel", "OptionEvaluator", "TRAIN_PART",
+           "TRAIN_SPLIT_FRACTION", "TRAIN_SPLIT_SEED", "UNLABELED_PART", "fit_base_temperature",
+           "latest_checkpoint", "load_records", "part_lines", "resolve_records", "train_calm"]
 
 
 def __getattr__(name: str):
