@@ -54,8 +54,8 @@ What it writes, in one adapter that calm-export fuses in one step:
 
 On half of the training questions held out of training (--holdout, 400 by default: 200
 decide), tau/shift are kept unless they harm in domain (the paired 95% interval of their NLL
-change reaches above +0.02 nats: their claim is out of domain), T only if it lowers the NLL
-by more than that interval; each only if the interval of its accuracy change stays above -3
+change reaches above +0.02: their claim is out of domain), T only if it lowers the NLL by
+more than that interval; each only if the interval of its accuracy change stays above -3
 points; else dropped, and the adapter and the last lines say why. The last lines read each
 part on the other half of the hold-out. Training data of fewer than 800 questions is refused
 with the default hold-out: --holdout 0.5 holds out half instead (a weaker gate, said in the
