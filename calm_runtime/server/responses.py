@@ -166,19 +166,28 @@ class ResponseWriter:
             waiting = False
             task = asyncio.ensure_future(run_in_threadpool(
                 functools.partial(fn, *args, should_stop=stop.is_set, **kwargs)))
-            done, _ = await asyncio.wait({task, gone},
-                                         timeout=max(0.0, deadline - loop.time()),
-                                         return_when=asyncio.FIRST_COMPLETED)
+            gate = self._scoring_gate
+
+            def hand_over() -> None:  # the call returns at its next step; the gate then
+                nonlocal held
+                stop.set()
+                task.add_done_callback(lambda t: (t.cancelled() or t.exception(),
+                                                  gate.release(), _trim_soon()))
+                held = False
+
+            try:
+                done, _ = await asyncio.wait({task, gone},
+                                             timeout=max(0.0, deadline - loop.time()),
+                                             return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:  # the server is stopping this request
+                hand_over()
+                raise
             if task in done:
                 try:
                     return task.result()
                 except MemoryError as exc:
                     raise out_of_memory(exc) from None
-            stop.set()  # the call returns at its next step; the gate is released then
-            gate = self._scoring_gate
-            task.add_done_callback(lambda t: (t.cancelled() or t.exception(), gate.release(),
-                                              _trim_soon()))
-            held = False
+            hand_over()
             self.metrics.cancelled.inc()
             if gone in done and gone.exception() is None:
                 return None
