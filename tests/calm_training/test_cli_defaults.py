@@ -19,6 +19,9 @@ CONVERTED = {"lora_targets": ("", ())}
 #: (command, option dest) whose default is the adapter's recorded value: None on the command
 #: line, the config field when the adapter records none
 RECORDED = {("eval", "variant")}
+#: (command, option dest) whose default is None on the command line: "not given", so that
+#: the named configuration (``calm train --as-specified``) or else the config field decides
+CONFIGURED = {("train", "holdout"), ("train", "daca")}
 
 
 def _command(name: str) -> argparse.ArgumentParser:
@@ -44,7 +47,7 @@ def _checked(command: str, config_class) -> int:
                 or action.help == argparse.SUPPRESS or action.default == argparse.SUPPRESS):
             continue
         default = applied[action.dest]  # what a command line without the option gets
-        if (command, action.dest) in RECORDED:
+        if (command, action.dest) in RECORDED | CONFIGURED:
             assert default is None, (command, action.option_strings, default)
         elif field in CONVERTED:
             assert (default, fields[field]) == CONVERTED[field]
