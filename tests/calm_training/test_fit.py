@@ -317,3 +317,37 @@ def test_arguments_are_checked_before_any_scoring(tiny_llama_tied, mc_file, tmp_
 
     with pytest.raises(ArtifactError, match="not a folder"):
         fit_adapter(config, "ts", tmp_path / "file" / "adapter", progress=False)
+
+
+def test_an_adapter_that_changes_no_score_shares_the_models_cached_scores(
+        tiny_llama_tied, mc_file, tmp_path, monkeypatch):
+    """An adapter with an identity head and no LoRA (a cloze answer temperature alone)
+    scores as the model does: no second scoring pass, the model's cache entry serves it; an
+    adapter with a head temperature is scored (and cached) apart."""
+    from calm_runtime.data.models import model_identity
+    from calm_runtime.data.sets import load_dataset
+
+    records = load_dataset(str(mc_file))
+    identity = model_identity(tiny_llama_tied)
+    vocab = identity.vocab_size
+    answer_only = CalibrationAdapter(base_model=identity, tau=np.ones(vocab, np.float32),
+                                     shift=np.zeros(vocab, np.float32), temperature=1.0,
+                                     answer_temperature=1.7, kind="daca",
+                                     method={"mode": "cloze"})
+    answer_only.save_pretrained(tmp_path / "answer-only")
+    head = CalibrationAdapter.identity(identity, temperature=2.0)
+    head.save_pretrained(tmp_path / "head")
+    vanilla = score_cache.cached_option_scores(str(tiny_llama_tied), records, mode="cloze",
+                                               progress=False)
+    calls = []
+    real = score_cache.score_multiple_choice
+    monkeypatch.setattr(score_cache, "score_multiple_choice",
+                        lambda *a, **k: calls.append(k.get("calibration")) or real(*a, **k))
+    same = score_cache.cached_option_scores(str(tiny_llama_tied), records, mode="cloze",
+                                            adapter_dir=tmp_path / "answer-only",
+                                            progress=False)
+    assert calls == [] and np.array_equal(same.values, vanilla.values)
+    scaled = score_cache.cached_option_scores(str(tiny_llama_tied), records, mode="cloze",
+                                              adapter_dir=tmp_path / "head", progress=False)
+    assert len(calls) == 1 and calls[0] is not None
+    assert not np.array_equal(scaled.values, vanilla.values)

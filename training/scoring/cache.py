@@ -77,9 +77,14 @@ def cached_option_scores(model: ModelSource | str, records: Sequence[MultipleCho
                                              progress=progress, chat=use_chat)
         scores.floored = stats.floored
         return scores
+    adapter = CalibrationAdapter.from_pretrained(adapter_dir) if adapter_dir else None
+    # an adapter that changes no score (no LoRA, an identity head: a cloze answer temperature
+    # alone) scores as the model does: its scores are the model's, cached once for both
+    changes = adapter is not None and (adapter.lora_path is not None
+                                       or adapter.has_token_calibration())
     key_material = {"scorer": SCORER_VERSION, "model": source.fingerprint(),
-                    "adapter": adapter_fingerprint(adapter_dir), "data": dataset_hash(records),
-                    "mode": mode.name, "chat": chat}
+                    "adapter": adapter_fingerprint(adapter_dir) if changes else None,
+                    "data": dataset_hash(records), "mode": mode.name, "chat": chat}
     key = sha256_bytes(json.dumps(key_material, sort_keys=True).encode())
     path = cache_dir("scores") / f"{mode.name}-{key[:40]}.safetensors"
     if path.is_file():
@@ -90,7 +95,6 @@ def cached_option_scores(model: ModelSource | str, records: Sequence[MultipleCho
             return scores
         except Exception as exc:  # noqa: BLE001 - a broken cache entry is recomputed
             logger.warning("ignoring unreadable score cache %s (%s)", path, exc)
-    adapter = CalibrationAdapter.from_pretrained(adapter_dir) if adapter_dir else None
     if loaded is None:
         lm, tokenizer, identity = source.load(lora_path=adapter.lora_path if adapter else None)
         if adapter is not None:
