@@ -64,12 +64,6 @@ class LoggedProgress:
         finally:
             self.close()
 
-    def __enter__(self) -> LoggedProgress:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
 
 def _plural(unit: str) -> str:
     return unit + ("es" if unit.endswith(("ch", "sh", "s", "x")) else "s")

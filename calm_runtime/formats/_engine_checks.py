@@ -108,6 +108,14 @@ def _check_source(section: dict, where: str) -> None:
         sha256_hex(adapter[key], key, f"{where} adapter", optional=True)
 
 
+def head_calibrated(section: Mapping) -> bool:
+    """Whether a manifest's calibration section puts a calibration in the head: T, τ or
+    shift other than the identity."""
+    return bool(section["temperature"] != 1.0 or section["tau_min"] != 1.0
+                or section["tau_max"] != 1.0 or section["shift_min"] != 0.0
+                or section["shift_max"] != 0.0)
+
+
 def _check_calibration(section: dict, where: str) -> None:
     check_keys(section, _CALIBRATION_KEYS | _CALIBRATION_OPTIONAL, _CALIBRATION_KEYS, where)
     outputs = section.get("outputs")
@@ -133,9 +141,7 @@ def _check_calibration(section: dict, where: str) -> None:
         if low > high:
             raise ArtifactError(f"{where}: {low_key} {low:g} is above {high_key} {high:g}; "
                                 "re-export the engine")
-    identity = (section["temperature"] == 1 and section["tau_min"] == section["tau_max"] == 1
-                and section["shift_min"] == section["shift_max"] == 0)
-    if section["fused"] is False and not identity:
+    if section["fused"] is False and head_calibrated(section):
         raise ArtifactError(f"{where}: fused is false but the calibration is not the identity "
                             f"(T={section['temperature']:g}); re-export the engine")
 

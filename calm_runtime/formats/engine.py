@@ -40,6 +40,7 @@ from calm_runtime.formats._engine_checks import (
     MODEL_NUMBER_LIMIT,
     check_sections,
     engine_io_names,
+    head_calibrated,
     non_empty_text,
 )
 from calm_runtime.formats._engine_files import check_external_data, check_genai_config
@@ -224,9 +225,7 @@ class EngineManifest:
         """Whether the graph's head carries a calibration (T, τ or shift other than the
         identity). Engines written before ``fused`` said so recorded ``true`` always: the
         values decide."""
-        c = self.calibration
-        return bool(c["temperature"] != 1.0 or c["tau_min"] != 1.0 or c["tau_max"] != 1.0
-                    or c["shift_min"] != 0.0 or c["shift_max"] != 0.0)
+        return head_calibrated(self.calibration)
 
     @property
     def calibrated_outputs(self) -> dict:

@@ -177,14 +177,19 @@ class MicroBatcher:
             self.metrics.queue_depth.set(len(self._pending))
 
     def _run(self, batch: list[Job]) -> None:
-        """Decode one batch on the worker thread; hand tokens and results to the loop; then
-        the heap's free pages go back to the system (its KV cache and passes are freed)."""
+        """Decode one batch on the worker thread; hand tokens and results to the loop. A
+        batch that did not finish (a row cancelled, an error) gives the heap's free pages back
+        to the system after it, so a request that ends early leaves no peak behind; a batch
+        that finished is not trimmed (the next one would fault the same pages in again)."""
+        finished = False
         try:
-            self._decode(batch)
+            finished = self._decode(batch)
         finally:
-            trim_heap()
+            if not finished:
+                trim_heap()
 
-    def _decode(self, batch: list[Job]) -> None:
+    def _decode(self, batch: list[Job]) -> bool:
+        """The batch's decode; whether every row ran to its end."""
         started = time.monotonic()
         if self.metrics is not None:
             self.metrics.batch_size.observe(len(batch))
@@ -210,7 +215,7 @@ class MicroBatcher:
                 logger.exception("a batch of %d rows failed", len(batch))
             for job in batch:
                 job.loop.call_soon_threadsafe(_settle, job, None, exc)
-            return
+            return False
         stopped = sum(job.cancelled for job in batch)
         if stopped:
             logger.info("%d of %d rows stopped early: their requests were cancelled", stopped,
@@ -224,6 +229,7 @@ class MicroBatcher:
                 self.metrics.batch_tokens_per_second.set(tokens / elapsed)
         for job, generation, score, error in zip(batch, results, scores, errors, strict=True):
             job.loop.call_soon_threadsafe(_settle, job, JobResult(generation, score), error)
+        return not stopped
 
     def _p_true(self, batch: list[Job], results: list[Generation]):
         """P(True) of the rows that ask for it; a row whose P(True) prompt is refused (say,

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from calm_runtime.server.config import ServeConfig
+from calm_runtime.server.protocol import APIError
 
 __all__ = ["CalmH11Protocol", "ConnectionLimits", "protocol_for"]
 
@@ -115,8 +116,7 @@ class _Registry:
 def error_bytes(status: int, reason: str, message: str, code: str | None,
                 error_type: str = "invalid_request_error") -> bytes:
     """A complete HTTP/1.1 response carrying the server's JSON error object, closing."""
-    body = json.dumps({"error": {"message": message, "type": error_type, "param": None,
-                                 "code": code}}).encode()
+    body = json.dumps(APIError(status, message, error_type, code).body()).encode()
     head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
             f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode("ascii")
     return head + body

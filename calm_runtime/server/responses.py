@@ -199,13 +199,15 @@ class ResponseWriter:
                 self._scoring_waiting -= 1
             gone.cancel()
 
-    def _deadline(self, request: Request | None, loop) -> float:
-        """The request's deadline on ``loop``'s clock: set once when its body was read
+    def _deadline_monotonic(self, request: Request | None) -> float:
+        """The request's deadline (``time.monotonic()``): set once when its body was read
         (:class:`~calm_runtime.server.guard.Guard`), else ``request_timeout_s`` from now."""
         mono = request_deadline(request.scope) if request is not None else None
-        if mono is None:
-            return loop.time() + self.config.request_timeout_s
-        return loop.time() + (mono - time.monotonic())
+        return time.monotonic() + self.config.request_timeout_s if mono is None else mono
+
+    def _deadline(self, request: Request | None, loop) -> float:
+        """:meth:`_deadline_monotonic` on ``loop``'s clock."""
+        return loop.time() + (self._deadline_monotonic(request) - time.monotonic())
 
     def _scoring_timeout(self) -> APIError:
         return APIError(504, f"the request did not finish within "
@@ -383,8 +385,7 @@ class ResponseWriter:
         """
         rid = f"{shape.id_prefix}-{uuid.uuid4().hex}"
         token_bytes = self.lm.tokenizer.token_bytes
-        deadline = (request_deadline(request.scope) if request is not None else None) \
-            or time.monotonic() + self.config.request_timeout_s
+        deadline = self._deadline_monotonic(request)
         stops = req.stops()
         hold = max((len(s) for s in stops), default=1) - 1
         usage = [0, 0]
