@@ -418,10 +418,14 @@ class CalibrationAdapter:
         """``fit_record.choice_mode``."""
         return self.fit_record.choice_mode
 
+    def has_alpha(self) -> bool:
+        """Whether the per-token part (``tau``, ``shift``) is not the identity."""
+        return bool((self.tau != 1).any() or (self.shift != 0).any())
+
     def has_token_calibration(self) -> bool:
         """Whether the fusable part (``tau``, ``shift``, ``temperature``) is not the identity:
         only then are token log-probabilities calibrated."""
-        return bool(self.temperature != 1.0 or (self.tau != 1).any() or (self.shift != 0).any())
+        return bool(self.temperature != 1.0 or self.has_alpha())
 
     def calibrated_outputs(self) -> dict:
         """Which outputs this adapter calibrates, and by which fit: ``{"token_logprobs",

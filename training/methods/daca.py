@@ -17,7 +17,6 @@ formula), never re-derived here.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from functools import partial
 
@@ -42,7 +41,7 @@ __all__ = ["DACA", "MIN_AGREEMENT_ITEMS", "MIN_AGREEMENT_RATE", "NAIVE", "P_TRUE
 logger = logging.getLogger(__name__)
 
 #: agreement sets already warned about as tiny (one warning each, not one per fit)
-_WARNED: set[str] = set()
+_WARNED: set[tuple[int, bytes]] = set()
 
 # The agreement set is "tiny" (warn, still fit) below either threshold.
 MIN_AGREEMENT_ITEMS = 20
@@ -68,7 +67,7 @@ def agreement_set(plm_logits, polm_logits, mask, min_agreement, min_agreement_ra
         raise FitError(f"the PLM and PoLM agree on none of the {n} items, so DACA has no "
                        "items to fit on; check that both use the same option order.")
     if n_agree < min_agreement or rate < min_agreement_rate:
-        key = hashlib.sha256(np.packbits(agree).tobytes() + str(n).encode()).hexdigest()
+        key = (n, np.packbits(agree).tobytes())
         if key not in _WARNED:  # once per agreement set (DACA and its vector variant share it)
             _WARNED.add(key)
             logger.warning("DACA agreement set is tiny: %d of %d items (%.1f%%); the fit is "

@@ -72,7 +72,7 @@ def _applied(adapter: CalibrationAdapter, scoring) -> dict:
     """What the adapter's row applies, for the table's T column: the cloze answer temperature
     where the adapter has one (cloze mode), else the token-level temperature the scores were
     read with; ``alpha`` where per-token τ or shift are applied too."""
-    alpha = bool((adapter.tau != 1).any() or (adapter.shift != 0).any())
+    alpha = adapter.has_alpha()
     if not scoring.token_level and adapter.answer_temperature is not None:
         temperature = scoring.answer_temperature(adapter.answer_temperature)
         if adapter.has_token_calibration():
