@@ -46,7 +46,8 @@ def add_serve(sub) -> None:
         description="An OpenAI-compatible server (POST /v1/completions, /v1/chat/completions; "
         "GET /v1/models, /health, /metrics) whose logprobs are calibrated and whose choices "
         "carry a 'calm' object with token confidences, the sequence confidence and, on "
-        "request, P(True). Concurrent requests are micro-batched. Needs the serve extra.",
+        "request, P(True). Concurrent requests decode in one continuously batched loop "
+        "(rows join and leave between decode steps). Needs the serve extra.",
         epilog="examples:\n  calm serve engine/ --port 8000\n"
         "  CALM_API_KEY=secret calm serve engine/ --api-key-env CALM_API_KEY --workers 2\n"
         "  calm serve engine/ --ray --replicas 2\n\n"
@@ -73,9 +74,15 @@ def add_serve(sub) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="intra-op threads per worker (default: all cores)")
     p.add_argument("--max-batch-size", type=int, default=_serve_default("max_batch_size"),
-                   help="rows decoded together; 1 turns micro-batching off")
+                   help="most rows in the running batch; rows join and leave between decode "
+                   "steps (1: one request at a time)")
+    p.add_argument("--max-step-prefill-tokens", type=int,
+                   default=_serve_default("max_step_prefill_tokens"),
+                   help="most prompt tokens admitted into the running batch at one step "
+                   "boundary (what a new request's prefill may stall the running rows for)")
     p.add_argument("--batch-window-ms", type=float, default=_serve_default("batch_window_ms"),
-                   help="how long a request waits for others to batch with")
+                   help="on an idle server, how long the first request waits for others to "
+                   "arrive with it")
     p.add_argument("--max-queue", type=int, default=_serve_default("max_queue"),
                    help="rows waiting before HTTP 429")
     p.add_argument("--request-timeout", type=float, default=_serve_default("request_timeout_s"),
@@ -138,6 +145,7 @@ def config_from_args(args):
         engine=str(args.engine), model_name=args.model_name, backend=args.backend,
         threads=args.threads, max_batch_size=args.max_batch_size,
         batch_window_ms=args.batch_window_ms, max_queue=args.max_queue,
+        max_step_prefill_tokens=args.max_step_prefill_tokens,
         request_timeout_s=args.request_timeout, max_tokens_limit=args.max_tokens_limit,
         default_max_tokens=min(default_tokens, args.max_tokens_limit),
         max_prompt_tokens=args.max_prompt_tokens, max_body_bytes=args.max_body_bytes,

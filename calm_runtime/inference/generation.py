@@ -25,16 +25,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from calm_runtime.errors import ConfigError
-from calm_runtime.inference.results import Alternative, Generation, Timing, Token
-from calm_runtime.inference.sampling import (
-    SamplingParams,
-    choose_tokens,
-    raw_log_softmax,
-    row_generators,
-    step_stats,
-    top_alternatives,
-)
-from calm_runtime.inference.tokenization import EngineTokenizer, IncrementalDecoder
+from calm_runtime.inference.continuous import DecodeBatch, RowSpec
+from calm_runtime.inference.results import Generation, Timing, Token
+from calm_runtime.inference.sampling import SamplingParams, row_generators
+from calm_runtime.inference.tokenization import EngineTokenizer
 
 __all__ = ["GenerationRun", "left_pad", "initial_positions", "PrefillBudget", "prefill", "release",
            "DEFAULT_MAX_PREFILL_TOKENS", "PREFILL_BYTES_PER_TOKEN", "ATTENTION_BUFFERS"]
@@ -307,28 +301,27 @@ class GenerationRun:
         if error is not None:
             raise error
 
-    def _decode(self) -> Iterator[tuple[int, Token]]:
+    def row_specs(self) -> list[RowSpec]:
+        """Each row's :class:`~calm_runtime.inference.continuous.RowSpec` (row ``i`` of the
+        whole call keeps generator ``row_offset + i``)."""
         s = self._settings
         n = len(self._prompts)
-        generators = None
-        if not s.sampling.greedy:
-            generators = row_generators(s.sampling.seed, s.row_offset + n)[s.row_offset:]
-        decoders = [IncrementalDecoder(self._tok, p) for p in self._prompts]
-        texts = [""] * n
-        cut = [None] * n  # where a stop string begins in texts[row]
-        tokens: list[list[Token]] = [[] for _ in range(n)]
-        finish: list[str | None] = [None] * n
-        longest_stop = max((len(x) for x in s.stop), default=0)
+        generators = ([None] * n if s.sampling.greedy
+                      else row_generators(s.sampling.seed, s.row_offset + n)[s.row_offset:])
+        return [RowSpec(tuple(p), s.max_new_tokens[i], s.sampling, generators[i], s.stop,
+                        s.top_alternatives, s.eos_ids, s.raw_scale)
+                for i, p in enumerate(self._prompts)]
 
-        started = time.perf_counter()
-        _, mask = left_pad(self._prompts, self._tok.pad_token_id)
-        positions = initial_positions(mask)[:, -1:]
+    def _decode(self) -> Iterator[tuple[int, Token]]:
+        n = len(self._prompts)
+        batch = DecodeBatch(self._backend, self._tok)
+        results: list[Generation | None] = [None] * n
         # a run whose rows all stop after their first token needs no cache
         gave_up = (None if self._cancelled is None
                    else lambda: all(self._cancelled(r) for r in range(n)))
+        started = time.perf_counter()
         try:
-            last, state = prefill(self._backend, self._prompts, self._tok.pad_token_id,
-                                  keep_state=max(s.max_new_tokens) > 1, should_stop=gave_up)
+            batch.admit(self.row_specs(), range(n), should_stop=gave_up)
         except PrefillStopped:  # every row was cancelled before its first token
             timing = Timing(prefill_s=time.perf_counter() - started, decode_s=0.0,
                             decode_steps=0)
@@ -336,88 +329,13 @@ class GenerationRun:
                                        prompt_tokens=len(p), timing=timing)
                             for p in self._prompts]
             return
-        logits = last[:, None]
-        active = np.arange(n)
-        prefill_s, decode_s, steps = 0.0, 0.0, 0
-        while True:
-            stats = step_stats(logits[:, -1])
-            rows = np.arange(active.size)
-            chosen = choose_tokens(stats, s.sampling,
-                                   [generators[r] for r in active] if generators else [],
-                                   valid=self._tok.vocab_size)
-            probs = stats.probability(rows, chosen)
-            logps = stats.logprob(rows, chosen)
-            events, keep = [], []
-            for b, row in enumerate(active):
-                token_id = int(chosen[b])
-                text = decoders[row].step(token_id)
-                reason = None
-                if token_id in s.eos_ids:
-                    reason = "eos"
-                elif len(tokens[row]) + 1 >= s.max_new_tokens[row]:
-                    reason = "length"
-                if reason is not None:
-                    text += decoders[row].flush()
-                before = len(texts[row])
-                texts[row] += text
-                if longest_stop and text:
-                    where = _find_stop(texts[row], s.stop, max(0, before - longest_stop + 1))
-                    if where is not None:
-                        cut[row], reason = where, "stop"
-                raw = (None if s.raw_scale is None
-                       else raw_log_softmax(stats.shifted[b], s.raw_scale))
-                top = None
-                if s.top_alternatives:
-                    alt_ids, alt_p = top_alternatives(stats, b, s.top_alternatives)
-                    top = tuple(Alternative(int(i), self._tok.token_text(int(i)), float(p),
-                                            None if raw is None else float(raw[i]))
-                                for i, p in zip(alt_ids, alt_p, strict=True))
-                token = Token(id=token_id, text=text, confidence=float(probs[b]),
-                              logprob=float(logps[b]), entropy=float(stats.entropy[b]), top=top,
-                              raw_logprob=None if raw is None else float(raw[token_id]))
-                tokens[row].append(token)
-                events.append((int(row), token))
-                if reason is None:
-                    keep.append(b)
-                else:
-                    finish[row] = reason
-            now = time.perf_counter()
-            if steps == 0:
-                prefill_s = now - started
-            else:
-                decode_s += now - started
+        while len(batch):
+            events, finished = batch.choose()
+            for row, generation in finished:
+                results[row] = generation
             yield from events
-            if self._cancelled is not None and keep:
-                gone = [b for b in keep if self._cancelled(int(active[b]))]
-                for b in gone:
-                    finish[active[b]] = "cancelled"
-                keep = [b for b in keep if b not in gone]
-            if not keep:
-                break
-            started = time.perf_counter()
-            if len(keep) < active.size:
-                keep_idx = np.asarray(keep, dtype=np.int64)
-                state = self._backend.select(state, keep_idx)
-                mask, positions, active = mask[keep_idx], positions[keep_idx], active[keep_idx]
-                chosen = chosen[keep_idx]
-            mask = np.concatenate([mask, np.ones((active.size, 1), np.int64)], axis=1)
-            positions = positions + 1
-            logits, state = self._backend.run(chosen[:, None].astype(np.int64), mask, positions,
-                                              state, last_only=True)
-            steps += 1
-        timing = Timing(prefill_s=prefill_s, decode_s=decode_s, decode_steps=steps)
-        self.results = [
-            Generation(text=texts[r] if cut[r] is None else texts[r][:cut[r]],
-                       tokens=tuple(tokens[r]), finish_reason=finish[r] or "length",
-                       prompt_tokens=len(self._prompts[r]), timing=timing)
-            for r in range(n)]
-
-
-def _find_stop(text: str, stops: Sequence[str], start: int) -> int | None:
-    """The earliest index at or after ``start`` where a stop string begins, if any."""
-    best = None
-    for stop in stops:
-        at = text.find(stop, start)
-        if at >= 0 and (best is None or at < best):
-            best = at
-    return best
+            if self._cancelled is not None:
+                for row, generation in batch.drop(self._cancelled):
+                    results[row] = generation
+            batch.advance()
+        self.results = results

@@ -290,7 +290,8 @@ class CalibratedLM(Judging):
                        cancelled: Callable[[int], bool] | None = None,
                        decode: DecodeOptions | None = None, **options) -> GenerationRun:
         """One batched decode over already-encoded prompts, for callers that schedule rows
-        themselves (e.g. ``calm serve``'s micro-batcher).
+        themselves (e.g. ``calm serve``'s step scheduler, which takes its rows' specs,
+        :meth:`GenerationRun.row_specs`).
 
         ``max_new_tokens`` is one limit or one per prompt; ``options`` are :meth:`generate`'s
         sampling options. Iterating the run yields ``(row, Token)`` as tokens are chosen;

@@ -24,8 +24,8 @@ import numpy as np
 
 from calm_runtime.errors import ConfigError
 
-__all__ = ["SamplingParams", "StepStats", "step_stats", "choose_tokens", "row_generators",
-           "top_alternatives"]
+__all__ = ["SamplingParams", "StepStats", "step_stats", "choose_tokens", "choose_row_tokens",
+           "row_generators", "top_alternatives"]
 
 #: log-probability margins below the best token tried, in order, when collecting the most
 #: probable tokens (top-k, top-p, alternatives): each try is one vectorised comparison over
@@ -44,8 +44,8 @@ class DecodeOptions:
     """Everything one decode call takes besides its prompts and limits, as one value: what
     ``calm serve`` makes of a request once at its edge and hands, unchanged, to the generation
     loop (``CalibratedLM.generation_run(..., decode=...)``), and the keyword options of
-    ``CalibratedLM.generate``. Rows decode in one batch only when their options are equal
-    (:meth:`batch_key`)."""
+    ``CalibratedLM.generate``. Rows of any options decode in one batch (each row with its own).
+    """
 
     temperature: float = 0.0
     top_k: int = 0
@@ -59,13 +59,6 @@ class DecodeOptions:
     def as_kwargs(self) -> dict:
         """The options as ``generate``'s keyword arguments."""
         return {f: getattr(self, f) for f in self.__dataclass_fields__}
-
-    def batch_key(self, row: object) -> tuple:
-        """What rows must share to decode together: every option, and a seeded sampled row
-        alone (``row``: its identity), so that its generator is its own."""
-        seeded = self.temperature > 0 and self.seed is not None
-        return (self.temperature, self.top_k, self.top_p, id(row) if seeded else None,
-                self.stop, self.top_alternatives, self.raw_logprobs, self.ignore_eos)
 
 
 @dataclass(frozen=True)
@@ -171,6 +164,20 @@ def choose_tokens(stats: StepStats, params: SamplingParams,
     chosen = np.empty(stats.shifted.shape[0], dtype=np.int64)
     for b in range(chosen.size):
         chosen[b] = _sample_row(stats, b, params, generators[b], limit)
+    return chosen
+
+
+def choose_row_tokens(stats: StepStats, params: list[SamplingParams],
+                      generators: list[np.random.Generator | None],
+                      valid: int | None = None) -> np.ndarray:
+    """:func:`choose_tokens` with settings of each row's own (``params[b]``,
+    ``generators[b]``; a greedy row's generator is not used): what a batch of rows from
+    different requests decodes with. Row ``b`` gets the token it would get alone."""
+    limit = None if valid is None or valid >= stats.shifted.shape[-1] else int(valid)
+    chosen = stats.shifted[:, :limit].argmax(axis=-1)
+    for b, p in enumerate(params):
+        if not p.greedy:
+            chosen[b] = _sample_row(stats, b, p, generators[b], limit)
     return chosen
 
 

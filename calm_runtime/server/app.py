@@ -5,12 +5,12 @@
 
 Endpoints: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (JSON or SSE
 streaming), ``GET /v1/models``, ``GET /health`` (never needs the key), ``GET /metrics``
-(Prometheus text). Every request is decoded by the :class:`~.batcher.MicroBatcher`, so
-concurrent requests share batched decodes. Errors are OpenAI error objects: 400 for a bad
-body or parameter, 401 for a wrong key, 404 for another model or path, 413 for a body over
-``max_body_bytes``, 429 when the queue is full, 503 when a batch ran out of memory (the
-next request is served), 504 past ``request_timeout_s``; an unexpected failure is a 500
-whose message hides the traceback (it goes to the log).
+(Prometheus text). Every request is decoded by the :class:`~.batcher.StepScheduler`, so
+concurrent requests share one continuously batched decode. Errors are OpenAI error objects:
+400 for a bad body or parameter, 401 for a wrong key, 404 for another model or path, 413 for
+a body over ``max_body_bytes``, 429 when the queue is full, 503 when a batch ran out of
+memory (the next request is served), 504 past ``request_timeout_s``; an unexpected failure
+is a 500 whose message hides the traceback (it goes to the log).
 
 Defences, in the order a request meets them:
 

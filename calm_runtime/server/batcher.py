@@ -1,43 +1,56 @@
-"""Micro-batching: concurrent requests become rows of one batched decode.
+"""Step-level scheduling (continuous batching): requests join and leave a running batch
+between decode steps.
 
-Requests wait in a bounded queue (:class:`QueueFull` beyond ``max_queue`` rows). When the
-first one arrives the batcher waits up to ``window_s`` for others (or until
-``max_batch_size`` rows wait), then takes the oldest row and every waiting row with the same
-decode settings, up to ``max_batch_size``, and runs them as one
-:meth:`CalibratedLM.generation_run` on a worker thread. While that batch decodes new rows
-queue up and form the next batch at once. Rows of a batch decode as if alone (the runtime
-drops finished rows), so a batched request returns what a serial call returns.
+Requests wait in a bounded queue (:class:`QueueFull` beyond ``max_queue`` rows). One worker
+thread drives one :class:`~calm_runtime.inference.continuous.DecodeBatch`: at every step
+boundary it admits waiting rows in arrival order, up to ``max_batch_size`` running rows and
+``max_step_prefill_tokens`` prompt tokens per boundary (the first row of an idle server
+always; a row that does not fit the boundary's budget waits for the next, and none behind
+it passes it); it chooses every running row's next token, hands the tokens to their
+requests (streams get them at once), finishes the rows that ended (length, stop string,
+end of sequence, a cancelled request) and runs one forward pass for the rest. A finished
+row leaves before the next step; a new one is prefilled at the next boundary, so a request
+never waits for another request's answer to end, only for at most one step and one
+boundary's prefill.
 
-Rows batch together only when their sampling settings, stop strings and number of
-alternatives agree. A sampled row with a seed always runs alone: its random stream is the
-seed's first child, exactly as in a direct ``generate(prompt, seed=...)`` call.
+Every kind of generation shares the batch: rows keep their own sampling settings, seeds,
+stop strings, alternatives and limits, and a row decodes as if alone (its own cache, mask,
+positions and generator: a seeded row samples what ``generate(prompt, seed=...)`` samples).
+P(True) of a finished row is scored at the boundary after it finishes (one batched pass for
+the rows that finished together).
 
-:meth:`MicroBatcher.cancel` stops a row whose request is gone (client disconnected, or
-past its timeout): a waiting row leaves the queue at once, a decoding row leaves its
-batch before the next decode step (the other rows decode on), and a batch whose rows are
-all cancelled ends, so the next batch starts.
+When the server is idle the first request waits up to ``window_s`` for others to arrive
+with it (one prefill for a burst). :meth:`StepScheduler.cancel` stops a row whose request
+is gone (client disconnected, or past its deadline): a waiting row leaves the queue at once,
+a running row leaves before the next step.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from calm_runtime.errors import CalmError
+from calm_runtime.inference.continuous import DecodeBatch
+from calm_runtime.inference.generation import PrefillStopped, release
 from calm_runtime.inference.results import Generation
 from calm_runtime.inference.sampling import DecodeOptions
 from calm_runtime.placement import trim_heap
 
-__all__ = ["Job", "JobResult", "MicroBatcher", "QueueFull", "ShuttingDown", "END"]
+__all__ = ["DEFAULT_MAX_STEP_PREFILL_TOKENS", "Job", "JobResult", "QueueFull", "ShuttingDown",
+           "StepScheduler", "END"]
 
 logger = logging.getLogger(__name__)
 
 #: put on a streaming job's token queue after its last token
 END = object()
+#: prompt tokens admitted at one step boundary by default (``calm serve
+#: --max-step-prefill-tokens``): what one boundary's prefill may stall the running rows for
+DEFAULT_MAX_STEP_PREFILL_TOKENS = 512
 
 
 class QueueFull(Exception):
@@ -67,7 +80,7 @@ class Job:
     future: asyncio.Future = None  # type: ignore[assignment]
     tokens: asyncio.Queue | None = None
     enqueued: float = field(default_factory=time.monotonic)
-    #: set (on the loop) by :meth:`MicroBatcher.cancel`; read by the decoding thread
+    #: set (on the loop) by :meth:`StepScheduler.cancel`; read by the decoding thread
     cancelled: bool = False
 
     def __post_init__(self) -> None:
@@ -75,161 +88,207 @@ class Job:
         if self.stream:
             self.tokens = asyncio.Queue()
 
-    @property
-    def key(self) -> tuple:
-        """What rows must share to decode in one batch (DecodeOptions.batch_key)."""
-        return self.options.batch_key(self)
 
+class StepScheduler:
+    """The server's decode loop (see the module docstring)."""
 
-class MicroBatcher:
     def __init__(self, lm, *, max_batch_size: int, window_s: float, max_queue: int,
+                 max_step_prefill_tokens: int = DEFAULT_MAX_STEP_PREFILL_TOKENS,
                  metrics=None) -> None:
         self.lm = lm
         self.max_batch_size = min(max_batch_size, lm.backend.max_batch or max_batch_size)
         self.window_s = window_s
         self.max_queue = max_queue
+        self.max_step_prefill_tokens = max_step_prefill_tokens
         self.metrics = metrics
         self._pending: deque[Job] = deque()
-        self._wakeup: asyncio.Event | None = None
-        self._task: asyncio.Task | None = None
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="calm-batch")
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
         self._closing = False
+        self._running = 0
 
     @property
     def depth(self) -> int:
         return len(self._pending)
 
+    @property
+    def running(self) -> int:
+        """Rows in the running batch."""
+        return self._running
+
     def start(self) -> None:
-        """Start the batching task on the running loop (once; later calls do nothing)."""
-        if self._task is None:
-            self._wakeup = asyncio.Event()
-            self._task = asyncio.get_running_loop().create_task(self._loop())
+        """Start the worker thread (once; later calls do nothing)."""
+        with self._cond:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name="calm-decode",
+                                                daemon=True)
+                self._thread.start()
 
     def submit(self, job: Job) -> None:
-        if self._closing:
-            raise ShuttingDown
+        with self._cond:
+            if self._closing:
+                raise ShuttingDown
+            if len(self._pending) >= self.max_queue:
+                raise QueueFull
+            self._pending.append(job)
+            self._set_depth()
+            self._cond.notify()
         self.start()
-        if len(self._pending) >= self.max_queue:
-            raise QueueFull
-        self._pending.append(job)
-        self._set_depth()
-        self._wakeup.set()
 
     def cancel(self, job: Job) -> None:
-        """Stop ``job``: out of the queue now, or out of its batch before the next step."""
+        """Stop ``job``: out of the queue now, or out of the batch before the next step."""
         job.cancelled = True
         if not job.future.done():
             job.future.cancel()
-        try:
-            self._pending.remove(job)
-        except ValueError:  # already taken into a batch (or never queued)
-            return
-        self._set_depth()
+        with self._cond:
+            try:
+                self._pending.remove(job)
+            except ValueError:  # already running (or never queued)
+                return
+            self._set_depth()
 
     async def close(self) -> None:
         """Finish every waiting and running row, then stop."""
-        self._closing = True
-        if self._task is not None:
-            self._wakeup.set()
-            await self._task
-        self._executor.shutdown(wait=True)
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+            thread = self._thread
+        if thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, thread.join)
 
-    # ------------------------------------------------------------------ the loop
-    async def _loop(self) -> None:
-        loop = asyncio.get_running_loop()
+    # ------------------------------------------------------------------ the worker
+    def _work(self) -> None:
+        batch = DecodeBatch(self.lm.backend, self.lm.tokenizer)
+        dirty = False  # a row ended early or failed since the heap was last trimmed
         while True:
-            if not self._pending:
-                if self._closing:
-                    return
-                self._wakeup.clear()
-                await self._wakeup.wait()
+            with self._cond:
+                while not self._pending and not len(batch):
+                    if self._closing:
+                        return
+                    self._cond.wait()
+                if not len(batch):  # idle: let a burst arrive together
+                    deadline = self._pending[0].enqueued + self.window_s
+                    while len(self._pending) < self.max_batch_size and not self._closing:
+                        remaining = deadline - time.monotonic()
+                        if remaining <= 0:
+                            break
+                        self._cond.wait(remaining)
+                admitted = self._take(len(batch))
+            if admitted:
+                dirty |= not self._admit(batch, admitted)
+            if not len(batch):
+                self._set_running(0)
+                if dirty:
+                    trim_heap()
+                    dirty = False
                 continue
-            deadline = self._pending[0].enqueued + self.window_s
-            while len(self._pending) < self.max_batch_size and not self._closing:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                self._wakeup.clear()
-                try:
-                    await asyncio.wait_for(self._wakeup.wait(), remaining)
-                except asyncio.TimeoutError:
-                    break
-            batch = self._take()
-            if batch:
-                await loop.run_in_executor(self._executor, self._run, batch)
+            self._set_running(len(batch))
+            try:
+                dirty |= self._step(batch)
+            except Exception as exc:  # the batch's error; every row gets it, the loop goes on
+                self._fail(list(batch.handles), exc)
+                batch.clear()
+                release(self.lm.backend)
+                dirty = True
+            if not len(batch):
+                release(self.lm.backend)  # the cache is gone: give its memory back
 
-    def _take(self) -> list[Job]:
-        live = [job for job in self._pending  # drop abandoned rows
-                if not job.cancelled and not job.future.done()]
-        batch, rest = [], deque()
-        key = live[0].key if live else None
+    def _take(self, running: int) -> list[Job]:
+        """The waiting rows admitted at this boundary (under the lock)."""
+        live = [job for job in self._pending if not job.cancelled and not job.future.done()]
+        taken, budget = [], self.max_step_prefill_tokens
         for job in live:
-            if job.key == key and len(batch) < self.max_batch_size:
-                batch.append(job)
-            else:
-                rest.append(job)
-        self._pending = rest
+            if running + len(taken) >= self.max_batch_size:
+                break
+            if len(job.ids) > budget and (taken or running):
+                break  # it waits for the next boundary; nothing behind it passes it
+            taken.append(job)
+            budget -= len(job.ids)
+        chosen = set(map(id, taken))
+        self._pending = deque(job for job in live if id(job) not in chosen)
         self._set_depth()
-        return batch
+        return taken
+
+    def _admit(self, batch: DecodeBatch, jobs: list[Job]) -> bool:
+        """Prefill ``jobs`` into ``batch``; whether all went in (a refused or failed row gets
+        its error, the running rows decode on)."""
+        started = time.monotonic()
+        specs, ok = [], []
+        for job in jobs:
+            try:
+                run = self.lm.generation_run([job.ids], job.max_new_tokens, decode=job.options)
+                specs.append(run.row_specs()[0])
+                ok.append(job)
+            except CalmError as exc:
+                job.loop.call_soon_threadsafe(_settle, job, None, exc)
+        if not ok:
+            return False
+        if self.metrics is not None:
+            for job in ok:
+                self.metrics.queue_wait.observe(started - job.enqueued)
+            self.metrics.prompt_tokens.inc(sum(len(j.ids) for j in ok))
+        try:
+            batch.admit(specs, ok, should_stop=lambda: all(j.cancelled for j in ok))
+        except PrefillStopped:
+            for job in ok:
+                job.loop.call_soon_threadsafe(_settle, job, None, None)
+            return False
+        except Exception as exc:  # noqa: BLE001 - these rows' error; the batch decodes on
+            self._fail(ok, exc)
+            return False
+        return len(ok) == len(jobs)
+
+    def _step(self, batch: DecodeBatch) -> bool:
+        """One decode step of every running row; whether a row ended early."""
+        started = time.monotonic()
+        if self.metrics is not None:
+            self.metrics.batch_size.observe(len(batch))
+        events, finished = batch.choose()
+        for job, token in events:
+            if job.tokens is not None:
+                job.loop.call_soon_threadsafe(job.tokens.put_nowait, token)
+        dropped = batch.drop(lambda job: job.cancelled)
+        if finished:
+            self._finish(finished)
+        for job, _ in dropped:
+            job.loop.call_soon_threadsafe(_settle, job, None, None)
+        if dropped:
+            logger.info("%d running rows stopped early: their requests were cancelled",
+                        len(dropped))
+        batch.advance()
+        if self.metrics is not None:
+            self.metrics.generated_tokens.inc(len(events))
+            elapsed = time.monotonic() - started
+            if elapsed > 0:
+                self.metrics.batch_tokens_per_second.set(len(events) / elapsed)
+        return bool(dropped)
+
+    def _finish(self, finished: list[tuple[Job, Generation]]) -> None:
+        """Hand finished rows their results (P(True) scored first where asked)."""
+        jobs = [job for job, _ in finished]
+        results = [generation for _, generation in finished]
+        scores, errors = self._p_true(jobs, results)
+        for job, generation, score, error in zip(jobs, results, scores, errors, strict=True):
+            job.loop.call_soon_threadsafe(_settle, job, JobResult(generation, score), error)
+
+    def _fail(self, jobs: list[Job], exc: BaseException) -> None:
+        if isinstance(exc, CalmError):
+            logger.warning("%d rows were refused: %s", len(jobs), exc)
+        elif isinstance(exc, MemoryError):  # these rows' error; the next ones run
+            logger.error("%d rows ran out of memory: %s", len(jobs), exc)
+        else:
+            logger.exception("%d rows failed", len(jobs), exc_info=exc)
+        for job in jobs:
+            job.loop.call_soon_threadsafe(_settle, job, None, exc)
 
     def _set_depth(self) -> None:
         if self.metrics is not None:
             self.metrics.queue_depth.set(len(self._pending))
 
-    def _run(self, batch: list[Job]) -> None:
-        """Decode one batch on the worker thread; hand tokens and results to the loop. A
-        batch that did not finish (a row cancelled, an error) gives the heap's free pages back
-        to the system after it, so a request that ends early leaves no peak behind; a batch
-        that finished is not trimmed (the next one would fault the same pages in again)."""
-        finished = False
-        try:
-            finished = self._decode(batch)
-        finally:
-            if not finished:
-                trim_heap()
-
-    def _decode(self, batch: list[Job]) -> bool:
-        """The batch's decode; whether every row ran to its end."""
-        started = time.monotonic()
+    def _set_running(self, n: int) -> None:
+        self._running = n
         if self.metrics is not None:
-            self.metrics.batch_size.observe(len(batch))
-            for job in batch:
-                self.metrics.queue_wait.observe(started - job.enqueued)
-        try:
-            run = self.lm.generation_run([j.ids for j in batch],
-                                         [j.max_new_tokens for j in batch],
-                                         cancelled=lambda row: batch[row].cancelled,
-                                         decode=batch[0].options)
-            for row, token in run:
-                job = batch[row]
-                if job.tokens is not None:
-                    job.loop.call_soon_threadsafe(job.tokens.put_nowait, token)
-            results = run.results
-            scores, errors = self._p_true(batch, results)
-        except Exception as exc:  # handed to each request; the batcher keeps running
-            if isinstance(exc, CalmError):
-                logger.warning("a batch of %d rows was refused: %s", len(batch), exc)
-            elif isinstance(exc, MemoryError):  # that batch's error; the next one runs
-                logger.error("a batch of %d rows ran out of memory: %s", len(batch), exc)
-            else:
-                logger.exception("a batch of %d rows failed", len(batch))
-            for job in batch:
-                job.loop.call_soon_threadsafe(_settle, job, None, exc)
-            return False
-        stopped = sum(job.cancelled for job in batch)
-        if stopped:
-            logger.info("%d of %d rows stopped early: their requests were cancelled", stopped,
-                        len(batch))
-        tokens = sum(len(g.tokens) for g in results)
-        if self.metrics is not None:
-            self.metrics.generated_tokens.inc(tokens)
-            self.metrics.prompt_tokens.inc(sum(len(j.ids) for j in batch))
-            elapsed = time.monotonic() - started
-            if elapsed > 0:
-                self.metrics.batch_tokens_per_second.set(tokens / elapsed)
-        for job, generation, score, error in zip(batch, results, scores, errors, strict=True):
-            job.loop.call_soon_threadsafe(_settle, job, JobResult(generation, score), error)
-        return not stopped
+            self.metrics.running_rows.set(n)
 
     def _p_true(self, batch: list[Job], results: list[Generation]):
         """P(True) of the rows that ask for it; a row whose P(True) prompt is refused (say,
@@ -261,5 +320,7 @@ def _settle(job: Job, result: JobResult | None, error: BaseException | None) -> 
         return
     if error is not None:
         job.future.set_exception(error)
-    else:
+    elif result is not None:
         job.future.set_result(result)
+    else:
+        job.future.cancel()

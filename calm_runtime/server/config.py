@@ -26,8 +26,12 @@ class ServeConfig:
         model_name: the model id clients send and ``/v1/models`` lists (default: the
             engine folder's name).
         backend, threads: passed to :meth:`CalibratedLM.load`.
-        max_batch_size: most rows per batched decode (1 turns micro-batching off).
-        batch_window_ms: how long the first waiting request waits for others to join it.
+        max_batch_size: most rows in the running batch (1 decodes one request at a time).
+        batch_window_ms: on an idle server, how long the first request waits for others to
+            arrive with it (one prefill for a burst).
+        max_step_prefill_tokens: the most prompt tokens admitted into the running batch at
+            one step boundary (what one boundary's prefill may stall the running rows for;
+            a longer prompt goes in alone, at a boundary with nothing else to admit).
         max_queue: most rows waiting for a batch; beyond it requests get HTTP 429.
         request_timeout_s: a request not finished by then gets HTTP 504.
         max_tokens_limit: the largest ``max_tokens`` a request may ask for.
@@ -64,8 +68,9 @@ class ServeConfig:
     model_name: str | None = None
     backend: str = "onnxruntime"
     threads: int | None = None
-    max_batch_size: int = 8
+    max_batch_size: int = 32
     batch_window_ms: float = 5.0
+    max_step_prefill_tokens: int = 512
     max_queue: int = 64
     request_timeout_s: float = 120.0
     max_tokens_limit: int = 512
@@ -82,9 +87,9 @@ class ServeConfig:
     max_connections_per_client: int = 128
 
     def __post_init__(self) -> None:
-        for name in ("max_batch_size", "max_queue", "max_tokens_limit", "default_max_tokens",
-                     "max_body_bytes", "max_prefill_tokens", "max_connections",
-                     "max_connections_per_client"):
+        for name in ("max_batch_size", "max_step_prefill_tokens", "max_queue",
+                     "max_tokens_limit", "default_max_tokens", "max_body_bytes",
+                     "max_prefill_tokens", "max_connections", "max_connections_per_client"):
             _positive_int(getattr(self, name), name)
         for name in ("threads", "max_prompt_tokens"):
             if getattr(self, name) is not None:

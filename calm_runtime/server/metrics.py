@@ -28,7 +28,9 @@ class ServerMetrics:
         self.cancelled = Counter("calm_requests_cancelled",
                                  "requests whose client went away before the answer was "
                                  "complete; their decoding was stopped", registry=r)
-        self.batch_size = Histogram("calm_batch_size", "rows per batched decode",
+        self.running_rows = Gauge("calm_running_rows", "rows in the running batch (its "
+                                  "occupancy)", registry=r)
+        self.batch_size = Histogram("calm_batch_size", "rows per decode step",
                                     buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64), registry=r)
         self.prompt_tokens = Counter("calm_prompt_tokens", "prompt tokens processed", registry=r)
         self.generated_tokens = Counter("calm_generated_tokens",

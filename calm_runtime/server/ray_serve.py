@@ -8,7 +8,7 @@
 
 Each replica builds the app (and loads the engine) once, in its own process, through
 ``serve.ingress``'s builder; Ray's proxy spreads requests over the replicas, and every
-replica micro-batches its own share. ``engine`` must be a path that exists on every node.
+replica batches its own share. ``engine`` must be a path that exists on every node.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from calm_runtime import modes
 from calm_runtime.formats.engine import ENGINE_MANIFEST_NAME
 from calm_runtime.inference.lm import CalibratedLM
-from calm_runtime.server.batcher import Job, MicroBatcher
+from calm_runtime.server.batcher import Job, StepScheduler
 from calm_runtime.server.config import ServeConfig
 from calm_runtime.server.metrics import ServerMetrics
 from calm_runtime.server.protocol import APIError
@@ -41,9 +41,10 @@ class ServerState:
         self.config = config
         self.lm = lm
         self.metrics = ServerMetrics()
-        self.batcher = MicroBatcher(lm, max_batch_size=config.max_batch_size,
-                                    window_s=config.batch_window_ms / 1000,
-                                    max_queue=config.max_queue, metrics=self.metrics)
+        self.batcher = StepScheduler(
+            lm, max_batch_size=config.max_batch_size, window_s=config.batch_window_ms / 1000,
+            max_queue=config.max_queue, max_step_prefill_tokens=config.max_step_prefill_tokens,
+            metrics=self.metrics)
         self._key = config.api_key()
         self.created = int(time.time())
         self.max_prompt = min(config.max_prompt_tokens or lm.max_context - 1,

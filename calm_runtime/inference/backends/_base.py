@@ -83,6 +83,14 @@ class Backend(ABC):
             out.append(buffer)
         return out
 
+    def crop(self, state: Any, start: int) -> Any:
+        """``state`` without its first ``start`` cache positions (columns every row pads: the
+        attention masks are 0 there). This default takes states that are lists of
+        ``[b, heads, past, head_dim]`` arrays."""
+        if state is None or start <= 0:
+            return state
+        return [np.ascontiguousarray(np.asarray(v)[:, :, start:]) for v in state]
+
     def release(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Give memory cached between passes back to the system; the runtime calls it at
         the end of each generation and scoring call (after dropping its KV states)."""
@@ -105,6 +113,11 @@ class TorchStateMixin:
             return None
         index = self._torch.as_tensor(np.asarray(rows, dtype=np.int64), device=self._device)
         return [t.index_select(0, index) for t in state]
+
+    def crop(self, state, start):
+        if state is None or start <= 0:
+            return state
+        return [t[:, :, start:].contiguous() for t in state]
 
     def assemble(self, parts, batch, width):
         torch = self._torch

@@ -356,6 +356,16 @@ class OnnxRuntimeBackend(Backend):
                 np.ascontiguousarray(host[rows]), self._kv_device, self._device_id))
         return out
 
+    def crop(self, state, start):
+        if state is None or start <= 0:
+            return state
+        out = []
+        for value in state:
+            host = value if isinstance(value, np.ndarray) else value.numpy()
+            out.append(self._ort.OrtValue.ortvalue_from_numpy(
+                np.ascontiguousarray(host[:, :, start:]), self._kv_device, self._device_id))
+        return out
+
     def close(self) -> None:
         self._session = None
 
@@ -437,3 +447,8 @@ class PackedOnnxRuntimeBackend(OnnxRuntimeBackend):
         if state is None:
             return None
         return self._packed.select(state, np.asarray(rows, dtype=np.int64))
+
+    def crop(self, state, start):
+        """Nothing to crop: each row's tokens sit at the start of its buffer (a packed step
+        reads each row's used slots only)."""
+        return state

@@ -274,9 +274,10 @@ def test_load_is_batched_error_free_and_equal_to_serial(runtime_engine_dir, runt
         assert choice.text == refs[prompt].text
         _close(choice.model_extra["calm"]["token_confidences"],
                [t.confidence for t in refs[prompt].tokens])
-    count = float(next(x for x in metrics.splitlines()
-                       if x.startswith("calm_batch_size_count")).split()[-1])
-    assert count < 80  # concurrent requests shared batches
+    def read(name):
+        return float(next(x for x in metrics.splitlines() if x.startswith(name)).split()[-1])
+    # concurrent requests shared decode steps: more than one row per step on average
+    assert read("calm_batch_size_sum") / read("calm_batch_size_count") > 1.5
 
 
 def test_overload_gives_429_and_recovers(runtime_engine_dir, runtime_lm):
