@@ -221,10 +221,10 @@ class DecodeBatch:
             self.clear()
             return
         if len(keep) < len(self._rows):
-            idx = np.asarray(keep, dtype=np.int64)
-            self._state = self._backend.select(self._state, idx)
+            idx = _swap_removed(keep, len(self._rows))
+            self._state = self._backend.compact(self._state, idx)
             self._mask, self._positions = self._mask[idx], self._positions[idx]
-            self._rows = [self._rows[b] for b in keep]
+            self._rows = [self._rows[b] for b in idx]
             chosen = chosen[idx]
             # a column every remaining row pads is dropped (the widest row left)
             self._trim()
@@ -248,6 +248,16 @@ class DecodeBatch:
         self._rows, self._state, self._logits, self._chosen = [], None, None, None
         self._mask = np.zeros((0, 0), np.int64)
         self._positions = np.zeros((0, 1), np.int64)
+
+
+def _swap_removed(keep: list[int], n: int) -> np.ndarray:
+    """The new row order when only the rows ``keep`` (sorted) of ``n`` stay: each place left
+    below ``len(keep)`` is taken by a row from the end, the others stay where they are (so
+    a backend moves only those rows, :meth:`Backend.compact`)."""
+    m = len(keep)
+    tail = iter(k for k in keep if k >= m)
+    kept = set(keep)
+    return np.asarray([i if i in kept else next(tail) for i in range(m)], dtype=np.int64)
 
 
 def _left_padded(mask: np.ndarray, width: int) -> np.ndarray:

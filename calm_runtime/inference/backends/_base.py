@@ -83,6 +83,13 @@ class Backend(ABC):
             out.append(buffer)
         return out
 
+    def compact(self, state: Any, order: np.ndarray) -> Any:
+        """:meth:`select` of ``order`` for a caller that drops ``state`` afterwards (rows that
+        leave a running batch): a backend may reuse ``state``'s buffers, moving only the rows
+        that change place. ``order[i] >= i`` and no row twice (the rows that leave replaced
+        by later ones)."""
+        return self.select(state, order)
+
     def crop(self, state: Any, start: int) -> Any:
         """``state`` without its first ``start`` cache positions (columns every row pads: the
         attention masks are 0 there). This default takes states that are lists of

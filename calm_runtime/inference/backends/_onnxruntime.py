@@ -441,7 +441,18 @@ class PackedOnnxRuntimeBackend(OnnxRuntimeBackend):
         return logits, self._packed.advance(state, real, seq)
 
     def assemble(self, parts, batch, width):
+        if len(parts) == 2 and parts[0][1].arrays is not None:  # rows joining a running batch
+            (old_rows, old), (new_rows, new) = parts
+            n = len(old.lengths)
+            if (np.array_equal(old_rows, np.arange(n))
+                    and np.array_equal(new_rows, np.arange(n, batch))):
+                return self._packed.append(old, new)
         return self._packed.assemble(parts, batch)
+
+    def compact(self, state, order):
+        if state is None:
+            return None
+        return self._packed.compact(state, np.asarray(order, dtype=np.int64))
 
     def select(self, state, rows):
         if state is None:

@@ -58,6 +58,11 @@ class PackedState:
     #: a one-token step's IO binding with these buffers bound (reused by the next steps:
     #: only the token ids, the mask and the logits' array are bound again)
     step: object | None = None
+    #: host buffers with room for more rows, whose first ``B`` rows ``arrays`` are (None:
+    #: ``arrays`` are whole buffers): rows that join a running batch are written into the
+    #: spare rows, rows that leave are replaced by the last ones (:meth:`PackedCache.append`,
+    #: :meth:`PackedCache.compact`), so neither copies the whole cache
+    base: list | None = None
 
     @property
     def capacity(self) -> int:
@@ -115,6 +120,12 @@ class PackedCache:
     def _host(self, state: PackedState) -> list[np.ndarray]:
         return state.arrays if state.arrays is not None else [v.numpy() for v in state.values]
 
+    def _views(self, base: list[np.ndarray], lengths, padded) -> PackedState:
+        """A state over the first ``len(lengths)`` rows of the host buffers ``base``."""
+        state = self._new_state([b[:len(lengths)] for b in base], lengths, padded)
+        state.base = base
+        return state
+
     def from_present(self, present, lengths: np.ndarray) -> PackedState:
         """A state holding a prefill's ``present`` outputs (width = the prompt's)."""
         arrays = [v if isinstance(v, np.ndarray) else v.numpy() for v in present]
@@ -132,6 +143,15 @@ class PackedCache:
         if needed <= state.capacity:
             return state
         capacity = max(needed, 2 * state.capacity)
+        if state.arrays is not None:  # keep the spare rows
+            base = state.base or state.arrays
+            batch = len(state.lengths)
+            grown = []
+            for array in base:
+                buffer = np.zeros(array.shape[:2] + (capacity, array.shape[3]), array.dtype)
+                buffer[:batch, :, :array.shape[2]] = array[:batch]
+                grown.append(buffer)
+            return self._views(grown, state.lengths, state.padded)
         host = []
         for array in self._host(state):
             buffer = np.zeros(array.shape[:2] + (capacity, array.shape[3]), array.dtype)
@@ -162,6 +182,45 @@ class PackedCache:
     def select(self, state: PackedState, rows: np.ndarray) -> PackedState:
         host = [np.ascontiguousarray(a[rows]) for a in self._host(state)]
         return self._new_state(host, state.lengths[rows], state.padded[rows])
+
+    def compact(self, state: PackedState, order: np.ndarray) -> PackedState:
+        """:meth:`select` of ``order`` that overwrites ``state``'s own buffers (``state`` is
+        not valid afterwards): row ``i`` takes row ``order[i]``, copying only the rows that
+        move. Needs ``order[i] >= i`` and no row twice (rows that leave replaced by later
+        ones); anything else is a :meth:`select`."""
+        order = np.asarray(order, dtype=np.int64)
+        if (state.arrays is None or np.any(order < np.arange(order.size))
+                or np.unique(order).size != order.size):
+            return self.select(state, order)
+        base = state.base or state.arrays
+        moves = [(i, int(j)) for i, j in enumerate(order) if i != j]
+        for array in base:
+            for i, j in moves:
+                array[i] = array[j]
+        return self._views(base, state.lengths[order], state.padded[order])
+
+    def append(self, state: PackedState, new: PackedState) -> PackedState:
+        """``state``'s rows, then ``new``'s (prefilled apart): the new rows are written into
+        ``state``'s spare rows (a quarter more rows are allocated, and its old rows copied
+        once, when there are too few or they are too short)."""
+        batch, added = len(state.lengths), len(new.lengths)
+        base = state.base or state.arrays
+        rows, capacity = base[0].shape[0], base[0].shape[2]
+        width = int(new.lengths.max())
+        if rows < batch + added or capacity < width + 1:
+            rows = max(rows, batch + added + max(4, (batch + added) // 4))
+            capacity = max(capacity, width + _HEADROOM)
+            grown = []
+            for array in base:
+                buffer = np.zeros((rows,) + array.shape[1:2] + (capacity, array.shape[3]),
+                                  array.dtype)
+                buffer[:batch, :, :array.shape[2]] = array[:batch]
+                grown.append(buffer)
+            base = grown
+        for array, part in zip(base, self._host(new), strict=True):
+            array[batch:batch + added, :, :width] = part[:, :, :width]
+        return self._views(base, np.concatenate([state.lengths, new.lengths]),
+                           np.concatenate([state.padded, new.padded]))
 
     # ------------------------------------------------------------------ passes
     def step_inputs(self, state: PackedState, attention_mask: np.ndarray,
@@ -194,7 +253,8 @@ class PackedCache:
         """The state after a pass: the same buffers (written in place beyond the old
         lengths, so ``state`` itself stays valid), each row ``seq`` slots longer."""
         padded = state.padded if real is _ONE_REAL else state.padded | ~real.all(axis=1)
-        return PackedState(state.arrays, state.values, state.lengths + seq, padded, state.step)
+        return PackedState(state.arrays, state.values, state.lengths + seq, padded, state.step,
+                           state.base)
 
 
 def unpack_logits(logits: np.ndarray, columns: list[np.ndarray], seq: int) -> np.ndarray:
