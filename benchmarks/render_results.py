@@ -7,9 +7,9 @@ Nothing is measured here: every table and every number is read from ``benchmarks
 (the JSON a benchmark wrote, or the tables of the ``.md`` it rendered from that JSON), and
 every section names the file and the command that produced it. The result files themselves
 are rewritten only to name each folder of the machine that made them by its last part. The
-CALM block of
-docs/results.md, between its markers, is written by ``python benchmarks/calm_decisive.py
---report`` and kept here as it stands.
+CALM block of docs/results.md, between its markers, is written by ``python
+benchmarks/calm_decisive.py --report``, and the CALM-as-specified block by ``python
+research/calm_as_specified.py --report``; both are kept here as they stand.
 """
 
 from __future__ import annotations
@@ -20,6 +20,9 @@ from pathlib import Path
 
 from _common import portable
 from _results_sections import (
+    AS_SPECIFIED_END,
+    AS_SPECIFIED_PLACEHOLDER,
+    AS_SPECIFIED_START,
     CALM_END,
     CALM_PLACEHOLDER,
     CALM_START,
@@ -75,7 +78,7 @@ def render_doc(calm_block: str) -> str:
     lines += token_section(load("token_calibration.json"))
     lines += acting_section(load("served.json"), head_command("threshold.md"))
     lines += p_true_section(load("p_true.json"))
-    lines += calm_section(calm_block, load("calm_decisive.json"))
+    lines += calm_section(calm_block, load("calm_decisive.json"), current_as_specified_block())
     lines += lm_eval_section()
     lines += cost_section(head_command("latency.md"), head_command("scoring.md"),
                           head_command("serve_load.md"))
@@ -168,6 +171,14 @@ def _between(text: str, start: str, end: str) -> str | None:
     if start not in text or end not in text:
         return None
     return text.split(start, 1)[1].split(end, 1)[0].strip("\n")
+
+
+def current_as_specified_block() -> str:
+    if DOC.is_file():
+        block = _between(DOC.read_text(), AS_SPECIFIED_START, AS_SPECIFIED_END)
+        if block is not None:
+            return block
+    return AS_SPECIFIED_PLACEHOLDER
 
 
 def current_calm_block() -> str:

@@ -337,6 +337,8 @@ def main(argv=None) -> int:
                "machine": f"{os.cpu_count()} CPU cores", "model": MODEL,
                "vllm_flags": vllm_flags, "calm_serve_flags": calm[6:],
                "llama_server_flags": llama_flags, "start_s": starts, "peak_rss_mb": peaks,
+               "engine_graphs": {name: json.loads((parts[name] / "calm_engine.json").read_text())
+                                 ["export"]["graph"]["kind"] for name in ("fp32", "int4")},
                "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "serve_vs_vllm.json").write_text(json.dumps(payload, indent=1) + "\n")
@@ -358,7 +360,9 @@ def render(payload: dict) -> list[str]:
              + (f"; llama-server flags `{' '.join(payload['llama_server_flags'])}`"
                 if payload.get("llama_server_flags") else "")
              + "; server start: "
-             + ", ".join(f"{k} {v:.0f} s" for k, v in payload["start_s"].items()), "",
+             + ", ".join(f"{k} {v:.0f} s" for k, v in payload["start_s"].items())
+             + (f"; calm's engines: {', '.join(f'{k} {v}' for k, v in graphs.items())} graph"
+                if (graphs := payload.get("engine_graphs")) else ""), "",
              "Peak RSS (the server's process tree, whole run): "
              + ", ".join(f"{k} {v:.0f} MB" for k, v in payload.get("peak_rss_mb", {}).items()),
              "", "| answer tokens | clients | server | requests | errors | requests/s | "
