@@ -251,6 +251,9 @@ def main(argv=None) -> int:
                         help="calm serve's ONNX Runtime threads (default: all cores)")
     parser.add_argument("--max-batch-size", type=int, default=None,
                         help="calm serve's running-batch rows (default: its own default)")
+    parser.add_argument("--max-step-prefill-tokens", type=int, default=None,
+                        help="calm serve's prompt tokens admitted per step boundary (default: "
+                        "its own default)")
     parser.add_argument("--engines", type=Path,
                         default=Path(tempfile.gettempdir()) / "calm-serve-vs-vllm",
                         help="where calm's engines are exported (reused when present)")
@@ -285,6 +288,8 @@ def main(argv=None) -> int:
             "--max-queue", str(4 * most)]
     if args.max_batch_size:
         calm += ["--max-batch-size", str(args.max_batch_size)]
+    if args.max_step_prefill_tokens:
+        calm += ["--max-step-prefill-tokens", str(args.max_step_prefill_tokens)]
     if args.threads:
         calm += ["--threads", str(args.threads)]
     vllm_flags = ["--dtype", "float32", "--max-model-len", "512"]

@@ -68,7 +68,7 @@ class ServeConfig:
     model_name: str | None = None
     backend: str = "onnxruntime"
     threads: int | None = None
-    max_batch_size: int = 32
+    max_batch_size: int = 64
     batch_window_ms: float = 5.0
     max_step_prefill_tokens: int = 512
     max_queue: int = 64
