@@ -306,7 +306,10 @@ def main(argv=None) -> int:
         import _llama_cpp
         from engines import model_gguf
 
-        binary = _llama_cpp.binaries(args.llama_cpp)["server"]
+        binary = _llama_cpp.optional(args.llama_cpp, "llama-server")
+        if binary is None:
+            parser.error(f"--llama-cpp {args.llama_cpp}: no llama-server there; build "
+                         "llama.cpp's llama-server target (benchmarks/_llama_cpp.py)")
         gguf = model_gguf(MODEL, args.engines)
         slots = max(clients)
         llama_flags = ["-np", str(slots), "-c", str(slots * 512), "-t",
