@@ -548,7 +548,8 @@ def cost_section(latency_head: str, scoring_head: str, load_head: str) -> list[s
     lines += [f"Scoring speed of `calm fit`/`calm eval` with the torch model and with its "
               f"engine folder as `--model` (`benchmarks/results/scoring.md`, produced by "
               f"{scoring_head}):", "", *md_tables("scoring.md")[0], "",
-              f"`calm serve` under concurrent clients, micro-batching on and off "
+              f"`calm serve` under concurrent clients, batching on and off (measured at the "
+              f"commit the file names) "
               f"(`benchmarks/results/serve_load.md`, produced by {load_head}):", "",
               *md_tables("serve_load.md")[0], ""]
     if (RESULTS / "serve_vs_vllm.md").is_file():
