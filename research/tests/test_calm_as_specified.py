@@ -6,10 +6,9 @@ from __future__ import annotations
 import argparse
 import json
 
+import calm_as_specified as exp
 import numpy as np
 import pytest
-
-import calm_as_specified as exp
 
 
 def _probs(n: int, confidence: float, accuracy: float, k: int = 4, seed: int = 0):
@@ -123,3 +122,6 @@ def test_the_report_decides_the_default_by_the_written_rule(tmp_path):
     page = doc.read_text()
     assert "OLD-BLOCK" not in page and "#### The claims" in page and page.endswith("after\n")
     json.dumps(payload)  # the result file is plain JSON
+    sentences = exp.readme_sentences(payload)
+    assert sentences.count(". ") <= 2 and "so it is the default" in sentences
+    assert f"{payload['claims'][0]['delta']:+.3f}" in sentences
