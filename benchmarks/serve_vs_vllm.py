@@ -257,6 +257,9 @@ def main(argv=None) -> int:
     parser.add_argument("--engines", type=Path,
                         default=Path(tempfile.gettempdir()) / "calm-serve-vs-vllm",
                         help="where calm's engines are exported (reused when present)")
+    parser.add_argument("--keep-others", action="store_true",
+                        help="keep the rows of the servers not run now from the result file "
+                        "already there (each server's rows say when they were measured)")
     parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -316,13 +319,37 @@ def main(argv=None) -> int:
                        str(args.threads or os.cpu_count())]
         commands["llama-server"] = ([str(binary), "-m", str(gguf), "--host", "127.0.0.1",
                                      "--port", "{port}", "-a", "m", *llama_flags], {})
-    rows, starts, peaks = [], {}, {}
+    rows, starts, peaks, failed, runs = [], {}, {}, {}, {}
+    previous = args.out / "serve_vs_vllm.json"
+    if args.keep_others and previous.is_file():
+        old = json.loads(previous.read_text())
+        ran = {NAMES[k] for k in wanted}
+        rows = [r for r in old["rows"] if r["server"] not in ran]
+        for field, into in (("start_s", starts), ("peak_rss_mb", peaks), ("failed", failed),
+                            ("server_runs", runs)):
+            into.update({k: v for k, v in old.get(field, {}).items() if k not in ran})
+    payload = {"command": command_line("serve_vs_vllm.py",
+                                       argv if argv is not None else sys.argv[1:]),
+               "commit": git_commit(), "machine": f"{os.cpu_count()} CPU cores",
+               "model": MODEL, "vllm_flags": vllm_flags, "calm_serve_flags": calm[6:],
+               "llama_server_flags": llama_flags, "start_s": starts, "peak_rss_mb": peaks,
+               "failed": failed, "server_runs": runs,
+               "engine_graphs": {name: json.loads((parts[name] / "calm_engine.json")
+                                                  .read_text())["export"]["graph"]["kind"]
+                                 for name in ("fp32", "int4")}, "rows": rows}
     for key in wanted:
         command, env = commands[key]
         name = NAMES[key]
-        server = Server(name, command, env=env, log=args.engines / f"{key}.log",
-                        start_timeout=1800)
+        try:
+            server = Server(name, command, env=env, log=args.engines / f"{key}.log",
+                            start_timeout=1800)
+        except SystemExit as exc:  # recorded; the other servers still run
+            logger.error("%s", exc)
+            failed[name] = str(exc).splitlines()[0][:300]
+            continue
         starts[name] = server.start_s
+        runs[name] = {"command": payload["command"], "commit": payload["commit"],
+                      "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
         try:
             complete(server.url, prompts[0], 4)  # warm-up
             cells = [("closed", n, length) for length in lengths for n in clients]
@@ -339,21 +366,18 @@ def main(argv=None) -> int:
             peaks[name] = peak_rss_mb(server.process.pid)
         finally:
             server.stop()
-    payload = {"command": command_line("serve_vs_vllm.py",
-                                       argv if argv is not None else sys.argv[1:]),
-               "commit": git_commit(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-               "machine": f"{os.cpu_count()} CPU cores", "model": MODEL,
-               "vllm_flags": vllm_flags, "calm_serve_flags": calm[6:],
-               "llama_server_flags": llama_flags, "start_s": starts, "peak_rss_mb": peaks,
-               "engine_graphs": {name: json.loads((parts[name] / "calm_engine.json").read_text())
-                                 ["export"]["graph"]["kind"] for name in ("fp32", "int4")},
-               "rows": rows}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "serve_vs_vllm.json").write_text(json.dumps(payload, indent=1) + "\n")
+        write(args.out, payload)  # each server's rows kept as soon as it is done
+    print("\n".join(write(args.out, payload)))
+    return 1 if failed or any(r["errors"] for r in rows) else 0
+
+
+def write(out: Path, payload: dict) -> list[str]:
+    payload["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "serve_vs_vllm.json").write_text(json.dumps(payload, indent=1) + "\n")
     lines = render(payload)
-    (args.out / "serve_vs_vllm.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return 1 if any(r["errors"] for r in rows) else 0
+    (out / "serve_vs_vllm.md").write_text("\n".join(lines) + "\n")
+    return lines
 
 
 def _cell(r: dict) -> str:
@@ -372,7 +396,12 @@ def render(payload: dict) -> list[str]:
              + (f"; calm's engines: {', '.join(f'{k} {v}' for k, v in graphs.items())} graph"
                 if (graphs := payload.get("engine_graphs")) else ""), "",
              "Peak RSS (the server's process tree, whole run): "
-             + ", ".join(f"{k} {v:.0f} MB" for k, v in payload.get("peak_rss_mb", {}).items()),
+             + ", ".join(f"{k} {v:.0f} MB" for k, v in payload.get("peak_rss_mb", {}).items())
+             + "".join(f". {k} did not start: {v}" for k, v in payload.get("failed", {}).items())
+             + ("" if len({r["commit"] for r in payload.get("server_runs", {}).values()}) < 2
+                else ". Servers measured in separate runs: " + "; ".join(
+                    f"{k} at {r['commit']} ({r['date']})"
+                    for k, r in payload["server_runs"].items())),
              "", "| answer tokens | clients | server | requests | errors | requests/s | "
              "tokens/s | TTFT p50 / p99 s | TPOT p50 / p99 ms | latency p50 / p99 s | "
              "load before → after |", "|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -122,8 +122,9 @@ class DecodeBatch:
         started = time.perf_counter()
         prompts = [list(s.prompt) for s in specs]
         needs_cache = any(s.max_new_tokens > 1 for s in specs) or bool(self._rows)
+        joining = bool(self._rows)  # the new parts go straight into the running cache
         last, state = prefill(self._backend, prompts, self._tok.pad_token_id,
-                              keep_state=needs_cache, should_stop=should_stop)
+                              keep_state=needs_cache, should_stop=should_stop, parts=joining)
         _, mask = left_pad(prompts, self._tok.pad_token_id)
         positions = initial_positions(mask)[:, -1:]
         rows = [_Row(h, s, IncrementalDecoder(self._tok, list(s.prompt)), started)
@@ -136,7 +137,7 @@ class DecodeBatch:
             width = max(self._mask.shape[1], mask.shape[1])
             self._state = self._backend.assemble(
                 [(np.arange(old, dtype=np.int64), self._state),
-                 (np.arange(old, old + new, dtype=np.int64), state)], old + new, width)
+                 *((rows + old, part) for rows, part in state)], old + new, width)
             self._mask = np.concatenate([_left_padded(self._mask, width),
                                          _left_padded(mask, width)])
             self._positions = np.concatenate([self._positions, positions])

@@ -122,19 +122,23 @@ class PrefillBudget:
         """The working set one pass may hold."""
         return self.tokens * PREFILL_BYTES_PER_TOKEN
 
-    def cost(self, rows: int, new: int, past: int = 0, *, all_logits: bool = False) -> int:
+    def cost(self, rows: int, new: int, past: int = 0, *, all_logits: bool = False,
+             one_length: bool = False) -> int:
         """Bytes of attention scores and logits a pass of ``rows`` x ``new`` positions on top
-        of ``past`` holds (``all_logits``: the logits of every position are asked for)."""
+        of ``past`` holds (``all_logits``: the logits of every position are asked for;
+        ``one_length``: every row is ``new`` tokens long)."""
         last = self.last_logits_with_past if past else self.last_logits
         if last == "one-row":  # one count of last positions for all rows (packed graph)
-            last = rows == 1
+            last = rows == 1 or one_length
         kept = new if all_logits or not last else 1
         return 4 * rows * (ATTENTION_BUFFERS * self.heads * new * (past + new)
                            + kept * self.vocab)
 
-    def fits(self, rows: int, new: int, past: int = 0, *, all_logits: bool = False) -> bool:
+    def fits(self, rows: int, new: int, past: int = 0, *, all_logits: bool = False,
+             one_length: bool = False) -> bool:
         return (rows * new <= self.tokens
-                and self.cost(rows, new, past, all_logits=all_logits) <= self.bytes)
+                and self.cost(rows, new, past, all_logits=all_logits,
+                              one_length=one_length) <= self.bytes)
 
     def span(self, rows: int, total: int, *, all_logits: bool = False) -> int:
         """The most positions per pass for ``rows`` rows fed in pieces on top of their cache
@@ -180,6 +184,16 @@ class PrefillBudget:
         for i, length in enumerate(lengths):
             self.check(length, "the prompt" if n == 1 else f"prompt {i + 1} of {n}")
         width = max(lengths)
+        if self.last_logits == "one-row" and len(set(lengths)) > 1:
+            # a packed pass keeps one count of last positions for all its rows: rows of
+            # different lengths would project every position from the shortest row's last
+            # on (the longest prompt's worth of logits per row), so rows go in groups of
+            # one length each
+            groups = {}
+            for i in sorted(range(n), key=lambda i: -lengths[i]):
+                groups.setdefault(lengths[i], []).append(i)
+            return [part for rows in groups.values()
+                    for part in self._split(rows, lengths[rows[0]])]
         if self.fits(n, width):
             return [(list(range(n)), width)]
         order = sorted(range(n), key=lambda i: -lengths[i])
@@ -190,6 +204,17 @@ class PrefillBudget:
             else:
                 groups.append([i])
         return [(rows, self.chunk(lengths[rows[0]])) for rows in groups]
+
+    def _split(self, rows: list[int], length: int) -> list[tuple[list[int], int]]:
+        """Rows of one ``length`` in passes that each fit (one row per pass at least)."""
+        out, i = [], 0
+        while i < len(rows):
+            take = 1
+            while i + take < len(rows) and self.fits(take + 1, length, one_length=True):
+                take += 1
+            out.append((rows[i:i + take], self.chunk(length)))
+            i += take
+        return out
 
 
 def released(backend, fn, *args, **kwargs):
@@ -221,11 +246,13 @@ class PrefillStopped(Exception):
 
 
 def prefill(backend, prompts: Sequence[Sequence[int]], pad_id: int, *,
-            keep_state: bool = True,
-            should_stop: Callable[[], bool] | None = None) -> tuple[np.ndarray, object]:
+            keep_state: bool = True, should_stop: Callable[[], bool] | None = None,
+            parts: bool = False) -> tuple[np.ndarray, object]:
     """The last position's logits ``[N, V]`` of each prompt and (``keep_state``) the KV state
     of the left-padded batch, run within ``backend.prefill_budget`` (see the module doc).
-    ``should_stop()`` is asked between passes; true raises :class:`PrefillStopped`."""
+    ``should_stop()`` is asked between passes; true raises :class:`PrefillStopped`.
+    ``parts``: the state as the ``(rows, state)`` parts of its passes, for a caller that
+    assembles them with more (a running batch's cache: one copy instead of two)."""
     budget = getattr(backend, "prefill_budget", None)
     lengths = [len(p) for p in prompts]
     width = max(lengths)
@@ -234,9 +261,12 @@ def prefill(backend, prompts: Sequence[Sequence[int]], pad_id: int, *,
     if len(plan) == 1 and plan[0][1] >= width:  # one pass, as always
         ids, mask = left_pad(prompts, pad_id)
         logits, state = backend.run(ids, mask, initial_positions(mask), None, last_only=True)
+        if parts:
+            return logits[:, -1], ([(np.arange(len(prompts), dtype=np.int64), state)]
+                                   if keep_state else None)
         return logits[:, -1], (state if keep_state else None)
     last: list = [None] * len(prompts)
-    parts = []
+    pieces = []
     for rows, chunk in plan:
         ids, mask = left_pad([prompts[i] for i in rows], pad_id)
         positions = initial_positions(mask)
@@ -250,12 +280,14 @@ def prefill(backend, prompts: Sequence[Sequence[int]], pad_id: int, *,
         for j, i in enumerate(rows):
             last[i] = logits[j, -1]
         if keep_state:
-            parts.append((np.asarray(rows, dtype=np.int64), state))
+            pieces.append((np.asarray(rows, dtype=np.int64), state))
         del state
     logits = np.stack(last)
     if not keep_state:
         return logits, None
-    return logits, backend.assemble(parts, len(prompts), width)
+    if parts:
+        return logits, pieces
+    return logits, backend.assemble(pieces, len(prompts), width)
 
 
 @dataclass(frozen=True)

@@ -441,12 +441,11 @@ class PackedOnnxRuntimeBackend(OnnxRuntimeBackend):
         return logits, self._packed.advance(state, real, seq)
 
     def assemble(self, parts, batch, width):
-        if len(parts) == 2 and parts[0][1].arrays is not None:  # rows joining a running batch
-            (old_rows, old), (new_rows, new) = parts
-            n = len(old.lengths)
-            if (np.array_equal(old_rows, np.arange(n))
-                    and np.array_equal(new_rows, np.arange(n, batch))):
-                return self._packed.append(old, new)
+        (old_rows, old), *new = parts
+        if new and old.arrays is not None and np.array_equal(
+                old_rows, np.arange(len(old.lengths))) and all(
+                rows.min() >= len(old.lengths) for rows, _ in new):
+            return self._packed.append(old, new, batch)  # rows joining a running batch
         return self._packed.assemble(parts, batch)
 
     def compact(self, state, order):

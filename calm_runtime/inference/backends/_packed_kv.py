@@ -199,16 +199,19 @@ class PackedCache:
                 array[i] = array[j]
         return self._views(base, state.lengths[order], state.padded[order])
 
-    def append(self, state: PackedState, new: PackedState) -> PackedState:
-        """``state``'s rows, then ``new``'s (prefilled apart): the new rows are written into
-        ``state``'s spare rows (a quarter more rows are allocated, and its old rows copied
-        once, when there are too few or they are too short)."""
-        batch, added = len(state.lengths), len(new.lengths)
+    def append(self, state: PackedState, parts: list, total: int) -> PackedState:
+        """``state``'s rows as rows ``0..B-1`` of ``total``, the others from ``parts``
+        (``(rows, state)`` prefilled apart, ``rows`` from ``B`` on): written into ``state``'s
+        spare rows (twice the rows are allocated, and its old rows copied once, when there are
+        too few or they are too short)."""
+        batch, added = len(state.lengths), total - len(state.lengths)
         base = state.base or state.arrays
         rows, capacity = base[0].shape[0], base[0].shape[2]
-        width = int(new.lengths.max())
+        width = max(int(part.lengths.max()) for _, part in parts)
         if rows < batch + added or capacity < width + 1:
-            rows = max(rows, batch + added + max(4, (batch + added) // 4))
+            # twice the rows: the pages of rows never used are never touched (np.zeros),
+            # and a batch that keeps growing copies its cache O(log rows) times
+            rows = max(rows, 2 * (batch + added))
             capacity = max(capacity, width + _HEADROOM)
             grown = []
             for array in base:
@@ -217,10 +220,14 @@ class PackedCache:
                 buffer[:batch, :, :array.shape[2]] = array[:batch]
                 grown.append(buffer)
             base = grown
-        for array, part in zip(base, self._host(new), strict=True):
-            array[batch:batch + added, :, :width] = part[:, :, :width]
-        return self._views(base, np.concatenate([state.lengths, new.lengths]),
-                           np.concatenate([state.padded, new.padded]))
+        lengths = np.concatenate([state.lengths, np.zeros(added, np.int64)])
+        padded = np.concatenate([state.padded, np.zeros(added, bool)])
+        for where, part in parts:
+            used = int(part.lengths.max())
+            for array, values in zip(base, self._host(part), strict=True):
+                array[where, :, :used] = values[:, :, :used]
+            lengths[where], padded[where] = part.lengths, part.padded
+        return self._views(base, lengths, padded)
 
     # ------------------------------------------------------------------ passes
     def step_inputs(self, state: PackedState, attention_mask: np.ndarray,
