@@ -558,6 +558,12 @@ def cost_section(latency_head: str, scoring_head: str, load_head: str) -> list[s
                   f"(`benchmarks/results/serve_vs_vllm.md`, produced by "
                   f"{head_command('serve_vs_vllm.md')}):", "",
                   *md_tables("serve_vs_vllm.md")[0], "", *serve_vs_vllm_reading(), ""]
+    if (RESULTS / "serve_profile.md").is_file():
+        lines += [f"Where a busy server's time goes, ONNX Runtime's op profile of one admission "
+                  f"prefill and of full-batch decode steps, fp32 and int4 engines "
+                  f"(`benchmarks/results/serve_profile.md`, produced by "
+                  f"{head_command('serve_profile.md')}):", "",
+                  *md_tables("serve_profile.md")[0], "", *serve_profile_reading(), ""]
     return lines
 
 
@@ -606,6 +612,30 @@ def serve_vs_vllm_reading() -> list[str]:
     if data.get("peak_rss_mb"):
         out.append("Peak RSS of each server over the whole run: "
                    + ", ".join(f"{k} {v:.0f} MB" for k, v in data["peak_rss_mb"].items()) + ".")
+    return [" ".join(out)] if out else []
+
+
+def serve_profile_reading() -> list[str]:
+    """The int4 engine's matrix products against fp32's per pass, from serve_profile.json."""
+    data = json.loads((RESULTS / "serve_profile.json").read_text())["engines"]
+    out, slower = [], []
+    for phase, key in (("prefill", "prefill_rows"), ("decode", "decode_rows")):
+        fp32, int4 = data["fp32"][key], data["int4"][key]
+        mm = fp32[phase].get("MatMul", {}).get("ms")
+        nbits = int4[phase].get("MatMulNBits", {}).get("ms")
+        wall = ("prefill" if phase == "prefill" else "decode_per_step")
+        if mm and nbits:
+            out.append(f"{'One admission prefill' if phase == 'prefill' else 'One decode step'} "
+                       f"of {fp32['rows']} rows: int4 {int4['wall_s'][wall] * 1e3:.0f} ms against "
+                       f"fp32 {fp32['wall_s'][wall] * 1e3:.0f} ms, its MatMulNBits "
+                       f"{nbits:.1f} ms against fp32's MatMul {mm:.1f} ms.")
+            slower.append(nbits > mm)
+    if slower and all(slower):
+        out.append("The int4 engine reads a quarter of the weight bytes, which wins where a "
+                   "step is bound by reading the weights (few rows); with many rows a step is "
+                   "bound by arithmetic, and ONNX Runtime's 4-bit kernel (activations "
+                   "quantised per block, int8 products) does that arithmetic slower than its "
+                   "fp32 GEMM here (the profile above, at these row counts).")
     return [" ".join(out)] if out else []
 
 

@@ -41,8 +41,16 @@ def profile(engine: Path, prompts: list[str], steps: int, threads: int | None) -
     warm = DecodeBatch(lm.backend, lm.tokenizer)  # the arena and kernels warmed once
     warm.admit(specs, range(len(specs)))
     warm.clear()
+    passes = []
+    run = lm.backend.run
+
+    def counted(*a, **k):
+        passes.append(1)
+        return run(*a, **k)
+    lm.backend.run = counted
     marks = [time.perf_counter_ns() // 1000]
     batch.admit(specs, range(len(specs)))
+    prefill_passes = len(passes)
     marks.append(time.perf_counter_ns() // 1000)
     for _ in range(steps):
         batch.choose()
@@ -52,10 +60,12 @@ def profile(engine: Path, prompts: list[str], steps: int, threads: int | None) -
     events = json.loads(trace.read_text())
     trace.unlink()
     runs = [e for e in events if e.get("cat") == "Session" and e["name"] == "model_run"]
-    # the profiler's clock starts with the session: the last 1 + steps runs are ours
-    ours = runs[-(1 + steps):]
-    phases = {"prefill": ours[:1], "decode": ours[1:]}
+    # the last runs are ours: the admission's prefill passes (one per prompt length on a
+    # packed engine), then the decode steps
+    ours = runs[-(prefill_passes + steps):]
+    phases = {"prefill": ours[:prefill_passes], "decode": ours[prefill_passes:]}
     out = {"tokens": sum(len(i) for i in ids), "rows": len(ids), "steps": steps,
+           "prefill_passes": prefill_passes,
            "wall_s": {"prefill": (marks[1] - marks[0]) / 1e6,
                       "decode_per_step": (marks[2] - marks[1]) / 1e6 / steps}}
     for phase, group in phases.items():
@@ -66,8 +76,11 @@ def profile(engine: Path, prompts: list[str], steps: int, threads: int | None) -
                     a <= e["ts"] <= b for a, b in spans):
                 time_[e["args"]["op_name"]] += e["dur"]
         total = sum(time_.values()) or 1
-        out[phase] = {op: {"ms": t / 1e3 / len(group), "share": t / total}
+        # per admission (all its passes) and per decode step
+        per = 1 if phase == "prefill" else len(group)
+        out[phase] = {op: {"ms": t / 1e3 / per, "share": t / total}
                       for op, t in time_.most_common(8)}
+        out[f"{phase}_run_ms"] = sum(r["dur"] for r in group) / 1e3 / per
     return out
 
 
@@ -102,17 +115,20 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "serve_profile.json").write_text(json.dumps(payload, indent=1) + "\n")
     lines = [f"`{payload['command']}` at {payload['commit']} ({payload['date']})", "",
-             "| engine | phase | wall | op: kernel ms per pass (share) |", "|---|---|---|---|"]
+             "| engine | phase | wall | ORT runs | op: kernel ms (share) |",
+             "|---|---|---|---|---|"]
     for name, runs in result.items():
         pre, dec = runs["prefill_rows"], runs["decode_rows"]
         for label, run, phase, wall in (
-                (f"prefill, {pre['rows']} prompts ({pre['tokens']} tokens)", pre, "prefill",
+                (f"admission prefill, {pre['rows']} prompts ({pre['tokens']} tokens, "
+                 f"{pre['prefill_passes']} passes)", pre, "prefill",
                  f"{pre['wall_s']['prefill'] * 1e3:.0f} ms"),
                 (f"decode step, {dec['rows']} rows", dec, "decode",
                  f"{dec['wall_s']['decode_per_step'] * 1e3:.0f} ms")):
             ops = "; ".join(f"{op} {v['ms']:.1f} ({v['share']:.0%})"
                             for op, v in run[phase].items())
-            lines.append(f"| {name} | {label} | {wall} | {ops} |")
+            lines.append(f"| {name} | {label} | {wall} | {run[phase + '_run_ms']:.0f} ms | "
+                         f"{ops} |")
     (args.out / "serve_profile.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
