@@ -630,6 +630,12 @@ def serve_profile_reading() -> list[str]:
                        f"fp32 {fp32['wall_s'][wall] * 1e3:.0f} ms, its MatMulNBits "
                        f"{nbits:.1f} ms against fp32's MatMul {mm:.1f} ms.")
             slower.append(nbits > mm)
+            extra = {op: v["ms"] for op, v in int4[phase].items()
+                     if op not in fp32[phase] and op != "MatMulNBits"}
+            if extra:
+                out.append(f"The int4 graph's own extra ops there ({', '.join(extra)}: the "
+                           f"GGUF blocks' minimums, applied outside MatMulNBits as block sums "
+                           f"of its input) take {sum(extra.values()):.1f} ms.")
     if slower and all(slower):
         out.append("The int4 engine reads a quarter of the weight bytes, which wins where a "
                    "step is bound by reading the weights (few rows); with many rows a step is "
