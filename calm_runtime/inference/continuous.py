@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from calm_runtime.inference.prefill import initial_positions, left_pad, prefill
 from calm_runtime.inference.results import Alternative, Generation, Timing, Token
 from calm_runtime.inference.sampling import (
     SamplingParams,
@@ -113,8 +114,6 @@ class DecodeBatch:
         by the next :meth:`choose`). Only between a :meth:`advance` (or the start) and the next
         :meth:`choose`. ``should_stop`` is asked between prefill passes
         (:class:`~calm_runtime.inference.generation.PrefillStopped` when it answers true)."""
-        from calm_runtime.inference.generation import initial_positions, left_pad, prefill
-
         if not specs:
             return
         if self._chosen is not None:

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 from calm_runtime.errors import CalmError
 from calm_runtime.inference.continuous import DecodeBatch
-from calm_runtime.inference.generation import PrefillStopped, release
+from calm_runtime.inference.prefill import PrefillStopped, release
 from calm_runtime.inference.results import Generation
 from calm_runtime.inference.sampling import DecodeOptions
 from calm_runtime.placement import trim_heap

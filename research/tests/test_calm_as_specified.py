@@ -5,10 +5,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
-import calm_as_specified as exp
 import numpy as np
 import pytest
+
+# research/'s scripts are not a package: imported from their folder
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import calm_as_specified as exp  # noqa: E402
 
 
 def _probs(n: int, confidence: float, accuracy: float, k: int = 4, seed: int = 0):
