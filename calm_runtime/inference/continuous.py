@@ -69,6 +69,8 @@ class _Row:
     finish: str | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
+    #: characters of the longest stop string (where a stop search starts again)
+    longest_stop: int = 0
 
     def result(self, reason: str | None = None) -> Generation:
         first = self.first_token_at if self.first_token_at is not None else time.perf_counter()
@@ -126,7 +128,8 @@ class DecodeBatch:
                               keep_state=needs_cache, should_stop=should_stop, parts=joining)
         _, mask = left_pad(prompts, self._tok.pad_token_id)
         positions = initial_positions(mask)[:, -1:]
-        rows = [_Row(h, s, IncrementalDecoder(self._tok, list(s.prompt)), started)
+        rows = [_Row(h, s, IncrementalDecoder(self._tok, list(s.prompt)), started,
+                     longest_stop=max(map(len, s.stop), default=0))
                 for h, s in zip(handles, specs, strict=True)]
         if not self._rows:
             self._state, self._mask, self._positions = state, mask, positions
@@ -174,8 +177,7 @@ class DecodeBatch:
             before = len(row.text)
             row.text += text
             if spec.stop and text:
-                longest = max(len(x) for x in spec.stop)
-                where = find_stop(row.text, spec.stop, max(0, before - longest + 1))
+                where = find_stop(row.text, spec.stop, max(0, before - row.longest_stop + 1))
                 if where is not None:
                     row.cut, reason = where, "stop"
             raw = None if spec.raw_scale is None else raw_log_softmax(stats.shifted[b],

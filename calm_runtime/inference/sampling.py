@@ -158,13 +158,8 @@ def choose_tokens(stats: StepStats, params: SamplingParams,
     and are never chosen. Their probability stays in the distribution the confidences are
     read from (the model's own, as an engine's logits and a server's logprobs report it);
     only the choice is restricted, as a banned token is."""
-    limit = None if valid is None or valid >= stats.shifted.shape[-1] else int(valid)
-    if params.greedy:
-        return stats.shifted[:, :limit].argmax(axis=-1)
-    chosen = np.empty(stats.shifted.shape[0], dtype=np.int64)
-    for b in range(chosen.size):
-        chosen[b] = _sample_row(stats, b, params, generators[b], limit)
-    return chosen
+    rows = stats.shifted.shape[0]
+    return choose_row_tokens(stats, [params] * rows, list(generators) or [None] * rows, valid)
 
 
 def choose_row_tokens(stats: StepStats, params: list[SamplingParams],
