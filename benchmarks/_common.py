@@ -68,12 +68,19 @@ def fill_chance(sets: dict, load, n_of) -> None:
 
 
 def git_commit() -> str:
-    """The short commit hash the benchmark ran on (named in every result file)."""
+    """The short commit hash the benchmark ran on (named in every result file), with
+    ``+uncommitted`` when tracked files other than result files differ from it: a number
+    measured on code no commit holds says so."""
     try:
-        return subprocess.run(["git", "-C", str(HERE), "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, check=True).stdout.strip()
+        commit = subprocess.run(["git", "-C", str(HERE), "rev-parse", "--short", "HEAD"],
+                                capture_output=True, text=True, check=True).stdout.strip()
+        changed = subprocess.run(
+            ["git", "-C", str(HERE), "status", "--porcelain", "--untracked-files=no", "--",
+             ":/", ":(exclude,top)benchmarks/results", ":(exclude,top)research/results"],
+            capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+    return f"{commit}+uncommitted" if changed else commit
 
 
 #: an absolute path of the machine that ran a benchmark (its home, temporary and work

@@ -20,22 +20,25 @@ logger = logging.getLogger("calm_export.pipeline")
 
 
 def validate_graph(staging: Path, shape, config: ExportConfig, tokenizer, pad_id: int, cases,
-                    references, tolerance: float):
+                    references, tolerance: float, *, variant: bool | None = None):
     """Run the graph in staging through calm's runtime backend against the reference; raises
     :class:`ExportValidationError` when it is off. Also rolls out the drift prompts a
-    variant is measured on."""
+    variant (``variant``; default: the precision's) is measured on."""
+    if variant is None:
+        variant = config.precision.variant
     runner, runtime = validate.onnx_runner(staging / ONNX_FILE, shape, config.providers)
     got = validate.run_cases(runner, cases, config.greedy_steps, references)
     # each drift prompt and its greedy steps within the model's positions (a small model's
     # context can be shorter than the passages)
     room = max(1, shape.max_position_embeddings - config.greedy_steps)
     drift_cases = validate.build_cases(tokenizer, quantize.DRIFT_PROMPTS, pad_id,
-                                       max_tokens=room) if config.precision.variant else []
+                                       max_tokens=room) if variant else []
     drift_base = validate.run_cases(runner, drift_cases, config.greedy_steps)
     del runner
     single, double = validate.compare_all(cases, references, got, tolerance)
     overall = single.merge(double)
-    validate.check("the exported ONNX engine", overall, tolerance)
+    validate.check(f"the exported {config.precision} ONNX engine" if not variant and
+                   config.precision.variant else "the exported ONNX engine", overall, tolerance)
     return got, drift_cases, drift_base, single, double, overall, runtime
 
 

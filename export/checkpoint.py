@@ -42,7 +42,7 @@ from .formats import CHECKPOINT_MANIFEST
 from .heads import PostHead
 
 __all__ = ["CHECKPOINT_MANIFEST", "SCHEMA_VERSION", "check_foldable", "fold_into_checkpoint",
-           "head_loads_bias",
+           "export_checkpoint", "head_loads_bias",
            "reload_runner", "write_checkpoint", "write_manifest"]
 
 logger = logging.getLogger(__name__)
@@ -205,3 +205,58 @@ def write_manifest(staging: Path, *, source: dict, adapter_info: dict | None,
     }
     write_json(staging / CHECKPOINT_MANIFEST, manifest)
     return manifest
+
+
+def export_checkpoint(job, result_type):
+    """``--format hf`` for an export job (export/pipeline.py) whose model is loaded, its
+    reference computed and its LoRA merged: fold into the head, save, reload with
+    transformers, compare with the reference, rename into place; a ``result_type``
+    (``ExportResult``)."""
+    import gc
+    import time
+
+    from calm_runtime.files import atomic_directory
+
+    from . import engine_writer, validate
+
+    config, adapter, stages = job.config, job.adapter, job.stages
+    model, job.model = job.model, None
+    folded = fold_into_checkpoint(model, adapter, job.post)
+    folded["lora_merged"] = adapter.lora_path is not None
+    with atomic_directory(job.out, overwrite=config.overwrite) as staging:
+        stages.start("export")
+        write_checkpoint(model, staging)
+        engine_writer.copy_tokenizer(job.folder, job.tokenizer, staging)
+        del model
+        gc.collect()
+
+        stages.start("validate")
+        got = validate.run_cases(reload_runner(staging), job.cases, config.greedy_steps,
+                                 job.references)
+        single, double = validate.compare_all(job.cases, job.references, got, job.tolerance)
+        validate.check("the transformers checkpoint reloaded from disk", single.merge(double),
+                       job.tolerance)
+        report = validate.passed_report(
+            single, double, job.tolerance, job.scale, config.greedy_steps, job.cases,
+            "transformers AutoModelForCausalLM.from_pretrained (float32, CPU)",
+            "unfused model (+LoRA) with calm_runtime.calibration applied in torch")
+        stages.start("write")
+        identity = job.identity
+        source = {"name": identity.name, "vocab_size": identity.vocab_size,
+                  "tokenizer_sha256": identity.tokenizer_sha256,
+                  "weights_sha256": engine_writer.weights_sha256(job.folder)}
+        settings = {"format": "hf", "greedy_steps": config.greedy_steps,
+                    **engine_writer.tool_versions()}
+        manifest = write_manifest(
+            staging, source=source,
+            adapter_info=engine_writer.adapter_source(
+                adapter if job.adapter_arg is not None else None, job.adapter_dir),
+            adapter=adapter, folded=folded, validation=report, settings=settings)
+        sizes = {p.name: p.stat().st_size for p in sorted(staging.iterdir()) if p.is_file()}
+    stages.finish()
+    stages.seconds["total"] = round(time.perf_counter() - job.started, 3)
+    logger.info("calibrated checkpoint written to %s (%.1f MB, max |logit diff| %.3g, %.1f s)",
+                job.out, sum(sizes.values()) / 1e6, report["max_abs_diff"],
+                stages.seconds["total"])
+    return result_type(path=job.out, manifest=manifest, file_sizes=sizes,
+                       seconds=stages.seconds, peak_rss_mb=stages.peak_rss_mb)

@@ -92,8 +92,9 @@ def add_arguments(parser: argparse.ArgumentParser, *, quiet: bool = True) -> Non
                         "file's calm.shift)")
     parser.add_argument("--dtype", type=_engine_dtype, default=_DEFAULTS["dtype"],
                         metavar="{fp32,fp16}",
-                        help="engine precision (fp16: for GPU providers / TensorRT; float32 "
-                        "and float16 are accepted too)")
+                        help="engine precision (fp16: for GPU providers / TensorRT; with the "
+                        "default graph the weights are loaded in float16 and no float32 copy "
+                        "is held; float32 and float16 are accepted too)")
     parser.add_argument("--device", type=check_device, default=_DEFAULTS["device"],
                         metavar="{auto,cpu,cuda,cuda:N}",
                         help="where the engine is validated: cpu (ONNX Runtime's CPU "

@@ -66,9 +66,10 @@ class ExportConfig:
     #: --format gguf: fold tau and T only and drop a per-token shift the architecture's
     #: llama.cpp graph cannot add (recorded in the file as ``calm.shift = "dropped"``).
     drop_shift: bool = False
-    #: Weight and activation precision of the engine. "fp16" with ONNX: the validated fp32
-    #: graph is converted (weights, activations and KV cache in float16, logits float32) for
-    #: GPU providers; with TensorRT: an fp16 plan. See export/quantize.py.
+    #: Weight and activation precision of the engine. "fp16" with ONNX (weights, activations
+    #: and KV cache in float16, logits float32): the builder's graph is built from weights
+    #: loaded in float16 (export/precision.py); calm's own graph is converted from its
+    #: validated fp32 graph (export/quantize.py). With TensorRT: an fp16 plan.
     dtype: str = "fp32"
     #: Weight quantisation of the validated fp32 ONNX graph: ``None``, "int8" or "int4" (see
     #: export/quantize.py for the schemes and the measurements behind the defaults).

@@ -210,11 +210,12 @@ def engine_files(job) -> dict:
 def build_manifest(job) -> EngineManifest:
     """Assemble (and check) the manifest of the engine ``job`` builds in ``job.staging``, from
     the job: its kind, model, adapter, files, tokens, template, precision, settings and
-    validation report; a builder graph (``graph.kind == "genai-builder"``) has no
-    position_ids."""
+    validation report; a packed builder graph (``graph.kind == "genai-builder"``, the
+    builder's float32 one) has no position_ids."""
     adapter, identity, shape, staging = job.adapter, job.identity, job.shape, job.staging
     summary = adapter.summary()
-    packed = (job.export_settings.get("graph") or {}).get("kind") == GRAPH_KIND
+    graph = job.export_settings.get("graph") or {}
+    packed = graph.get("packed", graph.get("kind") == GRAPH_KIND)
     inputs, outputs = engine_io_names(shape.num_layers, position_ids=not packed)
     return EngineManifest(
         kind=job.kind,

@@ -178,6 +178,33 @@ def merge_lora(peft_model):
     return merged
 
 
+#: rows of a half-precision head rescaled in float32 at a time
+HALF_FUSE_ROWS = 8192
+
+
+def _fused_half_head(adapter: CalibrationAdapter, weight: torch.Tensor, bias):
+    """``adapter.fused_head`` for a float16/bfloat16 head, computed in float32 a block of rows
+    at a time and rounded once into the head's dtype (no float32 copy of the head). The bias
+    (the shift) stays float32: the builder graph adds it after the head in float32."""
+    vocab = weight.shape[0]
+    scale, shift = elementwise_calibration(
+        adapter, torch.ones((vocab, 1), dtype=torch.float32),
+        None if bias is None else bias.float())
+    mean = None
+    if adapter.centered:  # the rows' mean, for the centred logits z - mean(z)
+        mean = torch.zeros(weight.shape[1], dtype=torch.float64)
+        for start in range(0, vocab, HALF_FUSE_ROWS):
+            mean += weight[start:start + HALF_FUSE_ROWS].double().sum(0)
+        mean = (mean / vocab).float()
+    fused = torch.empty_like(weight)
+    for start in range(0, vocab, HALF_FUSE_ROWS):
+        rows = weight[start:start + HALF_FUSE_ROWS].float()
+        if mean is not None:
+            rows -= mean
+        fused[start:start + HALF_FUSE_ROWS] = rows * scale[start:start + HALF_FUSE_ROWS]
+    return fused, shift
+
+
 def fuse_into_lm_head(model, adapter: CalibrationAdapter, *, layout: str = "untied",
                       multiplier: float = 1.0) -> None:
     """Replace the LM head in place so that it outputs calibrated logits.
@@ -222,7 +249,10 @@ def fuse_into_lm_head(model, adapter: CalibrationAdapter, *, layout: str = "unti
             if head_is_tied(model):
                 raise ArtifactError("the LM head is still tied to the embedding; call "
                                     "untie_lm_head first (fusing would rescale the embedding)")
-            new_weight, new_bias = adapter.fused_head(weight, bias)
+            if weight.dtype in (torch.float16, torch.bfloat16):
+                new_weight, new_bias = _fused_half_head(adapter, weight, bias)
+            else:
+                new_weight, new_bias = adapter.fused_head(weight, bias)
             # made on the meta device: no [V, d] initialisation beside the two real heads
             fused = nn.Linear(weight.shape[1], weight.shape[0], bias=True,
                               dtype=weight.dtype, device="meta")

@@ -11,7 +11,6 @@ old engine is replaced only then, so a failed export leaves it intact.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
 import os
 import shutil
@@ -105,6 +104,9 @@ class ExportJob:
     adapter_dir: Path | None = None
     calibration: Any = None
     trt_facts: dict | None = None
+    #: the builder builds the engine's precision itself, from weights loaded in it (fp16):
+    #: no float32 model, graph or variant stage
+    direct: bool = False
     # load
     model: Any = None
     tokenizer: Any = None
@@ -200,20 +202,40 @@ class ExportJob:
             from .checkpoint import check_foldable
 
             check_foldable(self.folder, adapter)
+        self.direct = self._builder_builds_precision()
+        if self.direct:
+            self.stages.skip("quantize")
         if config.calibration_data:  # read the data and settle the scoring mode now
             self.calibration = recalibrate.CalibrationRun(
                 recalibrate.load_calibration_data(config.calibration_data,
                                                   config.calibration_limit),
                 *recalibrate.scoring_settings(config, adapter))
 
+    def _builder_builds_precision(self) -> bool:
+        """Whether the first graph ``--graph`` tries is the builder's, it can build this model
+        and it builds the engine's precision from weights in that precision (fp16): then the
+        model is loaded in it, and nothing in float32 is ever held."""
+        precision, candidates = self.config.precision, graphs.CANDIDATES[self.config.graph]
+        if precision.builder in (None, "fp32") or candidates[0] is not graphs.BUILDER:
+            return False
+        from transformers import AutoConfig
+
+        model_config = AutoConfig.from_pretrained(str(self.folder))
+        return graphs.BUILDER.unsupported_because(self.config, model_config) is None
+
+    @property
+    def load_dtype(self) -> str:
+        """float32 (every graph calm builds itself, and the quantised ones, start from
+        float32 weights; docs/formats.md), or the precision the builder builds directly."""
+        return self.config.precision.load_dtype if self.direct else "float32"
+
     def load(self) -> None:
         """The model and tokenizer, and what the adapter says about itself."""
         self.stages.start("load")
         adapter = self.adapter
-        # float32 on the CPU: the reference is a few prompts, and every graph (fp16 and the
-        # quantised ones too) is built from float32 weights (docs/formats.md)
+        # on the CPU: the reference is a few prompts, computed in float32 (validate.py)
         self.model, self.tokenizer, self.identity = load_model_and_tokenizer(
-            self.model_spec, dtype="float32", device="cpu")
+            self.model_spec, dtype=self.load_dtype, device="cpu")
         self.shape = shape = decoder_shape(self.model.config)
         self.template = engine_writer.p_true_template_for(self.config, adapter)
         logger.info("model %s: %d layers, vocab %d; adapter %s (T=%.4g, tau in [%.3g, %.3g])",
@@ -247,12 +269,14 @@ class ExportJob:
         self.cases = validate.build_cases(self.tokenizer, validate.default_prompts(self.template),
                                           self.pad_id)
         self.post = heads.post_head(model)
-        heads.check_post_head(model, self.post, self.cases[0].input_ids)
-        self.references = validate.run_cases(
-            validate.torch_reference_runner(self.model, adapter), self.cases,
-            config.greedy_steps)
+        with validate.float32_compute(self.model):
+            heads.check_post_head(model, self.post, self.cases[0].input_ids)
+            self.references = validate.run_cases(
+                validate.torch_reference_runner(self.model, adapter), self.cases,
+                config.greedy_steps)
         self.scale = validate.reference_scale(self.references)
-        self.tolerance = config.tolerance(self.scale)
+        self.tolerance = config.tolerance(
+            self.scale, config.precision.tolerance if self.direct else "fp32")
 
     def _with_lora(self, model):
         """``model`` with its head untied (where the calibration goes into it) and the
@@ -310,7 +334,8 @@ class ExportJob:
 
     def _validate_staged(self):
         return validate_graph(self.staging, self.shape, self.config, self.tokenizer, self.pad_id,
-                              self.cases, self.references, self.tolerance)
+                              self.cases, self.references, self.tolerance,
+                              variant=self.config.precision.variant and not self.direct)
 
     def export_and_validate(self) -> None:
         """The graph (the first of ``--graph``'s candidates that can build it), then its
@@ -324,11 +349,19 @@ class ExportJob:
             graphs.GraphJob(model=self.model, tokenizer=self.tokenizer, shape=self.shape,
                             config=config, affine=self.affine, external=external,
                             staging=self.staging, release=self._release_model,
-                            reload=self._reload_model,
-                            source_dtype=checkpoint_dtype(self.folder)),
+                            reload=None if self.direct else self._reload_model,
+                            source_dtype=checkpoint_dtype(self.folder),
+                            builder_precision=config.precision.builder if self.direct
+                            else "fp32",
+                            no_fallback=(f"the model was loaded in {self.load_dtype} for the "
+                                         f"builder's {config.precision} graph; export with "
+                                         "--graph fused (calm's own graph, converted from "
+                                         "float32)") if self.direct else None),
             validate=self._validate_staged, check_torch=self._check_fused_torch,
             on_stage=self.stages.start)
         self.facts, checked, fused_torch = built.facts, built.checked, built.fused_torch
+        if self.direct:
+            self.dtype = config.precision.dtype
         self.model = None
         del built
         return_free_memory()
@@ -336,24 +369,21 @@ class ExportJob:
             self.stages.start("validate")
             checked = self._validate_staged()
         self.checked = checked
-        got, _, _, single, double, overall, runtime = checked
-        self.report = {
-            "passed": True, "max_abs_diff": overall.max_abs_diff, "worst_at": overall.where,
-            "batch1_max_abs_diff": single.max_abs_diff, "tolerance": self.tolerance,
-            "atol": config.ATOL_FP32 if config.atol is None else config.atol,
-            "rtol": config.RTOL_FP32 if config.atol is None else 0.0,
-            "reference_scale": self.scale, "greedy_steps": config.greedy_steps,
-            "greedy_match": True, "greedy_ties": single.greedy_ties + double.greedy_ties,
-            "batch2_max_abs_diff": double.max_abs_diff,
-            "fused_torch_max_abs_diff": fused_torch,
-            "cases": [c.name for c in self.cases], "runtime": runtime,
-            "reference": "unfused model (+LoRA) with calm_runtime.calibration applied in torch",
-        }
+        got, _, _, single, double, _, runtime = checked
+        fp16 = self.direct and config.precision.tolerance == "fp16"
+        atol, rtol = (config.ATOL_FP16, config.RTOL_FP16) if fp16 else (config.ATOL_FP32,
+                                                                        config.RTOL_FP32)
+        self.report = validate.passed_report(
+            single, double, self.tolerance, self.scale, config.greedy_steps, self.cases, runtime,
+            "unfused model (+LoRA) with calm_runtime.calibration applied in torch"
+            + (f", its {self.load_dtype} weights computed in float32" if self.direct else ""),
+            atol=atol if config.atol is None else config.atol,
+            rtol=rtol if config.atol is None else 0.0, fused_torch_max_abs_diff=fused_torch)
 
     def quantize(self) -> None:
         """The int8, int4 or fp16 variant built from the validated fp32 graph."""
         config = self.config
-        if config.precision.variant:
+        if config.precision.variant and not self.direct:
             got, drift_cases, drift_base = self.checked[:3]
             self.stages.start("quantize")
             self.fp32_root, self.variant_facts, variant_report = build_variant(
@@ -433,56 +463,7 @@ class ExportJob:
 
     def write_checkpoint(self) -> ExportResult:
         """``--format hf``: fold into the head, save, reload with transformers, compare,
-        rename."""
-        from . import checkpoint
+        rename (export/checkpoint.py)."""
+        from .checkpoint import export_checkpoint
 
-        config, adapter, stages = self.config, self.adapter, self.stages
-        model, self.model = self.model, None
-        folded = checkpoint.fold_into_checkpoint(model, adapter, self.post)
-        folded["lora_merged"] = adapter.lora_path is not None
-        with atomic_directory(self.out, overwrite=config.overwrite) as staging:
-            stages.start("export")
-            checkpoint.write_checkpoint(model, staging)
-            engine_writer.copy_tokenizer(self.folder, self.tokenizer, staging)
-            del model
-            gc.collect()
-
-            stages.start("validate")
-            got = validate.run_cases(checkpoint.reload_runner(staging), self.cases,
-                                     config.greedy_steps, self.references)
-            single, double = validate.compare_all(self.cases, self.references, got,
-                                                  self.tolerance)
-            overall = single.merge(double)
-            validate.check("the transformers checkpoint reloaded from disk", overall,
-                           self.tolerance)
-            report = {
-                "passed": True, "max_abs_diff": overall.max_abs_diff, "worst_at": overall.where,
-                "batch1_max_abs_diff": single.max_abs_diff,
-                "batch2_max_abs_diff": double.max_abs_diff, "tolerance": self.tolerance,
-                "reference_scale": self.scale, "greedy_steps": config.greedy_steps,
-                "greedy_match": True, "greedy_ties": single.greedy_ties + double.greedy_ties,
-                "cases": [c.name for c in self.cases],
-                "runtime": "transformers AutoModelForCausalLM.from_pretrained (float32, CPU)",
-                "reference": "unfused model (+LoRA) with calm_runtime.calibration applied in "
-                             "torch",
-            }
-            stages.start("write")
-            identity = self.identity
-            source = {"name": identity.name, "vocab_size": identity.vocab_size,
-                      "tokenizer_sha256": identity.tokenizer_sha256,
-                      "weights_sha256": engine_writer.weights_sha256(self.folder)}
-            settings = {"format": "hf", "greedy_steps": config.greedy_steps,
-                        **engine_writer.tool_versions()}
-            manifest = checkpoint.write_manifest(
-                staging, source=source,
-                adapter_info=engine_writer.adapter_source(
-                    adapter if self.adapter_arg is not None else None, self.adapter_dir),
-                adapter=adapter, folded=folded, validation=report, settings=settings)
-            sizes = {p.name: p.stat().st_size for p in sorted(staging.iterdir()) if p.is_file()}
-        stages.finish()
-        stages.seconds["total"] = round(time.perf_counter() - self.started, 3)
-        logger.info("calibrated checkpoint written to %s (%.1f MB, max |logit diff| %.3g, "
-                    "%.1f s)", self.out, sum(sizes.values()) / 1e6, report["max_abs_diff"],
-                    stages.seconds["total"])
-        return ExportResult(path=self.out, manifest=manifest, file_sizes=sizes,
-                            seconds=stages.seconds, peak_rss_mb=stages.peak_rss_mb)
+        return export_checkpoint(self, ExportResult)

@@ -24,10 +24,16 @@ class Precision:
     quantized: bool = False
     #: what to try when the quantised engine keeps too few top tokens
     advice: str = ""
+    #: onnxruntime-genai's builder precision (``-p``) that builds this engine directly from
+    #: weights loaded in ``load_dtype`` (``None``: built from the validated fp32 graph)
+    builder: str | None = None
+    #: the torch dtype the weights are loaded in when the builder builds it directly
+    load_dtype: str = "float32"
 
     @property
     def variant(self) -> bool:
-        """Built from the validated fp32 graph (quantised or converted), not exported."""
+        """Built from the validated fp32 graph (quantised or converted) where the graph is
+        calm's own; see :attr:`builder` for the builder's graph."""
         return self.name != "fp32"
 
     def min_agreement(self, config) -> float:
@@ -64,8 +70,10 @@ class _Int4(Precision):
         return quantize_int4(source, target, config, external=external, gguf_spec=gguf_spec)
 
 
-FP32 = Precision("fp32")
-FP16 = _Fp16("fp16", dtype="float16", tolerance="fp16")
+FP32 = Precision("fp32", builder="fp32")
+#: the builder writes fp16 weights, activations and KV cache from a float16 model (no
+#: float32 graph in between); calm's own graph converts its validated fp32 graph
+FP16 = _Fp16("fp16", dtype="float16", tolerance="fp16", builder="fp16", load_dtype="float16")
 INT8 = _Int8("int8", quantized=True, advice=(
     "keep more modules in fp32 (--int8-exclude), use --int8-scheme blockwise "
     "(ExportConfig.int8_block_size for a smaller block), or export fp32"))

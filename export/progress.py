@@ -85,6 +85,12 @@ class StageProgress:
                 last_log = time.perf_counter()
                 logger.info("stage %s: running for %.0f s", name, elapsed)
 
+    def skip(self, name: str) -> None:
+        """``name`` will not run (decided once the model's settings are read)."""
+        if name in self.names:
+            self.names.remove(name)
+            self.bar.total = len(self.names)
+
     def start(self, name: str) -> None:
         self.finish()
         self._windows = reset_peak_rss() and self._windows

@@ -11,6 +11,7 @@ that float rounding may break either way); such ties are counted in the report.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -180,6 +181,58 @@ def check(what: str, comparison: Comparison, tolerance: float) -> None:
 
 
 # ---------------------------------------------------------------------- runners
+#: rows of a half-precision Linear's weight upcast at a time by :func:`float32_compute`
+UPCAST_ROWS = 8192
+
+
+@contextlib.contextmanager
+def float32_compute(model):
+    """Run ``model`` (float16 or bfloat16 weights) in float32 meanwhile, without a float32
+    copy of it: each Linear computes its output from its weight upcast ``UPCAST_ROWS`` rows at
+    a time, an Embedding's rows are upcast after the lookup (exact), and the other modules'
+    own parameters (norms: a few numbers) are upcast while the context lasts. The reference's
+    logits are then the float32 computation on the weights the engine is built from. A float32
+    model is left as it is."""
+    import torch
+    from torch import nn
+
+    if not any(p.dtype in (torch.float16, torch.bfloat16) for p in model.parameters()):
+        yield model
+        return
+    undo = []
+
+    def linear_forward(module):
+        def forward(hidden):
+            hidden = hidden.float()
+            weight, bias = module.weight, module.bias
+            parts = [nn.functional.linear(
+                hidden, weight[start:start + UPCAST_ROWS].float(),
+                None if bias is None else bias[start:start + UPCAST_ROWS].float())
+                for start in range(0, weight.shape[0], UPCAST_ROWS)]
+            return torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
+        return forward
+
+    try:
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                module.forward = linear_forward(module)
+                undo.append(lambda m=module: m.__dict__.pop("forward", None))
+            elif isinstance(module, nn.Embedding):
+                handle = module.register_forward_hook(lambda _m, _a, out: out.float())
+                undo.append(handle.remove)
+            else:
+                for name, param in list(module._parameters.items()):
+                    if param is not None and param.dtype in (torch.float16, torch.bfloat16):
+                        module._parameters[name] = nn.Parameter(param.detach().float(),
+                                                                requires_grad=False)
+                        undo.append(lambda m=module, n=name, p=param:
+                                    m._parameters.__setitem__(n, p))
+        yield model
+    finally:
+        for step in reversed(undo):
+            step()
+
+
 def torch_reference_runner(model, adapter) -> Runner:
     """The unfused model with its KV cache; calibration applied by the formula module
     (``adapter=None``: the model's own logits, for a checkpoint with the calibration in it)."""
@@ -295,6 +348,21 @@ def compare_all(cases: Sequence[Case], references: Sequence[Rollout], got: Seque
         else:
             double = double.merge(result)
     return single, double
+
+
+def passed_report(single: Comparison, double: Comparison, tolerance: float, scale: float,
+                  steps: int, cases: Sequence[Case], runtime: str, reference: str,
+                  **extra) -> dict:
+    """The manifest's ``validation`` of a graph or checkpoint that passed: the single-prompt
+    and the padded-batch comparisons, the tolerance and what ran against what."""
+    overall = single.merge(double)
+    return {"passed": True, "max_abs_diff": overall.max_abs_diff, "worst_at": overall.where,
+            "batch1_max_abs_diff": single.max_abs_diff,
+            "batch2_max_abs_diff": double.max_abs_diff, "tolerance": tolerance,
+            "reference_scale": scale, "greedy_steps": steps, "greedy_match": True,
+            "greedy_ties": single.greedy_ties + double.greedy_ties,
+            "cases": [c.name for c in cases], "runtime": runtime, "reference": reference,
+            **extra}
 
 
 def reference_scale(references: Sequence[Rollout]) -> float:

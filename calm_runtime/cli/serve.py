@@ -79,7 +79,8 @@ def add_serve(sub) -> None:
     p.add_argument("--max-step-prefill-tokens", type=int,
                    default=_serve_default("max_step_prefill_tokens"),
                    help="most prompt tokens admitted into the running batch at one step "
-                   "boundary (what a new request's prefill may stall the running rows for)")
+                   "boundary while more rows run than wait (what a new request's prefill may "
+                   "stall the running rows for); a burst is admitted at once")
     p.add_argument("--batch-window-ms", type=float, default=_serve_default("batch_window_ms"),
                    help="on an idle server, how long the first request waits for others to "
                    "arrive with it")

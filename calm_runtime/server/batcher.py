@@ -3,12 +3,13 @@ between decode steps.
 
 Requests wait in a bounded queue (:class:`QueueFull` beyond ``max_queue`` rows). One worker
 thread drives one :class:`~calm_runtime.inference.continuous.DecodeBatch`: at every step
-boundary it admits waiting rows in arrival order, up to ``max_batch_size`` running rows and
-``max_step_prefill_tokens`` prompt tokens per boundary (the first row of an idle server
-always; a row that does not fit the boundary's budget waits for the next, and none behind
-it passes it); it chooses every running row's next token, hands the tokens to their
-requests (streams get them at once), finishes the rows that ended (length, stop string,
-end of sequence, a cancelled request) and runs one forward pass for the rest. A finished
+boundary it admits waiting rows in arrival order, up to ``max_batch_size`` running rows and,
+while more rows run than wait, ``max_step_prefill_tokens`` prompt tokens per boundary (a row
+that does not fit waits for the next boundary, and none behind it passes it); a burst (as
+many rows waiting as running, or more) is admitted at once, as vLLM prefills first. It
+chooses every running row's next token, hands the tokens to their requests (streams get
+them at once), finishes the rows that ended (length, stop string, end of sequence, a
+cancelled request) and runs one forward pass for the rest. A finished
 row leaves before the next step; a new one is prefilled at the next boundary, so a request
 never waits for another request's answer to end, only for at most one step and one
 boundary's prefill.
@@ -196,7 +197,12 @@ class StepScheduler:
     def _take(self, running: int) -> list[Job]:
         """The waiting rows admitted at this boundary (under the lock)."""
         live = [job for job in self._pending if not job.cancelled and not job.future.done()]
-        taken, budget = [], self.max_step_prefill_tokens
+        # a burst (at least as many rows waiting as running) is prefilled at once, up to the
+        # row limit; a trickle into a busy batch keeps to the step budget, so the running
+        # rows' time per token stays bounded
+        burst = len(live) >= running
+        taken = []
+        budget = sum(len(job.ids) for job in live) if burst else self.max_step_prefill_tokens
         for job in live:
             if running + len(taken) >= self.max_batch_size:
                 break

@@ -75,6 +75,10 @@ class GraphJob:
     model_config: Any = None
     #: the precision of the checkpoint the model was loaded from (``None``: unknown)
     source_dtype: str | None = None
+    #: the builder's precision (``-p``): "fp32", or "fp16" for a model loaded in float16
+    builder_precision: str = "fp32"
+    #: why no later candidate can take over when the builder fails (``None``: they can)
+    no_fallback: str | None = None
 
     def __post_init__(self) -> None:
         if self.model_config is None and self.model is not None:
@@ -140,6 +144,8 @@ def build_graph(job: GraphJob, *, validate: Callable[[], Any],
         except strategy.failures as exc:
             if last:
                 raise
+            if job.no_fallback is not None:
+                raise type(exc)(f"{exc}; {job.no_fallback}") from None
             logger.warning("the %s graph is not used (%s); exporting calm's own graph",
                            strategy.name, exc)
             not_used = f"{strategy.name} failed: {exc}"

@@ -27,7 +27,8 @@ def settings_problem(config) -> str | None:
         return "TensorRT's parser reads standard ONNX ops only"
     if not config.output.onnx_engine:
         return f"--format {config.format} writes no ONNX graph"
-    if config.precision.variant and not config.precision.quantized:
+    if config.precision.variant and not config.precision.quantized \
+            and config.precision.builder is None:
         return f"the {config.precision} variant converts calm's standard graph"
     if config.head_layout != "untied":
         return "--head-layout tied-scale keeps calm's own head"
@@ -69,4 +70,5 @@ class BuilderGraph(GraphStrategy):
 
         return genai_builder.build_graph(job.take_model(), job.tokenizer, job.staging,
                                          job.shape.vocab_size, affine=job.affine,
-                                         source_dtype=job.source_dtype)
+                                         source_dtype=job.source_dtype,
+                                         precision=job.builder_precision)

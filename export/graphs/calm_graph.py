@@ -263,10 +263,12 @@ def add_logits_to_keep(path: Path, vocab_size: int) -> None:
 def append_logits_affine(path: Path, scale: np.ndarray | None,
                          shift: np.ndarray | None) -> None:
     """Follow the graph's ``logits`` with ``* scale`` and ``+ shift`` (float32 ``[V]``; either
-    may be ``None``): the calibration of a graph whose head calm did not build. Only the
-    graph proto is rewritten; external weights stay where they are."""
+    may be ``None``): the calibration of a graph whose head calm did not build. Logits of
+    another type (a float16 graph's) are cast to float32 first, so the calibration is applied
+    and returned in float32. Only the graph proto is rewritten; external weights stay where
+    they are."""
     import onnx
-    from onnx import helper, numpy_helper
+    from onnx import TensorProto, helper, numpy_helper
 
     model = onnx.load(str(path), load_external_data=False)
     graph = model.graph
@@ -274,11 +276,21 @@ def append_logits_affine(path: Path, scale: np.ndarray | None,
     if producer is None:
         raise OnnxExportError("the graph has no node that produces 'logits'; report the model "
                               "type")
-    current = "logits_uncalibrated"
-    producer.output[list(producer.output).index("logits")] = current
+    output = next(o for o in graph.output if o.name == "logits")
     steps = [(op, name, value) for op, name, value in
              (("Mul", "logits_calibration_scale", scale), ("Add", "logits_calibration_shift",
                                                            shift)) if value is not None]
+    cast = output.type.tensor_type.elem_type != TensorProto.FLOAT
+    if not steps and not cast:
+        return
+    current = "logits_uncalibrated"
+    producer.output[list(producer.output).index("logits")] = current
+    if cast:
+        result = "logits" if not steps else "logits_float32"
+        graph.node.append(helper.make_node("Cast", [current], [result], to=TensorProto.FLOAT,
+                                           name="/logits_float32/Cast"))
+        output.type.tensor_type.elem_type = TensorProto.FLOAT
+        current = result
     for index, (op, name, value) in enumerate(steps):
         graph.initializer.append(numpy_helper.from_array(np.asarray(value, np.float32), name))
         result = "logits" if index == len(steps) - 1 else f"{name}_output"

@@ -72,7 +72,7 @@ class BuilderError(CalmError):
 
 
 def build_graph(model_box: list, tokenizer, staging: Path, vocab_size: int, *,
-                affine=None, source_dtype: str | None = None) -> dict:
+                affine=None, source_dtype: str | None = None, precision: str = "fp32") -> dict:
     """Write the calibrated builder graph (``model.onnx`` + ``model.onnx.data``) and the
     builder's ``genai_config.json`` into ``staging``; returns the export facts.
 
@@ -85,16 +85,22 @@ def build_graph(model_box: list, tokenizer, staging: Path, vocab_size: int, *,
     an exact upcast was done to them, as with no LoRA and the calibration after the head or
     none), the folder is written in that precision, so the builder's mapped copy is as small
     as the checkpoint's; the graph's weights are the same numbers either way.
+
+    ``precision`` is the builder's: "fp16" (a model loaded in float16) writes float16
+    weights, activations and KV cache; its logits are cast to float32 before the
+    calibration's ops, so an engine's logits are float32 in every precision.
     """
     work = staging / ".builder"
     source, output, cache = work / "source", work / "output", work / "cache"
     try:
         scale, shift = _write_source(model_box, tokenizer, source, affine, source_dtype)
         return_free_memory()
-        _run_builder(source, output, cache, work / "builder.log")
+        _run_builder(source, output, cache, work / "builder.log", precision)
         return_free_memory()
         path = output / ONNX_FILE
-        if scale is not None or shift is not None:
+        if precision != "fp32":
+            _drop_value_info(path)
+        if scale is not None or shift is not None or precision != "fp32":
             append_logits_affine(path, scale, shift)
         add_logits_to_keep(path, vocab_size)
         for name in (ONNX_FILE, EXTERNAL_DATA_FILE, GENAI_CONFIG):
@@ -109,23 +115,37 @@ def build_graph(model_box: list, tokenizer, staging: Path, vocab_size: int, *,
     ops = Counter(node.op_type for node in graph.graph.node)
     opset = graph_opset(graph, staging / ONNX_FILE)
     version = str(onnxruntime_genai.__version__)
-    return {"exporter": f"onnxruntime-genai {version} model builder",
+    return {"exporter": f"onnxruntime-genai {version} model builder"
+                        + (f" (-p {precision})" if precision != "fp32" else ""),
             "opset": opset, "external_data": (staging / EXTERNAL_DATA_FILE).is_file(),
             "logits_to_keep": True,
-            "graph": {"kind": GRAPH_KIND, "builder_version": version, "fused_ops": {
+            "graph": {"kind": GRAPH_KIND, "builder_version": version,
+                      # rows packed to the left, no position_ids (GroupQueryAttention); the
+                      # float16 CPU graph takes positions (MultiHeadAttention)
+                      "packed": "position_ids" not in {i.name for i in graph.graph.input},
+                      "fused_ops": {
                 op: ops[op] for op in ("GroupQueryAttention", "SkipSimplifiedLayerNormalization",
                                        "SimplifiedLayerNormalization") if ops[op]},
                 "calibration_after_head": [n for n, v in (("scale", scale), ("shift", shift))
                                            if v is not None]}}
 
 
+def _drop_value_info(path: Path) -> None:
+    """Remove the graph's intermediate shape annotations. The builder's float16 CPU graph
+    (MultiHeadAttention, not GroupQueryAttention) names the key/value repeat's length
+    ``sequence_length`` where it is the total length, and ONNX Runtime then reuses a
+    buffer of the wrong size in the first decode step; its kernels need no annotations."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    del model.graph.value_info[:]
+    onnx.save_model(model, str(path))
+
+
 def _write_source(model_box: list, tokenizer, source: Path, affine, source_dtype=None):
     """The model (popped from ``model_box``) saved into ``source`` for the builder, with its
     head's bias left out; returns the ``(scale, shift)`` to append after the head."""
     model = model_box.pop()
-    if source_dtype is not None and _narrow_exactly(model, source_dtype):
-        logger.info("the builder reads the weights in the checkpoint's %s (every weight is "
-                    "exactly one)", source_dtype)
     scale = shift = None
     head = model.get_output_embeddings()
     if affine is not None:
@@ -137,6 +157,9 @@ def _write_source(model_box: list, tokenizer, source: Path, affine, source_dtype
     elif getattr(head, "bias", None) is not None:
         shift = head.bias.detach().float().numpy().copy()
         head.bias = None  # the builder's head has none: the shift is grafted after it
+    if source_dtype is not None and _narrow_exactly(model, source_dtype):
+        logger.info("the builder reads the weights in the checkpoint's %s (every weight is "
+                    "exactly one)", source_dtype)
     if scale is not None and np.all(scale == 1.0):
         scale = None
     if shift is not None and not np.any(shift):
@@ -155,7 +178,7 @@ def _narrow_exactly(model, dtype: str) -> bool:
     if not isinstance(target, torch.dtype) or not target.is_floating_point:
         return False
     params = [p for p in {id(p): p for p in model.parameters()}.values()
-              if p.is_floating_point() and p.dtype != target]
+              if p.is_floating_point() and p.dtype.itemsize > target.itemsize]
     if not params:
         return False
     with torch.no_grad():
@@ -183,10 +206,11 @@ def _drop_handlers_on(stream) -> None:
                 logger.removeHandler(handler)
 
 
-def _run_builder(source: Path, output: Path, cache: Path, log: Path) -> None:
+def _run_builder(source: Path, output: Path, cache: Path, log: Path,
+                 precision: str = "fp32") -> None:
     """The builder in this process (torch and transformers are loaded already), its prints
     and progress bars into ``log``."""
-    args = [str(source), str(output), str(cache), "fp32", "windowed_kv_cache=false"]
+    args = [str(source), str(output), str(cache), precision, "windowed_kv_cache=false"]
     with open(log, "w", encoding="utf-8") as sink, contextlib.redirect_stdout(sink), \
             contextlib.redirect_stderr(sink):
         try:

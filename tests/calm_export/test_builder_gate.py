@@ -90,10 +90,11 @@ def test_graph_auto_records_why_an_untested_builder_is_not_used(monkeypatch):
 def test_graph_builder_with_settings_it_cannot_build_is_refused_by_the_config():
     from calm_runtime.errors import ConfigError
 
-    for settings in ({"dtype": "fp16"}, {"head_layout": "tied-scale"},
-                     {"exporter": "dynamo"}, {"format": "hf"}):
+    for settings in ({"head_layout": "tied-scale"}, {"exporter": "dynamo"}, {"format": "hf"}):
         with pytest.raises(ConfigError, match="--graph builder cannot build this engine: "):
             ExportConfig(progress=False, graph="builder", **settings)
+    # the builder builds fp16 itself (tests/calm_export/test_fp16_builder.py)
+    assert ExportConfig(progress=False, graph="builder", dtype="fp16").precision.builder == "fp16"
 
 
 def test_graph_builder_with_an_untested_builder_is_one_line(tmp_path, tiny_llama_untied,
@@ -139,7 +140,7 @@ def test_the_builder_graph_records_the_builder_version(tmp_path, monkeypatch):
 
     vocab, hidden = 12, 4
 
-    def builder(source, output, cache, log):
+    def builder(source, output, cache, log, precision="fp32"):
         output.mkdir(parents=True)
         graph = helper.make_graph(
             [helper.make_node("MatMul", ["hidden", "lm_head"], ["logits"])], "g",

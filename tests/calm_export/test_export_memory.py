@@ -89,8 +89,8 @@ def test_an_fp16_engine_past_protobufs_limit_is_converted_from_the_file(tiny_lla
                                                                         tmp_path, monkeypatch):
     """A float32 graph past protobuf's 2 GB cannot be serialised whole for shape inference
     (a 566M model's fp16 export died there): its shapes are inferred from the file and the
-    conversion does not infer again. Here the limit is lowered so a tiny graph takes that
-    path; the fp16 engine must still pass its validation."""
+    conversion does not infer again (calm's own graph). Here the limit is lowered so a tiny
+    graph takes that path; the fp16 engine must still pass its validation."""
     import onnx.shape_inference
 
     from calm_export import quantize
@@ -103,8 +103,9 @@ def test_an_fp16_engine_past_protobufs_limit_is_converted_from_the_file(tiny_lla
         return original(*args, **kwargs)
     monkeypatch.setattr(onnx.shape_inference, "infer_shapes_path", spy)
     monkeypatch.setattr(quantize, "PROTOBUF_LIMIT", 0)
+    # calm's own graph: the builder's fp16 engine is built from float16 weights, no conversion
     result = export_engine(tiny_llama_untied, tmp_path / "fp16",
-                           config=ExportConfig(**FAST, dtype="fp16"))
+                           config=ExportConfig(**FAST, dtype="fp16", graph="fused"))
     assert calls  # the file-based inference ran
     assert result.manifest.model["dtype"] == "float16"
     assert result.manifest.validation["passed"]
