@@ -271,7 +271,7 @@ class ExportJob:
         self.post = heads.post_head(model)
         with validate.float32_compute(self.model):
             heads.check_post_head(model, self.post, self.cases[0].input_ids)
-            self.references = validate.run_cases(
+            self.references = validate.run_cases_together(
                 validate.torch_reference_runner(self.model, adapter), self.cases,
                 config.greedy_steps)
         self.scale = validate.reference_scale(self.references)

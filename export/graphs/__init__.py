@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from calm_runtime.errors import ConfigError
+from calm_runtime.errors import ConfigError, ExportValidationError
 
 from .base import GraphStrategy
 from .builder import BuilderGraph
@@ -144,7 +144,9 @@ def build_graph(job: GraphJob, *, validate: Callable[[], Any],
         except strategy.failures as exc:
             if last:
                 raise
-            if job.no_fallback is not None:
+            if job.no_fallback is not None:  # a graph that was built but is off says so alone
+                if isinstance(exc, ExportValidationError):
+                    raise
                 raise type(exc)(f"{exc}; {job.no_fallback}") from None
             logger.warning("the %s graph is not used (%s); exporting calm's own graph",
                            strategy.name, exc)
