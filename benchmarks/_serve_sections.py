@@ -39,6 +39,23 @@ def serve_vs_vllm_reading() -> list[str]:
                    + ("It is at or above vLLM on every cell." if not below else
                       f"Below vLLM on {len(below)} of {len(ratios)} cells: "
                       + ", ".join(cell(k) for k in below) + "."))
+    for k in [k for k, v in ratios.items() if v < 1.0]:
+        mine, theirs = by[("calm serve fp32", *k)], by[("vLLM fp32", *k)]
+        first = mine["ttft_p50"] / theirs["ttft_p50"]
+        later = mine["tpot_p50"] / theirs["tpot_p50"]
+        side = ("the prefill of a wave of prompts, not the decode, decides it"
+                if first > 1.0 >= later else
+                "the decode steps decide it" if later > 1.0 >= first else
+                "both its prefill and its decode steps are slower there")
+        out.append(f"At {cell(k)}, calm's p50 time to first token is {mine['ttft_p50']:.2f} "
+                   f"against vLLM's {theirs['ttft_p50']:.2f} s and its p50 time per output "
+                   f"token {mine['tpot_p50'] * 1e3:.0f} against {theirs['tpot_p50'] * 1e3:.0f} "
+                   f"ms: {side}.")
+    for mine in ("calm serve int4", "calm serve fp32"):  # int4: the GGUF's own blocks
+        llama = over(mine, "llama-server Q4_1")
+        if llama:
+            out.append(f"{mine} over llama-server on the same Q4_1 GGUF: "
+                       + "; ".join(f"{cell(k)} {v:.2f}x" for k, v in llama.items()) + ".")
     int4 = over("calm serve int4", "calm serve fp32")
     if int4:
         below = [k for k, v in int4.items() if v < 1.0]

@@ -274,6 +274,7 @@ class ExportJob:
             self.references = validate.run_cases_together(
                 validate.torch_reference_runner(self.model, adapter), self.cases,
                 config.greedy_steps)
+        return_free_memory()  # the reference pass's temporaries, before the model is fused
         self.scale = validate.reference_scale(self.references)
         self.tolerance = config.tolerance(
             self.scale, config.precision.tolerance if self.direct else "fp32")

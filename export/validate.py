@@ -350,9 +350,10 @@ def run_cases_together(run: Runner, cases: Sequence[Case], steps: int) -> list[R
     for case in cases:
         batch, width = case.input_ids.shape
         picked = slice(start, start + batch)
-        results.append(Rollout(prefill=together.prefill[picked, -width:],
-                               next_logits=together.next_logits[picked],
-                               tokens=together.tokens[picked]))
+        # copies: the batch of every row (each padded to the longest) is not kept alive
+        results.append(Rollout(prefill=together.prefill[picked, -width:].copy(),
+                               next_logits=together.next_logits[picked].copy(),
+                               tokens=together.tokens[picked].copy()))
         start += batch
     return results
 

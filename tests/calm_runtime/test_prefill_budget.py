@@ -15,6 +15,8 @@ A tiny Llama with a 4,096-token context exported as calm's own graph (``--graph 
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import subprocess
 import sys
@@ -117,6 +119,23 @@ def test_the_plan_groups_rows_and_chunks_what_does_not_fit_alone():
     with pytest.raises(ConfigError, match=r"^prompt 2 of 2 is 1200 tokens; .*takes at most 1000 "
                                           r"tokens in one pass \(max_prefill_tokens 1000\)"):
         PrefillBudget(tokens=1000, chunked=False).plan([10, 1200])
+
+
+def test_a_packed_plan_groups_rows_within_the_length_spread():
+    """A packed pass projects ``longest - shortest + 1`` positions for every row: rows share
+    a pass only within ``length_spread`` tokens of its longest (and while it fits)."""
+    one = PrefillBudget(tokens=1000, vocab=100, last_logits="one-row")
+    lengths = [10, 9, 7, 3, 10, 8]
+    assert [rows for rows, _ in one.plan(lengths)] == [[0, 4], [1], [5], [2], [3]]
+    spread = dataclasses.replace(one, length_spread=2)
+    plan = spread.plan(lengths)
+    assert [rows for rows, _ in plan] == [[0, 4, 1, 5], [2], [3]]
+    assert [chunk for _, chunk in plan] == [10, 7, 3]
+    # the projected positions count against the budget: 3 x 100 floats x 4 rows is too many
+    tight = dataclasses.replace(spread, tokens=40)
+    assert all(tight.fits(len(rows), lengths[rows[0]],
+                          kept=lengths[rows[0]] - min(lengths[r] for r in rows) + 1)
+               for rows, _ in tight.plan(lengths))
 
 
 # ---------------------------------------------------------------------- the Python API
