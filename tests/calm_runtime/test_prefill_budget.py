@@ -16,7 +16,6 @@ A tiny Llama with a 4,096-token context exported as calm's own graph (``--graph 
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import subprocess
 import sys
