@@ -163,7 +163,8 @@ class PackedCache:
         """One state of ``batch`` rows from ``(rows, state)`` parts prefilled apart (row ``j``
         of a part's state becomes row ``rows[j]``; rows sit at the start of their cache, so
         no realignment is needed, only the largest capacity)."""
-        hosts = [(rows, self._host(state), state) for rows, state in parts]
+        hosts = [(np.asarray(rows, dtype=np.int64), self._host(state), state)
+                 for rows, state in parts]
         capacity = max(state.capacity for _, _, state in hosts)
         lengths = np.zeros(batch, dtype=np.int64)
         padded = np.zeros(batch, dtype=bool)
@@ -171,8 +172,13 @@ class PackedCache:
         for layer in range(len(hosts[0][1])):
             first = hosts[0][1][layer]
             buffer = np.zeros((batch, first.shape[1], capacity, first.shape[3]), first.dtype)
-            for rows, arrays, _ in hosts:
-                buffer[rows, :, :arrays[layer].shape[2]] = arrays[layer]
+            for rows, arrays, state in hosts:
+                # only the used slots, one row at a time: a scattered copy of whole parts
+                # (headroom included) took 2.2 s of a 64-prompt admission's 4.5 s
+                used = int(state.lengths.max())
+                source = arrays[layer]
+                for j, row in enumerate(rows.tolist()):
+                    buffer[row, :, :used] = source[j, :, :used]
             host.append(buffer)
         for rows, _, state in hosts:
             lengths[rows] = state.lengths
