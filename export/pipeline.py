@@ -224,6 +224,12 @@ class ExportJob:
         return graphs.BUILDER.unsupported_because(self.config, model_config) is None
 
     @property
+    def builds_variant(self) -> bool:
+        """The engine's precision is built from the validated fp32 graph (quantised, or fp16
+        converted from calm's own graph), not by the builder directly."""
+        return self.config.precision.variant and not self.direct
+
+    @property
     def load_dtype(self) -> str:
         """float32 (every graph calm builds itself, and the quantised ones, start from
         float32 weights; docs/formats.md), or the precision the builder builds directly."""
@@ -336,7 +342,7 @@ class ExportJob:
     def _validate_staged(self):
         return validate_graph(self.staging, self.shape, self.config, self.tokenizer, self.pad_id,
                               self.cases, self.references, self.tolerance,
-                              variant=self.config.precision.variant and not self.direct)
+                              variant=self.builds_variant)
 
     def export_and_validate(self) -> None:
         """The graph (the first of ``--graph``'s candidates that can build it), then its
@@ -384,7 +390,7 @@ class ExportJob:
     def quantize(self) -> None:
         """The int8, int4 or fp16 variant built from the validated fp32 graph."""
         config = self.config
-        if config.precision.variant and not self.direct:
+        if self.builds_variant:
             got, drift_cases, drift_base = self.checked[:3]
             self.stages.start("quantize")
             self.fp32_root, self.variant_facts, variant_report = build_variant(
